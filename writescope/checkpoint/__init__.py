@@ -1,0 +1,1 @@
+"""Hugging Face checkpoint directories: loading, synthetic weights, writing, tokenizers."""

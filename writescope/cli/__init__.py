@@ -1,0 +1,1 @@
+"""The ``writescope`` command line."""

@@ -1,0 +1,91 @@
+"""``writescope generate``: prompts in, text and timings out."""
+
+from __future__ import annotations
+
+import argparse
+import json
+from pathlib import Path
+
+
+def add_parser(sub) -> None:
+    p = sub.add_parser("generate", help="generate text and print timings")
+    p.add_argument("--model", required=True, help="checkpoint directory or preset name (presets use synthetic weights)")
+    p.add_argument("--synthetic", action="store_true", help="seeded synthetic weights instead of the checkpoint's")
+    src = p.add_mutually_exclusive_group(required=True)
+    src.add_argument("--prompt-file", type=Path, help="file whose text is the prompt")
+    src.add_argument("--prompt", help="prompt text")
+    src.add_argument("--prompt-ids", help="comma-separated token ids, e.g. 1,2,3")
+    p.add_argument("--max-new-tokens", type=int, default=32, help="tokens to generate per request (default 32)")
+    p.add_argument("--batch", type=int, default=1, help="copies of the prompt in the batch (default 1)")
+    p.add_argument("--temperature", type=float, default=0.0, help="0 = greedy (default)")
+    p.add_argument("--top-p", type=float, default=1.0)
+    p.add_argument("--seed", type=int, default=0, help="weight seed for synthetic models and sampling seed")
+    p.add_argument("--device", default="auto", help="auto, cpu or cuda")
+    p.add_argument("--dtype", default="auto", help="auto (bf16 on cuda, fp32 on cpu), bf16, fp16, fp32")
+    p.add_argument("--max-model-len", type=int, default=None, help="cap on prompt + new tokens per request")
+    p.add_argument("--ignore-eos", action="store_true", help="do not stop at end-of-sequence tokens")
+    p.add_argument("--output-json", type=Path, help="write token ids, text and metrics per request here")
+    p.add_argument("--quiet", action="store_true", help="no progress bars")
+    p.set_defaults(run=run)
+
+
+def _prompt(args) -> tuple[list[str] | None, list[list[int]] | None]:
+    if args.prompt_ids is not None:
+        try:
+            ids = [int(t) for t in args.prompt_ids.split(",") if t.strip()]
+        except ValueError as e:
+            raise ValueError(f"--prompt-ids must be comma-separated integers, got {args.prompt_ids!r}") from e
+        return None, [ids] * args.batch
+    if args.prompt_file is not None:
+        if not args.prompt_file.is_file():
+            raise FileNotFoundError(f"--prompt-file {args.prompt_file} does not exist")
+        text = args.prompt_file.read_text(errors="replace")
+    else:
+        text = args.prompt
+    return [text] * args.batch, None
+
+
+def run(args: argparse.Namespace) -> int:
+    from writescope import LLM, SamplingParams
+
+    if args.batch < 1:
+        raise ValueError(f"--batch must be >= 1, got {args.batch}")
+    params = SamplingParams(
+        max_tokens=args.max_new_tokens, temperature=args.temperature, top_p=args.top_p, seed=args.seed, ignore_eos=args.ignore_eos
+    )
+    prompts, prompt_ids = _prompt(args)
+    llm = LLM(
+        args.model, synthetic=args.synthetic, device=args.device, dtype=args.dtype, seed=args.seed,
+        max_model_len=args.max_model_len, progress=not args.quiet,
+    )
+    cfg = llm.config
+    print(f"model: {cfg.architecture} ({cfg.num_layers} layers, {cfg.moe.num_experts} experts, top-{cfg.moe.top_k}), "
+          f"{llm.load_info['source']}, {llm.dtype} on {llm.device}, loaded in {llm.load_info['load_s']:.1f} s")
+    outs = llm.generate(prompts, params, prompt_token_ids=prompt_ids)
+    for o in outs:
+        print(f"\n--- request {o.request_id}: {o.metrics.prompt_tokens} prompt tokens -> {o.metrics.output_tokens} new ({o.finish_reason})")
+        print(o.text)
+    m = outs[0].metrics
+    print("\n" + format_timings(outs))
+    if args.output_json:
+        args.output_json.parent.mkdir(parents=True, exist_ok=True)
+        doc = {"model": args.model, "device": str(llm.device), "dtype": str(llm.dtype), "requests": [o.to_dict() for o in outs]}
+        args.output_json.write_text(json.dumps(doc, indent=2))
+        print(f"wrote {args.output_json}")
+    return 0 if m else 1
+
+
+def format_timings(outs) -> str:
+    m = outs[0].metrics
+    tpots = sorted(o.metrics.tpot_s for o in outs)
+    rows = [
+        ("batch", f"{len(outs)}"),
+        ("prompt tokens (total)", f"{sum(o.metrics.prompt_tokens for o in outs)}"),
+        ("prefill", f"{m.prefill_tok_s:,.0f} tok/s"),
+        ("TTFT", f"{m.ttft_s * 1e3:,.1f} ms"),
+        ("TPOT (median)", f"{tpots[len(tpots) // 2] * 1e3:,.2f} ms"),
+        ("decode", f"{m.decode_tok_s:,.1f} tok/s"),
+        ("peak memory", f"{m.peak_memory_bytes / 2**30:,.2f} GiB"),
+    ]
+    w = max(len(k) for k, _ in rows)
+    return "timings\n" + "\n".join(f"  {k:<{w}}  {v}" for k, v in rows)

@@ -1,0 +1,25 @@
+"""``writescope`` entry point: subcommands ``generate`` and ``make-checkpoint``."""
+
+from __future__ import annotations
+
+import argparse
+import sys
+
+from writescope.cli import generate, make_checkpoint
+
+
+def main(argv: list[str] | None = None) -> int:
+    parser = argparse.ArgumentParser(prog="writescope", description="Long-context MoE inference with a partitioned KV cache.")
+    sub = parser.add_subparsers(dest="command", required=True)
+    generate.add_parser(sub)
+    make_checkpoint.add_parser(sub)
+    args = parser.parse_args(argv)
+    try:
+        return args.run(args)
+    except (ValueError, FileNotFoundError, FileExistsError) as e:
+        print(f"writescope {args.command}: error: {e}", file=sys.stderr)
+        return 2
+
+
+if __name__ == "__main__":
+    sys.exit(main())

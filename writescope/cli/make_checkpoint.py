@@ -1,0 +1,53 @@
+"""``writescope make-checkpoint``: a synthetic Hugging Face checkpoint for a preset."""
+
+from __future__ import annotations
+
+import argparse
+import time
+from pathlib import Path
+
+
+def add_parser(sub) -> None:
+    p = sub.add_parser("make-checkpoint", help="write a synthetic HF checkpoint (real config, seeded weights, trained tokenizer)")
+    p.add_argument("--preset", required=True, help="preset name, e.g. tiny-qwen3-moe or deepseek-v2-lite")
+    p.add_argument("--out", required=True, type=Path, help="output directory (must not hold a checkpoint)")
+    p.add_argument("--seed", type=int, default=0)
+    p.add_argument("--dtype", default="bf16", help="bf16 (default), fp16 or fp32")
+    p.add_argument("--max-shard-gib", type=float, default=4.0, help="largest safetensors shard (GiB)")
+    p.add_argument("--quiet", action="store_true")
+    p.set_defaults(run=run)
+
+
+def run(args: argparse.Namespace) -> int:
+    import shutil
+
+    import torch
+
+    from writescope.checkpoint.synthetic import synthetic_tensors
+    from writescope.checkpoint.tokenizer import synthetic_tokenizer
+    from writescope.checkpoint.writer import checkpoint_bytes, write_checkpoint
+    from writescope.engine.model_loader import parse_dtype
+    from writescope.models import LAYER_BUILDERS
+    from writescope.models.causal_lm import CausalLM
+    from writescope.presets import preset_config
+
+    cfg = preset_config(args.preset)
+    dtype = parse_dtype(args.dtype, torch.device("cpu"))
+    with torch.device("meta"):
+        shapes = {k: tuple(v.shape) for k, v in CausalLM(cfg, LAYER_BUILDERS[cfg.model_type]).state_dict().items()}
+    if cfg.tie_word_embeddings:
+        shapes.pop("lm_head.weight", None)
+    need = checkpoint_bytes(shapes, dtype)
+    args.out.mkdir(parents=True, exist_ok=True)
+    free = shutil.disk_usage(args.out).free
+    if need > free:
+        raise ValueError(f"{args.preset} in {args.dtype} needs {need / 1e9:.1f} GB but {args.out} has {free / 1e9:.1f} GB free")
+    t0 = time.perf_counter()
+    tok = synthetic_tokenizer(cfg.vocab_size)
+    write_checkpoint(
+        args.out, cfg, synthetic_tensors(shapes, args.seed, dtype, "cpu"), len(shapes), dtype, tok,
+        max_shard_bytes=int(args.max_shard_gib * 2**30), progress=not args.quiet,
+    )
+    print(f"wrote {args.out}: {len(shapes)} tensors, {need / 1e9:.2f} GB {args.dtype}, tokenizer of {tok.vocab_size} tokens, "
+          f"{time.perf_counter() - t0:.1f} s")
+    return 0

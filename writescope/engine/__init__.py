@@ -1,0 +1,1 @@
+"""The user-facing engine: model loading, sampling, the generate loop."""

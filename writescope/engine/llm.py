@@ -1,0 +1,264 @@
+"""``LLM``: the Python API, shaped like vLLM's (``LLM(model).generate(prompts, params)``)."""
+
+from __future__ import annotations
+
+import resource
+import time
+from typing import Sequence
+
+import torch
+from tqdm import tqdm
+
+from writescope.attention.metadata import ForwardBatch
+from writescope.engine.model_loader import load_model, parse_dtype, resolve_device
+from writescope.engine.outputs import RequestMetrics, RequestOutput
+from writescope.engine.sampling import SamplingParams, sample
+from writescope.kvcache.contiguous import ContiguousKVCache
+
+PROGRESS_MIN_PROMPT_TOKENS = 2048  # show a prefill progress bar from this many prompt tokens
+
+
+class LLM:
+    """A loaded model and its KV cache, ready to generate.
+
+    Args:
+        model: a Hugging Face checkpoint directory or a preset name (presets have synthetic
+            weights; see ``writescope.presets``).
+        synthetic: use seeded synthetic weights even for a checkpoint directory.
+        device: ``auto``, ``cpu`` or ``cuda``.
+        dtype: ``auto`` (bf16 on CUDA, fp32 on CPU), ``bf16``, ``fp16``, ``fp32``.
+        seed: synthetic-weight seed, and the default sampling seed.
+        max_model_len: tokens one request may reach (prompt + new tokens); defaults to the
+            config's ``max_position_embeddings``.
+        prefill_chunk_tokens: prompt tokens per prefill forward pass (bounds activation memory).
+        progress: show progress bars (loading, long prefills).
+
+    Raises:
+        ValueError: unknown model/preset, bad dtype or device, bad max_model_len.
+        CheckpointError: the checkpoint's tensors do not match the config.
+    """
+
+    def __init__(
+        self,
+        model: str,
+        *,
+        synthetic: bool = False,
+        device: str = "auto",
+        dtype: str | torch.dtype = "auto",
+        seed: int = 0,
+        max_model_len: int | None = None,
+        prefill_chunk_tokens: int = 8192,
+        progress: bool = True,
+    ):
+        self.device = resolve_device(device)
+        self.dtype = parse_dtype(dtype, self.device)
+        if prefill_chunk_tokens < 1:
+            raise ValueError(f"prefill_chunk_tokens must be >= 1, got {prefill_chunk_tokens}")
+        self.config, self.model, self.tokenizer, self.load_info = load_model(
+            model, synthetic, self.dtype, self.device, seed, progress
+        )
+        limit = self.config.max_position_embeddings
+        if max_model_len is not None and not 1 <= max_model_len <= limit:
+            raise ValueError(f"max_model_len {max_model_len} must be in [1, {limit}] (the model's max_position_embeddings)")
+        self.max_model_len = max_model_len or limit
+        self.seed = seed
+        self.prefill_chunk_tokens = prefill_chunk_tokens
+        self.progress = progress
+        self.cache = ContiguousKVCache(self.config.kv_layout, self.config.num_layers, self.dtype, self.device)
+        self._next_request_id = 0
+
+    # ---------------------------------------------------------------- validation
+    def _prepare(self, prompts, prompt_token_ids, params) -> tuple[list[str | None], list[list[int]], list[SamplingParams]]:
+        if prompt_token_ids is None:
+            if isinstance(prompts, str):
+                prompts = [prompts]
+            if prompts is None or len(prompts) == 0:
+                raise ValueError("no prompts given: pass a list of strings or prompt_token_ids")
+            texts = list(prompts)
+            ids = [self.tokenizer.encode(p) for p in texts]
+        else:
+            if prompts is not None:
+                raise ValueError("pass either prompts or prompt_token_ids, not both")
+            if len(prompt_token_ids) == 0:
+                raise ValueError("prompt_token_ids is empty: pass at least one prompt")
+            ids = [list(map(int, p)) for p in prompt_token_ids]
+            texts = [None] * len(ids)
+        if params is None:
+            params = SamplingParams()
+        plist = list(params) if isinstance(params, (list, tuple)) else [params] * len(ids)
+        if len(plist) != len(ids):
+            raise ValueError(f"{len(plist)} SamplingParams for {len(ids)} prompts: pass one, or one per prompt")
+        V = self.config.vocab_size
+        for i, (p, sp) in enumerate(zip(ids, plist)):
+            if len(p) == 0:
+                raise ValueError(f"prompt {i} is empty (0 tokens): give every request at least one token")
+            bad = [t for t in p if not 0 <= t < V]
+            if bad:
+                raise ValueError(f"prompt {i} has token ids outside [0, {V}): {bad[:5]}")
+            if len(p) + sp.max_tokens > self.max_model_len:
+                raise ValueError(
+                    f"prompt {i} has {len(p)} tokens + max_tokens {sp.max_tokens} = {len(p) + sp.max_tokens}, "
+                    f"beyond the limit of {self.max_model_len} tokens: shorten the prompt or lower max_tokens"
+                )
+        self._check_memory([len(p) + sp.max_tokens for p, sp in zip(ids, plist)])
+        return texts, ids, plist
+
+    def _check_memory(self, capacities: list[int]) -> None:
+        """Refuse a batch whose KV cache cannot fit the device's free memory, before allocating."""
+        need = sum(self.cache.bytes_for(c) for c in capacities)
+        free = available_memory(self.device)
+        if free is not None and need > 0.9 * free:
+            raise ValueError(
+                f"the batch's KV cache needs {need / 2**30:.2f} GiB but only {free / 2**30:.2f} GiB is free on "
+                f"{self.device}: use fewer or shorter requests"
+            )
+
+    # ---------------------------------------------------------------- generation
+    def generate(
+        self,
+        prompts: str | Sequence[str] | None = None,
+        sampling_params: SamplingParams | Sequence[SamplingParams] | None = None,
+        *,
+        prompt_token_ids: Sequence[Sequence[int]] | None = None,
+    ) -> list[RequestOutput]:
+        """Generate for a batch of requests (ragged lengths allowed), all prefilled together
+        then decoded together.
+
+        Raises:
+            ValueError: empty prompts, out-of-vocabulary ids, prompt + max_tokens beyond
+                ``max_model_len``, or a KV cache larger than free memory. Nothing is allocated
+                then, and the engine stays usable.
+        """
+        texts, ids, plist = self._prepare(prompts, prompt_token_ids, sampling_params)
+        if self.device.type == "cuda":
+            torch.cuda.reset_peak_memory_stats(self.device)
+        slots: list[int] = []
+        try:
+            for p, sp in zip(ids, plist):
+                slots.append(self.cache.allocate(len(p) + sp.max_tokens))
+            return self._run(texts, ids, plist, slots)
+        finally:
+            for s in slots:
+                self.cache.free(s)
+
+    def _sync(self) -> None:
+        if self.device.type == "cuda":
+            torch.cuda.synchronize(self.device)
+
+    def _prefill(self, ids: list[list[int]], slots: list[int]) -> torch.Tensor:
+        """Chunked prefill of all prompts; returns last-token logits ``[batch, vocab]``."""
+        n_layers, total = self.config.num_layers, sum(map(len, ids))
+        bar = tqdm(total=total, desc="prefill", unit="tok", disable=not self.progress or total < PROGRESS_MIN_PROMPT_TOKENS)
+        done = [0] * len(ids)
+        last_logits: list[torch.Tensor | None] = [None] * len(ids)
+        while any(d < len(p) for d, p in zip(done, ids)):
+            budget, rows, chunk = self.prefill_chunk_tokens, [], []
+            for i, p in enumerate(ids):
+                take = min(len(p) - done[i], budget)
+                if take > 0:
+                    rows.append((i, take))
+                    chunk.extend(p[done[i] : done[i] + take])
+                    budget -= take
+                if budget == 0:
+                    break
+            batch = ForwardBatch.build([slots[i] for i, _ in rows], [t for _, t in rows], [done[i] for i, _ in rows], self.device)
+            step = lambda layer: bar.set_postfix_str(f"layer {layer + 1}/{n_layers}", refresh=False)  # noqa: E731
+            logits = self.model(torch.tensor(chunk, device=self.device), batch, self.cache, layer_callback=step)
+            bar.update(len(chunk))
+            for r, (i, take) in enumerate(rows):
+                done[i] += take
+                if done[i] == len(ids[i]):
+                    last_logits[i] = logits[r]
+        bar.close()
+        return torch.stack(last_logits)  # type: ignore[arg-type]
+
+    def _run(self, texts, ids, plist, slots) -> list[RequestOutput]:
+        eos = set(self.config.eos_token_ids)
+        B = len(ids)
+        gens = []
+        for i, sp in enumerate(plist):
+            if sp.greedy:
+                gens.append(None)
+            else:
+                g = torch.Generator(device=self.device)
+                g.manual_seed(sp.seed if sp.seed is not None else self.seed + i)
+                gens.append(g)
+        self._sync()
+        t0 = time.perf_counter()
+        logits = self._prefill(ids, slots)
+        first = sample(logits, plist, gens)
+        t_first = time.perf_counter()
+        out_ids = [[t] for t in first]
+        finish: list[str | None] = [None] * B
+        done_at = [t_first] * B
+
+        def check(i: int, now: float) -> None:
+            sp, last = plist[i], out_ids[i][-1]
+            if (last in eos and not sp.ignore_eos) or last in sp.stop_token_ids:
+                finish[i] = "stop"
+            elif len(out_ids[i]) >= sp.max_tokens:
+                finish[i] = "length"
+            if finish[i]:
+                done_at[i] = now
+
+        for i in range(B):
+            check(i, t_first)
+        decode_tokens = 0
+        while True:
+            active = [i for i in range(B) if finish[i] is None]
+            if not active:
+                break
+            batch = ForwardBatch.build(
+                [slots[i] for i in active], [1] * len(active), [len(ids[i]) + len(out_ids[i]) - 1 for i in active], self.device
+            )
+            inp = torch.tensor([out_ids[i][-1] for i in active], device=self.device)
+            logits = self.model(inp, batch, self.cache)
+            toks = sample(logits, [plist[i] for i in active], [gens[i] for i in active])
+            now = time.perf_counter()
+            for i, t in zip(active, toks):
+                out_ids[i].append(t)
+                check(i, now)
+            decode_tokens += len(active)
+        t_end = time.perf_counter()
+        peak = peak_memory(self.device)
+        prefill_s, decode_s = t_first - t0, t_end - t_first
+        outputs = []
+        for i in range(B):
+            n = len(out_ids[i])
+            metrics = RequestMetrics(
+                prompt_tokens=len(ids[i]),
+                output_tokens=n,
+                ttft_s=prefill_s,
+                tpot_s=(done_at[i] - t_first) / (n - 1) if n > 1 else 0.0,
+                e2e_s=done_at[i] - t0,
+                prefill_tok_s=sum(map(len, ids)) / prefill_s,
+                decode_tok_s=decode_tokens / decode_s if decode_tokens else 0.0,
+                peak_memory_bytes=peak,
+            )
+            outputs.append(
+                RequestOutput(self._next_request_id, texts[i], ids[i], out_ids[i], self.tokenizer.decode(out_ids[i]), finish[i], metrics)
+            )
+            self._next_request_id += 1
+        return outputs
+
+
+def available_memory(device: torch.device) -> int | None:
+    """Free bytes on ``device`` (CUDA: the driver's free memory; CPU: MemAvailable), or None."""
+    if device.type == "cuda":
+        free, _ = torch.cuda.mem_get_info(device)
+        return free
+    try:
+        with open("/proc/meminfo") as f:
+            for line in f:
+                if line.startswith("MemAvailable:"):
+                    return int(line.split()[1]) * 1024
+    except OSError:
+        return None
+    return None
+
+
+def peak_memory(device: torch.device) -> int:
+    """Peak bytes: CUDA allocator peak since the last reset, or the process's peak RSS on CPU."""
+    if device.type == "cuda":
+        return torch.cuda.max_memory_allocated(device)
+    return resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024

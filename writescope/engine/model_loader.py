@@ -1,0 +1,99 @@
+"""Turn a ``--model`` argument into (config, model, tokenizer) on a device."""
+
+from __future__ import annotations
+
+import time
+from pathlib import Path
+
+import torch
+
+from writescope.checkpoint.loader import load_weights
+from writescope.checkpoint.synthetic import fill_synthetic
+from writescope.checkpoint.tokenizer import Tokenizer, synthetic_tokenizer
+from writescope.config import ModelConfig
+from writescope.models import build_model
+from writescope.models.causal_lm import CausalLM
+from writescope.presets import PRESETS, preset_config
+
+DTYPES = {
+    "bf16": torch.bfloat16, "bfloat16": torch.bfloat16,
+    "fp16": torch.float16, "float16": torch.float16,
+    "fp32": torch.float32, "float32": torch.float32,
+}
+
+
+def parse_dtype(name: str | torch.dtype, device: torch.device) -> torch.dtype:
+    """``auto`` (bf16 on CUDA, fp32 on CPU), bf16, fp16, fp32 or a torch dtype.
+
+    Raises:
+        ValueError: any other name (the message lists the accepted ones).
+    """
+    if isinstance(name, torch.dtype):
+        if name not in DTYPES.values():
+            raise ValueError(f"dtype {name} is not supported; use one of bf16, fp16, fp32")
+        return name
+    if name == "auto":
+        return torch.bfloat16 if device.type == "cuda" else torch.float32
+    if name not in DTYPES:
+        raise ValueError(f"unknown dtype {name!r}; use one of auto, bf16, fp16, fp32")
+    return DTYPES[name]
+
+
+def resolve_device(name: str) -> torch.device:
+    """``auto`` (CUDA when present), ``cpu`` or ``cuda[:N]``.
+
+    Raises:
+        ValueError: CUDA asked for but not available, or an unknown device string.
+    """
+    if name == "auto":
+        return torch.device("cuda" if torch.cuda.is_available() else "cpu")
+    try:
+        dev = torch.device(name)
+    except RuntimeError as e:
+        raise ValueError(f"unknown device {name!r}; use auto, cpu or cuda") from e
+    if dev.type == "cuda" and not torch.cuda.is_available():
+        raise ValueError(f"device {name!r} asked for, but this machine has no CUDA GPU; use --device cpu")
+    if dev.type not in ("cpu", "cuda"):
+        raise ValueError(f"device {name!r} is not supported; use cpu or cuda")
+    return dev
+
+
+def resolve_config(model: str) -> tuple[ModelConfig, Path | None]:
+    """(config, checkpoint dir or None for a preset).
+
+    Raises:
+        ValueError: neither a checkpoint directory nor a preset name.
+    """
+    p = Path(model)
+    if p.is_dir():
+        return ModelConfig.from_file(p), p
+    if model in PRESETS:
+        return preset_config(model), None
+    raise ValueError(f"--model {model!r} is neither a checkpoint directory nor a preset; presets: {', '.join(PRESETS)}")
+
+
+def load_model(
+    model: str, synthetic: bool, dtype: torch.dtype, device: torch.device, seed: int = 0, progress: bool = True
+) -> tuple[ModelConfig, CausalLM, Tokenizer, dict]:
+    """Build the model on ``device`` and fill its weights.
+
+    A preset name always means synthetic weights (there is no file to read); a directory is
+    loaded from its safetensors unless ``synthetic`` is set. Returns (config, model,
+    tokenizer, info) where info has ``source`` and ``load_s``.
+    """
+    t0 = time.perf_counter()
+    cfg, ckpt = resolve_config(model)
+    net = build_model(cfg, dtype, device)
+    if ckpt is None or synthetic:
+        fill_synthetic(net, seed, progress=progress)
+        source = f"synthetic weights (seed {seed})"
+    else:
+        load_weights(net, ckpt, progress=progress)
+        source = f"checkpoint {ckpt}"
+    if ckpt is not None and (ckpt / "tokenizer.json").is_file():
+        tok = Tokenizer.from_file(ckpt / "tokenizer.json")
+    else:
+        tok = synthetic_tokenizer(cfg.vocab_size)
+    if device.type == "cuda":
+        torch.cuda.synchronize(device)
+    return cfg, net, tok, {"source": source, "load_s": time.perf_counter() - t0}

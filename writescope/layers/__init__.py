@@ -1,0 +1,1 @@
+"""Building blocks shared by all model files: RMSNorm, rotary embedding, gated MLP."""

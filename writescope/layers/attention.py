@@ -1,0 +1,93 @@
+"""Attention projections: GQA (Qwen3-MoE, Mixtral) and MLA with absorbed weights (DeepSeek-V2).
+
+Both hand their queries and new KV to a :class:`writescope.kvcache.KVCache` and project the
+result back. Shapes: T packed tokens, Hq query heads, Hkv KV heads, d head_dim.
+"""
+
+from __future__ import annotations
+
+import torch
+from torch import nn
+
+from writescope.attention.metadata import ForwardBatch
+from writescope.config import AttentionConfig
+from writescope.kvcache.base import KVCache
+from writescope.layers.norm import RMSNorm
+from writescope.layers.rope import RotaryEmbedding
+
+
+class GQAAttention(nn.Module):
+    """Grouped-query attention; optional per-head q/k RMSNorm before rope (Qwen3).
+
+    Parameter names follow HF: q_proj, k_proj, v_proj, o_proj, q_norm, k_norm.
+    """
+
+    def __init__(self, cfg: AttentionConfig, hidden: int, eps: float, layer_id: int):
+        super().__init__()
+        self.cfg, self.layer_id = cfg, layer_id
+        d = cfg.head_dim
+        self.q_proj = nn.Linear(hidden, cfg.q_heads * d, bias=cfg.bias)
+        self.k_proj = nn.Linear(hidden, cfg.kv_heads * d, bias=cfg.bias)
+        self.v_proj = nn.Linear(hidden, cfg.kv_heads * d, bias=cfg.bias)
+        self.o_proj = nn.Linear(cfg.q_heads * d, hidden, bias=False)
+        if cfg.qk_norm:
+            self.q_norm = RMSNorm(d, eps)
+            self.k_norm = RMSNorm(d, eps)
+
+    def forward(self, x: torch.Tensor, rope: RotaryEmbedding, cos_sin, batch: ForwardBatch, cache: KVCache) -> torch.Tensor:
+        """x ``[T, hidden]`` -> ``[T, hidden]``."""
+        c, T = self.cfg, x.shape[0]
+        q = self.q_proj(x).view(T, c.q_heads, c.head_dim)  # [T, Hq, d]
+        k = self.k_proj(x).view(T, c.kv_heads, c.head_dim)  # [T, Hkv, d]
+        v = self.v_proj(x).view(T, c.kv_heads, c.head_dim)  # [T, Hkv, d]
+        if c.qk_norm:
+            q, k = self.q_norm(q), self.k_norm(k)
+        q, k = rope.apply(q, *cos_sin), rope.apply(k, *cos_sin)
+        o = cache.attend(self.layer_id, q, k, v, batch, c.softmax_scale, c.sliding_window)  # [T, Hq, d]
+        return self.o_proj(o.reshape(T, -1))
+
+
+class MLAAttention(nn.Module):
+    """DeepSeek-V2 multi-head latent attention, caching the compressed latent.
+
+    Cached per token: ``[kv_a_layernorm(c_kv) (kv_lora_rank) | rope(k_pe) (qk_rope_head_dim)]``.
+    Decode and prefill both use the absorbed form (DeepSeek-V2 paper, arXiv 2405.04434 §2.1.2):
+    q_lat = q_nope · W_UK (per head, ``[T, H, kv_lora_rank]``), scores = [q_lat | q_pe] · latent,
+    o_lat = softmax · c_kv, o = o_lat · W_UVᵀ. ``W_UK``/``W_UV`` are the two halves of
+    ``kv_b_proj.weight`` viewed as ``[H, nope + v, kv_lora_rank]``.
+    """
+
+    def __init__(self, cfg: AttentionConfig, hidden: int, eps: float, layer_id: int):
+        super().__init__()
+        self.cfg, self.layer_id = cfg, layer_id
+        H = cfg.q_heads
+        if cfg.q_lora_rank is None:
+            self.q_proj = nn.Linear(hidden, H * cfg.head_dim, bias=False)
+        else:
+            self.q_a_proj = nn.Linear(hidden, cfg.q_lora_rank, bias=cfg.bias)
+            self.q_a_layernorm = RMSNorm(cfg.q_lora_rank, eps)
+            self.q_b_proj = nn.Linear(cfg.q_lora_rank, H * cfg.head_dim, bias=False)
+        self.kv_a_proj_with_mqa = nn.Linear(hidden, cfg.kv_lora_rank + cfg.qk_rope_head_dim, bias=cfg.bias)
+        self.kv_a_layernorm = RMSNorm(cfg.kv_lora_rank, eps)
+        self.kv_b_proj = nn.Linear(cfg.kv_lora_rank, H * (cfg.qk_nope_head_dim + cfg.v_head_dim), bias=False)
+        self.o_proj = nn.Linear(H * cfg.v_head_dim, hidden, bias=cfg.bias)
+
+    def forward(self, x: torch.Tensor, rope: RotaryEmbedding, cos_sin, batch: ForwardBatch, cache: KVCache) -> torch.Tensor:
+        """x ``[T, hidden]`` -> ``[T, hidden]``."""
+        c, T, H = self.cfg, x.shape[0], self.cfg.q_heads
+        nope, r, R = c.qk_nope_head_dim, c.qk_rope_head_dim, c.kv_lora_rank
+        q = self.q_proj(x) if c.q_lora_rank is None else self.q_b_proj(self.q_a_layernorm(self.q_a_proj(x)))
+        q = q.view(T, H, nope + r)
+        q_nope, q_pe = q[..., :nope], q[..., nope:]  # [T, H, nope], [T, H, r]
+        kv = self.kv_a_proj_with_mqa(x)  # [T, R + r]
+        latent = self.kv_a_layernorm(kv[:, :R])  # [T, R]
+        k_pe = rope.apply(kv[:, None, R:], *cos_sin)  # [T, 1, r]
+        q_pe = rope.apply(q_pe, *cos_sin)
+        w = self.kv_b_proj.weight.view(H, nope + c.v_head_dim, R)
+        w_uk, w_uv = w[:, :nope], w[:, nope:]  # [H, nope, R], [H, v, R]
+        q_lat = torch.einsum("thn,hnr->thr", q_nope, w_uk)  # [T, H, R]
+        q_full = torch.cat((q_lat, q_pe), dim=-1)  # [T, H, R + r]
+        entry = torch.cat((latent[:, None, :], k_pe), dim=-1)  # [T, 1, R + r]
+        o_lat = cache.attend(self.layer_id, q_full, entry, None, batch, c.softmax_scale)  # [T, H, R]
+        o = torch.einsum("thr,hvr->thv", o_lat, w_uv)  # [T, H, v]
+        return self.o_proj(o.reshape(T, H * c.v_head_dim))

@@ -1,0 +1,97 @@
+"""The decoder-only causal LM shared by all three architectures.
+
+Module names mirror Hugging Face, so ``state_dict()`` keys equal the checkpoint's tensor names:
+``model.embed_tokens``, ``model.layers.{i}.{input_layernorm,self_attn,post_attention_layernorm,
+<mlp block>}``, ``model.norm``, ``lm_head``. The per-model files only choose the attention and
+MLP of each layer.
+"""
+
+from __future__ import annotations
+
+from typing import Callable
+
+import torch
+from torch import nn
+
+from writescope.attention.metadata import ForwardBatch
+from writescope.config import ModelConfig
+from writescope.kvcache.base import KVCache
+from writescope.layers.norm import RMSNorm
+from writescope.layers.rope import RotaryEmbedding
+
+LayerParts = tuple[nn.Module, nn.Module]  # (attention, mlp) of one decoder layer
+
+
+class DecoderLayer(nn.Module):
+    """Pre-norm block: x + attn(norm(x)), then h + mlp(norm(h))."""
+
+    def __init__(self, cfg: ModelConfig, attn: nn.Module, mlp: nn.Module, mlp_name: str):
+        super().__init__()
+        self.input_layernorm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps)
+        self.self_attn = attn
+        self.post_attention_layernorm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps)
+        self.mlp_name = mlp_name
+        self.add_module(mlp_name, mlp)
+
+    def forward(self, x, rope, cos_sin, batch: ForwardBatch, cache: KVCache) -> torch.Tensor:
+        h = x + self.self_attn(self.input_layernorm(x), rope, cos_sin, batch, cache)
+        return h + getattr(self, self.mlp_name)(self.post_attention_layernorm(h))
+
+
+class _Backbone(nn.Module):
+    def __init__(self, cfg: ModelConfig, build_layer: Callable[[ModelConfig, int], LayerParts]):
+        super().__init__()
+        self.embed_tokens = nn.Embedding(cfg.vocab_size, cfg.hidden_size)
+        self.layers = nn.ModuleList(
+            DecoderLayer(cfg, *build_layer(cfg, i), mlp_name=cfg.moe.block_name if i in cfg.moe.moe_layers else "mlp")
+            for i in range(cfg.num_layers)
+        )
+        self.norm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps)
+
+
+class CausalLM(nn.Module):
+    """Embeddings -> decoder layers -> final norm -> lm_head, over a packed ragged batch."""
+
+    def __init__(self, cfg: ModelConfig, build_layer: Callable[[ModelConfig, int], LayerParts]):
+        super().__init__()
+        self.config = cfg
+        self.model = _Backbone(cfg, build_layer)
+        self.lm_head = nn.Linear(cfg.hidden_size, cfg.vocab_size, bias=False)
+        self.rope = RotaryEmbedding(cfg.rope)
+
+    def tie_weights(self) -> None:
+        """Share the embedding matrix with lm_head when the config says so."""
+        if self.config.tie_word_embeddings:
+            self.lm_head.weight = self.model.embed_tokens.weight
+
+    @torch.inference_mode()
+    def forward(
+        self,
+        input_ids: torch.Tensor,
+        batch: ForwardBatch,
+        cache: KVCache,
+        all_logits: bool = False,
+        layer_callback: Callable[[int], None] | None = None,
+    ) -> torch.Tensor:
+        """Run one pass and write the new KV into ``cache``.
+
+        Args:
+            input_ids: ``[T]`` int64 packed new tokens (see :class:`ForwardBatch`).
+            batch: ragged metadata.
+            cache: KV cache holding ``batch.context_lens`` tokens per slot.
+            all_logits: return logits for every token (``[T, vocab]``) instead of each
+                sequence's last token (``[batch, vocab]``).
+            layer_callback: called with the layer id after each layer (progress bars).
+
+        Returns:
+            float32 logits.
+        """
+        x = self.model.embed_tokens(input_ids)  # [T, D]
+        cos_sin = self.rope.cos_sin(batch.positions)  # 2 x [T, rope_dim/2] f32
+        for i, layer in enumerate(self.model.layers):
+            x = layer(x, self.rope, cos_sin, batch, cache)
+            if layer_callback is not None:
+                layer_callback(i)
+        if not all_logits:
+            x = x[batch.last_token_indices()]  # [B, D]
+        return self.lm_head(self.model.norm(x)).float()

@@ -1,0 +1,30 @@
+"""Model presets: the real configurations of the target models and tiny variants of each.
+
+``deepseek-v2-lite``, ``qwen3-30b-a3b``, ``mixtral-8x7b`` are the published config.json files;
+``tiny-*`` keep each architecture's structure at small widths (for tests and CPU demos).
+"""
+
+from __future__ import annotations
+
+import json
+from importlib import resources
+
+from writescope.config import ModelConfig
+
+PRESETS = ("deepseek-v2-lite", "qwen3-30b-a3b", "mixtral-8x7b", "tiny-deepseek-v2", "tiny-qwen3-moe", "tiny-mixtral")
+
+
+def preset_hf_dict(name: str) -> dict:
+    """The preset's config.json as a dict.
+
+    Raises:
+        ValueError: unknown preset (the message lists the known ones).
+    """
+    if name not in PRESETS:
+        raise ValueError(f"unknown preset {name!r}; known presets: {', '.join(PRESETS)} (or pass a checkpoint directory)")
+    return json.loads(resources.files(__package__).joinpath(f"{name}.json").read_text())
+
+
+def preset_config(name: str) -> ModelConfig:
+    """The preset's :class:`ModelConfig` (see :func:`preset_hf_dict` for errors)."""
+    return ModelConfig.from_hf(preset_hf_dict(name))
