@@ -267,7 +267,8 @@ def _qwen3_moe(f: _Fields) -> ModelConfig:
     att = _gqa(f, qk_norm=True, sliding_window=f.d.get("sliding_window") if f.opt("use_sliding_window", False) else None)
     n_layers = int(f.req("num_hidden_layers"))
     step, only = int(f.opt("decoder_sparse_step", 1)), set(f.opt("mlp_only_layers", []))
-    n_exp = int(f.d["num_experts"] if f.d.get("num_experts") is not None else f.req("num_local_experts"))
+    use_local = f.d.get("num_experts") is None and f.d.get("num_local_experts") is not None
+    n_exp = int(f.d["num_local_experts"] if use_local else f.req("num_experts"))  # a missing field is named as Qwen3 spells it
     moe_layers = tuple(i for i in range(n_layers) if i not in only and n_exp > 0 and (i + 1) % step == 0)
     moe = MoEConfig(
         num_experts=n_exp,

@@ -72,21 +72,24 @@ def validate(model: CausalLM, names: dict[str, Path]) -> None:
     """Compare checkpoint tensors with the model's parameters.
 
     Raises:
-        CheckpointError: one message listing missing, unexpected and mis-shaped tensors.
+        CheckpointError: one message listing missing, unexpected, mis-shaped and wrongly indexed tensors.
     """
     expected = {k: tuple(v.shape) for k, v in model.state_dict().items()}
     if model.config.tie_word_embeddings:
         expected.pop("lm_head.weight", None)
-    found = _shapes(set(names.values()))
+    # count a tensor only where load_weights will read it: in the shard the index names for it
+    held = {path: _shapes({path}) for path in sorted(set(names.values()))}
+    found = {k: held[p][k] for k, p in names.items() if k in held[p]}
+    misindexed = sorted(f"{k} (not in {p.name})" for k, p in names.items() if k not in held[p])
     for k in list(found):
         if k.endswith(IGNORED_SUFFIXES):
             found.pop(k)
     missing = sorted(set(expected) - set(found))
     unexpected = sorted(set(found) - set(expected))
     misshaped = sorted(f"{k}: checkpoint {found[k]} vs model {expected[k]}" for k in set(found) & set(expected) if found[k] != expected[k])
-    if missing or unexpected or misshaped:
+    if missing or unexpected or misshaped or misindexed:
         parts = []
-        for title, items in (("missing", missing), ("unexpected", unexpected), ("mis-shaped", misshaped)):
+        for title, items in (("missing", missing), ("unexpected", unexpected), ("mis-shaped", misshaped), ("wrongly indexed", misindexed)):
             if items:
                 shown = items[:20] + ([f"... and {len(items) - 20} more"] if len(items) > 20 else [])
                 parts.append(f"{len(items)} {title} tensor(s):\n  " + "\n  ".join(shown))

@@ -1,0 +1,86 @@
+"""Shared test utilities: HF reference checkpoints and running our model step by step."""
+
+from __future__ import annotations
+
+import math
+from pathlib import Path
+
+import torch
+
+from writescope.attention import ForwardBatch
+from writescope.checkpoint.loader import load_weights
+from writescope.config import ModelConfig
+from writescope.kvcache import ContiguousKVCache
+from writescope.models import build_model
+from writescope.presets import preset_hf_dict
+
+TINY = ["tiny-qwen3-moe", "tiny-mixtral", "tiny-deepseek-v2"]
+
+
+def hf_reference_checkpoint(preset: str, out: Path, seed: int = 0, **overrides) -> Path:
+    """A randomly initialised transformers model of the preset, saved with its own
+    ``save_pretrained``. Weights are re-drawn with unit-gain scales (HF's init, std 0.02, makes
+    every layer nearly the identity and would hide errors)."""
+    import transformers
+
+    d = preset_hf_dict(preset)
+    d.update(overrides)
+    cfg = transformers.AutoConfig.for_model(**d)
+    torch.manual_seed(seed)
+    model = transformers.AutoModelForCausalLM.from_config(cfg, dtype=torch.float32)
+    with torch.no_grad():
+        for name, p in model.named_parameters():
+            if name.endswith("norm.weight"):
+                p.copy_(1 + 0.1 * torch.randn_like(p))
+            elif p.dim() == 1:
+                p.normal_(0, 0.02)
+            elif "embed_tokens" in name:
+                p.normal_()
+            else:
+                p.normal_(0, 1 / math.sqrt(p.shape[-1]))
+    model.save_pretrained(out)
+    return out
+
+
+def load_hf(path: Path, dtype: torch.dtype):
+    import transformers
+
+    return transformers.AutoModelForCausalLM.from_pretrained(path, dtype=dtype, attn_implementation="eager").eval()
+
+
+def load_ours(path: Path, dtype: torch.dtype):
+    cfg = ModelConfig.from_file(path)
+    model = build_model(cfg, dtype, "cpu")
+    load_weights(model, path, progress=False)
+    return model
+
+
+@torch.no_grad()
+def hf_logits(hf, ids: list[int]) -> torch.Tensor:
+    """All-position logits ``[len(ids), vocab]`` float32 of one unpadded sequence."""
+    return hf(torch.tensor([ids])).logits[0].float()
+
+
+@torch.no_grad()
+def ours_prefill_then_decode(model, prompts: list[list[int]], continuations: list[list[int]]):
+    """Prefill the ragged batch in one pass, then feed ``continuations`` one token per step
+    (all sequences decoded together). Returns (prefill logits per sequence ``[len, vocab]``,
+    decode logits per sequence ``[steps, vocab]``)."""
+    cfg = model.config
+    dtype = next(model.parameters()).dtype
+    cache = ContiguousKVCache(cfg.kv_layout, cfg.num_layers, dtype, "cpu")
+    steps = len(continuations[0])
+    slots = [cache.allocate(len(p) + steps) for p in prompts]
+    batch = ForwardBatch.build(slots, [len(p) for p in prompts], [0] * len(prompts), "cpu")
+    flat = torch.tensor([t for p in prompts for t in p])
+    logits = model(flat, batch, cache, all_logits=True)
+    starts = batch.query_start_loc
+    prefill = [logits[starts[i] : starts[i + 1]] for i in range(len(prompts))]
+    decode = [[] for _ in prompts]
+    for s in range(steps):
+        ctx = [len(p) + s for p in prompts]
+        b = ForwardBatch.build(slots, [1] * len(prompts), ctx, "cpu")
+        out = model(torch.tensor([c[s] for c in continuations]), b, cache)
+        for i in range(len(prompts)):
+            decode[i].append(out[i])
+    return prefill, [torch.stack(d) if d else torch.empty(0) for d in decode]
