@@ -1,0 +1,52 @@
+"""CUDA checks, run on the GPU machine with ``python -m pytest -m gpu``."""
+
+import pytest
+import torch
+
+from helpers import TINY, hf_reference_checkpoint
+
+pytestmark = [pytest.mark.gpu, pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")]
+
+
+def test_synthetic_weights_are_identical_on_cpu_and_cuda():
+    from writescope.checkpoint.synthetic import seeded_uniform
+
+    shape = (3000, 7001)  # > one 2^24-element chunk, odd sizes
+    for dtype in (torch.float32, torch.bfloat16):
+        a = seeded_uniform("model.layers.0.mlp.gate.weight", shape, 5, 0.1, dtype, "cpu")
+        b = seeded_uniform("model.layers.0.mlp.gate.weight", shape, 5, 0.1, dtype, "cuda")
+        assert torch.equal(a, b.cpu()), dtype
+
+
+@pytest.mark.parametrize("name", TINY)
+def test_bf16_on_cuda_within_twice_transformers_error(name, tmp_path):
+    import transformers
+
+    from writescope import LLM
+
+    path = hf_reference_checkpoint(name, tmp_path)
+    ids = torch.randint(3, 4096, (1, 300), generator=torch.Generator().manual_seed(0))
+    ref_model = transformers.AutoModelForCausalLM.from_pretrained(path, dtype=torch.float32).cuda().eval()
+    hf16 = transformers.AutoModelForCausalLM.from_pretrained(path, dtype=torch.bfloat16).cuda().eval()
+    with torch.no_grad():
+        ref = ref_model(ids.cuda()).logits[0, -1].float()
+        hf = hf16(ids.cuda()).logits[0, -1].float()
+    llm = LLM(str(path), device="cuda", dtype="bf16", progress=False)
+    from writescope.attention import ForwardBatch
+    from writescope.kvcache import ContiguousKVCache
+
+    cache = ContiguousKVCache(llm.config.kv_layout, llm.config.num_layers, torch.bfloat16, "cuda")
+    ours = llm.model(ids[0].cuda(), ForwardBatch.build([cache.allocate(300)], [300], [0], "cuda"), cache)[0]
+    err_ours = ((ours - ref).norm() / ref.norm()).item()
+    err_hf = ((hf - ref).norm() / ref.norm()).item()
+    assert err_ours <= 2 * err_hf + 5e-3, f"{name}: ours {err_ours:.2e} vs transformers bf16 {err_hf:.2e}"
+
+
+def test_generate_on_cuda_reports_gpu_memory():
+    from writescope import LLM, SamplingParams
+
+    llm = LLM("tiny-deepseek-v2", device="cuda", progress=False)
+    outs = llm.generate(prompt_token_ids=[[5, 6, 7], list(range(10, 200))], sampling_params=SamplingParams(max_tokens=8, ignore_eos=True))
+    assert [len(o.token_ids) for o in outs] == [8, 8]
+    assert outs[0].metrics.peak_memory_bytes > 0
+    assert llm.cache.active_slots == []
