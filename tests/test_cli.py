@@ -23,10 +23,11 @@ def test_generate_prints_text_and_timings_and_writes_json(tmp_path, capsys):
 
 def test_generate_with_prompt_ids_and_sampling_is_seeded(tmp_path, capsys):
     args = ["generate", "--model", "tiny-mixtral", "--prompt-ids", "5,6,7,8", "--max-new-tokens", "6", "--temperature", "1.0",
-            "--top-p", "0.9", "--seed", "3", "--quiet", "--ignore-eos"]
+            "--top-p", "0.9", "--seed", "3", "--quiet", "--ignore-eos", "--batch", "2"]
     outs = []
     for i in range(2):
         p = tmp_path / f"{i}.json"
         assert main(args + ["--output-json", str(p)]) == 0
-        outs.append(json.loads(p.read_text())["requests"][0]["token_ids"])
-    assert outs[0] == outs[1]
+        outs.append([r["token_ids"] for r in json.loads(p.read_text())["requests"]])
+    assert outs[0] == outs[1], "same --seed, same samples"
+    assert outs[0][0] != outs[0][1], "request i samples with seed + i, so copies of a prompt differ"

@@ -83,6 +83,8 @@ def write_checkpoint(
     (out / "config.json").write_text(json.dumps(hf, indent=2, sort_keys=True))
     if tokenizer is not None:
         tokenizer.save(out / "tokenizer.json")
+    for f in out.iterdir():
+        f.chmod(0o644)
     return out
 
 

@@ -19,7 +19,8 @@ def add_parser(sub) -> None:
     p.add_argument("--batch", type=int, default=1, help="copies of the prompt in the batch (default 1)")
     p.add_argument("--temperature", type=float, default=0.0, help="0 = greedy (default)")
     p.add_argument("--top-p", type=float, default=1.0)
-    p.add_argument("--seed", type=int, default=0, help="weight seed for synthetic models and sampling seed")
+    p.add_argument("--seed", type=int, default=0, help="sampling seed; request i of the batch uses seed + i (default 0)")
+    p.add_argument("--weight-seed", type=int, default=0, help="seed of the synthetic weights (default 0)")
     p.add_argument("--device", default="auto", help="auto, cpu or cuda")
     p.add_argument("--dtype", default="auto", help="auto (bf16 on cuda, fp32 on cpu), bf16, fp16, fp32")
     p.add_argument("--max-model-len", type=int, default=None, help="cap on prompt + new tokens per request")
@@ -50,12 +51,14 @@ def run(args: argparse.Namespace) -> int:
 
     if args.batch < 1:
         raise ValueError(f"--batch must be >= 1, got {args.batch}")
-    params = SamplingParams(
-        max_tokens=args.max_new_tokens, temperature=args.temperature, top_p=args.top_p, seed=args.seed, ignore_eos=args.ignore_eos
-    )
+    params = [
+        SamplingParams(max_tokens=args.max_new_tokens, temperature=args.temperature, top_p=args.top_p, seed=args.seed + i,
+                       ignore_eos=args.ignore_eos)
+        for i in range(args.batch)
+    ]
     prompts, prompt_ids = _prompt(args)
     llm = LLM(
-        args.model, synthetic=args.synthetic, device=args.device, dtype=args.dtype, seed=args.seed,
+        args.model, synthetic=args.synthetic, device=args.device, dtype=args.dtype, seed=args.weight_seed,
         max_model_len=args.max_model_len, progress=not args.quiet,
     )
     cfg = llm.config

@@ -48,6 +48,6 @@ def run(args: argparse.Namespace) -> int:
         args.out, cfg, synthetic_tensors(shapes, args.seed, dtype, "cpu"), len(shapes), dtype, tok,
         max_shard_bytes=int(args.max_shard_gib * 2**30), progress=not args.quiet,
     )
-    print(f"wrote {args.out}: {len(shapes)} tensors, {need / 1e9:.2f} GB {args.dtype}, tokenizer of {tok.vocab_size} tokens, "
+    print(f"wrote {args.out}: {len(shapes)} tensors, {need / 1e6:,.1f} MB {args.dtype}, tokenizer of {tok.vocab_size} tokens, "
           f"{time.perf_counter() - t0:.1f} s")
     return 0

@@ -97,7 +97,7 @@ class LLM:
                 raise ValueError(f"prompt {i} has token ids outside [0, {V}): {bad[:5]}")
             if len(p) + sp.max_tokens > self.max_model_len:
                 raise ValueError(
-                    f"prompt {i} has {len(p)} tokens + max_tokens {sp.max_tokens} = {len(p) + sp.max_tokens}, "
+                    f"prompt {i} has {len(p)} tokens + max_tokens (--max-new-tokens) {sp.max_tokens} = {len(p) + sp.max_tokens}, "
                     f"beyond the limit of {self.max_model_len} tokens: shorten the prompt or lower max_tokens"
                 )
         self._check_memory([len(p) + sp.max_tokens for p, sp in zip(ids, plist)])
