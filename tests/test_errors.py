@@ -1,0 +1,275 @@
+"""Bad input gives a clear error naming the offending value, and leaves the runtime usable.
+
+After every test the module's ``LLM`` must still reproduce its reference generation with no
+KV slot left allocated (see ``engine_still_works``).
+"""
+
+from __future__ import annotations
+
+import json
+import re
+import shutil
+
+import pytest
+import torch
+
+from writescope import LLM, SamplingParams
+from writescope.checkpoint.loader import INDEX_NAME, CheckpointError, load_weights
+from writescope.checkpoint.synthetic import fill_synthetic, synthetic_tensors
+from writescope.checkpoint.writer import write_checkpoint
+from writescope.cli.main import main
+from writescope.config import ModelConfig
+from writescope.models import build_model
+from writescope.presets import preset_config, preset_hf_dict
+
+PRESET = "tiny-qwen3-moe"  # vocab 4096, max_position_embeddings 8192
+PROMPT = [5, 6, 7, 8, 9]
+PARAMS = SamplingParams(max_tokens=4)
+
+
+@pytest.fixture(scope="module", autouse=True)
+def one_thread():
+    """Tiny tensors: one intra-op thread is faster, and far faster when the CPUs are shared."""
+    n = torch.get_num_threads()
+    torch.set_num_threads(1)
+    yield
+    torch.set_num_threads(n)
+
+
+@pytest.fixture(scope="module")
+def engine():
+    """(llm, reference greedy token ids for PROMPT)."""
+    llm = LLM(PRESET, progress=False)
+    ref = llm.generate(prompt_token_ids=[PROMPT], sampling_params=PARAMS)[0].token_ids
+    assert len(ref) == PARAMS.max_tokens
+    return llm, ref
+
+
+@pytest.fixture(autouse=True)
+def engine_still_works(engine):
+    yield
+    llm, ref = engine
+    assert llm.cache.active_slots == []
+    assert llm.generate(prompt_token_ids=[PROMPT], sampling_params=PARAMS)[0].token_ids == ref
+    assert llm.cache.active_slots == []
+
+
+@pytest.fixture
+def allocations(engine, monkeypatch):
+    """Records every KV allocation the module's LLM makes during the test."""
+    llm, _ = engine
+    calls: list[int] = []
+    real = llm.cache.allocate
+    monkeypatch.setattr(llm.cache, "allocate", lambda capacity: calls.append(capacity) or real(capacity))
+    return calls
+
+
+# ------------------------------------------------------------------ bad requests
+LONG = [1] * 8190  # + max_tokens 16 = 8206 > 8192
+
+
+@pytest.mark.parametrize(
+    "kwargs, pattern",
+    [
+        (dict(prompts=[""]), "prompt 0 is empty"),
+        (dict(prompts=""), "prompt 0 is empty"),
+        (dict(prompt_token_ids=[[]]), "prompt 0 is empty"),
+        (dict(prompts=[]), "no prompts given"),
+        (dict(prompt_token_ids=[]), "prompt_token_ids is empty"),
+        (dict(prompt_token_ids=[LONG], sampling_params=SamplingParams(max_tokens=16)), r"prompt 0 has 8190 tokens .*16 = 8206, beyond the limit of 8192"),
+        (dict(prompt_token_ids=[[1, 4096]]), r"prompt 0 has token ids outside \[0, 4096\): \[4096\]"),
+    ],
+    ids=["empty-text", "empty-text-str", "empty-ids", "no-prompts", "no-prompt-ids", "beyond-max-positions", "out-of-vocab"],
+)
+def test_bad_request_rejected_before_allocating(engine, allocations, kwargs, pattern):
+    llm, _ = engine
+    with pytest.raises(ValueError, match=pattern):
+        llm.generate(**kwargs)
+    assert allocations == []
+    assert llm.cache.active_slots == []
+
+
+@pytest.mark.parametrize(
+    "bad, pattern",
+    [([], "prompt 1 is empty"), (LONG, "prompt 1 has 8190 tokens"), ([3, -1], r"prompt 1 has token ids outside .*\[-1\]")],
+    ids=["empty", "too-long", "out-of-vocab"],
+)
+def test_batch_with_bad_second_request_generates_nothing(engine, allocations, bad, pattern):
+    llm, ref = engine
+    before = llm.generate(prompt_token_ids=[PROMPT], sampling_params=PARAMS)[0].request_id
+    allocations.clear()
+    with pytest.raises(ValueError, match=pattern):
+        llm.generate(prompt_token_ids=[PROMPT, bad], sampling_params=SamplingParams(max_tokens=16))
+    assert allocations == []
+    assert llm.cache.active_slots == []
+    after = llm.generate(prompt_token_ids=[PROMPT], sampling_params=PARAMS)[0]
+    assert after.request_id == before + 1  # the failed batch took no request ids
+    assert after.token_ids == ref
+
+
+def test_max_model_len_limits_prompt_plus_new_tokens(engine):
+    llm = LLM(PRESET, max_model_len=64, progress=False)
+    with pytest.raises(ValueError, match=r"prompt 0 has 50 tokens .*16 = 66, beyond the limit of 64"):
+        llm.generate(prompt_token_ids=[[7] * 50], sampling_params=SamplingParams(max_tokens=16))
+    assert llm.cache.active_slots == []
+    out = llm.generate(prompt_token_ids=[[7] * 48], sampling_params=SamplingParams(max_tokens=16, ignore_eos=True))
+    assert len(out[0].token_ids) == 16  # exactly at the limit is allowed
+    assert llm.generate(prompt_token_ids=[PROMPT], sampling_params=PARAMS)[0].token_ids == engine[1]
+    assert llm.cache.active_slots == []
+
+
+@pytest.mark.parametrize("kwargs, pattern", [(dict(max_tokens=0), "max_tokens .*got 0"), (dict(temperature=-1), "temperature .*got -1"),
+                                             (dict(top_p=0), "top_p .*got 0"), (dict(top_p=1.5), "top_p .*got 1.5")])
+def test_bad_sampling_params(kwargs, pattern):
+    with pytest.raises(ValueError, match=pattern):
+        SamplingParams(**kwargs)
+
+
+# ------------------------------------------------------------------ model, dtype, CLI
+@pytest.mark.parametrize(
+    "model, kwargs, pattern",
+    [
+        ("no-such-model", {}, "'no-such-model' is neither a checkpoint directory nor a preset"),
+        (PRESET, dict(dtype="int8"), "unknown dtype 'int8'"),
+        (PRESET, dict(dtype=torch.int8), "dtype torch.int8 is not supported"),
+        (PRESET, dict(max_model_len=0), r"max_model_len 0 must be in \[1, 8192\]"),
+        (PRESET, dict(max_model_len=8193), r"max_model_len 8193 must be in \[1, 8192\]"),
+    ],
+    ids=["unknown-preset", "dtype-int8-str", "dtype-int8-torch", "max_model_len-0", "max_model_len-too-big"],
+)
+def test_bad_llm_arguments(model, kwargs, pattern):
+    with pytest.raises(ValueError, match=pattern):
+        LLM(model, progress=False, **kwargs)
+
+
+@pytest.mark.parametrize(
+    "argv, named",
+    [
+        (["generate", "--model", "no-such-model", "--prompt", "hi", "--quiet"], "'no-such-model'"),
+        (["generate", "--model", PRESET, "--dtype", "fp8", "--prompt", "hi", "--quiet"], "'fp8'"),
+        (["make-checkpoint", "--preset", "no-such-model", "--out", "{tmp}", "--quiet"], "'no-such-model'"),
+    ],
+    ids=["generate-unknown-model", "generate-bad-dtype", "make-checkpoint-unknown-preset"],
+)
+def test_cli_error_exits_2(capsys, tmp_path, argv, named):
+    assert main([a.replace("{tmp}", str(tmp_path)) for a in argv]) == 2
+    err = capsys.readouterr().err
+    assert err.startswith(f"writescope {argv[0]}: error:") and named in err
+
+
+def test_unsupported_model_type():
+    with pytest.raises(ValueError, match="unsupported model_type 'llama'"):
+        ModelConfig.from_hf({**preset_hf_dict(PRESET), "model_type": "llama"})
+
+
+@pytest.mark.parametrize(
+    "preset, field",
+    [(PRESET, "hidden_size"), (PRESET, "num_experts"), ("tiny-mixtral", "num_local_experts"),
+     ("tiny-deepseek-v2", "kv_lora_rank"), ("tiny-deepseek-v2", "vocab_size")],
+)
+def test_missing_config_field(preset, field):
+    d = preset_hf_dict(preset)
+    del d[field]
+    with pytest.raises(ValueError, match=f"missing required field '{field}'"):
+        ModelConfig.from_hf(d)
+
+
+# ------------------------------------------------------------------ checkpoints
+def shapes_of(cfg) -> dict[str, tuple[int, ...]]:
+    return {k: tuple(v.shape) for k, v in build_model(cfg, torch.float32, "cpu").state_dict().items()}
+
+
+def write(out, shapes, max_shard_bytes=1 << 20):
+    cfg = preset_config(PRESET)
+    return write_checkpoint(out, cfg, synthetic_tensors(shapes, 0, torch.float32, "cpu"), len(shapes), torch.float32, None,
+                            max_shard_bytes=max_shard_bytes, progress=False)
+
+
+@pytest.fixture(scope="module")
+def sharded(tmp_path_factory):
+    out = write(tmp_path_factory.mktemp("ckpt") / "tiny", shapes_of(preset_config(PRESET)))
+    assert len(list(out.glob("*.safetensors"))) >= 3
+    return out
+
+
+@pytest.fixture
+def ckpt(sharded, tmp_path):
+    """A fresh copy of the sharded checkpoint, free to damage; returns (dir, its shard files)."""
+    d = shutil.copytree(sharded, tmp_path / "ckpt")
+    return d, sorted(d.glob("*.safetensors"))
+
+
+def test_intact_sharded_checkpoint_matches_preset(engine, ckpt):
+    """Control for the damage tests below: the undamaged copy loads and equals the preset."""
+    _, ref = engine
+    llm = LLM(str(ckpt[0]), progress=False)
+    assert llm.generate(prompt_token_ids=[PROMPT], sampling_params=PARAMS)[0].token_ids == ref
+
+
+def test_missing_shard(ckpt, capsys):
+    d, shards = ckpt
+    shards[1].unlink()
+    with pytest.raises(CheckpointError, match=re.escape(shards[1].name)):
+        LLM(str(d), progress=False)
+    assert main(["generate", "--model", str(d), "--prompt", "hi", "--quiet"]) == 2
+    assert shards[1].name in capsys.readouterr().err
+
+
+@pytest.mark.parametrize(
+    "damage",
+    [lambda b: bytes(range(256)) * (len(b) // 256), lambda b: b[: len(b) // 2], lambda b: b[:5], lambda b: b""],
+    ids=["garbage", "truncated-half", "truncated-header", "empty"],
+)
+def test_corrupt_shard(ckpt, damage):
+    d, shards = ckpt
+    shards[1].write_bytes(damage(shards[1].read_bytes()))
+    with pytest.raises(CheckpointError, match=re.escape(str(shards[1]))):
+        LLM(str(d), progress=False)
+
+
+def expect_checkpoint_error(d, *fragments):
+    """load_weights fails with one CheckpointError holding every fragment, and changes no weight."""
+    model = build_model(preset_config(PRESET), torch.float32, "cpu")
+    fill_synthetic(model, seed=1, progress=False)
+    before = {k: v.clone() for k, v in model.state_dict().items()}
+    with pytest.raises(CheckpointError) as info:
+        load_weights(model, d, progress=False)
+    for frag in fragments:
+        assert frag in str(info.value)
+    assert all(torch.equal(before[k], v) for k, v in model.state_dict().items()), "a failed load changed weights"
+
+
+MISSING, EXTRA, RESHAPED = "model.layers.1.mlp.gate.weight", "model.layers.0.mlp.extra.weight", "model.norm.weight"
+
+
+@pytest.mark.parametrize("problems", [("missing",), ("unexpected",), ("mis-shaped",), ("missing", "unexpected", "mis-shaped")])
+def test_tensor_mismatches_listed_in_one_error(tmp_path, problems):
+    shapes = shapes_of(preset_config(PRESET))
+    fragments = []
+    if "missing" in problems:
+        del shapes[MISSING]
+        fragments += ["1 missing tensor(s)", MISSING]
+    if "unexpected" in problems:
+        shapes[EXTRA] = (4, 4)
+        fragments += ["1 unexpected tensor(s)", EXTRA]
+    if "mis-shaped" in problems:
+        shapes[RESHAPED] = (32,)
+        fragments += ["1 mis-shaped tensor(s)", f"{RESHAPED}: checkpoint (32,) vs model (64,)"]
+    expect_checkpoint_error(write(tmp_path / "bad", shapes), *fragments)
+
+
+def test_index_pointing_at_wrong_shard(ckpt):
+    d, shards = ckpt
+    index = json.loads((d / INDEX_NAME).read_text())
+    name = next(k for k, f in index["weight_map"].items() if f == shards[1].name)
+    index["weight_map"][name] = shards[2].name  # the tensor really is in shards[1]
+    (d / INDEX_NAME).write_text(json.dumps(index))
+    expect_checkpoint_error(d, "1 wrongly indexed tensor(s)", f"{name} (not in {shards[2].name})")
+
+
+def test_tensor_left_out_of_index(ckpt):
+    d, _ = ckpt
+    index = json.loads((d / INDEX_NAME).read_text())
+    del index["weight_map"][MISSING]  # still in its shard, but the loader would never read it
+    (d / INDEX_NAME).write_text(json.dumps(index))
+    expect_checkpoint_error(d, "1 missing tensor(s)", MISSING)
