@@ -21,15 +21,6 @@ CHANGED = 1e-2  # a flag that acts moves some logit by at least this (observed: 
 SAME = dict(rtol=1e-5, atol=1e-5)  # a flag that must not act leaves logits equal to this
 
 
-@pytest.fixture(scope="module", autouse=True)
-def one_thread():
-    """Tiny tensors: one intra-op thread is faster, and far faster when the CPUs are shared."""
-    n = torch.get_num_threads()
-    torch.set_num_threads(1)
-    yield
-    torch.set_num_threads(n)
-
-
 @pytest.fixture(scope="module")
 def prompt() -> torch.Tensor:
     return torch.randint(0, 4096, (PROMPT_LEN,), generator=torch.Generator().manual_seed(0))

@@ -27,15 +27,6 @@ PROMPT = [5, 6, 7, 8, 9]
 PARAMS = SamplingParams(max_tokens=4)
 
 
-@pytest.fixture(scope="module", autouse=True)
-def one_thread():
-    """Tiny tensors: one intra-op thread is faster, and far faster when the CPUs are shared."""
-    n = torch.get_num_threads()
-    torch.set_num_threads(1)
-    yield
-    torch.set_num_threads(n)
-
-
 @pytest.fixture(scope="module")
 def engine():
     """(llm, reference greedy token ids for PROMPT)."""

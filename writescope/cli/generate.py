@@ -68,14 +68,13 @@ def run(args: argparse.Namespace) -> int:
     for o in outs:
         print(f"\n--- request {o.request_id}: {o.metrics.prompt_tokens} prompt tokens -> {o.metrics.output_tokens} new ({o.finish_reason})")
         print(o.text)
-    m = outs[0].metrics
     print("\n" + format_timings(outs))
     if args.output_json:
         args.output_json.parent.mkdir(parents=True, exist_ok=True)
         doc = {"model": args.model, "device": str(llm.device), "dtype": str(llm.dtype), "requests": [o.to_dict() for o in outs]}
         args.output_json.write_text(json.dumps(doc, indent=2))
         print(f"wrote {args.output_json}")
-    return 0 if m else 1
+    return 0
 
 
 def format_timings(outs) -> str:
