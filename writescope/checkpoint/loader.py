@@ -42,30 +42,21 @@ def shard_map(ckpt_dir: Path) -> dict[str, Path]:
         return {k: ckpt_dir / f for k, f in weight_map.items()}
     single = ckpt_dir / SINGLE_NAME
     if single.is_file():
-        return {k: single for k in _keys(single)}
+        return {k: single for k in _shapes(single)}
     raise CheckpointError(f"no {SINGLE_NAME} or {INDEX_NAME} in {ckpt_dir}")
 
 
-def _keys(path: Path) -> list[str]:
+def _shapes(path: Path) -> dict[str, tuple[int, ...]]:
+    """tensor name -> shape of one safetensors file (header only).
+
+    Raises:
+        CheckpointError: the file cannot be read (the message names it).
+    """
     try:
         with safe_open(str(path), "pt") as f:
-            return list(f.keys())
+            return {k: tuple(f.get_slice(k).get_shape()) for k in f.keys()}
     except Exception as e:  # safetensors raises its own error types for bad headers
         raise CheckpointError(f"cannot read safetensors file {path}: {e}. Re-download or re-create it.") from e
-
-
-def _shapes(files: set[Path]) -> dict[str, tuple[int, ...]]:
-    shapes = {}
-    for path in sorted(files):
-        try:
-            with safe_open(str(path), "pt") as f:
-                for k in f.keys():
-                    shapes[k] = tuple(f.get_slice(k).get_shape())
-        except CheckpointError:
-            raise
-        except Exception as e:
-            raise CheckpointError(f"cannot read safetensors file {path}: {e}. Re-download or re-create it.") from e
-    return shapes
 
 
 def validate(model: CausalLM, names: dict[str, Path]) -> None:
@@ -78,7 +69,7 @@ def validate(model: CausalLM, names: dict[str, Path]) -> None:
     if model.config.tie_word_embeddings:
         expected.pop("lm_head.weight", None)
     # count a tensor only where load_weights will read it: in the shard the index names for it
-    held = {path: _shapes({path}) for path in sorted(set(names.values()))}
+    held = {path: _shapes(path) for path in sorted(set(names.values()))}
     found = {k: held[p][k] for k, p in names.items() if k in held[p]}
     misindexed = sorted(f"{k} (not in {p.name})" for k, p in names.items() if k not in held[p])
     for k in list(found):

@@ -42,31 +42,30 @@ def write_checkpoint(
     if (out / SINGLE_NAME).exists() or (out / INDEX_NAME).exists():
         raise FileExistsError(f"{out} already holds a checkpoint: choose a new --out directory or delete it")
     out.mkdir(parents=True, exist_ok=True)
-    shards: list[dict[str, torch.Tensor]] = [{}]
+    shard: dict[str, torch.Tensor] = {}  # the shard being filled
     files: list[Path] = []
-    sizes = [0]
-    weight_map: dict[str, int] = {}
-    total_bytes = 0
+    weight_map: dict[str, int] = {}  # tensor name -> shard number
+    total_bytes = shard_bytes = 0
 
     def flush() -> None:
         path = out / f"model-{len(files) + 1:05d}.safetensors.part"
-        save_file({k: v.contiguous() for k, v in shards[-1].items()}, str(path), metadata={"format": "pt"})
+        save_file({k: v.contiguous() for k, v in shard.items()}, str(path), metadata={"format": "pt"})
         files.append(path)
-        shards[-1] = {}
-        sizes[-1] = 0
+        shard.clear()
 
     bar = tqdm(total=total, desc="writing tensors", unit="tensor", disable=not progress)
     for name, t in tensors:
         t = t.to(dtype).cpu()
         nbytes = t.numel() * t.element_size()
-        if shards[-1] and sizes[-1] + nbytes > max_shard_bytes:
+        if shard and shard_bytes + nbytes > max_shard_bytes:
             flush()
-        shards[-1][name] = t
-        sizes[-1] += nbytes
+            shard_bytes = 0
+        shard[name] = t
+        shard_bytes += nbytes
         total_bytes += nbytes
         weight_map[name] = len(files)
         bar.update(1)
-    if shards[-1]:
+    if shard:
         flush()
     bar.close()
     n = len(files)
