@@ -13,7 +13,11 @@ from writescope.attention.metadata import ForwardBatch
 from writescope.engine.model_loader import load_model, parse_dtype, resolve_device
 from writescope.engine.outputs import RequestMetrics, RequestOutput
 from writescope.engine.sampling import SamplingParams, sample
+from writescope.kvcache.base import KVCache
 from writescope.kvcache.contiguous import ContiguousKVCache
+from writescope.kvcache.inplace import InplaceKVCache
+from writescope.kvcache.spec import DEFAULT_WINDOW, PartitionSpec
+from writescope.scheduler.policies import parse_policy
 
 PROGRESS_MIN_PROMPT_TOKENS = 2048  # show a prefill progress bar from this many prompt tokens
 
@@ -32,9 +36,17 @@ class LLM:
             config's ``max_position_embeddings``.
         prefill_chunk_tokens: prompt tokens per prefill forward pass (bounds activation memory).
         progress: show progress bars (loading, long prefills).
+        policy: KV placement: ``resident`` (all KV on the device), ``gpu`` (spilled KV in the
+            pinned load region, streamed every step), ``cpu`` (spilled KV in the compute region,
+            attended by the CPU), ``static:R`` (CPU share R in [0, 1]). See DESIGN.md section 7.
+        window: D, tokens of the D-window and of one block (partitioned policies).
+        pinned_budget: bytes of host memory the load region may pin (default: half the host's
+            memory).
+        cpu_threads: threads for CPU attention (default: torch's intra-op thread count).
 
     Raises:
-        ValueError: unknown model/preset, bad dtype or device, bad max_model_len.
+        ValueError: unknown model/preset, bad dtype or device, bad max_model_len, unknown
+            policy, or a partitioned policy for a model with a sliding window.
         CheckpointError: the checkpoint's tensors do not match the config.
     """
 
@@ -49,11 +61,17 @@ class LLM:
         max_model_len: int | None = None,
         prefill_chunk_tokens: int = 8192,
         progress: bool = True,
+        policy: str = "resident",
+        window: int = DEFAULT_WINDOW,
+        pinned_budget: int | None = None,
+        cpu_threads: int | None = None,
     ):
         self.device = resolve_device(device)
         self.dtype = parse_dtype(dtype, self.device)
         if prefill_chunk_tokens < 1:
             raise ValueError(f"prefill_chunk_tokens must be >= 1, got {prefill_chunk_tokens}")
+        self.policy = parse_policy(policy)
+        self.policy_name = "resident" if self.policy is None else self.policy.name
         self.config, self.model, self.tokenizer, self.load_info = load_model(
             model, synthetic, self.dtype, self.device, seed, progress
         )
@@ -64,7 +82,18 @@ class LLM:
         self.seed = seed
         self.prefill_chunk_tokens = prefill_chunk_tokens
         self.progress = progress
-        self.cache = ContiguousKVCache(self.config.kv_layout, self.config.num_layers, self.dtype, self.device)
+        self.pinned_budget = pinned_budget if pinned_budget is not None else (host_memory_total() or 0) // 2 or None
+        self.cache: KVCache
+        if self.policy is None:
+            self.cache = ContiguousKVCache(self.config.kv_layout, self.config.num_layers, self.dtype, self.device)
+        else:
+            if self.config.attention.sliding_window is not None:
+                raise ValueError(
+                    f"policy {policy!r} needs full attention but the model has sliding_window="
+                    f"{self.config.attention.sliding_window}: use policy 'resident'"
+                )
+            spec = PartitionSpec(self.config.kv_layout, self.config.num_layers, self.dtype, window=window)
+            self.cache = InplaceKVCache(spec, self.policy, self.device, cpu_threads)
         self._next_request_id = 0
 
     # ---------------------------------------------------------------- validation
@@ -104,7 +133,11 @@ class LLM:
         return texts, ids, plist
 
     def _check_memory(self, capacities: list[int]) -> None:
-        """Refuse a batch whose KV cache cannot fit the device's free memory, before allocating."""
+        """Refuse a batch whose KV cache cannot fit free memory, before allocating."""
+        if isinstance(self.cache, InplaceKVCache):
+            dev_free = available_memory(self.device) if self.device.type == "cuda" else None
+            self.cache.check_capacity(capacities, dev_free, available_memory(torch.device("cpu")), self.pinned_budget)
+            return
         need = sum(self.cache.bytes_for(c) for c in capacities)
         free = available_memory(self.device)
         if free is not None and need > 0.9 * free:
@@ -135,7 +168,7 @@ class LLM:
         slots: list[int] = []
         try:
             for p, sp in zip(ids, plist):
-                slots.append(self.cache.allocate(len(p) + sp.max_tokens))
+                slots.append(self.cache.allocate(len(p) + sp.max_tokens, prompt_len=len(p)))
             return self._run(texts, ids, plist, slots)
         finally:
             for s in slots:
@@ -247,10 +280,19 @@ def available_memory(device: torch.device) -> int | None:
     if device.type == "cuda":
         free, _ = torch.cuda.mem_get_info(device)
         return free
+    return _meminfo("MemAvailable")
+
+
+def host_memory_total() -> int | None:
+    """Total host memory in bytes (MemTotal), or None when unknown."""
+    return _meminfo("MemTotal")
+
+
+def _meminfo(key: str) -> int | None:
     try:
         with open("/proc/meminfo") as f:
             for line in f:
-                if line.startswith("MemAvailable:"):
+                if line.startswith(key + ":"):
                     return int(line.split()[1]) * 1024
     except OSError:
         return None

@@ -27,8 +27,10 @@ class KVCache(ABC):
     num_layers: int
 
     @abstractmethod
-    def allocate(self, capacity: int) -> int:
+    def allocate(self, capacity: int, prompt_len: int = 0) -> int:
         """Reserve room for ``capacity`` tokens of one sequence in every layer; returns a slot id.
+
+        ``prompt_len`` (tokens, 0 = unknown) lets a partitioned cache plan the prefill's placement.
 
         Raises:
             ValueError: capacity < 1.

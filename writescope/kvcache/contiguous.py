@@ -29,7 +29,7 @@ class ContiguousKVCache(KVCache):
         """Bytes one sequence of ``capacity`` tokens takes across all layers."""
         return capacity * self.num_layers * self.layout.bytes_per_token(torch.tensor([], dtype=self.dtype).element_size())
 
-    def allocate(self, capacity: int) -> int:
+    def allocate(self, capacity: int, prompt_len: int = 0) -> int:
         if capacity < 1:
             raise ValueError(f"KV capacity must be at least 1 token, got {capacity}")
         lay = self.layout

@@ -1,0 +1,175 @@
+"""One decode step of one layer over a partitioned cache (DESIGN.md section 4).
+
+```
+GPU→CPU   q (small)                                          only if some sequence has compute blocks
+CPU       worker thread: (o_c, lse_c) per sequence over its compute region, in place
+GPU       (o_w, lse_w) over the D-windows, all sequences at once
+GPU       load-region runs: copy stream → ping-pong buffer i; compute stream attends buffer i
+          while buffer i+1 is filled (events order reuse)
+GPU       o = merge((o_w, lse_w), (o_l, lse_l), (o_c, lse_c))
+```
+
+Without CUDA the same code runs with CPU tensors and no streams (CI).
+"""
+
+from __future__ import annotations
+
+import time
+from concurrent.futures import Future, ThreadPoolExecutor
+from dataclasses import dataclass
+
+import torch
+
+from writescope.attention.merge import merge_unchecked
+from writescope.attention.partial import attend_blocks, cpu_attend
+from writescope.kvcache.spec import PartitionSpec
+
+
+@dataclass
+class SplitStats:
+    """Running totals of decode split attention (seconds, tokens, bytes)."""
+
+    layer_steps: int = 0
+    cpu_seconds: float = 0.0  # wall time of the CPU worker's attention
+    cpu_tokens: int = 0  # compute-region tokens attended on the CPU
+    window_tokens: int = 0
+    streamed_bytes: int = 0  # load region -> ping-pong
+    streamed_copies: int = 0
+    last_cpu_seconds: float = 0.0
+
+
+class SplitDecoder:
+    """Runs :meth:`decode` for one layer of a batch of :class:`~writescope.kvcache.sequence.SequenceKV`.
+
+    Args:
+        spec: cache layout (block shape, ping-pong sizes).
+        device: the GPU (or the CPU standing in for it).
+        cpu_threads: threads the CPU attention may use (defaults to ``torch.get_num_threads()``).
+    """
+
+    def __init__(self, spec: PartitionSpec, device: torch.device, cpu_threads: int | None = None):
+        self.spec, self.device = spec, device
+        self.cuda = device.type == "cuda"
+        self.cpu_threads = cpu_threads or torch.get_num_threads()
+        self.pool = ThreadPoolExecutor(max_workers=1, thread_name_prefix="writescope-cpu-attn")
+        self.stats = SplitStats()
+        self._buffers: list[torch.Tensor] = []
+        self._free_events: list[object | None] = []
+        if self.cuda:
+            self.copy_stream = torch.cuda.Stream(device)
+
+    def close(self) -> None:
+        self.pool.shutdown(wait=True)
+
+    def buffers(self) -> list[torch.Tensor]:
+        """The ping-pong buffers ``[pingpong_blocks, parts, kv_heads, D, dim]``, made on first use."""
+        if not self._buffers:
+            s = self.spec
+            self._buffers = [
+                torch.empty((s.pingpong_blocks, *s.block_shape()), dtype=s.dtype, device=self.device) for _ in range(s.pingpong_buffers)
+            ]
+            self._free_events = [None] * s.pingpong_buffers
+        return self._buffers
+
+    # ------------------------------------------------------------------ one layer
+    def decode(self, layer: int, q: torch.Tensor, seqs: list, scale: float, evict_stream=None) -> torch.Tensor:
+        """Exact attention of one new query per sequence over all four regions.
+
+        Args:
+            layer: layer id.
+            q: ``[B, q_heads, dk]`` on the device.
+            seqs: B SequenceKV, each with the new token already in its D-window.
+            scale: softmax scale.
+            evict_stream: CUDA stream that evictions run on (streaming waits for it).
+
+        Returns:
+            ``[B, q_heads, dv]`` in q's dtype.
+        """
+        s = self.spec
+        B, Hq, dk = q.shape
+        Hkv, dv = s.layout.kv_heads, s.layout.v_dim
+        qg = q.view(B, Hkv, Hq // Hkv, dk)
+        self.stats.layer_steps += 1
+        cpu_rows = [i for i, sq in enumerate(seqs) if sq.n_comp[layer] > 0]
+        fut: Future | None = None
+        if cpu_rows:
+            q_host = qg.to("cpu") if self.cuda else qg
+            fut = self.pool.submit(self._cpu_part, layer, q_host, seqs, cpu_rows, scale)
+        states = [self._window_part(layer, qg, seqs, scale)]
+        if any(sq.n_load[layer] > 0 for sq in seqs):
+            states.append(self._load_part(layer, qg, seqs, scale, evict_stream))
+        if fut is not None:
+            o_c, l_c = fut.result()
+            states.append((o_c.to(self.device), l_c.to(self.device)))
+        o, _ = merge_unchecked([st[0] for st in states], [st[1] for st in states])
+        return o.view(B, Hq, dv).to(q.dtype)
+
+    def _window_part(self, layer, qg, seqs, scale):
+        s = self.spec
+        win = torch.stack([sq.window[layer] for sq in seqs])  # [B, parts, Hkv, D, dim]
+        lens = torch.tensor([sq.win_len[layer] for sq in seqs], dtype=torch.long)
+        self.stats.window_tokens += int(lens.sum())
+        k = win[:, 0].unsqueeze(1)  # [B, 1, Hkv, D, dk]
+        v = win[:, 1].unsqueeze(1) if s.parts == 2 else k[..., : s.layout.v_dim]
+        return attend_blocks(qg, k, v, scale, lens.to(self.device, non_blocking=True))
+
+    def _load_part(self, layer, qg, seqs, scale, evict_stream):
+        s = self.spec
+        B, Hkv, G, _ = qg.shape
+        acc = torch.promote_types(s.dtype, torch.float32)
+        o_acc = torch.zeros(B, Hkv, G, s.layout.v_dim, dtype=acc, device=self.device)
+        l_acc = torch.full((B, Hkv, G), float("-inf"), dtype=acc, device=self.device)
+        bufs = self.buffers()
+        cur = torch.cuda.current_stream(self.device) if self.cuda else None
+        if self.cuda:
+            self.copy_stream.wait_stream(cur)  # prefill writes into the load region
+            if evict_stream is not None:
+                self.copy_stream.wait_stream(evict_stream)  # evicted blocks
+        n = 0
+        for i, sq in enumerate(seqs):
+            for src in sq.load_runs(layer, 0, sq.n_load[layer], s.pingpong_blocks):
+                b = n % len(bufs)
+                buf = bufs[b][: src.shape[0]]
+                if self.cuda:
+                    with torch.cuda.stream(self.copy_stream):
+                        if self._free_events[b] is not None:
+                            self.copy_stream.wait_event(self._free_events[b])
+                        buf.copy_(src, non_blocking=True)
+                        ready = torch.cuda.Event()
+                        ready.record(self.copy_stream)
+                    cur.wait_event(ready)
+                else:
+                    buf.copy_(src)
+                self.stats.streamed_bytes += src.numel() * src.element_size()
+                self.stats.streamed_copies += 1
+                k = buf[:, 0].unsqueeze(0)  # [1, nb, Hkv, D, dk]
+                v = buf[:, 1].unsqueeze(0) if s.parts == 2 else k[..., : s.layout.v_dim]
+                o, lse = attend_blocks(qg[i : i + 1], k, v, scale)
+                if self.cuda:
+                    done = torch.cuda.Event()
+                    done.record(cur)
+                    self._free_events[b] = done
+                o_acc[i], l_acc[i] = merge_unchecked([o_acc[i], o[0]], [l_acc[i], lse[0]])
+                n += 1
+        return o_acc, l_acc
+
+    def _cpu_part(self, layer, q_host, seqs, rows, scale):
+        """Worker thread: compute-region attention for ``rows``; others get the empty partial."""
+        t0 = time.perf_counter()
+        B, Hkv, G, _ = q_host.shape
+        acc = torch.promote_types(self.spec.dtype, torch.float32)
+        o = torch.zeros(B, Hkv, G, self.spec.layout.v_dim, dtype=acc)
+        lse = torch.full((B, Hkv, G), float("-inf"), dtype=acc)
+        tokens = 0
+        for i in rows:
+            sq = seqs[i]
+            sq.drain(layer)
+            k, v = sq.compute_kv(layer)
+            o[i], lse[i] = cpu_attend(q_host[i], k, v, scale, self.cpu_threads)
+            tokens += k.shape[1]
+        dt = time.perf_counter() - t0
+        st = self.stats
+        st.cpu_seconds += dt
+        st.cpu_tokens += tokens
+        st.last_cpu_seconds = dt
+        return o, lse

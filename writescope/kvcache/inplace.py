@@ -1,0 +1,259 @@
+"""InplaceKVCache: the four-region KV format with write-time routing (DESIGN.md sections 2-4).
+
+Writes (per layer, per sequence; D = window):
+- tokens fill the D-window; whole blocks of a prefill go straight from the new KV to their home
+  (compute or load region, chosen by the policy), without passing through the window;
+- a full window is evicted whole once its step's attention has been issued: to the load region by
+  an asynchronous device-to-host copy on a side stream, or to the compute region through a pinned
+  staging block that the CPU worker copies in before it next reads (DESIGN.md: the copy runs in
+  the otherwise idle device-to-host direction).
+Reads: decode uses :class:`writescope.attention.split.SplitDecoder`; prefill attends on the
+device (for a prompt prefilled in several chunks, earlier chunks' KV is read back to the device
+for that attention; counted in ``prefill_readback_bytes``). Placed bytes never move.
+"""
+
+from __future__ import annotations
+
+import torch
+
+from writescope.attention.metadata import ForwardBatch
+from writescope.attention.reference import attend_sequence
+from writescope.attention.split import SplitDecoder
+from writescope.kvcache.base import KVCache
+from writescope.kvcache.sequence import SequenceKV
+from writescope.kvcache.spec import PartitionSpec
+from writescope.scheduler.policies import COMPUTE, PlacementPolicy
+
+
+class InplaceKVCache(KVCache):
+    """KV cache in the InplaceKVCache format.
+
+    Args:
+        spec: layout and sizes (:class:`PartitionSpec`).
+        policy: placement policy (``gpu``, ``cpu``, ``static:R``, ...).
+        device: the GPU, or the CPU standing in for it (then nothing is pinned and no streams).
+        cpu_threads: threads for CPU attention (default: torch's intra-op thread count).
+
+    Attributes:
+        prefill_readback_bytes: bytes read back to the device for chunked prefills.
+        evicted_blocks: D-windows evicted (all layers counted).
+    """
+
+    def __init__(self, spec: PartitionSpec, policy: PlacementPolicy, device: torch.device | str, cpu_threads: int | None = None):
+        self.spec, self.policy = spec, policy
+        self.layout, self.num_layers = spec.layout, spec.num_layers
+        self.device = torch.device(device)
+        self.cuda = self.device.type == "cuda"
+        self.decoder = SplitDecoder(spec, self.device, cpu_threads)
+        self.evict_stream = torch.cuda.Stream(self.device) if self.cuda else None
+        self._seqs: dict[int, SequenceKV] = {}
+        self._next_slot = 0
+        self.prefill_readback_bytes = 0
+        self.evicted_blocks = 0
+
+    # ------------------------------------------------------------------ lifecycle
+    def allocate(self, capacity: int, prompt_len: int = 0) -> int:
+        if capacity < 1:
+            raise ValueError(f"KV capacity must be at least 1 token, got {capacity}")
+        try:
+            seq = SequenceKV(self.spec, capacity, prompt_len, self.policy, self.device, pin=self.cuda)
+        except torch.OutOfMemoryError as e:
+            raise RuntimeError(
+                f"cannot allocate the D-window ({self.spec.window_bytes(1) / 2**20:.1f} MiB) on {self.device}: free device memory"
+            ) from e
+        slot = self._next_slot
+        self._next_slot += 1
+        self._seqs[slot] = seq
+        return slot
+
+    def free(self, slot: int) -> None:
+        seq = self._seqs.pop(slot, None)
+        if seq is None:
+            return
+        if self.cuda:
+            self.evict_stream.synchronize()
+            torch.cuda.current_stream(self.device).synchronize()
+        seq.release()
+
+    def close(self) -> None:
+        """Free every slot and stop the CPU worker."""
+        for slot in list(self._seqs):
+            self.free(slot)
+        self.decoder.close()
+
+    def seq_len(self, slot: int) -> int:
+        return self._seqs[slot].seq_len(self.num_layers - 1)
+
+    def sequence(self, slot: int) -> SequenceKV:
+        """The regions of a slot (for inspection and tests)."""
+        return self._seqs[slot]
+
+    @property
+    def active_slots(self) -> list[int]:
+        return list(self._seqs)
+
+    # ------------------------------------------------------------------ attention
+    def attend(self, layer_id, q, k, v, batch: ForwardBatch, scale, sliding_window=None):
+        if sliding_window is not None:
+            raise ValueError(
+                f"sliding_window={sliding_window} is not supported by the partitioned KV cache (policy {self.policy}): "
+                "use policy 'resident'"
+            )
+        seqs = [self._seqs[s] for s in batch.slots]
+        for i, sq in enumerate(seqs):
+            assert sq.seq_len(layer_id) == batch.context_lens[i], (
+                f"slot {batch.slots[i]} layer {layer_id}: cached {sq.seq_len(layer_id)} != context {batch.context_lens[i]}"
+            )
+            if sq.seq_len(layer_id) + batch.query_lens[i] > sq.capacity:
+                raise RuntimeError(f"slot {batch.slots[i]} overflows its KV capacity {sq.capacity} tokens")
+        new = _pack(k, v)  # [parts, Hkv, T, dim]
+        if all(n == 1 for n in batch.query_lens):
+            for i, sq in enumerate(seqs):
+                self._write(sq, layer_id, new[:, :, i : i + 1])
+            out = self.decoder.decode(layer_id, q, seqs, scale, self.evict_stream)
+        else:
+            out = q.new_empty(q.shape[0], q.shape[1], self.layout.v_dim)
+            for i, sq in enumerate(seqs):
+                s, e = batch.query_start_loc[i], batch.query_start_loc[i + 1]
+                ctx = batch.context_lens[i]
+                prev = self._gather(sq, layer_id) if ctx > 0 else None
+                self._write(sq, layer_id, new[:, :, s:e])
+                kv = new[:, :, s:e] if prev is None else torch.cat((prev, new[:, :, s:e]), dim=2)
+                keys = kv[0].transpose(0, 1)  # [ctx + n, Hkv, dk]
+                vals = kv[1].transpose(0, 1) if self.spec.parts == 2 else keys[..., : self.layout.v_dim]
+                out[s:e] = attend_sequence(q[s:e], keys, vals, ctx, scale)
+        for sq in seqs:
+            if sq.win_len[layer_id] == self.spec.window:
+                self._evict(sq, layer_id)
+        return out
+
+    # ------------------------------------------------------------------ writes
+    def _write(self, sq: SequenceKV, layer: int, x: torch.Tensor) -> None:
+        """Place ``x`` ``[parts, Hkv, n, dim]`` (the next n tokens of ``layer``)."""
+        D, n, pos = self.spec.window, x.shape[2], 0
+        while pos < n:
+            w = sq.win_len[layer]
+            if w == D:
+                self._evict(sq, layer)
+                w = 0
+            if w == 0 and n - pos >= D:
+                pos += self._place_blocks(sq, layer, x[:, :, pos : pos + (n - pos) // D * D])
+                continue
+            take = min(D - w, n - pos)
+            if self.cuda and sq.evict_events[layer] is not None:
+                torch.cuda.current_stream(self.device).wait_event(sq.evict_events[layer])
+                sq.evict_events[layer] = None
+            sq.window[layer, :, :, w : w + take].copy_(x[:, :, pos : pos + take])
+            sq.win_len[layer] += take
+            pos += take
+
+    def _place_blocks(self, sq: SequenceKV, layer: int, x: torch.Tensor) -> int:
+        """Write whole blocks ``x`` ``[parts, Hkv, nb*D, dim]`` straight to their homes; returns tokens."""
+        D = self.spec.window
+        nb, j0 = x.shape[2] // D, sq.placed[layer] // D
+        homes = [sq.home(j0 + t) for t in range(nb)]
+        t = 0
+        while t < nb:  # runs of consecutive blocks with the same region
+            region, idx = homes[t]
+            r = 1
+            while t + r < nb and homes[t + r] == (region, idx + r):
+                r += 1
+            src = x[:, :, t * D : (t + r) * D]
+            if region == COMPUTE:
+                sq.drain(layer)
+                sq.compute[layer, :, :, idx * D : (idx + r) * D].copy_(src)
+                sq.n_comp[layer] += r
+            else:
+                blocks = src.unflatten(2, (r, D)).permute(2, 0, 1, 3, 4).contiguous()  # [r, parts, Hkv, D, dim]
+                done = 0
+                for run in sq.load_runs(layer, idx, idx + r, r):
+                    run.copy_(blocks[done : done + run.shape[0]], non_blocking=self.cuda)
+                    done += run.shape[0]
+                sq.n_load[layer] += r
+            t += r
+        sq.placed[layer] += nb * D
+        return nb * D
+
+    def _evict(self, sq: SequenceKV, layer: int) -> None:
+        """Move the full D-window of ``layer`` to its block's home (asynchronously on CUDA)."""
+        D = self.spec.window
+        assert sq.win_len[layer] == D, f"evicting a window of {sq.win_len[layer]} tokens, expected {D}"
+        region, idx = sq.home(sq.placed[layer] // D)
+        if region == COMPUTE:
+            sq.drain(layer)
+            sq.n_comp[layer] += 1
+        else:
+            sq.n_load[layer] += 1
+        sq.placed[layer] += D
+        sq.win_len[layer] = 0
+        self.evicted_blocks += 1
+        src = sq.window[layer]
+        if not self.cuda:
+            dst = sq.compute[layer, :, :, idx * D : (idx + 1) * D] if region == COMPUTE else sq.load_block(layer, idx)
+            dst.copy_(src)
+            return
+        self.evict_stream.wait_stream(torch.cuda.current_stream(self.device))
+        with torch.cuda.stream(self.evict_stream):
+            dst = sq.staging_buffer()[layer] if region == COMPUTE else sq.load_block(layer, idx)
+            dst.copy_(src, non_blocking=True)
+            event = torch.cuda.Event()
+            event.record(self.evict_stream)
+        sq.evict_events[layer] = event
+        if region == COMPUTE:
+            sq.pending[layer] = (event, idx)
+
+    def _gather(self, sq: SequenceKV, layer: int) -> torch.Tensor:
+        """All cached KV of ``layer`` in position order on the device: ``[parts, Hkv, ctx, dim]``.
+        Only for chunked prefill (a read, not a move)."""
+        D = self.spec.window
+        if self.cuda:
+            self.evict_stream.synchronize()
+        sq.drain(layer)
+        pieces = []
+        for j in range(sq.placed[layer] // D):
+            region, idx = sq.homes[j]
+            blk = sq.compute[layer, :, :, idx * D : (idx + 1) * D] if region == COMPUTE else sq.load_block(layer, idx)
+            pieces.append(blk.to(self.device))
+        pieces.append(sq.window[layer, :, :, : sq.win_len[layer]])
+        self.prefill_readback_bytes += sum(p.numel() * p.element_size() for p in pieces[:-1])
+        return torch.cat(pieces, dim=2)
+
+    # ------------------------------------------------------------------ sizing
+    def check_capacity(self, capacities: list[int], device_free: int | None, host_free: int | None, pinned_budget: int | None) -> None:
+        """Refuse, before anything is allocated, a batch whose KV cannot fit.
+
+        Args:
+            capacities: tokens per sequence (prompt + max new tokens).
+            device_free, host_free: free bytes (None = unknown, not checked).
+            pinned_budget: bytes that may be page-locked (None = not checked).
+
+        Raises:
+            ValueError: naming the region, bytes needed and available, and what to change.
+        """
+        s, p = self.spec, self.policy
+        gib = 2**30
+        dev = s.window_bytes(len(capacities)) + s.pingpong_total_bytes()
+        if device_free is not None and dev > 0.9 * device_free:
+            raise ValueError(
+                f"the D-windows and ping-pong buffers need {dev / gib:.2f} GiB on {self.device} but {device_free / gib:.2f} GiB is free: "
+                "use a smaller batch or window"
+            )
+        host = s.host_bytes(capacities)
+        if host_free is not None and host > 0.9 * host_free:
+            raise ValueError(
+                f"the batch's spilled KV needs up to {host / gib:.2f} GiB of host memory but {host_free / gib:.2f} GiB is available: "
+                "use fewer or shorter requests"
+            )
+        pinned = int(host * p.max_load_share) + (s.staging_bytes(len(capacities)) if p.max_cpu_share > 0 else 0)
+        if self.cuda and pinned_budget is not None and pinned > pinned_budget:
+            raise ValueError(
+                f"the load region needs up to {pinned / gib:.2f} GiB of pinned memory, above the pinned budget of "
+                f"{pinned_budget / gib:.2f} GiB: raise pinned_budget, or use a policy with a larger CPU share"
+            )
+
+
+def _pack(k: torch.Tensor, v: torch.Tensor | None) -> torch.Tensor:
+    """New KV ``[T, Hkv, dk]`` (+ ``[T, Hkv, dv]``) -> ``[parts, Hkv, T, dim]`` (a view when shared)."""
+    if v is None:
+        return k.permute(1, 0, 2).unsqueeze(0)
+    return torch.stack((k, v)).permute(0, 2, 1, 3)

@@ -1,0 +1,183 @@
+"""The four regions of one sequence, all layers, and its block table.
+
+Per sequence (L layers, D = window, one block = ``[parts, kv_heads, D, dim]``):
+
+```
+D-window        device  [L, parts, kv_heads, D, dim]         newest tokens (win_len[l] of them)
+compute region  host    [L, parts, kv_heads, cap, dim]       per-head rows; block c = rows c*D .. c*D+D-1
+load region     host*   slabs [L, nblk, parts, kv_heads, D, dim]  one contiguous block each (*pinned on CUDA)
+```
+
+Blocks are numbered by position (block j = tokens j*D .. j*D + D - 1). ``homes[j]`` is the
+(region, index in region) of block j, chosen once, when layer 0 places it; every other layer
+places its block j at the same home. Nothing placed ever moves.
+"""
+
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass
+
+import torch
+
+from writescope.kvcache.pinned import host_empty, unpin
+from writescope.kvcache.spec import PartitionSpec
+from writescope.scheduler.policies import COMPUTE, LOAD, PlacementPolicy, route_block
+
+SLAB_MIN_BLOCKS = 16  # smallest load-region slab grown during decode (blocks)
+
+
+@dataclass
+class LoadSlab:
+    """One registered host allocation holding load blocks ``first .. first + nblk - 1``."""
+
+    tensor: torch.Tensor  # [L, nblk, parts, kv_heads, D, dim]
+    first: int
+    pinned: bool
+
+    @property
+    def nblk(self) -> int:
+        return self.tensor.shape[1]
+
+
+class SequenceKV:
+    """Regions and block table of one sequence (see module docstring).
+
+    Args:
+        spec: the cache layout.
+        capacity: tokens this sequence may reach (prompt + new tokens).
+        prompt_len: P, for the prefill plan (0 = unknown: then the first write's length).
+        policy: the placement policy routing this sequence's blocks.
+        device: where the D-window lives.
+        pin: register load-region slabs and staging with CUDA.
+    """
+
+    def __init__(self, spec: PartitionSpec, capacity: int, prompt_len: int, policy: PlacementPolicy, device: torch.device, pin: bool):
+        self.spec, self.capacity, self.prompt_len, self.policy, self.pin = spec, capacity, prompt_len, policy, pin
+        L, D = spec.num_layers, spec.window
+        self.max_blocks = capacity // D
+        # zeroed: masked window slots meet the value matmul with weight 0, which must not see NaN
+        self.window = torch.zeros((L, *spec.block_shape()), dtype=spec.dtype, device=device)
+        self.win_len = [0] * L
+        self.placed = [0] * L  # tokens placed per layer (whole blocks)
+        self.n_comp = [0] * L  # compute-region blocks per layer
+        self.n_load = [0] * L  # load-region blocks per layer
+        self.homes: list[tuple[int, int]] = []
+        cpu_blocks = 0 if policy.max_cpu_share == 0 else self.max_blocks
+        self.compute = torch.empty((L, spec.parts, spec.layout.kv_heads, cpu_blocks * D, spec.dim), dtype=spec.dtype)
+        self.slabs: list[LoadSlab] = []
+        self.staging: torch.Tensor | None = None  # pinned [L, parts, kv_heads, D, dim] for evictions to compute
+        self.pending: list[tuple[object, int] | None] = [None] * L  # (event, compute block) awaiting copy-in
+        self.evict_events: list[object | None] = [None] * L  # window reuse waits on these
+
+    # ------------------------------------------------------------------ lengths
+    def seq_len(self, layer: int) -> int:
+        return self.placed[layer] + self.win_len[layer]
+
+    def comp_tokens(self, layer: int) -> int:
+        return self.n_comp[layer] * self.spec.window
+
+    # ------------------------------------------------------------------ routing
+    def home(self, block: int) -> tuple[int, int]:
+        """(region, index) of ``block``; routed by the policy the first time it is asked."""
+        if block < len(self.homes):
+            return self.homes[block]
+        assert block == len(self.homes), f"block {block} placed before block {len(self.homes)}"
+        n_c = sum(1 for r, _ in self.homes if r == COMPUTE)
+        region = route_block(self.policy, block, self.prompt_len, self.spec.window, n_c)
+        if region == COMPUTE and self.compute.shape[3] == 0:
+            region = LOAD
+        idx = n_c if region == COMPUTE else len(self.homes) - n_c
+        if region == LOAD:
+            self._reserve_load(idx + 1)
+        self.homes.append((region, idx))
+        return region, idx
+
+    def _reserve_load(self, blocks: int) -> None:
+        """Make room for ``blocks`` load blocks, growing by an exactly sized registered slab."""
+        have = self.slabs[-1].first + self.slabs[-1].nblk if self.slabs else 0
+        if blocks <= have:
+            return
+        cap = min(self.max_blocks, math.ceil(self.policy.max_load_share * self.max_blocks) + 2)
+        want = max(blocks - have, min(cap - have, max(SLAB_MIN_BLOCKS, have)))
+        s = self.spec
+        t = host_empty((s.num_layers, want, *s.block_shape()), s.dtype, self.pin)
+        self.slabs.append(LoadSlab(t, have, self.pin))
+
+    def load_block(self, layer: int, idx: int) -> torch.Tensor:
+        """The load block ``idx`` of ``layer``: ``[parts, kv_heads, D, dim]`` (contiguous)."""
+        for slab in self.slabs:
+            if slab.first <= idx < slab.first + slab.nblk:
+                return slab.tensor[layer, idx - slab.first]
+        raise AssertionError(f"load block {idx} has no slab")
+
+    def load_runs(self, layer: int, start: int, stop: int, max_blocks: int) -> list[torch.Tensor]:
+        """Load blocks ``start .. stop - 1`` of ``layer`` as contiguous runs of at most
+        ``max_blocks`` blocks: each ``[nb, parts, kv_heads, D, dim]``, one copy each."""
+        runs = []
+        for slab in self.slabs:
+            a, b = max(start, slab.first), min(stop, slab.first + slab.nblk)
+            for s in range(a, b, max_blocks):
+                e = min(b, s + max_blocks)
+                runs.append(slab.tensor[layer, s - slab.first : e - slab.first])
+        return runs
+
+    def compute_kv(self, layer: int) -> tuple[torch.Tensor, torch.Tensor]:
+        """K ``[kv_heads, n, dk]`` and V ``[kv_heads, n, dv]`` views of the placed compute region."""
+        n, reg = self.comp_tokens(layer), self.compute[layer]
+        k = reg[0, :, :n]
+        v = reg[1, :, :n] if self.spec.parts == 2 else k[..., : self.spec.layout.v_dim]
+        return k, v
+
+    def staging_buffer(self) -> torch.Tensor:
+        if self.staging is None:
+            self.staging = host_empty(tuple(self.window.shape), self.spec.dtype, self.pin)
+        return self.staging
+
+    def drain(self, layer: int) -> None:
+        """Finish a pending eviction to the compute region: wait for its device-to-host copy
+        into the pinned staging block, then write the block to its home (CPU copy)."""
+        p = self.pending[layer]
+        if p is None:
+            return
+        event, idx = p
+        event.synchronize()  # type: ignore[attr-defined]
+        D = self.spec.window
+        self.compute[layer, :, :, idx * D : (idx + 1) * D].copy_(self.staging[layer])  # type: ignore[index]
+        self.pending[layer] = None
+
+    # ------------------------------------------------------------------ lifecycle
+    def release(self) -> None:
+        """Unregister pinned memory (the caller has synchronised pending copies)."""
+        for slab in self.slabs:
+            if slab.pinned:
+                unpin(slab.tensor)
+        if self.staging is not None and self.pin:
+            unpin(self.staging)
+        self.slabs, self.staging = [], None
+
+    def check_invariants(self) -> None:
+        """Raise AssertionError unless the block table and counts are consistent.
+
+        Every token position lives in exactly one region: tokens 0 .. placed[l]-1 in whole
+        blocks (block j at ``homes[j]``), tokens placed[l] .. seq_len-1 in the D-window; each
+        region index is used by exactly one block; per-layer region counts add up.
+        """
+        D = self.spec.window
+        comp_idx = [i for r, i in self.homes if r == COMPUTE]
+        load_idx = [i for r, i in self.homes if r == LOAD]
+        assert comp_idx == list(range(len(comp_idx))), f"compute indices not 0..n-1: {comp_idx}"
+        assert load_idx == list(range(len(load_idx))), f"load indices not 0..n-1: {load_idx}"
+        assert not load_idx or self.slabs and self.slabs[-1].first + self.slabs[-1].nblk >= len(load_idx), "load block without slab"
+        assert len(comp_idx) * D <= self.compute.shape[3], "compute region overflow"
+        for layer in range(self.spec.num_layers):
+            nb = self.placed[layer] // D
+            assert self.placed[layer] % D == 0, f"layer {layer}: placed {self.placed[layer]} not whole blocks"
+            assert nb <= len(self.homes), f"layer {layer}: {nb} blocks placed but {len(self.homes)} homed"
+            assert 0 <= self.win_len[layer] <= D, f"layer {layer}: window holds {self.win_len[layer]} > D"
+            homes = self.homes[:nb]
+            assert self.n_comp[layer] == sum(r == COMPUTE for r, _ in homes), f"layer {layer}: compute count"
+            assert self.n_load[layer] == sum(r == LOAD for r, _ in homes), f"layer {layer}: load count"
+            assert self.n_comp[layer] + self.n_load[layer] == nb, f"layer {layer}: region counts do not add up"
+            assert self.seq_len(layer) <= self.capacity, f"layer {layer}: {self.seq_len(layer)} tokens > capacity"
+

@@ -1,0 +1,112 @@
+"""Placement policies: the CPU share r of every sequence's spilled KV, and per-block routing.
+
+A policy answers one question, ``cpu_share(L)``: which fraction of a sequence's placed tokens
+should live in the compute region (attended by the CPU) when L tokens are placed. Routing a
+block (D tokens) follows DESIGN.md section 3:
+
+- prefill: the first round(r(P) * P / D) whole blocks of a P-token prompt go to the compute
+  region, the other whole blocks to the load region;
+- decode: each evicted window (one block) goes where it brings the placed CPU share closest to
+  r(L): to the compute region while ``n_compute < round(r(L) * (placed_blocks + 1))``.
+
+Policies here: ``gpu`` (r = 0), ``cpu`` (r = 1), ``static:R``. ``resident`` keeps all KV on the
+GPU and uses no partitioned cache (see :func:`writescope.engine.llm.LLM`). The adaptive
+``writescope`` policy (roofline r(L), paper section 5) belongs to the scheduler issue.
+"""
+
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass
+
+COMPUTE = 0  # region id: host, pageable, per-KV-head rows; attended on the CPU
+LOAD = 1  # region id: host, pinned, one contiguous block per D tokens; streamed to the GPU
+
+POLICY_NAMES = "resident, gpu, cpu or static:R with R in [0, 1]"
+
+
+class PlacementPolicy:
+    """Chooses the CPU share of placed KV. Subclasses implement :meth:`cpu_share`."""
+
+    name: str = "policy"
+
+    @property
+    def max_cpu_share(self) -> float:
+        """Largest fraction of blocks this policy may put in the compute region (sizes host memory)."""
+        return 1.0
+
+    @property
+    def max_load_share(self) -> float:
+        """Largest fraction of blocks this policy may put in the load region (sizes pinned memory)."""
+        return 1.0
+
+    def cpu_share(self, placed_tokens: int) -> float:
+        """Target fraction in [0, 1] of placed tokens in the compute region at L = placed_tokens."""
+        raise NotImplementedError
+
+    def __repr__(self) -> str:
+        return self.name
+
+
+@dataclass(frozen=True, repr=False)
+class StaticPolicy(PlacementPolicy):
+    """A fixed CPU share ``share`` in [0, 1]: ``gpu`` is 0, ``cpu`` is 1."""
+
+    share: float
+    name: str = "static"
+
+    def __post_init__(self) -> None:
+        if not (0.0 <= self.share <= 1.0) or math.isnan(self.share):
+            raise ValueError(f"CPU share R must be in [0, 1], got {self.share}")
+
+    @property
+    def max_cpu_share(self) -> float:
+        return self.share
+
+    @property
+    def max_load_share(self) -> float:
+        return 1.0 - self.share
+
+    def cpu_share(self, placed_tokens: int) -> float:
+        return self.share
+
+
+def parse_policy(text: str) -> PlacementPolicy | None:
+    """``"gpu"``, ``"cpu"``, ``"static:0.25"`` -> a policy; ``"resident"`` -> None (no spilling).
+
+    Raises:
+        ValueError: unknown name or an R outside [0, 1], naming the accepted spellings.
+    """
+    t = text.strip().lower()
+    if t == "resident":
+        return None
+    if t == "gpu":
+        return StaticPolicy(0.0, "gpu")
+    if t == "cpu":
+        return StaticPolicy(1.0, "cpu")
+    if t.startswith("static:"):
+        try:
+            r = float(t.split(":", 1)[1])
+        except ValueError:
+            raise ValueError(f"policy {text!r}: R must be a number in [0, 1], e.g. static:0.5") from None
+        return StaticPolicy(r, f"static:{r:g}")
+    raise ValueError(f"unknown policy {text!r}: choose {POLICY_NAMES}")
+
+
+def route_block(policy: PlacementPolicy, block: int, prompt_len: int, window: int, n_compute: int) -> int:
+    """Region (COMPUTE or LOAD) of block ``block`` (tokens ``block*D .. block*D + D - 1``).
+
+    Args:
+        policy: the placement policy.
+        block: index of the block in the sequence (blocks are placed in order).
+        prompt_len: tokens of the prompt P; blocks below ``P // D`` follow the prefill plan.
+        window: D, tokens per block.
+        n_compute: blocks of this sequence already in the compute region.
+    """
+    prompt_blocks = prompt_len // window
+    if block < prompt_blocks:
+        n_cpu = min(prompt_blocks, round(policy.cpu_share(prompt_len) * prompt_len / window))
+        return COMPUTE if block < n_cpu else LOAD
+    placed_after = (block + 1) * window
+    target = math.floor(policy.cpu_share(placed_after) * (block + 1) + 0.5)
+    return COMPUTE if n_compute < target else LOAD
