@@ -51,7 +51,7 @@ def allocations(engine, monkeypatch):
     llm, _ = engine
     calls: list[int] = []
     real = llm.cache.allocate
-    monkeypatch.setattr(llm.cache, "allocate", lambda capacity: calls.append(capacity) or real(capacity))
+    monkeypatch.setattr(llm.cache, "allocate", lambda capacity, **kw: calls.append(capacity) or real(capacity, **kw))
     return calls
 
 

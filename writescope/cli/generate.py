@@ -25,6 +25,11 @@ def add_parser(sub) -> None:
     p.add_argument("--dtype", default="auto", help="auto (bf16 on cuda, fp32 on cpu), bf16, fp16, fp32")
     p.add_argument("--max-model-len", type=int, default=None, help="cap on prompt + new tokens per request")
     p.add_argument("--ignore-eos", action="store_true", help="do not stop at end-of-sequence tokens")
+    p.add_argument("--policy", default="resident",
+                   help="KV placement: resident (all on the device), gpu (stream spilled KV), cpu (attend it on the CPU), "
+                        "static:R (CPU share R in [0,1]); default resident")
+    p.add_argument("--window", type=int, default=256, help="D: tokens of the D-window and of one KV block (default 256)")
+    p.add_argument("--cpu-threads", type=int, default=None, help="threads for CPU attention (default: all torch threads)")
     p.add_argument("--output-json", type=Path, help="write token ids, text and metrics per request here")
     p.add_argument("--quiet", action="store_true", help="no progress bars")
     p.set_defaults(run=run)
@@ -59,7 +64,8 @@ def run(args: argparse.Namespace) -> int:
     prompts, prompt_ids = _prompt(args)
     llm = LLM(
         args.model, synthetic=args.synthetic, device=args.device, dtype=args.dtype, seed=args.weight_seed,
-        max_model_len=args.max_model_len, progress=not args.quiet,
+        max_model_len=args.max_model_len, progress=not args.quiet, policy=args.policy, window=args.window,
+        cpu_threads=args.cpu_threads,
     )
     cfg = llm.config
     print(f"model: {cfg.architecture} ({cfg.num_layers} layers, {cfg.moe.num_experts} experts, top-{cfg.moe.top_k}), "
@@ -68,16 +74,16 @@ def run(args: argparse.Namespace) -> int:
     for o in outs:
         print(f"\n--- request {o.request_id}: {o.metrics.prompt_tokens} prompt tokens -> {o.metrics.output_tokens} new ({o.finish_reason})")
         print(o.text)
-    print("\n" + format_timings(outs))
+    print("\n" + format_timings(outs, llm.policy_name))
     if args.output_json:
         args.output_json.parent.mkdir(parents=True, exist_ok=True)
-        doc = {"model": args.model, "device": str(llm.device), "dtype": str(llm.dtype), "requests": [o.to_dict() for o in outs]}
+        doc = {"model": args.model, "device": str(llm.device), "dtype": str(llm.dtype), "policy": llm.policy_name, "requests": [o.to_dict() for o in outs]}
         args.output_json.write_text(json.dumps(doc, indent=2))
         print(f"wrote {args.output_json}")
     return 0
 
 
-def format_timings(outs) -> str:
+def format_timings(outs, policy: str = "resident") -> str:
     m = outs[0].metrics
     tpots = sorted(o.metrics.tpot_s for o in outs)
     rows = [
@@ -88,6 +94,11 @@ def format_timings(outs) -> str:
         ("TPOT (median)", f"{tpots[len(tpots) // 2] * 1e3:,.2f} ms"),
         ("decode", f"{m.decode_tok_s:,.1f} tok/s"),
         ("peak memory", f"{m.peak_memory_bytes / 2**30:,.2f} GiB"),
+        ("KV policy", policy),
     ]
+    if outs[0].kv_placement is not None:
+        tot = {k: sum(o.kv_placement[k] for o in outs) for k in outs[0].kv_placement}
+        n = max(1, sum(tot.values()))
+        rows.append(("KV tokens at end", ", ".join(f"{k} {v:,} ({100 * v / n:.1f}%)" for k, v in tot.items())))
     w = max(len(k) for k, _ in rows)
     return "timings\n" + "\n".join(f"  {k:<{w}}  {v}" for k, v in rows)

@@ -70,6 +70,8 @@ class LLM:
         self.dtype = parse_dtype(dtype, self.device)
         if prefill_chunk_tokens < 1:
             raise ValueError(f"prefill_chunk_tokens must be >= 1, got {prefill_chunk_tokens}")
+        if cpu_threads is not None and cpu_threads < 1:
+            raise ValueError(f"cpu_threads must be >= 1, got {cpu_threads}")
         self.policy = parse_policy(policy)
         self.policy_name = "resident" if self.policy is None else self.policy.name
         self.config, self.model, self.tokenizer, self.load_info = load_model(
@@ -268,8 +270,11 @@ class LLM:
                 decode_tok_s=decode_tokens / decode_s if decode_tokens else 0.0,
                 peak_memory_bytes=peak,
             )
+            placement = self.cache.placement(slots[i]) if isinstance(self.cache, InplaceKVCache) else None
             outputs.append(
-                RequestOutput(self._next_request_id, texts[i], ids[i], out_ids[i], self.tokenizer.decode(out_ids[i]), finish[i], metrics)
+                RequestOutput(
+                    self._next_request_id, texts[i], ids[i], out_ids[i], self.tokenizer.decode(out_ids[i]), finish[i], metrics, placement
+                )
             )
             self._next_request_id += 1
         return outputs

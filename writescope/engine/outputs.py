@@ -37,6 +37,9 @@ class RequestOutput:
     text: str
     finish_reason: str
     metrics: RequestMetrics = field(repr=False)
+    #: tokens of this request's KV per region when it finished (``window``, ``compute``,
+    #: ``load``); None under the ``resident`` policy
+    kv_placement: dict[str, int] | None = field(default=None, repr=False)
 
     def to_dict(self) -> dict:
         return asdict(self)

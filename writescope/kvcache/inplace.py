@@ -88,6 +88,11 @@ class InplaceKVCache(KVCache):
         """The regions of a slot (for inspection and tests)."""
         return self._seqs[slot]
 
+    def placement(self, slot: int) -> dict[str, int]:
+        """Tokens of ``slot`` per region (``window``, ``compute``, ``load``), in the last layer."""
+        sq, D, last = self._seqs[slot], self.spec.window, self.num_layers - 1
+        return {"window": sq.win_len[last], "compute": sq.n_comp[last] * D, "load": sq.n_load[last] * D}
+
     @property
     def active_slots(self) -> list[int]:
         return list(self._seqs)
@@ -225,7 +230,8 @@ class InplaceKVCache(KVCache):
         Args:
             capacities: tokens per sequence (prompt + max new tokens).
             device_free, host_free: free bytes (None = unknown, not checked).
-            pinned_budget: bytes that may be page-locked (None = not checked).
+            pinned_budget: bytes that may be page-locked (None = not checked); checked without
+                CUDA too, so a plan that fits here fits a GPU machine with the same memory.
 
         Raises:
             ValueError: naming the region, bytes needed and available, and what to change.
@@ -245,7 +251,7 @@ class InplaceKVCache(KVCache):
                 "use fewer or shorter requests"
             )
         pinned = int(host * p.max_load_share) + (s.staging_bytes(len(capacities)) if p.max_cpu_share > 0 else 0)
-        if self.cuda and pinned_budget is not None and pinned > pinned_budget:
+        if pinned_budget is not None and pinned > pinned_budget:
             raise ValueError(
                 f"the load region needs up to {pinned / gib:.2f} GiB of pinned memory, above the pinned budget of "
                 f"{pinned_budget / gib:.2f} GiB: raise pinned_budget, or use a policy with a larger CPU share"

@@ -1,0 +1,112 @@
+"""End to end: every placement policy gives the tokens and logits of ``resident``.
+
+Tiny presets in fp32 on the CPU (the "GPU" side runs as CPU tensors), a ragged batch whose
+prompts span several D-windows (D = 16), prefilled in chunks and decoded long enough that
+windows are evicted to both host regions.
+"""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+from helpers import hf_reference_checkpoint
+from writescope import LLM, SamplingParams
+from writescope.attention.metadata import ForwardBatch
+from writescope.kvcache.inplace import InplaceKVCache
+
+PRESETS = ["tiny-qwen3-moe", "tiny-mixtral", "tiny-deepseek-v2"]
+POLICIES = ["gpu", "cpu", "static:0.5", "static:0.2"]
+PROMPT_LENS = [70, 33, 5]  # ragged; 70 = 4 blocks + 6 in the window
+STEPS = 40  # > 2 windows of decode
+D = 16
+LOGIT_TOL = 1e-4  # fp32: split attention reorders sums (observed ~2e-6)
+
+
+def _prompts(vocab: int) -> list[list[int]]:
+    g = torch.Generator().manual_seed(1)
+    return [torch.randint(3, vocab, (n,), generator=g).tolist() for n in PROMPT_LENS]
+
+
+@pytest.fixture(scope="module", params=PRESETS)
+def preset(request):
+    llm = LLM(request.param, progress=False, policy="resident")
+    prompts = _prompts(llm.config.vocab_size)
+    params = SamplingParams(max_tokens=STEPS, ignore_eos=True)
+    ref = [o.token_ids for o in llm.generate(prompt_token_ids=prompts, sampling_params=params)]
+    return request.param, prompts, params, ref, _teacher_forced_logits(llm, prompts, ref)
+
+
+@torch.no_grad()
+def _teacher_forced_logits(llm: LLM, prompts, continuations) -> torch.Tensor:
+    """Logits ``[1 + STEPS - 1, batch, vocab]``: prefill last-token logits, then each decode step
+    fed the reference continuation (so policies are compared on identical inputs)."""
+    cache = llm.cache
+    slots = [cache.allocate(len(p) + STEPS, prompt_len=len(p)) for p in prompts]
+    try:
+        batch = ForwardBatch.build(slots, [len(p) for p in prompts], [0] * len(prompts), "cpu")
+        out = [llm.model(torch.tensor([t for p in prompts for t in p]), batch, cache)]
+        for s in range(STEPS - 1):
+            batch = ForwardBatch.build(slots, [1] * len(prompts), [len(p) + s for p in prompts], "cpu")
+            out.append(llm.model(torch.tensor([c[s] for c in continuations]), batch, cache))
+            if isinstance(cache, InplaceKVCache):
+                for slot in slots:
+                    cache.sequence(slot).check_invariants()
+        return torch.stack(out)
+    finally:
+        for s in slots:
+            cache.free(s)
+
+
+@pytest.mark.parametrize("policy", POLICIES)
+def test_policy_matches_resident(preset, policy):
+    name, prompts, params, ref_tokens, ref_logits = preset
+    llm = LLM(name, progress=False, policy=policy, window=D, prefill_chunk_tokens=32)
+    outs = llm.generate(prompt_token_ids=prompts, sampling_params=params)
+    assert [o.token_ids for o in outs] == ref_tokens
+    # the batch really spilled: blocks in the host regions the policy allows
+    placed = [o.kv_placement for o in outs]
+    assert sum(p["compute"] + p["load"] for p in placed) > 0
+    if policy == "gpu":
+        assert all(p["compute"] == 0 for p in placed)
+    if policy == "cpu":
+        assert all(p["load"] == 0 for p in placed)
+    if policy.startswith("static"):
+        assert sum(p["compute"] for p in placed) > 0 and sum(p["load"] for p in placed) > 0
+    assert llm.cache.active_slots == []
+    logits = _teacher_forced_logits(llm, prompts, ref_tokens)
+    torch.testing.assert_close(logits, ref_logits, atol=LOGIT_TOL, rtol=0)
+
+
+def test_policy_errors_leave_nothing_allocated():
+    with pytest.raises(ValueError, match="unknown policy 'fast'"):
+        LLM("tiny-qwen3-moe", progress=False, policy="fast")
+    with pytest.raises(ValueError, match=r"R must be in \[0, 1\]"):
+        LLM("tiny-qwen3-moe", progress=False, policy="static:2")
+    with pytest.raises(ValueError, match="cpu_threads"):
+        LLM("tiny-qwen3-moe", progress=False, policy="cpu", cpu_threads=0)
+    with pytest.raises(ValueError, match="window"):
+        LLM("tiny-qwen3-moe", progress=False, policy="cpu", window=0)
+
+
+def test_sliding_window_model_needs_resident(tmp_path):
+    path = hf_reference_checkpoint("tiny-mixtral", tmp_path / "m", sliding_window=8)
+    with pytest.raises(ValueError, match="sliding_window=8.*resident"):
+        LLM(str(path), progress=False, policy="gpu")
+
+
+def test_capacity_refused_before_allocating(monkeypatch):
+    llm = LLM("tiny-qwen3-moe", progress=False, policy="static:0.5", window=D)
+    prompts = _prompts(llm.config.vocab_size)
+    llm.pinned_budget = 1024  # bytes: far below the load region's worst case
+    with pytest.raises(ValueError, match="pinned budget"):
+        llm.generate(prompt_token_ids=prompts, sampling_params=SamplingParams(max_tokens=4))
+    assert llm.cache.active_slots == []
+    monkeypatch.setattr("writescope.engine.llm.available_memory", lambda device: 4096)
+    llm.pinned_budget = None
+    with pytest.raises(ValueError, match="host memory"):
+        llm.generate(prompt_token_ids=prompts, sampling_params=SamplingParams(max_tokens=4))
+    assert llm.cache.active_slots == []
+    monkeypatch.undo()
+    out = llm.generate(prompt_token_ids=prompts, sampling_params=SamplingParams(max_tokens=4))
+    assert len(out) == 3 and llm.cache.active_slots == []
