@@ -81,7 +81,7 @@ def test_policy_matches_resident(preset, policy):
 def test_policy_errors_leave_nothing_allocated():
     with pytest.raises(ValueError, match="unknown policy 'fast'"):
         LLM("tiny-qwen3-moe", progress=False, policy="fast")
-    with pytest.raises(ValueError, match=r"R must be in \[0, 1\]"):
+    with pytest.raises(ValueError, match=r"R must be a number in \[0, 1\].*policies: resident"):
         LLM("tiny-qwen3-moe", progress=False, policy="static:2")
     with pytest.raises(ValueError, match="cpu_threads"):
         LLM("tiny-qwen3-moe", progress=False, policy="cpu", cpu_threads=0)

@@ -50,16 +50,48 @@ def merge_unchecked(outputs: Sequence[torch.Tensor], lses: Sequence[torch.Tensor
     out_dtype = outputs[0].dtype
     for o in outputs[1:]:
         out_dtype = torch.promote_types(out_dtype, o.dtype)
-    lse_dtype = torch.promote_types(lses[0].dtype, torch.float32)
-    acc = torch.float64 if torch.float64 in (out_dtype, lse_dtype) else torch.float32
+    lse_dtype = torch.float32
+    for s_ in lses:
+        lse_dtype = torch.promote_types(lse_dtype, s_.dtype)
     if len(outputs) == 1:
-        return outputs[0].to(out_dtype), lses[0].to(lse_dtype)
-    lse = torch.stack([s.to(acc) for s in lses])  # [P, ...]
-    m = lse.amax(dim=0)  # [...]
+        return outputs[0].to(out_dtype, copy=True), lses[0].to(lse_dtype, copy=True)
+    acc = torch.float64 if torch.float64 in (out_dtype, lse_dtype) else torch.float32
+    o, lse = merge_stacked(torch.stack([o.to(acc) for o in outputs]), torch.stack([s_.to(acc) for s_ in lses]))
+    return o.to(out_dtype), lse.to(lse_dtype)
+
+
+def merge_stacked(outputs: torch.Tensor, lses: torch.Tensor, dim: int = 0) -> tuple[torch.Tensor, torch.Tensor]:
+    """Merge partials stacked along ``dim``: outputs ``[..., P, ..., head_dim]``, lses the same
+    without ``head_dim``; computes in the inputs' dtype (use float32 or float64). No validation."""
+    m = lses.amax(dim=dim, keepdim=True)
     m = torch.where(torch.isfinite(m), m, torch.zeros_like(m))  # all-empty rows: avoid -inf - -inf
-    w = torch.exp(lse - m)  # [P, ...]; empty partials weigh 0
-    total = w.sum(dim=0)
-    out_lse = torch.where(total > 0, m + torch.log(total), torch.full_like(m, float("-inf")))
-    norm = torch.where(total > 0, total, torch.ones_like(total))
-    o = sum(wk.unsqueeze(-1) * ok.to(acc) for wk, ok in zip(w, outputs))
-    return (o / norm.unsqueeze(-1)).to(out_dtype), out_lse.to(lse_dtype)
+    w = torch.exp(lses - m)  # empty partials weigh 0
+    total = w.sum(dim=dim)
+    out_lse = torch.where(total > 0, m.squeeze(dim) + torch.log(total), torch.full_like(total, float("-inf")))
+    o = (w.unsqueeze(-1) * outputs).sum(dim=dim) / torch.where(total > 0, total, torch.ones_like(total)).unsqueeze(-1)
+    return o, out_lse
+
+
+def merge_segments(outputs: torch.Tensor, lses: torch.Tensor, seq_ids: torch.Tensor, batch: int) -> tuple[torch.Tensor, torch.Tensor]:
+    """Merge partials grouped by sequence: partial j belongs to sequence ``seq_ids[j]``.
+
+    Args:
+        outputs: ``[P, ...heads, head_dim]`` float32/float64.
+        lses: ``[P, ...heads]`` same dtype.
+        seq_ids: ``[P]`` int64 in ``[0, batch)``, on the same device.
+        batch: number of sequences.
+
+    Returns:
+        ``(o [batch, ...heads, head_dim], lse [batch, ...heads])``; sequences without partials
+        get (0, -inf). A fixed number of kernels whatever P. No validation.
+    """
+    shape = (batch, *lses.shape[1:])
+    idx = seq_ids.view(-1, *([1] * (lses.dim() - 1))).expand_as(lses)
+    m = torch.full(shape, float("-inf"), dtype=lses.dtype, device=lses.device).scatter_reduce(0, idx, lses, "amax")
+    m = torch.where(torch.isfinite(m), m, torch.zeros_like(m))
+    w = torch.exp(lses - m.index_select(0, seq_ids))  # [P, ...heads]
+    total = torch.zeros(shape, dtype=lses.dtype, device=lses.device).index_add_(0, seq_ids, w)
+    o = torch.zeros((*shape, outputs.shape[-1]), dtype=outputs.dtype, device=outputs.device)
+    o.index_add_(0, seq_ids, w.unsqueeze(-1) * outputs)
+    lse = torch.where(total > 0, m + torch.log(total), torch.full_like(total, float("-inf")))
+    return o / torch.where(total > 0, total, torch.ones_like(total)).unsqueeze(-1), lse

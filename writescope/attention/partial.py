@@ -5,22 +5,22 @@ KV head h // G, as HF's ``repeat_kv``), nb blocks of D tokens, dk/dv key/value w
 Decode queries are laid out ``[B, Hkv, G, dk]`` so each KV head is read once for its group.
 
 Two implementations:
-- :func:`attend_blocks`: plain torch in float32 (GPU side: D-window, ping-pong chunks; also the
-  reference in tests).
+- :func:`attend_blocks`: plain torch in float32 (GPU side: the D-windows; also a reference).
+- :func:`block_partials`: plain torch, one partial per block of a ping-pong buffer holding
+  blocks of many sequences.
 - :func:`cpu_attend`: the compute region on the CPU, in place, through torch's CPU
   flash-attention op (which returns the lse), split along the keys so all threads have work.
 """
 
 from __future__ import annotations
 
-import math
-
 import torch
 
-from writescope.attention.merge import merge_unchecked
+from writescope.attention.merge import merge_stacked
 
 _cpu_flash = torch.ops.aten._scaled_dot_product_flash_attention_for_cpu
 FALLBACK_CHUNK = 8192  # keys per plain-torch call on the CPU (bounds the float32 temporaries)
+MIN_CPU_CHUNK = 512  # keys per (head, chunk) task of the CPU op: measured best 256-512 on the H200 host
 
 
 def attend_blocks(
@@ -61,48 +61,82 @@ def attend_blocks(
     return o, lse
 
 
-def cpu_attend(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, scale: float, threads: int) -> tuple[torch.Tensor, torch.Tensor]:
-    """Attention of one sequence's decode queries over keys that stay where they are in host memory.
+def block_partials(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """One partial per block (all keys valid), for blocks of any sequences at once.
 
     Args:
-        q: ``[Hkv, G, dk]`` on the CPU.
-        k: ``[Hkv, n, dk]`` on the CPU, per-head contiguous rows (any head stride: a view of
-            the compute region), n >= 1.
-        v: ``[Hkv, n, dv]`` likewise (MLA: a view of the keys' first dv columns).
-        scale: softmax scale.
-        threads: CPU threads available; the keys are split into enough chunks that
-            ``Hkv * chunks >= threads`` (the op parallelises over batch x heads only).
+        q: ``[nb, Hkv, G, dk]``: each block's query group, already multiplied by the softmax scale.
+        k: ``[nb, Hkv, D, dk]``.
+        v: ``[nb, Hkv, D, dv]`` (MLA: the view ``k[..., :dv]``).
 
     Returns:
-        ``(o [Hkv, G, dv], lse [Hkv, G])`` in float32 (float64 for float64 inputs).
-
-    GQA with equal k/v widths uses torch's ``_scaled_dot_product_flash_attention_for_cpu`` on
-    strided chunk views (no copy); other shapes (MLA's 576/512) use :func:`attend_blocks` in
-    chunks of ``FALLBACK_CHUNK`` keys.
+        ``(o [nb, Hkv, G, dv], lse [nb, Hkv, G])`` in float32 (float64 for float64 inputs);
+        merge per sequence with :func:`writescope.attention.merge.merge_segments`.
     """
+    acc = torch.promote_types(k.dtype, torch.float32)
+    kf = k.to(acc)
+    vf = kf[..., : v.shape[-1]] if v.data_ptr() == k.data_ptr() and v.stride() == k.stride() else v.to(acc)
+    s = torch.matmul(q.to(acc), kf.transpose(-1, -2))  # [nb, Hkv, G, D]
+    m = s.amax(dim=-1, keepdim=True)
+    p = torch.exp(s - m)
+    total = p.sum(dim=-1)
+    return torch.matmul(p, vf) / total.unsqueeze(-1), m.squeeze(-1) + torch.log(total)
+
+
+def cpu_attend(
+    q: torch.Tensor, kv: list[tuple[torch.Tensor, torch.Tensor] | None], scale: float, dv: int
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """Decode attention of a batch over keys that stay where they are in host memory.
+
+    Args:
+        q: ``[B, Hkv, G, dk]`` on the CPU.
+        kv: per sequence ``(k [Hkv, n, dk], v [Hkv, n, dv])`` views with per-head contiguous
+            rows (any head stride: views of the compute region), n >= 1; or ``None`` (no keys:
+            the empty partial).
+        scale: softmax scale.
+        dv: value width.
+
+    Returns:
+        ``(o [B, Hkv, G, dv], lse [B, Hkv, G])`` in float32 (float64 for float64 inputs).
+
+    GQA with equal k/v widths uses torch's ``_scaled_dot_product_flash_attention_for_cpu``.
+    That op parallelises over batch x heads only, so each sequence's keys are viewed in place
+    as a batch of chunks of ``MIN_CPU_CHUNK``-ish keys (no copy); all chunk partials of all
+    sequences are merged by lse in one pass (small ops on the CPU cost a parallel region each).
+    Other shapes (MLA's 576/512) use :func:`attend_blocks` in chunks of ``FALLBACK_CHUNK`` keys.
+    """
+    B, Hkv, G, _ = q.shape
+    parts = [None if x is None else _cpu_partials(q[i], x[0], x[1], scale) for i, x in enumerate(kv)]
+    acc = torch.promote_types(q.dtype, torch.float32)
+    width = max([p[0].shape[0] for p in parts if p is not None] or [1])
+    o = torch.zeros(B, width, Hkv, G, dv, dtype=acc)
+    lse = torch.full((B, width, Hkv, G), float("-inf"), dtype=acc)
+    for i, p in enumerate(parts):
+        if p is not None:
+            o[i, : p[0].shape[0]] = p[0]
+            lse[i, : p[1].shape[0]] = p[1]
+    if width == 1:
+        return o[:, 0], lse[:, 0]
+    return merge_stacked(o, lse, dim=1)
+
+
+def _cpu_partials(q, k, v, scale):
+    """Unmerged partials of one sequence: ``(o [P, Hkv, G, dv], lse [P, Hkv, G])``."""
     Hkv, n, dk = k.shape
-    assert n >= 1, "cpu_attend needs at least one key"
+    assert n >= 1, "cpu_attend needs at least one key per listed sequence"
     if v.shape[-1] != dk or k.stride(-1) != 1 or v.stride(-1) != 1:
         parts = [
             attend_blocks(q[None], k[None, None, :, s : s + FALLBACK_CHUNK], v[None, None, :, s : s + FALLBACK_CHUNK], scale)
             for s in range(0, n, FALLBACK_CHUNK)
         ]
-        o, lse = merge_unchecked([p[0][0] for p in parts], [p[1][0] for p in parts])
-        return o, lse
-    acc = torch.promote_types(k.dtype, torch.float32)
-    chunks = max(1, min(math.ceil(threads / Hkv), n // 256))
+        return torch.cat([p[0] for p in parts]), torch.cat([p[1] for p in parts])
+    chunks = max(1, n // MIN_CPU_CHUNK)
     c = n // chunks
-    outs, lses = [], []
     qb = q.unsqueeze(0)  # [1, Hkv, G, dk]
-    if chunks > 1:
-        kc = k.as_strided((chunks, Hkv, c, dk), (c * k.stride(1), k.stride(0), k.stride(1), 1), k.storage_offset())
-        vc = v.as_strided((chunks, Hkv, c, dk), (c * v.stride(1), v.stride(0), v.stride(1), 1), v.storage_offset())
-        o, lse = _cpu_flash(qb.expand(chunks, -1, -1, -1), kc, vc, scale=scale)  # [chunks, Hkv, G, dv], [chunks, Hkv, G]
-        outs += list(o.to(acc).unbind(0))
-        lses += list(lse.unbind(0))
-    done = c * chunks if chunks > 1 else 0
-    if done < n:
-        o, lse = _cpu_flash(qb, k[None, :, done:], v[None, :, done:], scale=scale)
-        outs.append(o[0].to(acc))
-        lses.append(lse[0])
-    return merge_unchecked(outs, lses)
+    kc = k.as_strided((chunks, Hkv, c, dk), (c * k.stride(1), k.stride(0), k.stride(1), 1), k.storage_offset())
+    vc = v.as_strided((chunks, Hkv, c, dk), (c * v.stride(1), v.stride(0), v.stride(1), 1), v.storage_offset())
+    o, lse = _cpu_flash(qb.expand(chunks, -1, -1, -1), kc, vc, scale=scale)  # [chunks, Hkv, G, dv], [chunks, Hkv, G]
+    if c * chunks < n:  # the tail that does not fill a chunk
+        o2, lse2 = _cpu_flash(qb, k[None, :, c * chunks :], v[None, :, c * chunks :], scale=scale)
+        o, lse = torch.cat((o, o2)), torch.cat((lse, lse2))
+    return o, lse

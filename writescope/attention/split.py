@@ -20,8 +20,8 @@ from dataclasses import dataclass
 
 import torch
 
-from writescope.attention.merge import merge_unchecked
-from writescope.attention.partial import attend_blocks, cpu_attend
+from writescope.attention.merge import merge_segments, merge_unchecked
+from writescope.attention.partial import attend_blocks, block_partials, cpu_attend
 from writescope.kvcache.spec import PartitionSpec
 
 
@@ -45,13 +45,16 @@ class SplitDecoder:
         spec: cache layout (block shape, ping-pong sizes).
         device: the GPU (or the CPU standing in for it).
         cpu_threads: threads the CPU attention may use (defaults to ``torch.get_num_threads()``).
+        cpu_inline: run the CPU attention on the calling thread after issuing the GPU work
+            (which then runs asynchronously), instead of in a worker thread started first.
     """
 
-    def __init__(self, spec: PartitionSpec, device: torch.device, cpu_threads: int | None = None):
-        self.spec, self.device = spec, device
+    def __init__(self, spec: PartitionSpec, device: torch.device, cpu_threads: int | None = None, cpu_inline: bool = False):
+        self.spec, self.device, self.cpu_inline = spec, device, cpu_inline
         self.cuda = device.type == "cuda"
         self.cpu_threads = cpu_threads or torch.get_num_threads()
-        self.pool = ThreadPoolExecutor(max_workers=1, thread_name_prefix="writescope-cpu-attn")
+        # the worker sets its own intra-op thread count (OpenMP settings are per thread)
+        self.pool = ThreadPoolExecutor(1, "writescope-cpu-attn", initializer=torch.set_num_threads, initargs=(self.cpu_threads,))
         self.stats = SplitStats()
         self._buffers: list[torch.Tensor] = []
         self._free_events: list[object | None] = []
@@ -92,14 +95,14 @@ class SplitDecoder:
         self.stats.layer_steps += 1
         cpu_rows = [i for i, sq in enumerate(seqs) if sq.n_comp[layer] > 0]
         fut: Future | None = None
-        if cpu_rows:
-            q_host = qg.to("cpu") if self.cuda else qg
+        q_host = (qg.to("cpu") if self.cuda else qg) if cpu_rows else None
+        if cpu_rows and not self.cpu_inline:
             fut = self.pool.submit(self._cpu_part, layer, q_host, seqs, cpu_rows, scale)
         states = [self._window_part(layer, qg, seqs, scale)]
         if any(sq.n_load[layer] > 0 for sq in seqs):
             states.append(self._load_part(layer, qg, seqs, scale, evict_stream))
-        if fut is not None:
-            o_c, l_c = fut.result()
+        if cpu_rows:
+            o_c, l_c = fut.result() if fut is not None else self._cpu_part(layer, q_host, seqs, cpu_rows, scale)
             states.append((o_c.to(self.device), l_c.to(self.device)))
         o, _ = merge_unchecked([st[0] for st in states], [st[1] for st in states])
         return o.view(B, Hq, dv).to(q.dtype)
@@ -114,59 +117,82 @@ class SplitDecoder:
         return attend_blocks(qg, k, v, scale, lens.to(self.device, non_blocking=True))
 
     def _load_part(self, layer, qg, seqs, scale, evict_stream):
+        """Stream every sequence's load blocks through the ping-pong buffers. Runs of several
+        sequences are packed into one buffer fill (one copy per run); each fill yields one
+        partial per block, and all blocks are merged per sequence once at the end."""
         s = self.spec
         B, Hkv, G, _ = qg.shape
+        fills = list(self._fills(layer, seqs))
+        ids_host = [i for fill in fills for i, src in fill for _ in range(src.shape[0])]
+        ids = torch.tensor(ids_host, dtype=torch.long).to(self.device, non_blocking=True)
         acc = torch.promote_types(s.dtype, torch.float32)
-        o_acc = torch.zeros(B, Hkv, G, s.layout.v_dim, dtype=acc, device=self.device)
-        l_acc = torch.full((B, Hkv, G), float("-inf"), dtype=acc, device=self.device)
+        o_blk = torch.empty(len(ids_host), Hkv, G, s.layout.v_dim, dtype=acc, device=self.device)
+        lse_blk = torch.empty(len(ids_host), Hkv, G, dtype=acc, device=self.device)
+        q_blk = (qg.to(acc) * scale).index_select(0, ids)  # [blocks, Hkv, G, dk]
         bufs = self.buffers()
         cur = torch.cuda.current_stream(self.device) if self.cuda else None
         if self.cuda:
             self.copy_stream.wait_stream(cur)  # prefill writes into the load region
             if evict_stream is not None:
                 self.copy_stream.wait_stream(evict_stream)  # evicted blocks
-        n = 0
+        start = 0
+        for n, fill in enumerate(fills):
+            b = n % len(bufs)
+            total = sum(src.shape[0] for _, src in fill)
+            buf = bufs[b][:total]
+            if self.cuda:
+                with torch.cuda.stream(self.copy_stream):
+                    if self._free_events[b] is not None:
+                        self.copy_stream.wait_event(self._free_events[b])
+                    off = 0
+                    for _, src in fill:
+                        buf[off : off + src.shape[0]].copy_(src, non_blocking=True)
+                        off += src.shape[0]
+                    ready = torch.cuda.Event()
+                    ready.record(self.copy_stream)
+                cur.wait_event(ready)
+            else:
+                torch.cat([src for _, src in fill], out=buf)
+            self.stats.streamed_bytes += buf.numel() * buf.element_size()
+            self.stats.streamed_copies += len(fill)
+            k = buf[:, 0]  # [nb, Hkv, D, dk]
+            v = buf[:, 1] if s.parts == 2 else k[..., : s.layout.v_dim]
+            o_blk[start : start + total], lse_blk[start : start + total] = block_partials(q_blk[start : start + total], k, v)
+            if self.cuda:
+                done = torch.cuda.Event()
+                done.record(cur)
+                self._free_events[b] = done
+            start += total
+        return merge_segments(o_blk, lse_blk, ids, B)
+
+    def _fills(self, layer, seqs):
+        """Group all load-region runs of ``layer`` into buffer fills of at most
+        ``pingpong_blocks`` blocks: lists of (sequence index, run ``[nb, parts, Hkv, D, dim]``)."""
+        cap = self.spec.pingpong_blocks
+        fill, used = [], 0
         for i, sq in enumerate(seqs):
-            for src in sq.load_runs(layer, 0, sq.n_load[layer], s.pingpong_blocks):
-                b = n % len(bufs)
-                buf = bufs[b][: src.shape[0]]
-                if self.cuda:
-                    with torch.cuda.stream(self.copy_stream):
-                        if self._free_events[b] is not None:
-                            self.copy_stream.wait_event(self._free_events[b])
-                        buf.copy_(src, non_blocking=True)
-                        ready = torch.cuda.Event()
-                        ready.record(self.copy_stream)
-                    cur.wait_event(ready)
-                else:
-                    buf.copy_(src)
-                self.stats.streamed_bytes += src.numel() * src.element_size()
-                self.stats.streamed_copies += 1
-                k = buf[:, 0].unsqueeze(0)  # [1, nb, Hkv, D, dk]
-                v = buf[:, 1].unsqueeze(0) if s.parts == 2 else k[..., : s.layout.v_dim]
-                o, lse = attend_blocks(qg[i : i + 1], k, v, scale)
-                if self.cuda:
-                    done = torch.cuda.Event()
-                    done.record(cur)
-                    self._free_events[b] = done
-                o_acc[i], l_acc[i] = merge_unchecked([o_acc[i], o[0]], [l_acc[i], lse[0]])
-                n += 1
-        return o_acc, l_acc
+            for src in sq.load_runs(layer, 0, sq.n_load[layer], cap):
+                while src.shape[0] > 0:
+                    if used == cap:
+                        yield fill
+                        fill, used = [], 0
+                    take = min(cap - used, src.shape[0])
+                    fill.append((i, src[:take]))
+                    used += take
+                    src = src[take:]
+        if fill:
+            yield fill
 
     def _cpu_part(self, layer, q_host, seqs, rows, scale):
         """Worker thread: compute-region attention for ``rows``; others get the empty partial."""
         t0 = time.perf_counter()
-        B, Hkv, G, _ = q_host.shape
-        acc = torch.promote_types(self.spec.dtype, torch.float32)
-        o = torch.zeros(B, Hkv, G, self.spec.layout.v_dim, dtype=acc)
-        lse = torch.full((B, Hkv, G), float("-inf"), dtype=acc)
+        kv = [None] * len(seqs)
         tokens = 0
         for i in rows:
-            sq = seqs[i]
-            sq.drain(layer)
-            k, v = sq.compute_kv(layer)
-            o[i], lse[i] = cpu_attend(q_host[i], k, v, scale, self.cpu_threads)
-            tokens += k.shape[1]
+            seqs[i].drain(layer)
+            kv[i] = seqs[i].compute_kv(layer)
+            tokens += kv[i][0].shape[1]
+        o, lse = cpu_attend(q_host, kv, scale, self.spec.layout.v_dim)
         dt = time.perf_counter() - t0
         st = self.stats
         st.cpu_seconds += dt

@@ -33,18 +33,21 @@ class InplaceKVCache(KVCache):
         policy: placement policy (``gpu``, ``cpu``, ``static:R``, ...).
         device: the GPU, or the CPU standing in for it (then nothing is pinned and no streams).
         cpu_threads: threads for CPU attention (default: torch's intra-op thread count).
+        cpu_inline: see :class:`~writescope.attention.split.SplitDecoder`.
 
     Attributes:
         prefill_readback_bytes: bytes read back to the device for chunked prefills.
         evicted_blocks: D-windows evicted (all layers counted).
     """
 
-    def __init__(self, spec: PartitionSpec, policy: PlacementPolicy, device: torch.device | str, cpu_threads: int | None = None):
+    def __init__(
+        self, spec: PartitionSpec, policy: PlacementPolicy, device: torch.device | str, cpu_threads: int | None = None, cpu_inline: bool = False
+    ):
         self.spec, self.policy = spec, policy
         self.layout, self.num_layers = spec.layout, spec.num_layers
         self.device = torch.device(device)
         self.cuda = self.device.type == "cuda"
-        self.decoder = SplitDecoder(spec, self.device, cpu_threads)
+        self.decoder = SplitDecoder(spec, self.device, cpu_threads, cpu_inline)
         self.evict_stream = torch.cuda.Stream(self.device) if self.cuda else None
         self._seqs: dict[int, SequenceKV] = {}
         self._next_slot = 0
@@ -111,10 +114,11 @@ class InplaceKVCache(KVCache):
             )
             if sq.seq_len(layer_id) + batch.query_lens[i] > sq.capacity:
                 raise RuntimeError(f"slot {batch.slots[i]} overflows its KV capacity {sq.capacity} tokens")
+            if sq.prompt_len == 0 and sq.seq_len(layer_id) == 0:
+                sq.prompt_len = batch.query_lens[i]  # no hint given: the first write is the prompt
         new = _pack(k, v)  # [parts, Hkv, T, dim]
         if all(n == 1 for n in batch.query_lens):
-            for i, sq in enumerate(seqs):
-                self._write(sq, layer_id, new[:, :, i : i + 1])
+            self._append(seqs, layer_id, new)
             out = self.decoder.decode(layer_id, q, seqs, scale, self.evict_stream)
         else:
             out = q.new_empty(q.shape[0], q.shape[1], self.layout.v_dim)
@@ -151,6 +155,21 @@ class InplaceKVCache(KVCache):
             sq.window[layer, :, :, w : w + take].copy_(x[:, :, pos : pos + take])
             sq.win_len[layer] += take
             pos += take
+
+    def _append(self, seqs: list[SequenceKV], layer: int, new: torch.Tensor) -> None:
+        """Decode: token i of ``new`` ``[parts, Hkv, B, dim]`` to sequence i's D-window, in one
+        multi-tensor copy (windows are never full here: they are evicted right after attention)."""
+        dsts, srcs = [], []
+        for i, sq in enumerate(seqs):
+            w = sq.win_len[layer]
+            assert w < self.spec.window, f"layer {layer}: D-window full at append"
+            if self.cuda and sq.evict_events[layer] is not None:
+                torch.cuda.current_stream(self.device).wait_event(sq.evict_events[layer])
+                sq.evict_events[layer] = None
+            dsts.append(sq.window[layer, :, :, w])
+            srcs.append(new[:, :, i])
+            sq.win_len[layer] = w + 1
+        torch._foreach_copy_(dsts, srcs)
 
     def _place_blocks(self, sq: SequenceKV, layer: int, x: torch.Tensor) -> int:
         """Write whole blocks ``x`` ``[parts, Hkv, nb*D, dim]`` straight to their homes; returns tokens."""

@@ -3,12 +3,21 @@
 PyTorch's pinned caching allocator rounds each request up to a power of two (on the H200
 machine ``torch.empty(9 GiB, pin_memory=True)`` took 7.8 s and reserved 16 GiB), while
 registering an exactly sized host tensor took 0.6 s and streams at the same 55 GB/s
-(../shared/HARDWARE.md). Without CUDA the tensor is returned unpinned.
+(../shared/HARDWARE.md). Registration works on whole pages, so each registered tensor is an
+anonymous mapping of its own (page-aligned, shared with no other allocation; the size is rounded
+up to whole pages only). The registration is undone by :func:`unpin`, or at the latest when the
+tensor object is garbage collected (before the mapping itself goes away). Without CUDA the
+tensor is returned unpinned.
 """
 
 from __future__ import annotations
 
+import mmap
+import weakref
+
 import torch
+
+PAGE = mmap.PAGESIZE
 
 
 def host_empty(shape: tuple[int, ...], dtype: torch.dtype, pin: bool) -> torch.Tensor:
@@ -17,27 +26,49 @@ def host_empty(shape: tuple[int, ...], dtype: torch.dtype, pin: bool) -> torch.T
     Raises:
         RuntimeError: the allocation or the registration failed (message names the bytes).
     """
+    itemsize = torch.tensor([], dtype=dtype).element_size()
+    nbytes = itemsize
+    for s in shape:
+        nbytes *= s
+    if not pin or nbytes == 0:
+        try:
+            return torch.empty(shape, dtype=dtype)
+        except RuntimeError as e:  # CPU allocation failures raise RuntimeError
+            raise RuntimeError(f"cannot allocate {nbytes / 2**30:.3f} GiB of host memory for KV {tuple(shape)} {dtype}: {e}") from e
+    span = -(-nbytes // PAGE) * PAGE  # whole pages
     try:
-        t = torch.empty(shape, dtype=dtype)
-    except RuntimeError as e:  # CPU allocation failures raise RuntimeError
-        raise RuntimeError(f"cannot allocate {_gib(shape, dtype)} of host memory for KV: {e}") from e
-    if pin and t.numel() > 0:
-        err = torch.cuda.cudart().cudaHostRegister(t.data_ptr(), t.numel() * t.element_size(), 0)
-        if int(err) != 0:
-            raise RuntimeError(
-                f"cudaHostRegister of {_gib(shape, dtype)} failed (error {int(err)}): lower the pinned budget or the batch"
-            )
+        buf = mmap.mmap(-1, span)
+    except (OSError, ValueError) as e:
+        raise RuntimeError(f"cannot map {nbytes / 2**30:.3f} GiB of host memory for KV {tuple(shape)} {dtype}: {e}") from e
+    t = torch.frombuffer(buf, dtype=dtype, count=nbytes // itemsize).view(shape)  # keeps buf alive
+    ptr = t.data_ptr()
+    cudart = torch.cuda.cudart()
+    err = int(cudart.cudaHostRegister(ptr, span, 0))
+    if err != 0:
+        _clear_cuda_error()
+        raise RuntimeError(
+            f"cudaHostRegister of {nbytes / 2**30:.3f} GiB failed (CUDA error {err}): lower the pinned budget or the batch"
+        )
+    t._writescope_unpin = weakref.finalize(t, cudart.cudaHostUnregister, ptr)  # type: ignore[attr-defined]
     return t
 
 
 def unpin(t: torch.Tensor) -> None:
-    """Undo :func:`host_empty`'s registration (call once, before dropping the tensor)."""
-    if t.numel() > 0 and torch.cuda.is_available():
-        torch.cuda.cudart().cudaHostUnregister(t.data_ptr())
+    """Undo :func:`host_empty`'s registration now (idempotent; a no-op for unpinned tensors)."""
+    fin = getattr(t, "_writescope_unpin", None)
+    if fin is not None:
+        fin()
 
 
-def _gib(shape, dtype) -> str:
-    n = 1
-    for s in shape:
-        n *= s
-    return f"{n * torch.tensor([], dtype=dtype).element_size() / 2**30:.3f} GiB"
+def _clear_cuda_error() -> None:
+    """A failed runtime call leaves its error for the next ``cudaGetLastError`` (torch's launch
+    checks): read it once so later kernels do not report it. Best effort."""
+    import ctypes
+
+    try:
+        with open("/proc/self/maps") as f:
+            libs = {line.split()[-1] for line in f if "libcudart" in line}
+        for lib in libs:
+            ctypes.CDLL(lib).cudaGetLastError()
+    except OSError:
+        pass

@@ -16,7 +16,7 @@ import torch
 from writescope.config import KVLayout
 
 DEFAULT_WINDOW = 256  # D, tokens (DESIGN.md section 3)
-DEFAULT_PINGPONG_BYTES = 32 * 2**20  # bytes per ping-pong buffer
+DEFAULT_PINGPONG_BYTES = 64 * 2**20  # bytes per ping-pong buffer
 
 
 @dataclass(frozen=True)

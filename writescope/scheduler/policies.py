@@ -88,7 +88,9 @@ def parse_policy(text: str) -> PlacementPolicy | None:
         try:
             r = float(t.split(":", 1)[1])
         except ValueError:
-            raise ValueError(f"policy {text!r}: R must be a number in [0, 1], e.g. static:0.5") from None
+            r = float("nan")
+        if not 0.0 <= r <= 1.0:  # also NaN
+            raise ValueError(f"policy {text!r}: R must be a number in [0, 1] (e.g. static:0.5); policies: {POLICY_NAMES}")
         return StaticPolicy(r, f"static:{r:g}")
     raise ValueError(f"unknown policy {text!r}: choose {POLICY_NAMES}")
 
