@@ -40,6 +40,8 @@ def host_empty(shape: tuple[int, ...], dtype: torch.dtype, pin: bool) -> torch.T
         buf = mmap.mmap(-1, span)
     except (OSError, ValueError) as e:
         raise RuntimeError(f"cannot map {nbytes / 2**30:.3f} GiB of host memory for KV {tuple(shape)} {dtype}: {e}") from e
+    if hasattr(mmap, "MADV_HUGEPAGE"):  # registration faults every page in: 2 MiB pages fault 512x less
+        buf.madvise(mmap.MADV_HUGEPAGE)
     t = torch.frombuffer(buf, dtype=dtype, count=nbytes // itemsize).view(shape)  # keeps buf alive
     ptr = t.data_ptr()
     cudart = torch.cuda.cudart()

@@ -69,6 +69,12 @@ class SequenceKV:
         self.staging: torch.Tensor | None = None  # pinned [L, parts, kv_heads, D, dim] for evictions to compute
         self.pending: list[tuple[object, int] | None] = [None] * L  # (event, compute block) awaiting copy-in
         self.evict_events: list[object | None] = [None] * L  # window reuse waits on these
+        if prompt_len > 0:  # reserve the prefill plan's load blocks now, so a shortfall shows at allocate
+            plan = [route_block(policy, j, prompt_len, D, 0) for j in range(prompt_len // D)]
+            if cpu_blocks == 0:
+                plan = [LOAD] * len(plan)
+            if LOAD in plan:
+                self._reserve_load(plan.count(LOAD))
 
     # ------------------------------------------------------------------ lengths
     def seq_len(self, layer: int) -> int:
