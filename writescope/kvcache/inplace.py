@@ -20,6 +20,7 @@ from writescope.attention.metadata import ForwardBatch
 from writescope.attention.reference import attend_sequence
 from writescope.attention.split import SplitDecoder
 from writescope.kvcache.base import KVCache
+from writescope.kvcache.pinned import host_empty, unpin
 from writescope.kvcache.sequence import SequenceKV
 from writescope.kvcache.spec import PartitionSpec
 from writescope.scheduler.policies import COMPUTE, PlacementPolicy
@@ -53,6 +54,7 @@ class InplaceKVCache(KVCache):
         self._next_slot = 0
         self.prefill_readback_bytes = 0
         self.evicted_blocks = 0
+        self._staging: torch.Tensor | None = None  # pinned, for prefill writes to the compute region
 
     # ------------------------------------------------------------------ lifecycle
     def allocate(self, capacity: int, prompt_len: int = 0) -> int:
@@ -82,6 +84,9 @@ class InplaceKVCache(KVCache):
         """Free every slot and stop the CPU worker."""
         for slot in list(self._seqs):
             self.free(slot)
+        if self._staging is not None:
+            unpin(self._staging)
+            self._staging = None
         self.decoder.close()
 
     def seq_len(self, slot: int) -> int:
@@ -185,7 +190,7 @@ class InplaceKVCache(KVCache):
             src = x[:, :, t * D : (t + r) * D]
             if region == COMPUTE:
                 sq.drain(layer)
-                sq.compute[layer, :, :, idx * D : (idx + r) * D].copy_(src)
+                self._write_compute(sq.compute[layer, :, :, idx * D : (idx + r) * D], src)
                 sq.n_comp[layer] += r
             else:
                 blocks = src.unflatten(2, (r, D)).permute(2, 0, 1, 3, 4).contiguous()  # [r, parts, Hkv, D, dim]
@@ -197,6 +202,23 @@ class InplaceKVCache(KVCache):
             t += r
         sq.placed[layer] += nb * D
         return nb * D
+
+    def _write_compute(self, dst: torch.Tensor, src: torch.Tensor) -> None:
+        """Device ``src`` ``[parts, Hkv, n, dim]`` -> compute-region rows ``dst`` (host, per-head
+        strided). On CUDA through a pinned staging buffer at full PCIe speed (a pageable
+        device-to-host copy runs at a fraction of it), one buffer's worth at a time."""
+        if not self.cuda:
+            dst.copy_(src)
+            return
+        if self._staging is None:
+            self._staging = host_empty((self.spec.pingpong_blocks * self.spec.block_bytes // self.spec.element_size,), self.spec.dtype, pin=True)
+        step = max(1, self._staging.numel() // (src.shape[0] * src.shape[1] * src.shape[3]))  # tokens per round
+        for a in range(0, src.shape[2], step):
+            part = src[:, :, a : a + step]
+            stage = self._staging[: part.numel()].view(part.shape)
+            stage.copy_(part, non_blocking=True)
+            torch.cuda.current_stream(self.device).synchronize()
+            dst[:, :, a : a + step].copy_(stage)
 
     def _evict(self, sq: SequenceKV, layer: int) -> None:
         """Move the full D-window of ``layer`` to its block's home (asynchronously on CUDA)."""
@@ -269,7 +291,8 @@ class InplaceKVCache(KVCache):
                 f"the batch's spilled KV needs up to {host / gib:.2f} GiB of host memory but {host_free / gib:.2f} GiB is available: "
                 "use fewer or shorter requests"
             )
-        pinned = int(host * p.max_load_share) + (s.staging_bytes(len(capacities)) if p.max_cpu_share > 0 else 0)
+        # load region (worst case for the policy) + eviction staging + the prefill staging buffer
+        pinned = int(host * p.max_load_share) + (s.staging_bytes(len(capacities)) + s.pingpong_blocks * s.block_bytes if p.max_cpu_share > 0 else 0)
         if pinned_budget is not None and pinned > pinned_budget:
             raise ValueError(
                 f"the load region needs up to {pinned / gib:.2f} GiB of pinned memory, above the pinned budget of "

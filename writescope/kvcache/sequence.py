@@ -75,6 +75,8 @@ class SequenceKV:
                 plan = [LOAD] * len(plan)
             if LOAD in plan:
                 self._reserve_load(plan.count(LOAD))
+            if COMPUTE in plan:  # fault in (commit) the prompt's compute rows now, not during prefill
+                self.compute[:, :, :, : plan.count(COMPUTE) * D].zero_()
 
     # ------------------------------------------------------------------ lengths
     def seq_len(self, layer: int) -> int:
