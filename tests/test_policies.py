@@ -110,3 +110,22 @@ def test_capacity_refused_before_allocating(monkeypatch):
     monkeypatch.undo()
     out = llm.generate(prompt_token_ids=prompts, sampling_params=SamplingParams(max_tokens=4))
     assert len(out) == 3 and llm.cache.active_slots == []
+
+
+@pytest.mark.parametrize("r", [0.0, 0.1, 0.25, 0.5, 0.7, 1.0])
+def test_routing_tracks_the_share_and_plans_prefill_compute_first(r):
+    from writescope.scheduler.policies import COMPUTE, StaticPolicy, route_block
+
+    policy, Dw, P = StaticPolicy(r), 16, 16 * 10 + 5
+    homes, n_c = [], 0
+    for j in range(200):  # 10 prefill blocks, then 190 decode evictions
+        region = route_block(policy, j, P, Dw, n_c)
+        homes.append(region)
+        n_c += region == COMPUTE
+        # the placed CPU share stays within one block of r at every length
+        assert abs(n_c - r * (j + 1)) <= 1, (j, n_c)
+    plan = homes[:10]
+    assert plan == sorted(plan), f"prefill plan not compute-first: {plan}"  # COMPUTE = 0 < LOAD = 1
+    assert plan.count(COMPUTE) == int(r * P / Dw + 0.5)
+    # prefill and decode round halves the same way: r = 0.5 over one block goes to the CPU
+    assert route_block(StaticPolicy(0.5), 0, Dw, Dw, 0) == route_block(StaticPolicy(0.5), 0, 0, Dw, 0) == COMPUTE

@@ -255,9 +255,9 @@ def make_harness():
 
 def prefill_plan(policy: PlacementPolicy, P: int, D: int) -> tuple[int, int, int]:
     """Expected (compute blocks, load blocks, window tokens) right after a P-token prefill
-    (policies.py: the first round(r * P / D) whole blocks to the compute region)."""
+    (policies.py: the first floor(r * P / D + 1/2) whole blocks to the compute region)."""
     nb = P // D
-    n_cpu = min(nb, round(policy.cpu_share(P) * P / D))
+    n_cpu = min(nb, math.floor(policy.cpu_share(P) * P / D + 0.5))
     if policy.max_cpu_share == 0:
         n_cpu = 0
     return n_cpu, nb - n_cpu, P % D
@@ -305,7 +305,7 @@ def test_cpu_share_block_counts(make_harness, share, shape):
     test cannot silently exercise another split. CPU attention split over 4 threads; ping-pong
     of 3 blocks so the load region streams in several runs."""
     n = SHARES[share]
-    r = n * D256 / SHARE_P  # round(r * P / D) = n
+    r = n * D256 / SHARE_P  # floor(r * P / D + 1/2) = n
     h = make_harness(shape, window=D256, policy=StaticPolicy(r), cpu_threads=4, pingpong_blocks=3)
     slot = h.allocate(SHARE_P + 4, prompt_len=SHARE_P)
     h.prefill([slot], [SHARE_P])

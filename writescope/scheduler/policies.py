@@ -107,7 +107,7 @@ def route_block(policy: PlacementPolicy, block: int, prompt_len: int, window: in
     """
     prompt_blocks = prompt_len // window
     if block < prompt_blocks:
-        n_cpu = min(prompt_blocks, round(policy.cpu_share(prompt_len) * prompt_len / window))
+        n_cpu = min(prompt_blocks, math.floor(policy.cpu_share(prompt_len) * prompt_len / window + 0.5))  # halves up, as below
         return COMPUTE if block < n_cpu else LOAD
     placed_after = (block + 1) * window
     target = math.floor(policy.cpu_share(placed_after) * (block + 1) + 0.5)
