@@ -122,8 +122,8 @@ def test_routing_tracks_the_share_and_plans_prefill_compute_first(r):
         region = route_block(policy, j, P, Dw, n_c)
         homes.append(region)
         n_c += region == COMPUTE
-        # the placed CPU share stays within one block of r at every length
-        assert abs(n_c - r * (j + 1)) <= 1, (j, n_c)
+        if j >= 9:  # from the end of the prefill on, the placed CPU share stays within one block of r
+            assert abs(n_c - r * (j + 1)) <= 1, (j, n_c)
     plan = homes[:10]
     assert plan == sorted(plan), f"prefill plan not compute-first: {plan}"  # COMPUTE = 0 < LOAD = 1
     assert plan.count(COMPUTE) == int(r * P / Dw + 0.5)
