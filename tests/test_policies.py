@@ -129,3 +129,32 @@ def test_routing_tracks_the_share_and_plans_prefill_compute_first(r):
     assert plan.count(COMPUTE) == int(r * P / Dw + 0.5)
     # prefill and decode round halves the same way: r = 0.5 over one block goes to the CPU
     assert route_block(StaticPolicy(0.5), 0, Dw, Dw, 0) == route_block(StaticPolicy(0.5), 0, 0, Dw, 0) == COMPUTE
+
+
+def test_set_policy_switches_cache_and_keeps_weights():
+    llm = LLM("tiny-qwen3-moe", progress=False, policy="resident")
+    prompts = _prompts(llm.config.vocab_size)
+    params = SamplingParams(max_tokens=20, ignore_eos=True)
+    ref = [o.token_ids for o in llm.generate(prompt_token_ids=prompts, sampling_params=params)]
+    weights = llm.model.lm_head.weight
+    llm.set_policy("static:0.5", window=D)
+    assert isinstance(llm.cache, InplaceKVCache) and llm.policy_name == "static:0.5"
+    assert [o.token_ids for o in llm.generate(prompt_token_ids=prompts, sampling_params=params)] == ref
+    assert llm.model.lm_head.weight is weights
+    with pytest.raises(ValueError, match="unknown policy"):
+        llm.set_policy("nope")
+    assert llm.policy_name == "static:0.5"  # unchanged after the error
+
+
+def test_single_pass_prefill_reads_nothing_back():
+    """Decode reads the compute region in place and the load region only by streaming; only a
+    prompt prefilled in several chunks reads earlier KV back to the device."""
+    prompts = _prompts(4096)
+    params = SamplingParams(max_tokens=STEPS, ignore_eos=True)
+    one = LLM("tiny-qwen3-moe", progress=False, policy="static:0.5", window=D)
+    one.generate(prompt_token_ids=prompts, sampling_params=params)
+    assert one.cache.prefill_readback_bytes == 0
+    assert one.cache.decoder.stats.streamed_bytes > 0 and one.cache.decoder.stats.cpu_tokens > 0
+    chunked = LLM("tiny-qwen3-moe", progress=False, policy="static:0.5", window=D, prefill_chunk_tokens=32)
+    chunked.generate(prompt_token_ids=prompts, sampling_params=params)
+    assert chunked.cache.prefill_readback_bytes > 0

@@ -70,10 +70,11 @@ class LLM:
         self.dtype = parse_dtype(dtype, self.device)
         if prefill_chunk_tokens < 1:
             raise ValueError(f"prefill_chunk_tokens must be >= 1, got {prefill_chunk_tokens}")
+        parse_policy(policy)  # fail on a bad policy before loading weights
+        if window < 1:
+            raise ValueError(f"window D must be >= 1 token, got {window}")
         if cpu_threads is not None and cpu_threads < 1:
             raise ValueError(f"cpu_threads must be >= 1, got {cpu_threads}")
-        self.policy = parse_policy(policy)
-        self.policy_name = "resident" if self.policy is None else self.policy.name
         self.config, self.model, self.tokenizer, self.load_info = load_model(
             model, synthetic, self.dtype, self.device, seed, progress
         )
@@ -85,9 +86,25 @@ class LLM:
         self.prefill_chunk_tokens = prefill_chunk_tokens
         self.progress = progress
         self.pinned_budget = pinned_budget if pinned_budget is not None else (host_memory_total() or 0) // 2 or None
-        self.cache: KVCache
-        if self.policy is None:
-            self.cache = ContiguousKVCache(self.config.kv_layout, self.config.num_layers, self.dtype, self.device)
+        self.cache: KVCache = ContiguousKVCache(self.config.kv_layout, self.config.num_layers, self.dtype, self.device)
+        self.set_policy(policy, window, cpu_threads)
+        self._next_request_id = 0
+
+    def set_policy(self, policy: str, window: int = DEFAULT_WINDOW, cpu_threads: int | None = None) -> None:
+        """Switch the KV placement policy (a new, empty cache; the weights stay loaded).
+
+        Raises:
+            ValueError: unknown policy, a bad window or cpu_threads, a partitioned policy for a
+                model with a sliding window, or requests still holding KV. The old cache stays
+                in use then.
+        """
+        if cpu_threads is not None and cpu_threads < 1:
+            raise ValueError(f"cpu_threads must be >= 1, got {cpu_threads}")
+        parsed = parse_policy(policy)
+        if self.cache.active_slots:
+            raise ValueError(f"cannot switch the KV policy while {len(self.cache.active_slots)} requests hold KV")
+        if parsed is None:
+            cache: KVCache = ContiguousKVCache(self.config.kv_layout, self.config.num_layers, self.dtype, self.device)
         else:
             if self.config.attention.sliding_window is not None:
                 raise ValueError(
@@ -95,8 +112,11 @@ class LLM:
                     f"{self.config.attention.sliding_window}: use policy 'resident'"
                 )
             spec = PartitionSpec(self.config.kv_layout, self.config.num_layers, self.dtype, window=window)
-            self.cache = InplaceKVCache(spec, self.policy, self.device, cpu_threads)
-        self._next_request_id = 0
+            cache = InplaceKVCache(spec, parsed, self.device, cpu_threads)
+        if isinstance(self.cache, InplaceKVCache):
+            self.cache.close()
+        self.cache, self.policy = cache, parsed
+        self.policy_name = "resident" if parsed is None else parsed.name
 
     # ---------------------------------------------------------------- validation
     def _prepare(self, prompts, prompt_token_ids, params) -> tuple[list[str | None], list[list[int]], list[SamplingParams]]:

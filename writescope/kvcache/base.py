@@ -41,6 +41,11 @@ class KVCache(ABC):
     def free(self, slot: int) -> None:
         """Release a slot. Freeing an unknown slot is a no-op."""
 
+    @property
+    @abstractmethod
+    def active_slots(self) -> list[int]:
+        """Slots currently allocated."""
+
     @abstractmethod
     def seq_len(self, slot: int) -> int:
         """Tokens written for this slot (equal across layers after a full forward pass)."""

@@ -1,0 +1,66 @@
+"""Same model, same prompts, every placement policy: tokens vs ``resident`` and timings.
+
+    python benchmarks/policy_consistency.py --model deepseek-v2-lite --device cuda \
+        --policies resident,gpu,cpu,static:0.5 --batch 4 --max-new-tokens 48 --out results/x.json
+
+The prompt is Python standard-library source read on this machine at run time (``--prompt-module``,
+default ``json.decoder`` + ``json.encoder``), truncated to ``--prompt-tokens``. Weights are built
+once (synthetic for presets); each policy gets a fresh cache (``LLM.set_policy``).
+"""
+
+from __future__ import annotations
+
+import argparse
+import importlib
+import json
+import time
+from pathlib import Path
+
+import torch
+
+from writescope import LLM, SamplingParams
+
+
+def main() -> None:
+    p = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+    p.add_argument("--model", default="tiny-qwen3-moe")
+    p.add_argument("--device", default="auto")
+    p.add_argument("--dtype", default="auto")
+    p.add_argument("--policies", default="resident,gpu,cpu,static:0.5")
+    p.add_argument("--batch", type=int, default=4)
+    p.add_argument("--max-new-tokens", type=int, default=48)
+    p.add_argument("--prompt-modules", default="json.decoder,json.encoder")
+    p.add_argument("--prompt-tokens", type=int, default=None, help="truncate each prompt to this many tokens")
+    p.add_argument("--out", type=Path, default=None)
+    a = p.parse_args()
+    t0 = time.perf_counter()
+    llm = LLM(a.model, device=a.device, dtype=a.dtype, progress=False)
+    text = "".join(Path(importlib.import_module(m).__file__).read_text() for m in a.prompt_modules.split(","))
+    ids = llm.tokenizer.encode(text)[: a.prompt_tokens]
+    prompts = [ids[i:] for i in range(a.batch)]  # ragged: request i drops its first i tokens
+    print(f"{a.model} on {llm.device} ({llm.dtype}), built in {time.perf_counter() - t0:.1f} s; "
+          f"prompts {[len(x) for x in prompts]} tokens, {a.max_new_tokens} new")
+    params = SamplingParams(max_tokens=a.max_new_tokens, ignore_eos=True)
+    rows, ref = [], None
+    for pol in a.policies.split(","):
+        llm.set_policy(pol)
+        outs = llm.generate(prompt_token_ids=prompts, sampling_params=params)
+        toks = [o.token_ids for o in outs]
+        ref = ref if ref is not None else toks
+        first_diff = [next((j for j, (x, y) in enumerate(zip(t, r)) if x != y), None) for t, r in zip(toks, ref)]
+        m = outs[0].metrics
+        place = outs[0].kv_placement
+        rows.append({"policy": pol, "ttft_s": m.ttft_s, "tpot_ms": sorted(o.metrics.tpot_s for o in outs)[len(outs) // 2] * 1e3,
+                     "decode_tok_s": m.decode_tok_s, "prefill_tok_s": m.prefill_tok_s, "same_as_first": toks == ref,
+                     "first_divergence": first_diff, "kv_placement_request0": place, "peak_gib": m.peak_memory_bytes / 2**30})
+        r = rows[-1]
+        print(f"{pol:>12}: TTFT {r['ttft_s']:.2f} s  TPOT {r['tpot_ms']:.1f} ms  decode {r['decode_tok_s']:.1f} tok/s  "
+              f"same tokens: {r['same_as_first']} (first divergence per request {first_diff})  KV {place}", flush=True)
+        torch.cuda.empty_cache() if torch.cuda.is_available() else None
+    if a.out:
+        a.out.parent.mkdir(parents=True, exist_ok=True)
+        a.out.write_text(json.dumps({"args": vars(a) | {"out": str(a.out)}, "prompt_lens": [len(x) for x in prompts], "rows": rows}, indent=1))
+
+
+if __name__ == "__main__":
+    main()
