@@ -35,7 +35,8 @@ class SplitStats:
     window_tokens: int = 0
     streamed_bytes: int = 0  # load region -> ping-pong
     streamed_copies: int = 0
-    last_cpu_seconds: float = 0.0
+    last_cpu_seconds: float = 0.0  # of the last decode call (0 when it had no CPU part)
+    last_cpu_tokens: int = 0
 
 
 class SplitDecoder:
@@ -93,6 +94,7 @@ class SplitDecoder:
         Hkv, dv = s.layout.kv_heads, s.layout.v_dim
         qg = q.view(B, Hkv, Hq // Hkv, dk)
         self.stats.layer_steps += 1
+        self.stats.last_cpu_seconds, self.stats.last_cpu_tokens = 0.0, 0
         cpu_rows = [i for i, sq in enumerate(seqs) if sq.n_comp[layer] > 0]
         fut: Future | None = None
         q_host = (qg.to("cpu") if self.cuda else qg) if cpu_rows else None
@@ -198,4 +200,5 @@ class SplitDecoder:
         st.cpu_seconds += dt
         st.cpu_tokens += tokens
         st.last_cpu_seconds = dt
+        st.last_cpu_tokens = tokens
         return o, lse

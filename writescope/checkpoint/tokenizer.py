@@ -14,6 +14,8 @@ import sys
 import sysconfig
 from pathlib import Path
 
+from writescope.paths import cache_dir
+
 from tokenizers import Tokenizer as HFTokenizer
 from tokenizers import decoders, models, pre_tokenizers, trainers
 
@@ -54,8 +56,7 @@ def _corpus_files() -> list[Path]:
 
 
 def _cache_dir() -> Path:
-    base = os.environ.get("XDG_CACHE_HOME") or str(Path.home() / ".cache")
-    return Path(base) / "writescope" / "tokenizers"
+    return cache_dir("tokenizers")
 
 
 def synthetic_tokenizer(vocab_size: int, use_cache: bool = True) -> Tokenizer:

@@ -27,7 +27,8 @@ def add_parser(sub) -> None:
     p.add_argument("--ignore-eos", action="store_true", help="do not stop at end-of-sequence tokens")
     p.add_argument("--policy", default="resident",
                    help="KV placement: resident (all on the device), gpu (stream spilled KV), cpu (attend it on the CPU), "
-                        "static:R (CPU share R in [0,1]); default resident")
+                        "static:R (CPU share R in [0,1]), writescope (roofline share with online feedback; calibrates "
+                        "once per machine); default resident")
     p.add_argument("--window", type=int, default=256, help="D: tokens of the D-window and of one KV block (default 256)")
     p.add_argument("--cpu-threads", type=int, default=None, help="threads for CPU attention (default: all torch threads)")
     p.add_argument("--output-json", type=Path, help="write token ids, text and metrics per request here")

@@ -1,17 +1,18 @@
-"""``writescope`` entry point: subcommands ``generate`` and ``make-checkpoint``."""
+"""``writescope`` entry point: subcommands ``generate``, ``calibrate`` and ``make-checkpoint``."""
 
 from __future__ import annotations
 
 import argparse
 import sys
 
-from writescope.cli import generate, make_checkpoint
+from writescope.cli import calibrate, generate, make_checkpoint
 
 
 def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(prog="writescope", description="Long-context MoE inference with a partitioned KV cache.")
     sub = parser.add_subparsers(dest="command", required=True)
     generate.add_parser(sub)
+    calibrate.add_parser(sub)
     make_checkpoint.add_parser(sub)
     args = parser.parse_args(argv)
     try:

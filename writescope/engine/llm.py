@@ -16,7 +16,8 @@ from writescope.engine.sampling import SamplingParams, sample
 from writescope.kvcache.base import KVCache
 from writescope.kvcache.contiguous import ContiguousKVCache
 from writescope.kvcache.inplace import InplaceKVCache
-from writescope.kvcache.spec import DEFAULT_WINDOW, PartitionSpec
+from writescope.kvcache.spec import DEFAULT_WINDOW, PartitionSpec, Roofline
+from writescope.scheduler.calibrate import load_or_calibrate
 from writescope.scheduler.policies import parse_policy
 
 PROGRESS_MIN_PROMPT_TOKENS = 2048  # show a prefill progress bar from this many prompt tokens
@@ -70,7 +71,7 @@ class LLM:
         self.dtype = parse_dtype(dtype, self.device)
         if prefill_chunk_tokens < 1:
             raise ValueError(f"prefill_chunk_tokens must be >= 1, got {prefill_chunk_tokens}")
-        parse_policy(policy)  # fail on a bad policy before loading weights
+        parse_policy(policy, roofline=Roofline(1.0, 1.0))  # fail on a bad policy before loading weights
         if window < 1:
             raise ValueError(f"window D must be >= 1 token, got {window}")
         if cpu_threads is not None and cpu_threads < 1:
@@ -90,8 +91,11 @@ class LLM:
         self.set_policy(policy, window, cpu_threads)
         self._next_request_id = 0
 
-    def set_policy(self, policy: str, window: int = DEFAULT_WINDOW, cpu_threads: int | None = None) -> None:
+    def set_policy(
+        self, policy: str, window: int = DEFAULT_WINDOW, cpu_threads: int | None = None, roofline: Roofline | None = None
+    ) -> None:
         """Switch the KV placement policy (a new, empty cache; the weights stay loaded).
+        ``roofline`` overrides the calibrated inputs of the ``writescope`` policy.
 
         Raises:
             ValueError: unknown policy, a bad window or cpu_threads, a partitioned policy for a
@@ -100,7 +104,10 @@ class LLM:
         """
         if cpu_threads is not None and cpu_threads < 1:
             raise ValueError(f"cpu_threads must be >= 1, got {cpu_threads}")
-        parsed = parse_policy(policy)
+        is_adaptive = policy.strip().lower() == "writescope"
+        if is_adaptive and roofline is None:
+            roofline = self.roofline(window, cpu_threads)
+        parsed = parse_policy(policy, roofline)
         if self.cache.active_slots:
             raise ValueError(f"cannot switch the KV policy while {len(self.cache.active_slots)} requests hold KV")
         if parsed is None:
@@ -117,6 +124,14 @@ class LLM:
             self.cache.close()
         self.cache, self.policy = cache, parsed
         self.policy_name = "resident" if parsed is None else parsed.name
+
+    def roofline(self, window: int = DEFAULT_WINDOW, cpu_threads: int | None = None) -> Roofline:
+        """Calibrated A, B, C for this model's KV shape on this machine: stored, or measured now
+        (once per machine and shape; see :mod:`writescope.scheduler.calibrate`)."""
+        if self.progress:
+            print("writescope policy: looking up this machine's calibration (measured once if missing)", flush=True)
+        a = self.config.attention
+        return load_or_calibrate(self.config.kv_layout, a.q_heads, self.dtype, self.device, window, cpu_threads, self.progress)
 
     # ---------------------------------------------------------------- validation
     def _prepare(self, prompts, prompt_token_ids, params) -> tuple[list[str | None], list[list[int]], list[SamplingParams]]:

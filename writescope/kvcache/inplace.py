@@ -125,6 +125,9 @@ class InplaceKVCache(KVCache):
         if all(n == 1 for n in batch.query_lens):
             self._append(seqs, layer_id, new)
             out = self.decoder.decode(layer_id, q, seqs, scale, self.evict_stream)
+            st = self.decoder.stats
+            if st.last_cpu_tokens:
+                self.policy.observe(st.last_cpu_seconds, st.last_cpu_tokens, len(seqs))
         else:
             out = q.new_empty(q.shape[0], q.shape[1], self.layout.v_dim)
             for i, sq in enumerate(seqs):
@@ -142,6 +145,26 @@ class InplaceKVCache(KVCache):
         return out
 
     # ------------------------------------------------------------------ writes
+    def write(self, slot: int, layer_id: int, k: torch.Tensor, v: torch.Tensor | None) -> None:
+        """Place the next tokens' KV of one sequence without attending, routed exactly as
+        :meth:`attend` would (fills a cache for benchmarks and calibration).
+
+        Args:
+            k: ``[n, kv_heads, k_dim]``; v: ``[n, kv_heads, v_dim]`` or None (shared latent).
+
+        Raises:
+            RuntimeError: the sequence would pass its capacity.
+        """
+        sq = self._seqs[slot]
+        n = k.shape[0]
+        if sq.seq_len(layer_id) + n > sq.capacity:
+            raise RuntimeError(f"slot {slot} overflows its KV capacity {sq.capacity} tokens")
+        if sq.prompt_len == 0 and sq.seq_len(layer_id) == 0:
+            sq.prompt_len = n
+        self._write(sq, layer_id, _pack(k, v))
+        if sq.win_len[layer_id] == self.spec.window:
+            self._evict(sq, layer_id)
+
     def _write(self, sq: SequenceKV, layer: int, x: torch.Tensor) -> None:
         """Place ``x`` ``[parts, Hkv, n, dim]`` (the next n tokens of ``layer``)."""
         D, n, pos = self.spec.window, x.shape[2], 0

@@ -4,14 +4,14 @@ A policy answers one question, ``cpu_share(L)``: which fraction of a sequence's 
 should live in the compute region (attended by the CPU) when L tokens are placed. Routing a
 block (D tokens) follows DESIGN.md section 3:
 
-- prefill: the first round(r(P) * P / D) whole blocks of a P-token prompt go to the compute
-  region, the other whole blocks to the load region;
+- prefill: the first floor(r(P) * P / D + 1/2) whole blocks of a P-token prompt go to the
+  compute region, the other whole blocks to the load region;
 - decode: each evicted window (one block) goes where it brings the placed CPU share closest to
-  r(L): to the compute region while ``n_compute < round(r(L) * (placed_blocks + 1))``.
+  r(L): to the compute region while ``n_compute < floor(r(L) * (placed_blocks + 1) + 1/2)``.
 
-Policies here: ``gpu`` (r = 0), ``cpu`` (r = 1), ``static:R``. ``resident`` keeps all KV on the
-GPU and uses no partitioned cache (see :func:`writescope.engine.llm.LLM`). The adaptive
-``writescope`` policy (roofline r(L), paper section 5) belongs to the scheduler issue.
+Policies here: ``gpu`` (r = 0), ``cpu`` (r = 1), ``static:R``; the adaptive ``writescope``
+(roofline r(L), paper section 5) is in :mod:`writescope.scheduler.roofline`. ``resident`` keeps
+all KV on the GPU and uses no partitioned cache (see :func:`writescope.engine.llm.LLM`).
 """
 
 from __future__ import annotations
@@ -22,7 +22,7 @@ from dataclasses import dataclass
 COMPUTE = 0  # region id: host, pageable, per-KV-head rows; attended on the CPU
 LOAD = 1  # region id: host, pinned, one contiguous block per D tokens; streamed to the GPU
 
-POLICY_NAMES = "resident, gpu, cpu or static:R with R in [0, 1]"
+POLICY_NAMES = "resident, gpu, cpu, static:R with R in [0, 1], or writescope"
 
 
 class PlacementPolicy:
@@ -43,6 +43,10 @@ class PlacementPolicy:
     def cpu_share(self, placed_tokens: int) -> float:
         """Target fraction in [0, 1] of placed tokens in the compute region at L = placed_tokens."""
         raise NotImplementedError
+
+    def observe(self, cpu_seconds: float, cpu_tokens: int, batch: int) -> None:
+        """Feedback after one layer's decode attention: the CPU part took ``cpu_seconds`` for
+        ``cpu_tokens`` compute-region tokens over ``batch`` sequences. Static policies ignore it."""
 
     def __repr__(self) -> str:
         return self.name
@@ -71,15 +75,25 @@ class StaticPolicy(PlacementPolicy):
         return self.share
 
 
-def parse_policy(text: str) -> PlacementPolicy | None:
-    """``"gpu"``, ``"cpu"``, ``"static:0.25"`` -> a policy; ``"resident"`` -> None (no spilling).
+def parse_policy(text: str, roofline=None) -> PlacementPolicy | None:
+    """``"gpu"``, ``"cpu"``, ``"static:0.25"``, ``"writescope"`` -> a policy; ``"resident"`` ->
+    None (no spilling). ``writescope`` needs ``roofline`` (a calibrated
+    :class:`~writescope.kvcache.spec.Roofline`; :class:`~writescope.engine.llm.LLM` finds or
+    measures it).
 
     Raises:
-        ValueError: unknown name or an R outside [0, 1], naming the accepted spellings.
+        ValueError: unknown name, an R outside [0, 1] (naming the accepted spellings), or
+            ``writescope`` without roofline inputs.
     """
     t = text.strip().lower()
     if t == "resident":
         return None
+    if t == "writescope":
+        if roofline is None:
+            raise ValueError("policy 'writescope' needs calibrated roofline inputs: run `writescope calibrate --model M`")
+        from writescope.scheduler.roofline import WriteScopePolicy
+
+        return WriteScopePolicy(roofline)
     if t == "gpu":
         return StaticPolicy(0.0, "gpu")
     if t == "cpu":

@@ -1,0 +1,176 @@
+"""The roofline share r(L), the online estimate of A, the ``writescope`` policy and calibration."""
+
+from __future__ import annotations
+
+import json
+import math
+
+import pytest
+import torch
+
+from writescope import LLM, SamplingParams
+from writescope.attention.metadata import ForwardBatch
+from writescope.config import KVLayout
+from writescope.kvcache.inplace import InplaceKVCache
+from writescope.kvcache.spec import PartitionSpec, Roofline
+from writescope.scheduler.calibrate import calibrate, load, load_or_calibrate, save, shape_key
+from writescope.scheduler.policies import COMPUTE, LOAD, parse_policy
+from writescope.scheduler.roofline import A_FLOOR, OnlineEstimate, WriteScopePolicy, roofline_share
+
+
+# ------------------------------------------------------------------ r(L)
+def test_share_tends_to_b_over_a_plus_b():
+    for a, b, c_cpu, c_gpu in [(1.0, 3.0, 0.0, 0.0), (2e-9, 5e-9, 1e-3, 4e-3), (5e-9, 1e-9, 2e-3, 0.0)]:
+        assert roofline_share(1e15, a, b, c_cpu, c_gpu) == pytest.approx(b / (a + b), abs=1e-6)
+
+
+def test_share_balances_both_sides():
+    a, b, c_cpu, c_gpu, L = 2e-9, 3e-9, 1e-4, 6e-4, 1e6
+    r = roofline_share(L, a, b, c_cpu, c_gpu)
+    assert 0 < r < 1
+    assert r * a * L + c_cpu == pytest.approx((1 - r) * b * L + c_gpu, rel=1e-9)  # paper eq. 2
+
+
+def test_share_clamps_and_follows_the_sign_of_delta():
+    a, b = 1e-9, 1e-9
+    assert roofline_share(10, a, b, c_cpu=0.0, c_gpu=1.0) == 1.0  # GPU fixed cost dominates: all CPU
+    assert roofline_share(10, a, b, c_cpu=1.0, c_gpu=0.0) == 0.0
+    base = roofline_share(1e6, a, b)
+    assert roofline_share(1e6, a, b, 0.0, 1e-4) > base > roofline_share(1e6, a, b, 1e-4, 0.0)
+
+
+@pytest.mark.parametrize(
+    "L, a, b, c_cpu, c_gpu, want",
+    [
+        (0, 1.0, 1.0, 0.0, 0.0, 0.5),  # L = 0, delta = 0: the limit share
+        (0, 1.0, 1.0, 0.0, 1.0, 1.0),
+        (0, 1.0, 1.0, 1.0, 0.0, 0.0),
+        (100, 0.0, 1.0, 0.0, 0.0, 1.0),  # free CPU: all there
+        (100, 1.0, 0.0, 0.0, 0.0, 0.0),  # free loads: all streamed
+        (100, 0.0, 0.0, 0.0, 0.0, 0.5),  # nothing costs anything
+        (100, 0.0, 0.0, 1.0, 0.0, 0.0),
+    ],
+)
+def test_degenerate_inputs_do_not_divide_by_zero(L, a, b, c_cpu, c_gpu, want):
+    assert roofline_share(L, a, b, c_cpu, c_gpu) == want
+
+
+def test_bad_inputs_raise():
+    with pytest.raises(ValueError, match="A must be >= 0"):
+        roofline_share(10, -1.0, 1.0)
+    with pytest.raises(ValueError, match="L must be >= 0"):
+        roofline_share(float("nan"), 1.0, 1.0)
+
+
+# ------------------------------------------------------------------ tracker
+def test_tracker_converges_within_ten_samples_after_a_step():
+    est = OnlineEstimate(1.0)  # alpha 0.3, median of 3
+    for _ in range(10):
+        est.update(1.0)
+    for _ in range(10):  # the documented bound: 1 + ceil(log 0.05 / log 0.7) = 10
+        est.update(4.0)
+    assert abs(est.value - 4.0) <= 0.05 * 3.0
+
+
+def test_one_outlier_does_not_move_the_estimate():
+    est = OnlineEstimate(2.0)
+    for _ in range(5):
+        est.update(2.0)
+    est.update(200.0)
+    assert est.value == pytest.approx(2.0, abs=1e-12)
+    est.update(float("nan"))
+    est.update(-1.0)
+    assert est.value == pytest.approx(2.0, abs=1e-12)
+
+
+def test_policy_tracks_a_with_a_floor():
+    pol = WriteScopePolicy(Roofline(a=1e-9, b=1e-9, c_cpu=1e-4, c_gpu=0.0))
+    for _ in range(20):
+        pol.observe(1e-4 + 3e-9 * 10_000, 10_000, batch=4)  # A tripled (contention)
+    assert pol.a.value == pytest.approx(3e-9, rel=0.02)
+    assert pol.cpu_share(10**6) < roofline_share(4e6, 1e-9, 1e-9, 1e-4, 0.0)  # less goes to the CPU
+    for _ in range(20):
+        pol.observe(0.0, 10_000, batch=4)  # faster than the fixed cost: floored
+    assert pol.a.value == pytest.approx(A_FLOOR * 1e-9, rel=0.05)
+
+
+# ------------------------------------------------------------------ routing with feedback
+def _decode(cache, slots, steps, layout, q_heads, g):
+    for _ in range(steps):
+        B = len(slots)
+        q = torch.randn(B, q_heads, layout.k_dim, generator=g)
+        k = torch.randn(B, layout.kv_heads, layout.k_dim, generator=g)
+        v = torch.randn(B, layout.kv_heads, layout.v_dim, generator=g)
+        cache.attend(0, q, k, v, ForwardBatch.build(slots, [1] * B, [cache.seq_len(s) for s in slots], "cpu"), 0.1)
+
+
+def test_routing_follows_the_target_and_never_moves_placed_blocks():
+    layout, D = KVLayout(2, 8, 8, False), 8
+    pol = WriteScopePolicy(Roofline(a=1.0, b=1.0))  # r = 0.5
+    pol.a.alpha = 0.0  # hold A fixed (no feedback from this machine's timings) to test routing alone
+    cache = InplaceKVCache(PartitionSpec(layout, 1, torch.float32, window=D), pol, "cpu")
+    g = torch.Generator().manual_seed(0)
+    slot = cache.allocate(64 + 40 * D, prompt_len=64)
+    cache.write(slot, 0, torch.randn(64, 2, 8, generator=g), torch.randn(64, 2, 8, generator=g))
+    _decode(cache, [slot], 16 * D, layout, 4, g)
+    seq = cache.sequence(slot)
+    n = len(seq.homes)
+    assert abs(sum(r == COMPUTE for r, _ in seq.homes) - 0.5 * n) <= 1  # within one eviction batch
+    before = list(seq.homes)
+    pol.a.value = 9.0  # CPU now 9x slower: target share drops to 0.1
+    _decode(cache, [slot], 16 * D, layout, 4, g)
+    assert seq.homes[:n] == before  # nothing placed moved
+    assert all(r == LOAD for r, _ in seq.homes[n:])  # new batches go to the load region
+    seq.check_invariants()
+    cache.close()
+
+
+@pytest.mark.parametrize("preset", ["tiny-qwen3-moe", "tiny-deepseek-v2"])
+def test_writescope_policy_gives_resident_tokens(preset):
+    llm = LLM(preset, progress=False)
+    prompts = [list(range(3, 3 + n)) for n in (70, 33, 5)]
+    params = SamplingParams(max_tokens=40, ignore_eos=True)
+    ref = [o.token_ids for o in llm.generate(prompt_token_ids=prompts, sampling_params=params)]
+    llm.set_policy("writescope", window=16, roofline=Roofline(a=1e-9, b=2e-9, c_cpu=0.0, c_gpu=0.0))  # r = 2/3
+    outs = llm.generate(prompt_token_ids=prompts, sampling_params=params)
+    assert [o.token_ids for o in outs] == ref
+    assert sum(o.kv_placement["compute"] for o in outs) > 0 and sum(o.kv_placement["load"] for o in outs) > 0
+
+
+def test_writescope_needs_a_roofline():
+    with pytest.raises(ValueError, match="writescope calibrate"):
+        parse_policy("writescope")
+
+
+# ------------------------------------------------------------------ calibration
+def test_calibration_measures_stores_and_reloads(tmp_path, monkeypatch):
+    monkeypatch.setenv("XDG_CACHE_HOME", str(tmp_path))
+    layout, dev = KVLayout(2, 16, 16, False), torch.device("cpu")
+    r, detail = calibrate(layout, 4, torch.float32, dev, window=16, batch=2, contexts=(64, 128, 256), steps=2, progress=False)
+    assert r.a > 0 and r.b > 0 and r.c_cpu >= 0 and r.c_gpu >= 0
+    assert [p[0] for p in detail["points"]["cpu"]] == [2 * 64, 2 * 128, 2 * 256]  # all placed tokens on the CPU side
+    shape = shape_key(layout, 4, torch.float32, 16)
+    assert load(dev, shape) is None
+    path = save(dev, shape, r, detail)
+    assert load(dev, shape) == r
+    assert json.loads(path.read_text())  # valid JSON
+    assert load_or_calibrate(layout, 4, torch.float32, dev, window=16, progress=False) == r  # no re-measure
+
+
+def test_calibrate_cli(tmp_path, monkeypatch, capsys):
+    from writescope.cli.main import main
+
+    monkeypatch.setenv("XDG_CACHE_HOME", str(tmp_path))
+    assert main(["calibrate", "--model", "tiny-qwen3-moe", "--batch", "2", "--window", "16", "--quiet"]) == 0
+    out = capsys.readouterr().out
+    assert "ns/token" in out and "r(L)" in out
+    assert (tmp_path / "writescope" / "calibration.json").is_file()
+    assert main(["calibrate", "--model", "tiny-qwen3-moe", "--batch", "0"]) == 2
+
+
+def test_fit_is_exact_on_a_line():
+    from writescope.scheduler.calibrate import _fit
+
+    a, c = _fit([(100, 0.5 + 100 * 2e-3), (300, 0.5 + 300 * 2e-3), (900, 0.5 + 900 * 2e-3)])
+    assert a == pytest.approx(2e-3) and c == pytest.approx(0.5)
+    assert math.isfinite(_fit([(100, 1.0), (100, 2.0)])[0])  # one x value: no division by zero

@@ -1,0 +1,48 @@
+"""``writescope calibrate``: measure the roofline inputs A, B, C for a model's KV shape here."""
+
+from __future__ import annotations
+
+import argparse
+import time
+
+import torch
+
+
+def add_parser(sub) -> None:
+    p = sub.add_parser("calibrate", help="measure the CPU and load-path costs of the model's KV shape on this machine")
+    p.add_argument("--model", required=True, help="checkpoint directory or preset name (only its config is read)")
+    p.add_argument("--device", default="auto", help="auto, cpu or cuda")
+    p.add_argument("--dtype", default="auto", help="auto (bf16 on cuda, fp32 on cpu), bf16, fp16, fp32")
+    p.add_argument("--window", type=int, default=256, help="D, tokens per block (default 256)")
+    p.add_argument("--batch", type=int, default=8, help="sequences in the measured batch (default 8)")
+    p.add_argument("--cpu-threads", type=int, default=None, help="threads for CPU attention (default: all torch threads)")
+    p.add_argument("--quiet", action="store_true", help="no progress bar")
+    p.set_defaults(run=run)
+
+
+def run(args: argparse.Namespace) -> int:
+    from writescope.engine.model_loader import parse_dtype, resolve_config, resolve_device
+    from writescope.scheduler import calibrate as cal
+    from writescope.scheduler.roofline import roofline_share
+
+    if args.window < 1 or args.batch < 1 or (args.cpu_threads is not None and args.cpu_threads < 1):
+        raise ValueError(f"--window, --batch and --cpu-threads must be >= 1, got {args.window}, {args.batch}, {args.cpu_threads}")
+    device = resolve_device(args.device)
+    dtype = parse_dtype(args.dtype, device)
+    cfg, _ = resolve_config(args.model)
+    layout, q_heads = cfg.kv_layout, cfg.attention.q_heads
+    shape = cal.shape_key(layout, q_heads, dtype, args.window)
+    print(f"calibrating {shape} on {device} (batch {args.batch})", flush=True)
+    t0 = time.perf_counter()
+    r, detail = cal.calibrate(layout, q_heads, dtype, device, args.window, args.batch, cpu_threads=args.cpu_threads,
+                              progress=not args.quiet)
+    path = cal.save(device, shape, r, detail)
+    tok_bytes = layout.bytes_per_token(torch.tensor([], dtype=dtype).element_size())
+    print(f"done in {time.perf_counter() - t0:.1f} s; stored in {path}")
+    print(f"  A (CPU, compute region)     {r.a * 1e9:10.3f} ns/token  = {tok_bytes / r.a / 1e9:6.1f} GB/s")
+    print(f"  B (GPU, load region)        {r.b * 1e9:10.3f} ns/token  = {tok_bytes / r.b / 1e9:6.1f} GB/s")
+    print(f"  C_cpu, C_gpu (fixed/step)   {r.c_cpu * 1e3:.3f} ms, {r.c_gpu * 1e3:.3f} ms")
+    print("  r(L) for a batch of %d:" % args.batch, "  ".join(
+        f"{L // 1024}K {roofline_share(L * args.batch, r.a, r.b, r.c_cpu, r.c_gpu):.3f}" for L in (2048, 8192, 32768, 131072)))
+    return 0
+

@@ -1,0 +1,178 @@
+"""Calibration of the roofline inputs A, B, C_cpu, C_gpu on this machine (DESIGN.md section 5).
+
+For the model's KV shape, one layer of InplaceKVCache is filled with random KV for a batch at a
+few context lengths and decoded for a few steps:
+
+- ``cpu`` placement (R = 1): the CPU part's wall time (the worker's own timer) against the
+  compute-region tokens gives A (slope, seconds per token) and C_cpu (intercept);
+- ``gpu`` placement (R = 0): the whole step's wall time (synchronised) against the load-region
+  tokens gives B and C_gpu (the D-window part and the merge are in C_gpu).
+
+Least-squares lines through the medians; slopes floored at 1e-12 s, intercepts at 0. Results are
+stored as JSON in ``$XDG_CACHE_HOME/writescope/calibration.json`` keyed by machine (CPU model,
+cores, torch threads, GPU) and KV shape.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import platform
+import statistics
+import time
+from pathlib import Path
+
+import torch
+from tqdm import tqdm
+
+from writescope.attention.metadata import ForwardBatch
+from writescope.config import KVLayout
+from writescope.kvcache.inplace import InplaceKVCache
+from writescope.kvcache.spec import PartitionSpec, Roofline
+from writescope.paths import cache_dir
+from writescope.scheduler.policies import StaticPolicy
+
+CUDA_CONTEXTS = (2048, 4096, 8192)  # tokens per sequence
+CPU_CONTEXTS = (512, 1024, 2048)
+
+
+def machine_key(device: torch.device) -> str:
+    """CPU model, core count, torch threads and GPU name: what A and B depend on."""
+    cpu = platform.processor() or platform.machine()
+    try:
+        with open("/proc/cpuinfo") as f:
+            cpu = next((ln.split(":", 1)[1].strip() for ln in f if ln.startswith("model name")), cpu)
+    except OSError:
+        pass
+    gpu = torch.cuda.get_device_name(device) if device.type == "cuda" else "no-gpu"
+    return f"{cpu}|{os.cpu_count()} cpus|{torch.get_num_threads()} threads|{gpu}"
+
+
+def shape_key(layout: KVLayout, q_heads: int, dtype: torch.dtype, window: int) -> str:
+    kind = "latent" if layout.shared_kv else "kv"
+    return f"{kind} kv_heads={layout.kv_heads} k={layout.k_dim} v={layout.v_dim} q_heads={q_heads} {dtype} D={window}"
+
+
+def calibrate(
+    layout: KVLayout,
+    q_heads: int,
+    dtype: torch.dtype,
+    device: torch.device | str,
+    window: int = 256,
+    batch: int = 8,
+    contexts: tuple[int, ...] | None = None,
+    steps: int = 5,
+    cpu_threads: int | None = None,
+    progress: bool = True,
+) -> tuple[Roofline, dict]:
+    """Measure A, B, C_cpu, C_gpu for this KV shape on this machine.
+
+    Returns:
+        ``(roofline, detail)``: detail holds the measured points (tokens, seconds) per side.
+
+    Raises:
+        ValueError: batch, steps or a context below 1.
+    """
+    device = torch.device(device)
+    contexts = contexts or (CUDA_CONTEXTS if device.type == "cuda" else CPU_CONTEXTS)
+    if batch < 1 or steps < 1 or min(contexts) < 1:
+        raise ValueError(f"batch, steps and contexts must be >= 1, got {batch}, {steps}, {contexts}")
+    points = {"cpu": [], "gpu": []}
+    bar = tqdm(total=2 * len(contexts), desc="calibrate", disable=not progress)
+    for side, share in (("cpu", 1.0), ("gpu", 0.0)):
+        for L in contexts:
+            points[side].append(_measure(layout, q_heads, dtype, device, window, share, batch, L, steps, cpu_threads, side))
+            bar.update()
+    bar.close()
+    a, c_cpu = _fit(points["cpu"])
+    b, c_gpu = _fit(points["gpu"])
+    return Roofline(a, b, c_cpu, c_gpu), {"points": points, "batch": batch, "steps": steps}
+
+
+def _measure(layout, q_heads, dtype, device, window, share, batch, L, steps, cpu_threads, side) -> tuple[int, float]:
+    """(placed tokens of the batch, median seconds) for one placement and context."""
+    spec = PartitionSpec(layout, 1, dtype, window=window)
+    cache = InplaceKVCache(spec, StaticPolicy(share), device, cpu_threads)
+    g = torch.Generator(device=device).manual_seed(L)
+
+    def rnd(*shape):
+        return torch.randn(*shape, generator=g, device=device, dtype=dtype)
+
+    def sync():
+        if device.type == "cuda":
+            torch.cuda.synchronize(device)
+
+    try:
+        slots = [cache.allocate(L + steps + 1, prompt_len=L) for _ in range(batch)]
+        for s in slots:
+            cache.write(s, 0, rnd(L, layout.kv_heads, layout.k_dim), None if layout.shared_kv else rnd(L, layout.kv_heads, layout.v_dim))
+        times = []
+        for t in range(steps + 1):
+            q = rnd(batch, q_heads, layout.k_dim)
+            k = rnd(batch, layout.kv_heads, layout.k_dim)
+            v = None if layout.shared_kv else rnd(batch, layout.kv_heads, layout.v_dim)
+            fb = ForwardBatch.build(slots, [1] * batch, [cache.seq_len(s) for s in slots], device)
+            sync()
+            t0 = time.perf_counter()
+            cache.attend(0, q, k, v, fb, layout.k_dim**-0.5)
+            sync()
+            dt = time.perf_counter() - t0
+            if t > 0:  # the first step warms up
+                times.append(cache.decoder.stats.last_cpu_seconds if side == "cpu" else dt)
+        placed = sum(cache.placement(s)["compute" if side == "cpu" else "load"] for s in slots)
+        return placed, statistics.median(times)
+    finally:
+        cache.close()
+
+
+def _fit(points: list[tuple[int, float]]) -> tuple[float, float]:
+    """Least-squares (slope, intercept) of seconds against tokens; slope >= 1e-12, intercept >= 0."""
+    n = len(points)
+    mx = sum(x for x, _ in points) / n
+    my = sum(y for _, y in points) / n
+    sxx = sum((x - mx) ** 2 for x, _ in points)
+    slope = sum((x - mx) * (y - my) for x, y in points) / sxx if sxx > 0 else my / max(mx, 1)
+    slope = max(slope, 1e-12)
+    return slope, max(0.0, my - slope * mx)
+
+
+def store_path() -> Path:
+    return cache_dir("") / "calibration.json"
+
+
+def load(device: torch.device, shape: str) -> Roofline | None:
+    """The stored calibration of this machine and shape, or None."""
+    path = store_path()
+    try:
+        entry = json.loads(path.read_text())[machine_key(device)][shape]
+    except (OSError, ValueError, KeyError):
+        return None
+    return Roofline(entry["a"], entry["b"], entry["c_cpu"], entry["c_gpu"])
+
+
+def save(device: torch.device, shape: str, roofline: Roofline, detail: dict) -> Path:
+    path = store_path()
+    path.parent.mkdir(parents=True, exist_ok=True)
+    try:
+        doc = json.loads(path.read_text())
+    except (OSError, ValueError):
+        doc = {}
+    entry = {"a": roofline.a, "b": roofline.b, "c_cpu": roofline.c_cpu, "c_gpu": roofline.c_gpu,
+             "measured_at": time.strftime("%Y-%m-%dT%H:%M:%S"), **detail}
+    doc.setdefault(machine_key(device), {})[shape] = entry
+    tmp = path.with_suffix(".tmp")
+    tmp.write_text(json.dumps(doc, indent=1))
+    tmp.replace(path)
+    return path
+
+
+def load_or_calibrate(layout, q_heads, dtype, device, window=256, cpu_threads=None, progress=True) -> Roofline:
+    """The stored calibration, or a fresh one (stored) when there is none."""
+    device = torch.device(device)
+    shape = shape_key(layout, q_heads, dtype, window)
+    found = load(device, shape)
+    if found is not None:
+        return found
+    roofline, detail = calibrate(layout, q_heads, dtype, device, window, cpu_threads=cpu_threads, progress=progress)
+    save(device, shape, roofline, detail)
+    return roofline

@@ -1,0 +1,112 @@
+"""The roofline CPU share r(L) and the online estimate of A (paper section 5, DESIGN.md section 5).
+
+With A = CPU seconds per placed token, B = GPU load seconds per token, C_cpu / C_gpu the fixed
+per-step costs of each side, a step over L placed tokens takes
+
+    T_cpu(r) = r A L + C_cpu,     T_gpu(r) = (1 - r) B L + C_gpu,
+
+and the two sides finish together at
+
+    r(L) = clamp( B / (A + B) + (C_gpu - C_cpu) / ((A + B) L), 0, 1 )     (paper eq. 2).
+
+A is re-estimated from every measured CPU step (it drifts with concurrent requests and CPU
+experts); B and the C's come from calibration.
+"""
+
+from __future__ import annotations
+
+import math
+from collections import deque
+from dataclasses import dataclass, field
+
+from writescope.kvcache.spec import Roofline
+from writescope.scheduler.policies import PlacementPolicy
+
+A_FLOOR = 0.1  # A is never estimated below this fraction of its calibrated value
+
+
+def roofline_share(L: float, a: float, b: float, c_cpu: float = 0.0, c_gpu: float = 0.0) -> float:
+    """r(L) of paper eq. 2, clamped to [0, 1].
+
+    Args:
+        L: placed tokens (>= 0; for a batch, the tokens all its sequences place).
+        a, b: seconds per token of the CPU and of the load path (>= 0).
+        c_cpu, c_gpu: fixed seconds per step of each side.
+
+    Degenerate inputs do not divide by zero: with A + B = 0 the share follows the sign of
+    delta = C_gpu - C_cpu (0.5 when delta = 0); with L = 0 the delta term dominates (1 if
+    delta > 0, 0 if delta < 0, B / (A + B) if delta = 0).
+
+    Raises:
+        ValueError: a negative or NaN A, B or L.
+    """
+    for name, x in (("L", L), ("A", a), ("B", b)):
+        if not x >= 0:  # also NaN
+            raise ValueError(f"roofline input {name} must be >= 0, got {x}")
+    delta = c_gpu - c_cpu
+    if a + b <= 0:
+        return 1.0 if delta > 0 else 0.0 if delta < 0 else 0.5
+    base = b / (a + b)
+    if L == 0:
+        return 1.0 if delta > 0 else 0.0 if delta < 0 else base
+    return min(1.0, max(0.0, base + delta / ((a + b) * L)))
+
+
+@dataclass
+class OnlineEstimate:
+    """An exponentially weighted mean of the median of the last ``window`` samples.
+
+    The median guards against outliers: one sample far off (a page fault, a preempted thread)
+    does not move the median of 3, so it moves the estimate not at all; a lasting change moves
+    the median after ``window // 2 + 1`` samples, and the estimate then closes a fraction
+    ``alpha`` of the remaining gap per sample: within 5% of a step change after
+    ``window // 2 + ceil(log(0.05) / log(1 - alpha))`` samples (10 for the defaults).
+    """
+
+    value: float
+    alpha: float = 0.3
+    window: int = 3
+    samples: deque = field(default_factory=deque, repr=False)
+
+    def update(self, sample: float) -> float:
+        if not math.isfinite(sample) or sample < 0:
+            return self.value  # not a measurement
+        self.samples.append(sample)
+        while len(self.samples) > self.window:
+            self.samples.popleft()
+        med = sorted(self.samples)[len(self.samples) // 2]
+        self.value += self.alpha * (med - self.value)
+        return self.value
+
+
+class WriteScopePolicy(PlacementPolicy):
+    """``writescope``: r(L) from the roofline with A tracked online.
+
+    Args:
+        roofline: calibrated A, B, C_cpu, C_gpu (seconds per token, seconds per step).
+        alpha, window: see :class:`OnlineEstimate`.
+
+    ``cpu_share(L)`` takes L per sequence and uses ``L * batch`` tokens in the delta term, with
+    ``batch`` the batch size of the last observed step (fixed costs are per step, shared by the
+    batch).
+    """
+
+    name = "writescope"
+
+    def __init__(self, roofline: Roofline, alpha: float = 0.3, window: int = 3):
+        self.roofline = roofline
+        self.a = OnlineEstimate(roofline.a, alpha, window)
+        self.batch = 1
+
+    def cpu_share(self, placed_tokens: int) -> float:
+        r = self.roofline
+        return roofline_share(placed_tokens * self.batch, self.a.value, r.b, r.c_cpu, r.c_gpu)
+
+    def observe(self, cpu_seconds: float, cpu_tokens: int, batch: int) -> None:
+        """One measured CPU step: the sample of A is ``(cpu_seconds - C_cpu) / cpu_tokens``,
+        floored at a tenth of the calibrated A (a step cheaper than the calibrated fixed cost
+        says little about the per-token cost)."""
+        self.batch = max(1, batch)
+        if cpu_tokens > 0:
+            sample = (cpu_seconds - self.roofline.c_cpu) / cpu_tokens
+            self.a.update(max(sample, A_FLOOR * self.roofline.a))
