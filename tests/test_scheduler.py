@@ -174,3 +174,17 @@ def test_fit_is_exact_on_a_line():
     a, c = _fit([(100, 0.5 + 100 * 2e-3), (300, 0.5 + 300 * 2e-3), (900, 0.5 + 900 * 2e-3)])
     assert a == pytest.approx(2e-3) and c == pytest.approx(0.5)
     assert math.isfinite(_fit([(100, 1.0), (100, 2.0)])[0])  # one x value: no division by zero
+
+
+@pytest.mark.parametrize("policy, roofline", [("monolithic:0.5", None), ("monolithic", Roofline(a=2e-9, b=1e-9))])
+def test_monolithic_baseline_gives_resident_tokens_and_prepares_every_step(policy, roofline):
+    llm = LLM("tiny-qwen3-moe", progress=False)
+    prompts = [list(range(3, 3 + n)) for n in (70, 33, 5)]
+    params = SamplingParams(max_tokens=40, ignore_eos=True)
+    ref = [o.token_ids for o in llm.generate(prompt_token_ids=prompts, sampling_params=params)]
+    llm.set_policy(policy, window=16, roofline=roofline)
+    outs = llm.generate(prompt_token_ids=prompts, sampling_params=params)
+    assert [o.token_ids for o in outs] == ref
+    assert all(o.kv_placement["load"] == 0 for o in outs)  # one physical state
+    stats = llm.cache.decoder.stats
+    assert stats.prepared_bytes > 0 and stats.prepare_seconds > 0 and stats.cpu_tokens > 0

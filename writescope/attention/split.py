@@ -22,6 +22,7 @@ import torch
 
 from writescope.attention.merge import merge_segments, merge_unchecked
 from writescope.attention.partial import attend_blocks, block_partials, cpu_attend
+from writescope.kvcache.pinned import host_empty, unpin
 from writescope.kvcache.spec import PartitionSpec
 
 
@@ -37,6 +38,8 @@ class SplitStats:
     streamed_copies: int = 0
     last_cpu_seconds: float = 0.0  # of the last decode call (0 when it had no CPU part)
     last_cpu_tokens: int = 0
+    prepare_seconds: float = 0.0  # monolithic baseline: re-layout into pinned staging
+    prepared_bytes: int = 0
 
 
 class SplitDecoder:
@@ -58,12 +61,21 @@ class SplitDecoder:
         self.pool = ThreadPoolExecutor(1, "writescope-cpu-attn", initializer=torch.set_num_threads, initargs=(self.cpu_threads,))
         self.stats = SplitStats()
         self._buffers: list[torch.Tensor] = []
+        self._stage: list[torch.Tensor | None] = [None, None]  # monolithic prepare buffers (pinned)
+        self._stage_events: list[object | None] = [None, None]
+        self._stage_slot: int | None = None
         self._free_events: list[object | None] = []
         if self.cuda:
             self.copy_stream = torch.cuda.Stream(device)
 
     def close(self) -> None:
         self.pool.shutdown(wait=True)
+        if self.cuda:
+            torch.cuda.synchronize(self.device)
+        for t in self._stage:
+            if t is not None:
+                unpin(t)
+        self._stage = [None, None]
 
     def buffers(self) -> list[torch.Tensor]:
         """The ping-pong buffers ``[pingpong_blocks, parts, kv_heads, D, dim]``, made on first use."""
@@ -76,7 +88,7 @@ class SplitDecoder:
         return self._buffers
 
     # ------------------------------------------------------------------ one layer
-    def decode(self, layer: int, q: torch.Tensor, seqs: list, scale: float, evict_stream=None) -> torch.Tensor:
+    def decode(self, layer: int, q: torch.Tensor, seqs: list, scale: float, evict_stream=None, cpu_blocks=None) -> torch.Tensor:
         """Exact attention of one new query per sequence over all four regions.
 
         Args:
@@ -85,6 +97,10 @@ class SplitDecoder:
             seqs: B SequenceKV, each with the new token already in its D-window.
             scale: softmax scale.
             evict_stream: CUDA stream that evictions run on (streaming waits for it).
+            cpu_blocks: the ``monolithic`` baseline: per sequence, how many compute-region
+                blocks the CPU attends; the rest are re-laid out into pinned staging this step
+                (timed in ``stats.prepare_seconds``) and streamed like load blocks. None: the CPU
+                attends the whole compute region (the InplaceKVCache format).
 
         Returns:
             ``[B, q_heads, dv]`` in q's dtype.
@@ -95,19 +111,52 @@ class SplitDecoder:
         qg = q.view(B, Hkv, Hq // Hkv, dk)
         self.stats.layer_steps += 1
         self.stats.last_cpu_seconds, self.stats.last_cpu_tokens = 0.0, 0
-        cpu_rows = [i for i, sq in enumerate(seqs) if sq.n_comp[layer] > 0]
+        limits = [sq.n_comp[layer] if cpu_blocks is None else cpu_blocks[i] for i, sq in enumerate(seqs)]
+        cpu_rows = [i for i in range(B) if limits[i] > 0]
         fut: Future | None = None
         q_host = (qg.to("cpu") if self.cuda else qg) if cpu_rows else None
         if cpu_rows and not self.cpu_inline:
-            fut = self.pool.submit(self._cpu_part, layer, q_host, seqs, cpu_rows, scale)
+            fut = self.pool.submit(self._cpu_part, layer, q_host, seqs, cpu_rows, limits, scale)
         states = [self._window_part(layer, qg, seqs, scale)]
-        if any(sq.n_load[layer] > 0 for sq in seqs):
-            states.append(self._load_part(layer, qg, seqs, scale, evict_stream))
+        sources = [(i, run) for i, sq in enumerate(seqs) for run in sq.load_runs(layer, 0, sq.n_load[layer], s.pingpong_blocks)]
+        if cpu_blocks is not None:
+            sources += self._prepare(layer, seqs, limits)
+        if sources:
+            states.append(self._load_part(qg, sources, scale, evict_stream))
         if cpu_rows:
-            o_c, l_c = fut.result() if fut is not None else self._cpu_part(layer, q_host, seqs, cpu_rows, scale)
+            o_c, l_c = fut.result() if fut is not None else self._cpu_part(layer, q_host, seqs, cpu_rows, limits, scale)
             states.append((o_c.to(self.device), l_c.to(self.device)))
         o, _ = merge_unchecked([st[0] for st in states], [st[1] for st in states])
         return o.view(B, Hq, dv).to(q.dtype)
+
+    def _prepare(self, layer, seqs, limits):
+        """Monolithic baseline: copy the GPU's share of each compute region (per-head rows) into
+        a pinned staging buffer in block layout, as a cache with one physical state must do every
+        step. Two buffers alternate by layer; one is reused once its copies to the GPU are done."""
+        D, s = self.spec.window, self.spec
+        runs = [(i, sq.compute[layer, :, :, limits[i] * D : sq.n_comp[layer] * D]) for i, sq in enumerate(seqs) if sq.n_comp[layer] > limits[i]]
+        need = sum(r.shape[2] // D for _, r in runs)
+        if need == 0:
+            return []
+        t0 = time.perf_counter()
+        slot = layer % 2
+        if self._stage_events[slot] is not None:
+            self._stage_events[slot].synchronize()
+        buf = self._stage[slot]
+        if buf is None or buf.shape[0] < need:
+            if buf is not None:
+                unpin(buf)
+            buf = self._stage[slot] = host_empty((need, *s.block_shape()), s.dtype, pin=self.cuda)
+        out, off = [], 0
+        for i, rows in runs:
+            nb = rows.shape[2] // D
+            buf[off : off + nb].copy_(rows.unflatten(2, (nb, D)).permute(2, 0, 1, 3, 4))
+            out += [(i, buf[a : min(off + nb, a + s.pingpong_blocks)]) for a in range(off, off + nb, s.pingpong_blocks)]
+            off += nb
+        self._stage_slot = slot
+        self.stats.prepare_seconds += time.perf_counter() - t0
+        self.stats.prepared_bytes += off * s.block_bytes
+        return out
 
     def _window_part(self, layer, qg, seqs, scale):
         s = self.spec
@@ -118,13 +167,13 @@ class SplitDecoder:
         v = win[:, 1].unsqueeze(1) if s.parts == 2 else k[..., : s.layout.v_dim]
         return attend_blocks(qg, k, v, scale, lens.to(self.device, non_blocking=True))
 
-    def _load_part(self, layer, qg, seqs, scale, evict_stream):
+    def _load_part(self, qg, sources, scale, evict_stream):
         """Stream every sequence's load blocks through the ping-pong buffers. Runs of several
         sequences are packed into one buffer fill (one copy per run); each fill yields one
         partial per block, and all blocks are merged per sequence once at the end."""
         s = self.spec
         B, Hkv, G, _ = qg.shape
-        fills = list(self._fills(layer, seqs))
+        fills = list(self._fills(sources))
         ids_host = [i for fill in fills for i, src in fill for _ in range(src.shape[0])]
         ids = torch.tensor(ids_host, dtype=torch.long).to(self.device, non_blocking=True)
         acc = torch.promote_types(s.dtype, torch.float32)
@@ -165,35 +214,42 @@ class SplitDecoder:
                 done.record(cur)
                 self._free_events[b] = done
             start += total
+        if self.cuda and self._stage_slot is not None:  # staging reuse waits for these copies
+            ev = torch.cuda.Event()
+            ev.record(self.copy_stream)
+            self._stage_events[self._stage_slot] = ev
+        self._stage_slot = None
         return merge_segments(o_blk, lse_blk, ids, B)
 
-    def _fills(self, layer, seqs):
-        """Group all load-region runs of ``layer`` into buffer fills of at most
-        ``pingpong_blocks`` blocks: lists of (sequence index, run ``[nb, parts, Hkv, D, dim]``)."""
+    def _fills(self, sources):
+        """Group runs ``(sequence index, [nb, parts, Hkv, D, dim])`` into buffer fills of at
+        most ``pingpong_blocks`` blocks."""
         cap = self.spec.pingpong_blocks
         fill, used = [], 0
-        for i, sq in enumerate(seqs):
-            for src in sq.load_runs(layer, 0, sq.n_load[layer], cap):
-                while src.shape[0] > 0:
-                    if used == cap:
-                        yield fill
-                        fill, used = [], 0
-                    take = min(cap - used, src.shape[0])
-                    fill.append((i, src[:take]))
-                    used += take
-                    src = src[take:]
+        for i, src in sources:
+            while src.shape[0] > 0:
+                if used == cap:
+                    yield fill
+                    fill, used = [], 0
+                take = min(cap - used, src.shape[0])
+                fill.append((i, src[:take]))
+                used += take
+                src = src[take:]
         if fill:
             yield fill
 
-    def _cpu_part(self, layer, q_host, seqs, rows, scale):
-        """Worker thread: compute-region attention for ``rows``; others get the empty partial."""
+    def _cpu_part(self, layer, q_host, seqs, rows, limits, scale):
+        """Compute-region attention for ``rows`` over their first ``limits[i]`` blocks; others
+        get the empty partial. Runs in the worker thread unless ``cpu_inline``."""
         t0 = time.perf_counter()
         kv = [None] * len(seqs)
         tokens = 0
+        n = [lim * self.spec.window for lim in limits]
         for i in rows:
             seqs[i].drain(layer)
-            kv[i] = seqs[i].compute_kv(layer)
-            tokens += kv[i][0].shape[1]
+            k, v = seqs[i].compute_kv(layer)
+            kv[i] = (k[:, : n[i]], v[:, : n[i]])
+            tokens += n[i]
         o, lse = cpu_attend(q_host, kv, scale, self.spec.layout.v_dim)
         dt = time.perf_counter() - t0
         st = self.stats

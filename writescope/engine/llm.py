@@ -104,7 +104,7 @@ class LLM:
         """
         if cpu_threads is not None and cpu_threads < 1:
             raise ValueError(f"cpu_threads must be >= 1, got {cpu_threads}")
-        is_adaptive = policy.strip().lower() == "writescope"
+        is_adaptive = policy.strip().lower() in ("writescope", "monolithic")
         if is_adaptive and roofline is None:
             roofline = self.roofline(window, cpu_threads)
         parsed = parse_policy(policy, roofline)

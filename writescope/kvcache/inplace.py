@@ -14,6 +14,8 @@ for that attention; counted in ``prefill_readback_bytes``). Placed bytes never m
 
 from __future__ import annotations
 
+import math
+
 import torch
 
 from writescope.attention.metadata import ForwardBatch
@@ -124,7 +126,11 @@ class InplaceKVCache(KVCache):
         new = _pack(k, v)  # [parts, Hkv, T, dim]
         if all(n == 1 for n in batch.query_lens):
             self._append(seqs, layer_id, new)
-            out = self.decoder.decode(layer_id, q, seqs, scale, self.evict_stream)
+            cpu_blocks = None
+            if getattr(self.policy, "monolithic", False):
+                cpu_blocks = [min(n, math.floor(self.policy.read_share(sq.placed[layer_id]) * n + 0.5))
+                              for sq, n in ((sq, sq.n_comp[layer_id]) for sq in seqs)]
+            out = self.decoder.decode(layer_id, q, seqs, scale, self.evict_stream, cpu_blocks)
             st = self.decoder.stats
             if st.last_cpu_tokens:
                 self.policy.observe(st.last_cpu_seconds, st.last_cpu_tokens, len(seqs))
@@ -316,6 +322,8 @@ class InplaceKVCache(KVCache):
             )
         # load region (worst case for the policy) + eviction staging + the prefill staging buffer
         pinned = int(host * p.max_load_share) + (s.staging_bytes(len(capacities)) + s.pingpong_blocks * s.block_bytes if p.max_cpu_share > 0 else 0)
+        if getattr(p, "monolithic", False):  # two prepare buffers of up to one layer's KV each
+            pinned += 2 * host // s.num_layers
         if pinned_budget is not None and pinned > pinned_budget:
             raise ValueError(
                 f"the load region needs up to {pinned / gib:.2f} GiB of pinned memory, above the pinned budget of "

@@ -9,7 +9,8 @@ block (D tokens) follows DESIGN.md section 3:
 - decode: each evicted window (one block) goes where it brings the placed CPU share closest to
   r(L): to the compute region while ``n_compute < floor(r(L) * (placed_blocks + 1) + 1/2)``.
 
-Policies here: ``gpu`` (r = 0), ``cpu`` (r = 1), ``static:R``; the adaptive ``writescope``
+Policies here: ``gpu`` (r = 0), ``cpu`` (r = 1), ``static:R``, the ``monolithic`` baseline;
+the adaptive ``writescope``
 (roofline r(L), paper section 5) is in :mod:`writescope.scheduler.roofline`. ``resident`` keeps
 all KV on the GPU and uses no partitioned cache (see :func:`writescope.engine.llm.LLM`).
 """
@@ -22,7 +23,7 @@ from dataclasses import dataclass
 COMPUTE = 0  # region id: host, pageable, per-KV-head rows; attended on the CPU
 LOAD = 1  # region id: host, pinned, one contiguous block per D tokens; streamed to the GPU
 
-POLICY_NAMES = "resident, gpu, cpu, static:R with R in [0, 1], or writescope"
+POLICY_NAMES = "resident, gpu, cpu, static:R with R in [0, 1], writescope, monolithic or monolithic:R"
 
 
 class PlacementPolicy:
@@ -75,6 +76,36 @@ class StaticPolicy(PlacementPolicy):
         return self.share
 
 
+class MonolithicPolicy(PlacementPolicy):
+    """``monolithic`` baseline (DESIGN.md section 7): every spilled block goes to one physical
+    state, the compute region's per-head rows, and the split is made when reading: each step the
+    CPU attends the first ``read_share(L)`` of the blocks in place, and the GPU's share is
+    re-laid out into pinned staging and streamed, as a cache without the format must do. The
+    share comes from ``inner`` (the roofline policy, or a static R), so the comparison with
+    ``writescope`` isolates what the physical format saves.
+    """
+
+    monolithic = True
+
+    def __init__(self, inner: PlacementPolicy):
+        self.inner = inner
+        self.name = "monolithic" if not isinstance(inner, StaticPolicy) else f"monolithic:{inner.share:g}"
+
+    @property
+    def max_load_share(self) -> float:
+        return 0.0
+
+    def cpu_share(self, placed_tokens: int) -> float:
+        return 1.0  # placement: everything in the compute region
+
+    def read_share(self, placed_tokens: int) -> float:
+        """Fraction of the placed blocks the CPU attends this step."""
+        return self.inner.cpu_share(placed_tokens)
+
+    def observe(self, cpu_seconds: float, cpu_tokens: int, batch: int) -> None:
+        self.inner.observe(cpu_seconds, cpu_tokens, batch)
+
+
 def parse_policy(text: str, roofline=None) -> PlacementPolicy | None:
     """``"gpu"``, ``"cpu"``, ``"static:0.25"``, ``"writescope"`` -> a policy; ``"resident"`` ->
     None (no spilling). ``writescope`` needs ``roofline`` (a calibrated
@@ -88,12 +119,16 @@ def parse_policy(text: str, roofline=None) -> PlacementPolicy | None:
     t = text.strip().lower()
     if t == "resident":
         return None
-    if t == "writescope":
+    if t.startswith("monolithic:"):
+        inner = parse_policy("static:" + t.split(":", 1)[1])
+        assert inner is not None
+        return MonolithicPolicy(inner)
+    if t in ("writescope", "monolithic"):
         if roofline is None:
-            raise ValueError("policy 'writescope' needs calibrated roofline inputs: run `writescope calibrate --model M`")
+            raise ValueError(f"policy {t!r} needs calibrated roofline inputs: run `writescope calibrate --model M`")
         from writescope.scheduler.roofline import WriteScopePolicy
 
-        return WriteScopePolicy(roofline)
+        return WriteScopePolicy(roofline) if t == "writescope" else MonolithicPolicy(WriteScopePolicy(roofline))
     if t == "gpu":
         return StaticPolicy(0.0, "gpu")
     if t == "cpu":
