@@ -1,11 +1,11 @@
-"""``writescope`` entry point: subcommands ``generate``, ``calibrate`` and ``make-checkpoint``."""
+"""``writescope`` entry point: subcommands ``generate``, ``bench``, ``calibrate`` and ``make-checkpoint``."""
 
 from __future__ import annotations
 
 import argparse
 import sys
 
-from writescope.cli import calibrate, generate, make_checkpoint
+from writescope.cli import bench, calibrate, generate, make_checkpoint
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -13,6 +13,7 @@ def main(argv: list[str] | None = None) -> int:
     sub = parser.add_subparsers(dest="command", required=True)
     generate.add_parser(sub)
     calibrate.add_parser(sub)
+    bench.add_parser(sub)
     make_checkpoint.add_parser(sub)
     args = parser.parse_args(argv)
     try:

@@ -1,0 +1,51 @@
+"""``writescope bench`` on the CPU: a small grid writes a table, valid JSON and a PNG."""
+
+from __future__ import annotations
+
+import json
+
+import pytest
+
+from writescope.cli.bench import parse_tokens
+from writescope.cli.main import main
+
+
+def test_bench_grid_json_and_plot(tmp_path, monkeypatch, capsys):
+    monkeypatch.setenv("XDG_CACHE_HOME", str(tmp_path / "cache"))  # the writescope policy calibrates here
+    out_json, out_png = tmp_path / "bench.json", tmp_path / "bench.png"
+    rc = main([
+        "bench", "--model", "tiny-qwen3-moe", "--batch", "2", "--context", "48,100,10k", "--steps", "2", "--window", "16",
+        "--policies", "gpu,cpu,static:0.5,monolithic,monolithic:0.5,writescope", "--sweep-static", "2",
+        "--output-json", str(out_json), "--plot", str(out_png), "--quiet",
+    ])
+    assert rc == 0
+    printed = capsys.readouterr().out
+    assert "decode tok/s" in printed and "best static share" in printed
+    doc = json.loads(out_json.read_text())
+    rows = doc["rows"]
+    policies = ["gpu", "cpu", "static:0.5", "monolithic", "monolithic:0.5", "writescope", "static:0", "static:1"]
+    assert [(r["context"], r["policy"]) for r in rows] == [(c, p) for c in (48, 100, 10240) for p in policies]
+    fit = [r for r in rows if r["context"] < 10240]
+    assert all(r["fits"] and r["decode_tok_s"] > 0 and r["attn_ms_per_layer"] > 0 for r in fit)
+    # 10k tokens exceed the tiny model's 8,192 positions: reported, and the grid went on
+    assert all(not r["fits"] and "beyond the limit" in r["reason"] for r in rows if r["context"] == 10240)
+    assert "does not fit" in printed
+    by = {(r["context"], r["policy"]): r for r in fit}
+    assert by[(100, "gpu")]["r_deployed"] == 0.0 and by[(100, "cpu")]["r_deployed"] == 1.0
+    assert by[(100, "monolithic:0.5")]["prepare_ms_per_layer"] > 0  # half the blocks re-laid out every step
+    assert by[(100, "monolithic:0.5")]["r_deployed"] == 0.5 and by[(100, "writescope")]["r_deployed"] is not None
+    assert doc["roofline"]["a"] > 0
+    assert out_png.read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
+
+
+def test_parse_tokens():
+    assert parse_tokens("2k,8k,300, 1.5k") == [2048, 8192, 300, 1536]
+    with pytest.raises(ValueError, match="not a token count"):
+        parse_tokens("2m")
+    with pytest.raises(ValueError, match=">= 1"):
+        parse_tokens("0")
+
+
+def test_bench_rejects_bad_policy_before_loading(capsys):
+    assert main(["bench", "--model", "tiny-qwen3-moe", "--policies", "gpu,fast"]) == 2
+    assert "unknown policy 'fast'" in capsys.readouterr().err

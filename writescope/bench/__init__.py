@@ -1,0 +1,1 @@
+"""``writescope bench``: policies side by side over a grid of batch sizes and contexts."""

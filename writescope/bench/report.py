@@ -1,0 +1,107 @@
+"""Table, best-static summary and plots of bench rows (see :mod:`writescope.bench.runner`)."""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+from writescope.bench.runner import BenchRow
+
+
+def format_table(rows: list[BenchRow]) -> str:
+    head = ("batch", "context", "policy", "prefill tok/s", "decode tok/s", "TPOT ms", "attn ms/layer", "r", "GB/s", "% bound")
+    lines = [head]
+    for r in rows:
+        if not r.fits:
+            lines.append((str(r.batch), str(r.context), r.policy, f"does not fit: {r.reason}", "", "", "", "", "", ""))
+            continue
+        lines.append((
+            str(r.batch), str(r.context), r.policy, f"{r.prefill_tok_s:,.0f}", f"{r.decode_tok_s:,.1f}", f"{r.tpot_ms:.2f}",
+            f"{r.attn_ms_per_layer:.3f}", "-" if r.r_deployed is None else f"{r.r_deployed:.3f}", f"{r.gbs:.1f}",
+            f"{100 * r.frac_of_bound:.1f}" if r.frac_of_bound else "-",
+        ))
+    widths = [max(len(x[i]) for x in lines if not x[3].startswith("does not fit") or i < 4) for i in range(len(head))]
+    out = []
+    for x in lines:
+        if x[3].startswith("does not fit"):
+            out.append("  ".join(v.rjust(w) for v, w in zip(x[:3], widths)) + "  " + x[3])
+        else:
+            out.append("  ".join(v.rjust(w) for v, w in zip(x, widths)))
+    return "\n".join(out)
+
+
+def best_static(rows: list[BenchRow]) -> dict[tuple[int, int], BenchRow]:
+    """Per (batch, context): the ``static:R`` row with the highest decode tok/s."""
+    best: dict[tuple[int, int], BenchRow] = {}
+    for r in rows:
+        if r.fits and r.policy.startswith("static:"):
+            k = (r.batch, r.context)
+            if k not in best or r.decode_tok_s > best[k].decode_tok_s:
+                best[k] = r
+    return best
+
+
+def format_best(rows: list[BenchRow]) -> str:
+    best = best_static(rows)
+    if not best:
+        return ""
+    ws = {(r.batch, r.context): r for r in rows if r.fits and r.policy == "writescope"}
+    lines = ["best static share (by decode tok/s) vs deployed writescope r:"]
+    for (b, c), r in sorted(best.items()):
+        w = ws.get((b, c))
+        dep = f"writescope r = {w.r_deployed:.3f}, {w.decode_tok_s:,.1f} tok/s" if w and w.r_deployed is not None else "no writescope row"
+        lines.append(f"  batch {b} context {c}: best {r.policy} ({r.decode_tok_s:,.1f} tok/s); {dep}")
+    return "\n".join(lines)
+
+
+def plot(rows: list[BenchRow], path: Path) -> None:
+    """decode tok/s vs context per policy (one panel per batch), and deployed r vs best static R.
+
+    Raises:
+        ImportError: matplotlib is missing (``pip install matplotlib``).
+    """
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    batches = sorted({r.batch for r in rows})
+    fig, axes = plt.subplots(1, len(batches) + 1, figsize=(5 * (len(batches) + 1), 4), squeeze=False)
+    for ax, b in zip(axes[0], batches):
+        for pol in dict.fromkeys(r.policy for r in rows if not r.policy.startswith("static:") or r.policy in _shown_static(rows)):
+            pts = sorted((r.context, r.decode_tok_s) for r in rows if r.batch == b and r.policy == pol and r.fits)
+            if pts:
+                ax.plot([p[0] for p in pts], [p[1] for p in pts], marker="o", label=pol)
+        ax.set_xscale("log", base=2)
+        ax.set_xlabel("context (tokens)")
+        ax.set_ylabel("decode tok/s")
+        ax.set_title(f"batch {b}")
+        ax.grid(alpha=0.3)
+        ax.legend(fontsize=7)
+    ax = axes[0][-1]
+    best = best_static(rows)
+    for b in batches:
+        ctx = sorted(c for (bb, c) in best if bb == b)
+        if ctx:
+            ax.plot(ctx, [float(best[(b, c)].policy.split(":")[1]) for c in ctx], marker="s", ls="--", label=f"best static, batch {b}")
+        dep = sorted((r.context, r.r_deployed) for r in rows if r.batch == b and r.policy == "writescope" and r.fits and r.r_deployed is not None)
+        if dep:
+            ax.plot([p[0] for p in dep], [p[1] for p in dep], marker="o", label=f"writescope r, batch {b}")
+    ax.set_xscale("log", base=2)
+    ax.set_ylim(-0.05, 1.05)
+    ax.set_xlabel("context (tokens)")
+    ax.set_ylabel("CPU share")
+    ax.set_title("deployed r(L) vs measured best static share")
+    ax.grid(alpha=0.3)
+    ax.legend(fontsize=7)
+    fig.tight_layout()
+    path.parent.mkdir(parents=True, exist_ok=True)
+    fig.savefig(path, dpi=110)
+    plt.close(fig)
+
+
+def _shown_static(rows: list[BenchRow]) -> set[str]:
+    """Static policies named by the user (not every sweep point) plus the best ones."""
+    sweep = {r.policy for r in rows if r.extra.get("sweep")}
+    return {r.policy for r in rows if r.policy.startswith("static:") and r.policy not in sweep} | {
+        r.policy for r in best_static(rows).values()
+    }

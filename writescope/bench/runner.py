@@ -1,0 +1,153 @@
+"""Run the bench grid: for each (batch, context, policy) prefill random prompts, decode N steps,
+and collect what the table and plots show (DESIGN.md section 7 compares these policies).
+
+Per configuration (one row):
+- ``prefill_tok_s``, ``decode_tok_s``, ``tpot_ms`` (median over requests) from the engine;
+- ``attn_ms_per_layer``: median wall time of one layer's decode attention (the cache's
+  ``attend``, synchronised before and after: a measurement, slightly less overlap than a run);
+- ``r_deployed``: placed CPU share at the end (compute / (compute + load) tokens of the batch);
+- ``gbs``: KV bytes one layer's attention reads per step / ``attn_ms_per_layer``; ``bound_ms``
+  = those bytes / (H2D + CPU read GB/s) and ``frac_of_bound`` = bound / measured.
+A configuration that does not fit (the engine's capacity check, or the device running out of
+memory) becomes a row with ``fits = False`` and the reason; the grid goes on.
+"""
+
+from __future__ import annotations
+
+import statistics
+import time
+from dataclasses import asdict, dataclass, field
+
+import torch
+from tqdm import tqdm
+
+from writescope.engine.llm import LLM
+from writescope.engine.sampling import SamplingParams
+from writescope.kvcache.inplace import InplaceKVCache
+
+
+@dataclass
+class BenchRow:
+    batch: int
+    context: int
+    policy: str
+    fits: bool = True
+    reason: str = ""
+    prefill_tok_s: float = 0.0
+    decode_tok_s: float = 0.0
+    tpot_ms: float = 0.0
+    attn_ms_per_layer: float = 0.0
+    r_deployed: float | None = None
+    kv_bytes_per_layer: int = 0
+    gbs: float = 0.0
+    bound_ms: float = 0.0
+    frac_of_bound: float = 0.0
+    prepare_ms_per_layer: float = 0.0  # monolithic: re-layout into pinned staging
+    extra: dict = field(default_factory=dict)
+
+    def to_dict(self) -> dict:
+        return asdict(self)
+
+
+@dataclass
+class BenchConfig:
+    batches: list[int]
+    contexts: list[int]
+    policies: list[str]
+    steps: int = 8
+    window: int = 256
+    h2d_gbs: float = 55.0  # ../shared/HARDWARE.md, pinned host-to-device
+    cpu_gbs: float = 86.0  # ../shared/HARDWARE.md, 16-thread host read
+    seed: int = 0
+    progress: bool = True
+    warmup: bool = True  # one short unmeasured run per policy first
+
+
+class _TimedAttend:
+    """Wraps a cache's ``attend`` to time decode calls (all query lengths 1), synchronised."""
+
+    def __init__(self, cache, device: torch.device):
+        self.cache, self.device, self.times = cache, device, []
+        self.inner = cache.attend
+        cache.attend = self
+
+    def __call__(self, layer_id, q, k, v, batch, scale, sliding_window=None):
+        decode = all(n == 1 for n in batch.query_lens)
+        if decode and self.device.type == "cuda":
+            torch.cuda.synchronize(self.device)
+        t0 = time.perf_counter()
+        out = self.inner(layer_id, q, k, v, batch, scale, sliding_window)
+        if decode:
+            if self.device.type == "cuda":
+                torch.cuda.synchronize(self.device)
+            self.times.append(time.perf_counter() - t0)
+        return out
+
+    def remove(self) -> None:
+        self.cache.attend = self.inner
+
+
+def run_grid(llm: LLM, cfg: BenchConfig, roofline=None) -> list[BenchRow]:
+    """Every (batch, context, policy) of ``cfg`` on the loaded ``llm``; one row each."""
+    grid = [(b, c, p) for b in cfg.batches for c in cfg.contexts for p in cfg.policies]
+    if cfg.warmup:  # first uses (kernels, allocators, pinned buffers) cost extra: pay them unmeasured
+        for p in dict.fromkeys(cfg.policies):
+            run_one(llm, BenchConfig([1], [min(cfg.contexts + [2 * cfg.window])], [p], steps=2, window=cfg.window, warmup=False), 1,
+                    min(cfg.contexts + [2 * cfg.window]), p, roofline)
+    rows = []
+    bar = tqdm(grid, desc="bench", unit="config", disable=not cfg.progress)
+    for b, c, p in bar:
+        bar.set_postfix_str(f"batch {b} context {c} {p}", refresh=True)
+        rows.append(run_one(llm, cfg, b, c, p, roofline))
+    bar.close()
+    return rows
+
+
+def run_one(llm: LLM, cfg: BenchConfig, batch: int, context: int, policy: str, roofline=None) -> BenchRow:
+    row = BenchRow(batch, context, policy)
+    g = torch.Generator().manual_seed(cfg.seed + 1000 * batch + context)
+    vocab = llm.config.vocab_size
+    prompts = torch.randint(3, vocab, (batch, context), generator=g).tolist()
+    params = SamplingParams(max_tokens=cfg.steps + 1, ignore_eos=True)
+    timer = None
+    try:
+        llm.set_policy(policy, cfg.window, roofline=roofline)
+        timer = _TimedAttend(llm.cache, llm.device)
+        progress, llm.progress = llm.progress, False
+        try:
+            outs = llm.generate(prompt_token_ids=prompts, sampling_params=params)
+        finally:
+            llm.progress = progress
+    except (ValueError, RuntimeError, torch.OutOfMemoryError) as e:
+        row.fits, row.reason = False, str(e).split("\n")[0][:300]
+        if llm.device.type == "cuda":
+            torch.cuda.empty_cache()
+        return row
+    finally:
+        if timer is not None:
+            timer.remove()
+    m = outs[0].metrics
+    row.prefill_tok_s, row.decode_tok_s = m.prefill_tok_s, m.decode_tok_s
+    row.tpot_ms = statistics.median(o.metrics.tpot_s for o in outs) * 1e3
+    if timer.times:
+        row.attn_ms_per_layer = statistics.median(timer.times) * 1e3
+    itemsize = torch.tensor([], dtype=llm.dtype).element_size()
+    mean_ctx = context + cfg.steps / 2  # tokens cached on average over the decode steps
+    row.kv_bytes_per_layer = int(batch * mean_ctx * llm.config.kv_layout.bytes_per_token(itemsize))
+    if row.attn_ms_per_layer > 0:
+        row.gbs = row.kv_bytes_per_layer / (row.attn_ms_per_layer / 1e3) / 1e9
+        row.bound_ms = row.kv_bytes_per_layer / ((cfg.h2d_gbs + cfg.cpu_gbs) * 1e9) * 1e3
+        row.frac_of_bound = row.bound_ms / row.attn_ms_per_layer
+    placed = [o.kv_placement for o in outs if o.kv_placement is not None]
+    if placed:
+        comp = sum(x["compute"] for x in placed)
+        load = sum(x["load"] for x in placed)
+        row.r_deployed = comp / (comp + load) if comp + load else None
+        cache = llm.cache
+        if isinstance(cache, InplaceKVCache):
+            st = cache.decoder.stats
+            row.prepare_ms_per_layer = st.prepare_seconds / max(1, st.layer_steps) * 1e3
+            if getattr(cache.policy, "monolithic", False):
+                read = cache.policy.read_share(context)  # the split the monolithic cache read with
+                row.r_deployed = read
+    return row

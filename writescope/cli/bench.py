@@ -1,0 +1,91 @@
+"""``writescope bench``: placement policies side by side over batch sizes and contexts."""
+
+from __future__ import annotations
+
+import argparse
+import json
+import time
+from pathlib import Path
+
+
+def add_parser(sub) -> None:
+    p = sub.add_parser("bench", help="compare KV placement policies: prefill and decode over a grid")
+    p.add_argument("--model", required=True, help="checkpoint directory or preset name")
+    p.add_argument("--synthetic", action="store_true", help="seeded synthetic weights instead of the checkpoint's")
+    p.add_argument("--batch", default="4", help="comma-separated batch sizes (default 4)")
+    p.add_argument("--context", default="2k", help="comma-separated prompt lengths, k = 1024 (default 2k)")
+    p.add_argument("--policies", default="gpu,cpu,static:0.5,monolithic,writescope", help="comma-separated policies")
+    p.add_argument("--steps", type=int, default=8, help="decode steps per configuration (default 8)")
+    p.add_argument("--sweep-static", type=int, default=0, metavar="N", help="also run static:i/N for i = 0..N (the measured best share)")
+    p.add_argument("--window", type=int, default=256, help="D (default 256)")
+    p.add_argument("--device", default="auto")
+    p.add_argument("--dtype", default="auto")
+    p.add_argument("--h2d-gbs", type=float, default=55.0, help="host-to-device GB/s for the bound (default: the H200 machine's 55)")
+    p.add_argument("--cpu-gbs", type=float, default=86.0, help="host read GB/s for the bound (default: the H200 machine's 86)")
+    p.add_argument("--output-json", type=Path, help="write all rows here")
+    p.add_argument("--plot", type=Path, help="write the plots here (PNG; needs matplotlib)")
+    p.add_argument("--quiet", action="store_true")
+    p.set_defaults(run=run)
+
+
+def parse_tokens(text: str) -> list[int]:
+    """``"2k,8k,300"`` -> ``[2048, 8192, 300]``.
+
+    Raises:
+        ValueError: an entry that is not a positive integer with an optional k suffix.
+    """
+    out = []
+    for part in text.split(","):
+        t = part.strip().lower()
+        try:
+            n = int(float(t[:-1]) * 1024) if t.endswith("k") else int(t)
+        except ValueError:
+            raise ValueError(f"{part!r} is not a token count: use e.g. 2k,8k or 2048") from None
+        if n < 1:
+            raise ValueError(f"token counts must be >= 1, got {part!r}")
+        out.append(n)
+    return out
+
+
+def run(args: argparse.Namespace) -> int:
+    from writescope.bench.report import format_best, format_table, plot
+    from writescope.bench.runner import BenchConfig, run_grid
+    from writescope.engine.llm import LLM
+    from writescope.scheduler.policies import parse_policy
+
+    batches, contexts = parse_tokens(args.batch), parse_tokens(args.context)
+    policies = [p.strip() for p in args.policies.split(",") if p.strip()]
+    needs_roofline = any(p.lower() in ("writescope", "monolithic") for p in policies)
+    for p in policies:
+        if p.lower() not in ("writescope", "monolithic"):
+            parse_policy(p)  # a bad name fails before the model loads
+    if args.steps < 1:
+        raise ValueError(f"--steps must be >= 1, got {args.steps}")
+    if args.sweep_static < 0:
+        raise ValueError(f"--sweep-static must be >= 0, got {args.sweep_static}")
+    sweep = [f"static:{i / args.sweep_static:g}" for i in range(args.sweep_static + 1)] if args.sweep_static else []
+    grid_policies = policies + [s for s in sweep if s not in policies]
+    t0 = time.perf_counter()
+    llm = LLM(args.model, synthetic=args.synthetic, device=args.device, dtype=args.dtype, progress=not args.quiet,
+              max_model_len=None)
+    roofline = llm.roofline(args.window) if needs_roofline else None
+    cfg = BenchConfig(batches, contexts, grid_policies, args.steps, args.window, args.h2d_gbs, args.cpu_gbs, progress=not args.quiet)
+    rows = run_grid(llm, cfg, roofline)
+    for r in rows:
+        r.extra["sweep"] = r.policy in sweep and r.policy not in policies
+    print(f"\n{args.model} ({llm.dtype} on {llm.device}), {args.steps} decode steps per configuration, D = {args.window}; "
+          f"{time.perf_counter() - t0:.0f} s in all")
+    print(format_table(rows))
+    best = format_best(rows)
+    if best:
+        print("\n" + best)
+    if args.output_json:
+        args.output_json.parent.mkdir(parents=True, exist_ok=True)
+        doc = {"model": args.model, "device": str(llm.device), "dtype": str(llm.dtype), "args": {k: str(v) for k, v in vars(args).items() if k != "run"},
+               "roofline": None if roofline is None else vars(roofline), "rows": [r.to_dict() for r in rows]}
+        args.output_json.write_text(json.dumps(doc, indent=1))
+        print(f"wrote {args.output_json}")
+    if args.plot:
+        plot(rows, args.plot)
+        print(f"wrote {args.plot}")
+    return 0
