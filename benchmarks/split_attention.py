@@ -10,7 +10,7 @@ bound; writes JSON, a markdown table and a plot.
     python benchmarks/split_attention.py --out benchmarks/results/split_attention_h200
 
 Bound per layer step: placed KV bytes / (H2D GB/s + CPU read GB/s) when both paths read at
-their raw rates at once (../shared/HARDWARE.md: 55 + 86 GB/s on the H200 machine).
+their raw rates at once (docs/HARDWARE.md: 55 + 86 GB/s on the H200 machine).
 """
 
 from __future__ import annotations

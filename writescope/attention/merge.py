@@ -1,4 +1,4 @@
-"""Exact log-sum-exp merge of partial attentions over disjoint key sets (DESIGN.md section 4).
+"""Exact log-sum-exp merge of partial attentions over disjoint key sets (docs/DESIGN.md section 4).
 
 For partials (o_k, lse_k): lse = log sum_k exp(lse_k), o = sum_k exp(lse_k - lse) * o_k.
 Conventions: lse is the natural log in float32; an empty partial is (o = 0, lse = -inf);

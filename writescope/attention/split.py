@@ -1,4 +1,4 @@
-"""One decode step of one layer over a partitioned cache (DESIGN.md section 4).
+"""One decode step of one layer over a partitioned cache (docs/DESIGN.md section 4).
 
 ```
 GPU→CPU   q (small)                                          only if some sequence has compute blocks

@@ -1,5 +1,5 @@
 """Run the bench grid: for each (batch, context, policy) prefill random prompts, decode N steps,
-and collect what the table and plots show (DESIGN.md section 7 compares these policies).
+and collect what the table and plots show (docs/DESIGN.md section 7 compares these policies).
 
 Per configuration (one row):
 - ``prefill_tok_s``, ``decode_tok_s``, ``tpot_ms`` (median over requests) from the engine;
@@ -56,8 +56,8 @@ class BenchConfig:
     policies: list[str]
     steps: int = 8
     window: int = 256
-    h2d_gbs: float = 55.0  # ../shared/HARDWARE.md, pinned host-to-device
-    cpu_gbs: float = 86.0  # ../shared/HARDWARE.md, 16-thread host read
+    h2d_gbs: float = 55.0  # docs/HARDWARE.md, pinned host-to-device
+    cpu_gbs: float = 86.0  # docs/HARDWARE.md, 16-thread host read
     seed: int = 0
     progress: bool = True
     warmup: bool = True  # one short unmeasured run per policy first

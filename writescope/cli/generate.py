@@ -55,14 +55,20 @@ def _prompt(args) -> tuple[list[str] | None, list[list[int]] | None]:
 def run(args: argparse.Namespace) -> int:
     from writescope import LLM, SamplingParams
 
-    if args.batch < 1:
-        raise ValueError(f"--batch must be >= 1, got {args.batch}")
+    for flag, value in (("--batch", args.batch), ("--max-new-tokens", args.max_new_tokens), ("--window", args.window),
+                        ("--cpu-threads", args.cpu_threads)):
+        if value is not None and value < 1:
+            raise ValueError(f"{flag} must be >= 1, got {value}")
+    if args.output_json is not None and args.output_json.is_dir():
+        raise ValueError(f"--output-json {args.output_json} is a directory: give a file path")
     params = [
         SamplingParams(max_tokens=args.max_new_tokens, temperature=args.temperature, top_p=args.top_p, seed=args.seed + i,
                        ignore_eos=args.ignore_eos)
         for i in range(args.batch)
     ]
     prompts, prompt_ids = _prompt(args)
+    if (prompts is not None and not prompts[0]) or (prompt_ids is not None and not prompt_ids[0]):
+        raise ValueError("the prompt is empty: give at least one token (--prompt, --prompt-file or --prompt-ids)")
     llm = LLM(
         args.model, synthetic=args.synthetic, device=args.device, dtype=args.dtype, seed=args.weight_seed,
         max_model_len=args.max_model_len, progress=not args.quiet, policy=args.policy, window=args.window,
@@ -71,6 +77,8 @@ def run(args: argparse.Namespace) -> int:
     cfg = llm.config
     print(f"model: {cfg.architecture} ({cfg.num_layers} layers, {cfg.moe.num_experts} experts, top-{cfg.moe.top_k}), "
           f"{llm.load_info['source']}, {llm.dtype} on {llm.device}, loaded in {llm.load_info['load_s']:.1f} s")
+    if llm.policy is not None and llm.device.type == "cpu":
+        print(f"note: policy {llm.policy_name} on the CPU: the 'GPU' side runs as CPU tensors (exact, but no device split)")
     outs = llm.generate(prompts, params, prompt_token_ids=prompt_ids)
     for o in outs:
         print(f"\n--- request {o.request_id}: {o.metrics.prompt_tokens} prompt tokens -> {o.metrics.output_tokens} new ({o.finish_reason})")

@@ -39,7 +39,7 @@ class LLM:
         progress: show progress bars (loading, long prefills).
         policy: KV placement: ``resident`` (all KV on the device), ``gpu`` (spilled KV in the
             pinned load region, streamed every step), ``cpu`` (spilled KV in the compute region,
-            attended by the CPU), ``static:R`` (CPU share R in [0, 1]). See DESIGN.md section 7.
+            attended by the CPU), ``static:R`` (CPU share R in [0, 1]). See docs/DESIGN.md section 7.
         window: D, tokens of the D-window and of one block (partitioned policies).
         pinned_budget: bytes of host memory the load region may pin (default: half the host's
             memory).
@@ -92,16 +92,19 @@ class LLM:
         self._next_request_id = 0
 
     def set_policy(
-        self, policy: str, window: int = DEFAULT_WINDOW, cpu_threads: int | None = None, roofline: Roofline | None = None
+        self, policy: str, window: int | None = None, cpu_threads: int | None = None, roofline: Roofline | None = None
     ) -> None:
         """Switch the KV placement policy (a new, empty cache; the weights stay loaded).
-        ``roofline`` overrides the calibrated inputs of the ``writescope`` policy.
+        ``window`` (D) and ``cpu_threads`` default to the current ones; ``roofline`` overrides
+        the calibrated inputs of the ``writescope`` and ``monolithic`` policies.
 
         Raises:
             ValueError: unknown policy, a bad window or cpu_threads, a partitioned policy for a
                 model with a sliding window, or requests still holding KV. The old cache stays
                 in use then.
         """
+        window = window if window is not None else getattr(self, "window", DEFAULT_WINDOW)
+        cpu_threads = cpu_threads if cpu_threads is not None else getattr(self, "cpu_threads", None)
         if cpu_threads is not None and cpu_threads < 1:
             raise ValueError(f"cpu_threads must be >= 1, got {cpu_threads}")
         is_adaptive = policy.strip().lower() in ("writescope", "monolithic")
@@ -122,7 +125,7 @@ class LLM:
             cache = InplaceKVCache(spec, parsed, self.device, cpu_threads)
         if isinstance(self.cache, InplaceKVCache):
             self.cache.close()
-        self.cache, self.policy = cache, parsed
+        self.cache, self.policy, self.window, self.cpu_threads = cache, parsed, window, cpu_threads
         self.policy_name = "resident" if parsed is None else parsed.name
 
     def roofline(self, window: int = DEFAULT_WINDOW, cpu_threads: int | None = None) -> Roofline:
@@ -164,7 +167,8 @@ class LLM:
             if len(p) + sp.max_tokens > self.max_model_len:
                 raise ValueError(
                     f"prompt {i} has {len(p)} tokens + max_tokens (--max-new-tokens) {sp.max_tokens} = {len(p) + sp.max_tokens}, "
-                    f"beyond the limit of {self.max_model_len} tokens: shorten the prompt or lower max_tokens"
+                    f"beyond the limit of {self.max_model_len} tokens: shorten the prompt, lower max_tokens"
+                    + (" or raise max_model_len" if self.max_model_len < self.config.max_position_embeddings else "")
                 )
         self._check_memory([len(p) + sp.max_tokens for p, sp in zip(ids, plist)])
         return texts, ids, plist

@@ -1,11 +1,11 @@
-"""InplaceKVCache: the four-region KV format with write-time routing (DESIGN.md sections 2-4).
+"""InplaceKVCache: the four-region KV format with write-time routing (docs/DESIGN.md sections 2-4).
 
 Writes (per layer, per sequence; D = window):
 - tokens fill the D-window; whole blocks of a prefill go straight from the new KV to their home
   (compute or load region, chosen by the policy), without passing through the window;
 - a full window is evicted whole once its step's attention has been issued: to the load region by
   an asynchronous device-to-host copy on a side stream, or to the compute region through a pinned
-  staging block that the CPU worker copies in before it next reads (DESIGN.md: the copy runs in
+  staging block that the CPU worker copies in before it next reads (docs/DESIGN.md: the copy runs in
   the otherwise idle device-to-host direction).
 Reads: decode uses :class:`writescope.attention.split.SplitDecoder`; prefill attends on the
 device (for a prompt prefilled in several chunks, earlier chunks' KV is read back to the device

@@ -3,7 +3,7 @@
 PyTorch's pinned caching allocator rounds each request up to a power of two (on the H200
 machine ``torch.empty(9 GiB, pin_memory=True)`` took 7.8 s and reserved 16 GiB), while
 registering an exactly sized host tensor took 0.6 s and streams at the same 55 GB/s
-(../shared/HARDWARE.md). Registration works on whole pages, so each registered tensor is an
+(docs/HARDWARE.md). Registration works on whole pages, so each registered tensor is an
 anonymous mapping of its own (page-aligned, shared with no other allocation; the size is rounded
 up to whole pages only). The registration is undone by :func:`unpin`, or at the latest when the
 tensor object is garbage collected (before the mapping itself goes away). Without CUDA the

@@ -4,7 +4,7 @@ One block is D tokens of one layer: ``[parts, kv_heads, D, dim]`` with parts = 2
 ``dim = head_dim``) or, for MLA, parts = 1 (the 512 + 64 latent, ``dim = 576``; V is its first
 512 values). The D-window has the shape of one block; a load-region block is one block, stored
 contiguously; the compute region stores ``[parts, kv_heads, tokens, dim]`` so each head's rows are
-contiguous (DESIGN.md section 3).
+contiguous (docs/DESIGN.md section 3).
 """
 
 from __future__ import annotations
@@ -15,13 +15,13 @@ import torch
 
 from writescope.config import KVLayout
 
-DEFAULT_WINDOW = 256  # D, tokens (DESIGN.md section 3)
+DEFAULT_WINDOW = 256  # D, tokens (docs/DESIGN.md section 3)
 DEFAULT_PINGPONG_BYTES = 64 * 2**20  # bytes per ping-pong buffer
 
 
 @dataclass(frozen=True)
 class Roofline:
-    """Inputs of r(L) (DESIGN.md section 5): A, B in seconds per token; C_cpu, C_gpu in seconds."""
+    """Inputs of r(L) (docs/DESIGN.md section 5): A, B in seconds per token; C_cpu, C_gpu in seconds."""
 
     a: float
     b: float

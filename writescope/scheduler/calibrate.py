@@ -1,4 +1,4 @@
-"""Calibration of the roofline inputs A, B, C_cpu, C_gpu on this machine (DESIGN.md section 5).
+"""Calibration of the roofline inputs A, B, C_cpu, C_gpu on this machine (docs/DESIGN.md section 5).
 
 For the model's KV shape, one layer of InplaceKVCache is filled with random KV for a batch at a
 few context lengths and decoded for a few steps:

@@ -2,7 +2,7 @@
 
 A policy answers one question, ``cpu_share(L)``: which fraction of a sequence's placed tokens
 should live in the compute region (attended by the CPU) when L tokens are placed. Routing a
-block (D tokens) follows DESIGN.md section 3:
+block (D tokens) follows docs/DESIGN.md section 3:
 
 - prefill: the first floor(r(P) * P / D + 1/2) whole blocks of a P-token prompt go to the
   compute region, the other whole blocks to the load region;
@@ -77,7 +77,7 @@ class StaticPolicy(PlacementPolicy):
 
 
 class MonolithicPolicy(PlacementPolicy):
-    """``monolithic`` baseline (DESIGN.md section 7): every spilled block goes to one physical
+    """``monolithic`` baseline (docs/DESIGN.md section 7): every spilled block goes to one physical
     state, the compute region's per-head rows, and the split is made when reading: each step the
     CPU attends the first ``read_share(L)`` of the blocks in place, and the GPU's share is
     re-laid out into pinned staging and streamed, as a cache without the format must do. The
@@ -140,7 +140,7 @@ def parse_policy(text: str, roofline=None) -> PlacementPolicy | None:
             r = float("nan")
         if not 0.0 <= r <= 1.0:  # also NaN
             raise ValueError(f"policy {text!r}: R must be a number in [0, 1] (e.g. static:0.5); policies: {POLICY_NAMES}")
-        return StaticPolicy(r, f"static:{r:g}")
+        return StaticPolicy(r + 0.0, f"static:{r + 0.0:g}")  # + 0.0: -0 reads as 0
     raise ValueError(f"unknown policy {text!r}: choose {POLICY_NAMES}")
 
 

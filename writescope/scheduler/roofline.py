@@ -1,4 +1,4 @@
-"""The roofline CPU share r(L) and the online estimate of A (paper section 5, DESIGN.md section 5).
+"""The roofline CPU share r(L) and the online estimate of A (paper section 5, docs/DESIGN.md section 5).
 
 With A = CPU seconds per placed token, B = GPU load seconds per token, C_cpu / C_gpu the fixed
 per-step costs of each side, a step over L placed tokens takes
