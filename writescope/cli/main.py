@@ -1,11 +1,11 @@
-"""``writescope`` entry point: subcommands ``generate``, ``bench``, ``calibrate`` and ``make-checkpoint``."""
+"""``writescope`` entry point: subcommands ``generate``, ``bench``, ``calibrate``, ``plan`` and ``make-checkpoint``."""
 
 from __future__ import annotations
 
 import argparse
 import sys
 
-from writescope.cli import bench, calibrate, generate, make_checkpoint
+from writescope.cli import bench, calibrate, generate, make_checkpoint, plan
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -14,6 +14,7 @@ def main(argv: list[str] | None = None) -> int:
     generate.add_parser(sub)
     calibrate.add_parser(sub)
     bench.add_parser(sub)
+    plan.add_parser(sub)
     make_checkpoint.add_parser(sub)
     args = parser.parse_args(argv)
     try:

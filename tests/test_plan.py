@@ -1,0 +1,95 @@
+"""Memory plans under a GPU budget: weight sizes, the paper's configurations by hand, refusals."""
+
+from __future__ import annotations
+
+import re
+
+import pytest
+import torch
+
+from writescope.budget.plan import GiB, RESERVE, make_plan, parse_size
+from writescope.budget.weights import weight_sizes
+from writescope.cli.main import main
+from writescope.models import build_model
+from writescope.presets import PRESETS, preset_config
+from writescope.scheduler.policies import StaticPolicy
+
+
+@pytest.mark.parametrize("name", PRESETS)
+def test_weight_sizes_match_the_built_model(name):
+    cfg = preset_config(name)
+    model = build_model(cfg, torch.bfloat16, "meta")
+    w = weight_sizes(cfg)
+    assert w.total == sum(p.numel() for p in model.parameters())
+    assert w.routed == sum(p.numel() for n, p in model.named_parameters() if re.search(r"\.experts\.\d+\.", n))
+
+
+# The paper's setting: 32 GiB, batch 32, 32K context (+256 new tokens), bf16, D = 256.
+# Hand arithmetic per model: (expert bytes, experts, KV bytes per token and layer, layers)
+HAND = {
+    "deepseek-v2-lite": (3 * 2048 * 1408 * 2, 64 * 26, 576 * 2, 27),
+    "qwen3-30b-a3b": (3 * 2048 * 768 * 2, 128 * 48, 4 * 128 * 2 * 2, 48),
+    "mixtral-8x7b": (3 * 4096 * 14336 * 2, 8 * 32, 8 * 128 * 2 * 2, 32),
+}
+
+
+@pytest.mark.parametrize("name", list(HAND))
+def test_paper_configurations_by_hand(name):
+    expert, n_exp, tok, layers = HAND[name]
+    cfg = preset_config(name)
+    plan = make_plan(cfg, torch.bfloat16, 32 * GiB, 32, 32768, 256, StaticPolicy(0.5), host_free=None)
+    assert plan.expert_bytes == expert and plan.experts_total == n_exp
+    assert plan.kv_gpu == 32 * layers * 256 * tok  # one D-window per sequence and layer
+    assert plan.kv_host == 32 * 33024 * layers * tok  # 33,024 = 129 whole blocks of 256
+    assert plan.kv_pinned_max == plan.kv_host // 2  # static:0.5
+    assert plan.pingpong == 2 * (64 * 2**20 // (256 * tok)) * (256 * tok)  # two buffers of whole blocks
+    assert plan.reserve == RESERVE
+    room = 32 * GiB - plan.gpu_min
+    assert plan.experts_gpu == min(n_exp, room // expert)
+    assert plan.gpu_total <= 32 * GiB
+    assert max(plan.experts_gpu_per_layer) - min(plan.experts_gpu_per_layer) <= 1  # spread evenly
+    assert plan.expert_weights_host == (n_exp - plan.experts_gpu) * expert
+    plan.check()  # no host figure given: only the GPU side is checked
+
+
+def test_paper_configurations_on_a_125_gib_host():
+    """With the GPU machine's memory, DeepSeek-V2-Lite fits; Qwen3-30B-A3B's 97 GiB of KV plus
+    27 GiB of host experts do not, and the refusal says by how much."""
+    host = 125 * GiB
+    for name, fits in (("deepseek-v2-lite", True), ("qwen3-30b-a3b", False), ("mixtral-8x7b", False)):
+        plan = make_plan(preset_config(name), torch.bfloat16, 32 * GiB, 32, 32768, 256, StaticPolicy(0.5), host_free=host)
+        if fits:
+            plan.check()
+        else:
+            with pytest.raises(ValueError, match=r"host memory .* 125.00 GiB is free: raise --vram-budget"):
+                plan.check()
+
+
+def test_budget_below_the_minimum_is_refused_with_the_minimum():
+    cfg = preset_config("qwen3-30b-a3b")
+    plan = make_plan(cfg, torch.bfloat16, 3 * GiB, 4, 8192, 256, StaticPolicy(0.5))
+    assert plan.experts_gpu == 0
+    with pytest.raises(ValueError, match=rf"below the minimum of {plan.gpu_min / GiB:.2f} GiB"):
+        plan.check()
+
+
+def test_resident_puts_all_kv_on_the_gpu():
+    cfg = preset_config("deepseek-v2-lite")
+    plan = make_plan(cfg, torch.bfloat16, 80 * GiB, 4, 8192, 256, None)
+    assert plan.kv_gpu == 4 * (8192 + 256) * 27 * 1152 and plan.kv_host == 0 and plan.pingpong == 0
+
+
+def test_parse_size():
+    assert parse_size("32GiB") == 32 * GiB == parse_size("32g") == parse_size(" 32 G ")
+    assert parse_size("30GB") == 30 * 10**9 and parse_size("512MiB") == 512 * 2**20 and parse_size("1024") == 1024
+    for bad in ("32 parsecs", "-1G", "G", "0"):
+        with pytest.raises(ValueError):
+            parse_size(bad)
+
+
+def test_plan_cli(capsys):
+    assert main(["plan", "--model", "tiny-qwen3-moe", "--vram-budget", "2GiB", "--batch", "2", "--context", "1k"]) == 0
+    out = capsys.readouterr().out
+    assert "routed experts on GPU" in out and "the plan fits" in out
+    assert main(["plan", "--model", "tiny-qwen3-moe", "--vram-budget", "1MiB", "--batch", "2", "--context", "1k"]) == 2
+    assert "below the minimum" in capsys.readouterr().err

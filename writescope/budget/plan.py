@@ -1,0 +1,185 @@
+"""The memory plan of a run under a GPU budget (docs/DESIGN.md section 6).
+
+GPU: the non-expert weights (embeddings, lm_head, attention, norms, routers, shared experts,
+dense MLPs) and the KV working set (D-windows and ping-pong buffers; all KV under ``resident``),
+activations, then as many routed experts as the rest of the budget holds, spread evenly over
+the MoE layers. Host: the other routed experts and the spilled KV (every whole block of every
+sequence at full length; the policy decides how much of it is pinned, counted at its worst case
+as the cache's own capacity check does) and the pinned staging buffers.
+
+Activations are an estimate (stated so it can be checked): one prefill chunk of
+T = min(prefill_chunk_tokens, batch x context) tokens holds about
+T x (8 H + 2 (q_heads + 2 kv_heads) head_dim + 3 top_k I) elements of hidden states, q/k/v and
+expert intermediates, plus the attention mask of 4096 x (context + max_new) bytes and the
+batch's float32 logits; a fixed ``RESERVE`` covers the allocator's fragmentation.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+
+from writescope.budget.weights import weight_sizes
+from writescope.config import ModelConfig
+from writescope.kvcache.spec import DEFAULT_WINDOW, PartitionSpec
+from writescope.scheduler.policies import PlacementPolicy
+
+GiB = 2**30
+RESERVE = 512 * 2**20  # bytes kept free on the GPU for allocator fragmentation
+
+
+@dataclass(frozen=True)
+class MemoryPlan:
+    """Bytes per item; ``experts_gpu_per_layer[i]`` routed experts of MoE layer i on the GPU."""
+
+    budget: int
+    non_expert_weights: int
+    expert_bytes: int
+    experts_gpu_per_layer: tuple[int, ...]
+    experts_total: int
+    kv_gpu: int  # D-windows (or all KV under resident)
+    pingpong: int
+    activations: int
+    reserve: int
+    kv_host: int  # spilled KV in host memory (compute + load regions together, all of it spilled)
+    kv_pinned_max: int  # the part of it the policy may put in the pinned load region
+    pinned_staging: int
+    host_free: int | None
+
+    @property
+    def experts_gpu(self) -> int:
+        return sum(self.experts_gpu_per_layer)
+
+    @property
+    def gpu_min(self) -> int:
+        """Everything but routed experts: the least budget that can run."""
+        return self.non_expert_weights + self.kv_gpu + self.pingpong + self.activations + self.reserve
+
+    @property
+    def gpu_total(self) -> int:
+        return self.gpu_min + self.experts_gpu * self.expert_bytes
+
+    @property
+    def expert_weights_host(self) -> int:
+        return (self.experts_total - self.experts_gpu) * self.expert_bytes
+
+    @property
+    def host_total(self) -> int:
+        return self.expert_weights_host + self.kv_host + self.pinned_staging
+
+    def check(self) -> None:
+        """Raise ValueError, naming the minimum and what to change, if the plan cannot run."""
+        if self.budget < self.gpu_min:
+            raise ValueError(
+                f"a GPU budget of {self.budget / GiB:.2f} GiB is below the minimum of {self.gpu_min / GiB:.2f} GiB "
+                f"(non-expert weights {self.non_expert_weights / GiB:.2f} + KV on the GPU {self.kv_gpu / GiB:.2f} + ping-pong "
+                f"{self.pingpong / GiB:.2f} + activations {self.activations / GiB:.2f} + reserve {self.reserve / GiB:.2f}): "
+                "raise --vram-budget, lower the batch or context, or use a partitioned --policy"
+            )
+        if self.host_free is not None and self.host_total > 0.9 * self.host_free:
+            raise ValueError(
+                f"the plan needs {self.host_total / GiB:.2f} GiB of host memory (experts {self.expert_weights_host / GiB:.2f} + "
+                f"KV {self.kv_host / GiB:.2f} + staging {self.pinned_staging / GiB:.2f}) but "
+                f"{self.host_free / GiB:.2f} GiB is free: "
+                + ("raise --vram-budget (fewer experts on the host), " if self.expert_weights_host else "")
+                + "lower the batch or context"
+            )
+
+
+def make_plan(
+    cfg: ModelConfig,
+    dtype: torch.dtype,
+    budget: int,
+    batch: int,
+    context: int,
+    max_new_tokens: int = 256,
+    policy: PlacementPolicy | None = None,
+    window: int = DEFAULT_WINDOW,
+    prefill_chunk_tokens: int = 8192,
+    host_free: int | None = None,
+) -> MemoryPlan:
+    """The plan for ``batch`` sequences of ``context + max_new_tokens`` tokens under ``budget`` bytes.
+
+    ``policy`` None means ``resident`` (all KV on the GPU). The plan is not checked here: call
+    :meth:`MemoryPlan.check`.
+
+    Raises:
+        ValueError: batch, context or budget below 1.
+    """
+    if batch < 1 or context < 1 or budget < 1 or max_new_tokens < 0:
+        raise ValueError(f"batch, context and budget must be >= 1 (got {batch}, {context}, {budget})")
+    item = torch.tensor([], dtype=dtype).element_size()
+    w = weight_sizes(cfg)
+    a, m, H = cfg.attention, cfg.moe, cfg.hidden_size
+    cap = context + max_new_tokens
+    spec = PartitionSpec(cfg.kv_layout, cfg.num_layers, dtype, window=window)
+    if policy is None:
+        kv_gpu, pingpong, host, pinned, staging = batch * cap * cfg.num_layers * spec.token_bytes, 0, 0, 0, 0
+    else:
+        kv_gpu, pingpong = spec.window_bytes(batch), spec.pingpong_total_bytes()
+        host = spec.host_bytes([cap] * batch)
+        pinned = int(host * policy.max_load_share)
+        staging = spec.staging_bytes(batch) + spec.pingpong_blocks * spec.block_bytes if policy.max_cpu_share > 0 else 0
+        if getattr(policy, "monolithic", False):
+            staging += 2 * host // cfg.num_layers  # the re-layout buffers of the monolithic baseline
+    T = min(prefill_chunk_tokens, batch * context)
+    act = T * (8 * H + 2 * (a.q_heads + 2 * a.kv_heads) * a.head_dim + 3 * m.top_k * m.intermediate_size) * item
+    act += 4096 * cap + batch * cfg.vocab_size * 4
+    expert_bytes = w.expert * item
+    plan = MemoryPlan(budget, w.non_expert * item, expert_bytes, (), w.num_experts * w.moe_layers, kv_gpu, pingpong, act, RESERVE,
+                      host, pinned, staging, host_free)
+    room = max(0, budget - plan.gpu_min)
+    n = min(plan.experts_total, room // expert_bytes) if expert_bytes else 0
+    per, extra = divmod(n, max(1, w.moe_layers))
+    layers = tuple(per + (1 if i < extra else 0) for i in range(w.moe_layers))
+    return MemoryPlan(**{**plan.__dict__, "experts_gpu_per_layer": layers})
+
+
+def format_plan(plan: MemoryPlan, cfg: ModelConfig) -> str:
+    """The plan as a readable table (GiB)."""
+    g = lambda x: f"{x / GiB:9.2f} GiB"  # noqa: E731
+    per = plan.experts_gpu_per_layer
+    rows = [
+        ("GPU budget", g(plan.budget)),
+        ("  non-expert weights", g(plan.non_expert_weights)),
+        (f"  routed experts on GPU ({plan.experts_gpu} of {plan.experts_total})", g(plan.experts_gpu * plan.expert_bytes)),
+        ("    per MoE layer", f"{min(per, default=0)}-{max(per, default=0)} of {cfg.moe.num_experts}"),
+        ("  KV on GPU (D-windows; all KV if resident)", g(plan.kv_gpu)),
+        ("  ping-pong buffers", g(plan.pingpong)),
+        ("  activations (estimate)", g(plan.activations)),
+        ("  reserve", g(plan.reserve)),
+        ("  GPU total", g(plan.gpu_total)),
+        ("  GPU minimum (no routed experts)", g(plan.gpu_min)),
+        ("host", ""),
+        ("  routed experts on host", g(plan.expert_weights_host)),
+        ("  spilled KV (compute + load regions)", g(plan.kv_host)),
+        ("    of which may be pinned (load region)", g(plan.kv_pinned_max)),
+        ("  pinned staging", g(plan.pinned_staging)),
+        ("  host total", g(plan.host_total)),
+        ("  host free", "unknown" if plan.host_free is None else g(plan.host_free)),
+    ]
+    w = max(len(k) for k, _ in rows)
+    return "\n".join(f"{k:<{w}}  {v}" for k, v in rows)
+
+
+_UNITS = {"": 1, "b": 1, "k": 2**10, "kib": 2**10, "kb": 10**3, "m": 2**20, "mib": 2**20, "mb": 10**6,
+          "g": 2**30, "gib": 2**30, "gb": 10**9, "t": 2**40, "tib": 2**40, "tb": 10**12}
+
+
+def parse_size(text: str) -> int:
+    """``"32GiB"``, ``"32G"`` (binary), ``"30GB"`` (decimal), ``"512MiB"``, ``"1073741824"`` -> bytes.
+
+    Raises:
+        ValueError: not a positive size with a known unit.
+    """
+    t = text.strip().lower().replace(" ", "")
+    num = t.rstrip("abcdefghijklmnopqrstuvwxyz")
+    unit = t[len(num):]
+    try:
+        value = float(num) * _UNITS[unit]
+    except (ValueError, KeyError):
+        raise ValueError(f"{text!r} is not a size: use e.g. 32GiB, 24G, 30GB or 512MiB") from None
+    if value < 1:
+        raise ValueError(f"a size must be positive, got {text!r}")
+    return int(value)
