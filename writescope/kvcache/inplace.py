@@ -91,6 +91,11 @@ class InplaceKVCache(KVCache):
             self._staging = None
         self.decoder.close()
 
+    def __del__(self) -> None:  # a cache dropped without close(): stop its worker thread
+        decoder = getattr(self, "decoder", None)
+        if decoder is not None:
+            decoder.pool.shutdown(wait=False)
+
     def seq_len(self, slot: int) -> int:
         return self._seqs[slot].seq_len(self.num_layers - 1)
 
