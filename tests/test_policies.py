@@ -158,3 +158,26 @@ def test_single_pass_prefill_reads_nothing_back():
     chunked = LLM("tiny-qwen3-moe", progress=False, policy="static:0.5", window=D, prefill_chunk_tokens=32)
     chunked.generate(prompt_token_ids=prompts, sampling_params=params)
     assert chunked.cache.prefill_readback_bytes > 0
+
+
+@pytest.mark.parametrize("policy", ["gpu", "static:0.5", "static:0.9"])
+def test_pinned_check_covers_what_the_slabs_reserve(policy):
+    """check_capacity's pinned figure is at least what the load-region slabs really reserve."""
+    from writescope.kvcache.sequence import load_blocks_reserved
+
+    llm = LLM("tiny-qwen3-moe", progress=False, policy=policy, window=D)
+    cache = llm.cache
+    prompts = _prompts(llm.config.vocab_size)
+    slots = [cache.allocate(len(p) + STEPS, prompt_len=len(p)) for p in prompts]
+    try:
+        for s, p in zip(slots, prompts):  # fill to capacity so every slab that can grow has grown
+            for layer in range(cache.num_layers):
+                n = len(p) + STEPS
+                k = torch.randn(n, cache.layout.kv_heads, cache.layout.k_dim)
+                cache.write(s, layer, k, torch.randn(n, cache.layout.kv_heads, cache.layout.v_dim))
+        for s, p in zip(slots, prompts):
+            reserved = sum(slab.nblk for slab in cache.sequence(s).slabs)
+            assert reserved <= load_blocks_reserved(cache.policy, (len(p) + STEPS) // D)
+    finally:
+        for s in slots:
+            cache.free(s)

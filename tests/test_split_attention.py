@@ -206,9 +206,11 @@ class Harness:
 
     # ---------------------------------------------------------------- placement checks
     def assert_placement_exact(self, slot: int) -> None:
-        """Every cached token's bytes sit at its position's home, equal to what was written."""
+        """Every cached token's bytes sit at its position's home, equal to what was written
+        (after any pending compute-region copy-in, which the next read would do)."""
         sq, D = self.seq(slot), self.D
         for layer in range(self.L):
+            sq.drain(layer)
             k, _ = self.history(slot, layer)
             if self.layout.shared_kv:
                 packed = k.permute(1, 0, 2).unsqueeze(0)  # [1, Hkv, n, dk]
@@ -221,10 +223,13 @@ class Harness:
             assert torch.equal(sq.window[layer, :, :, : sq.win_len[layer]], packed[:, :, nb * D :]), f"layer {layer} window"
 
     def snapshot(self, slot: int) -> dict[tuple[int, int], tuple[tuple[int, int], int, torch.Tensor]]:
-        """``{(layer, block): (home, data_ptr, bytes)}`` of every placed block."""
+        """``{(layer, block): (home, data_ptr, bytes)}`` of every placed block. A block just
+        evicted to the compute region waits in staging until the next read writes it home
+        (once); drain first so the snapshot holds its final bytes."""
         sq = self.seq(slot)
         snap = {}
         for layer in range(self.L):
+            sq.drain(layer)
             for j in range(sq.placed[layer] // self.D):
                 view = block_view(sq, layer, j)
                 snap[layer, j] = (sq.homes[j], view.data_ptr(), view.clone())

@@ -4,7 +4,7 @@ Legend: B sequences, Hkv KV heads, G = q_heads / Hkv query heads per KV head (qu
 KV head h // G, as HF's ``repeat_kv``), nb blocks of D tokens, dk/dv key/value widths.
 Decode queries are laid out ``[B, Hkv, G, dk]`` so each KV head is read once for its group.
 
-Two implementations:
+Implementations:
 - :func:`attend_blocks`: plain torch in float32 (GPU side: the D-windows; also a reference).
 - :func:`block_partials`: plain torch, one partial per block of a ping-pong buffer holding
   blocks of many sequences.

@@ -113,18 +113,23 @@ class SplitDecoder:
         self.stats.last_cpu_seconds, self.stats.last_cpu_tokens = 0.0, 0
         limits = [sq.n_comp[layer] if cpu_blocks is None else cpu_blocks[i] for i, sq in enumerate(seqs)]
         cpu_rows = [i for i in range(B) if limits[i] > 0]
+        for sq in seqs:  # the newest compute block may still sit in pinned staging: write it home first
+            sq.drain(layer)
         fut: Future | None = None
         q_host = (qg.to("cpu") if self.cuda else qg) if cpu_rows else None
         if cpu_rows and not self.cpu_inline:
             fut = self.pool.submit(self._cpu_part, layer, q_host, seqs, cpu_rows, limits, scale)
-        states = [self._window_part(layer, qg, seqs, scale)]
-        sources = [(i, run) for i, sq in enumerate(seqs) for run in sq.load_runs(layer, 0, sq.n_load[layer], s.pingpong_blocks)]
-        if cpu_blocks is not None:
-            sources += self._prepare(layer, seqs, limits)
-        if sources:
-            states.append(self._load_part(qg, sources, scale, evict_stream))
+        try:
+            states = [self._window_part(layer, qg, seqs, scale)]
+            sources = [(i, run) for i, sq in enumerate(seqs) for run in sq.load_runs(layer, 0, sq.n_load[layer], s.pingpong_blocks)]
+            if cpu_blocks is not None:
+                sources += self._prepare(layer, seqs, limits)
+            if sources:
+                states.append(self._load_part(qg, sources, scale, evict_stream))
+        finally:  # never leave the worker reading a sequence the caller may free after an error
+            cpu_state = fut.result() if fut is not None else None
         if cpu_rows:
-            o_c, l_c = fut.result() if fut is not None else self._cpu_part(layer, q_host, seqs, cpu_rows, limits, scale)
+            o_c, l_c = cpu_state if cpu_state is not None else self._cpu_part(layer, q_host, seqs, cpu_rows, limits, scale)
             states.append((o_c.to(self.device), l_c.to(self.device)))
         o, _ = merge_unchecked([st[0] for st in states], [st[1] for st in states])
         return o.view(B, Hq, dv).to(q.dtype)
@@ -246,11 +251,18 @@ class SplitDecoder:
         tokens = 0
         n = [lim * self.spec.window for lim in limits]
         for i in rows:
-            seqs[i].drain(layer)
             k, v = seqs[i].compute_kv(layer)
             kv[i] = (k[:, : n[i]], v[:, : n[i]])
             tokens += n[i]
-        o, lse = cpu_attend(q_host, kv, scale, self.spec.layout.v_dim)
+        if self.cpu_inline:  # the worker sets its thread count once; here, for this call only
+            before = torch.get_num_threads()
+            torch.set_num_threads(self.cpu_threads)
+            try:
+                o, lse = cpu_attend(q_host, kv, scale, self.spec.layout.v_dim)
+            finally:
+                torch.set_num_threads(before)
+        else:
+            o, lse = cpu_attend(q_host, kv, scale, self.spec.layout.v_dim)
         dt = time.perf_counter() - t0
         st = self.stats
         st.cpu_seconds += dt

@@ -212,8 +212,14 @@ class LLM:
                 slots.append(self.cache.allocate(len(p) + sp.max_tokens, prompt_len=len(p)))
             return self._run(texts, ids, plist, slots)
         finally:
-            for s in slots:
-                self.cache.free(s)
+            errors = []
+            for s in slots:  # free every slot even if one free fails
+                try:
+                    self.cache.free(s)
+                except Exception as e:  # noqa: BLE001 - re-raised below after the others are freed
+                    errors.append(e)
+            if errors:
+                raise errors[0]
 
     def _sync(self) -> None:
         if self.device.type == "cuda":

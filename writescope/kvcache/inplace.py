@@ -5,8 +5,9 @@ Writes (per layer, per sequence; D = window):
   (compute or load region, chosen by the policy), without passing through the window;
 - a full window is evicted whole once its step's attention has been issued: to the load region by
   an asynchronous device-to-host copy on a side stream, or to the compute region through a pinned
-  staging block that the CPU worker copies in before it next reads (docs/DESIGN.md: the copy runs in
-  the otherwise idle device-to-host direction).
+  staging block that is copied in before the compute region is next read (docs/DESIGN.md: the copy
+  runs in the otherwise idle device-to-host direction). Without CUDA the same deferred path runs
+  (the copies are plain), so CI exercises the ordering.
 Reads: decode uses :class:`writescope.attention.split.SplitDecoder`; prefill attends on the
 device (for a prompt prefilled in several chunks, earlier chunks' KV is read back to the device
 for that attention; counted in ``prefill_readback_bytes``). Placed bytes never move.
@@ -23,7 +24,7 @@ from writescope.attention.reference import attend_sequence
 from writescope.attention.split import SplitDecoder
 from writescope.kvcache.base import KVCache
 from writescope.kvcache.pinned import host_empty, unpin
-from writescope.kvcache.sequence import SequenceKV
+from writescope.kvcache.sequence import SequenceKV, load_blocks_reserved
 from writescope.kvcache.spec import PartitionSpec
 from writescope.scheduler.policies import COMPUTE, PlacementPolicy
 
@@ -64,10 +65,16 @@ class InplaceKVCache(KVCache):
             raise ValueError(f"KV capacity must be at least 1 token, got {capacity}")
         try:
             seq = SequenceKV(self.spec, capacity, prompt_len, self.policy, self.device, pin=self.cuda)
-        except torch.OutOfMemoryError as e:
+        except torch.OutOfMemoryError:
             raise RuntimeError(
                 f"cannot allocate the D-window ({self.spec.window_bytes(1) / 2**20:.1f} MiB) on {self.device}: free device memory"
-            ) from e
+            ) from None
+        except RuntimeError as e:
+            host = self.spec.host_bytes([capacity])
+            raise RuntimeError(
+                f"cannot allocate host memory for a {capacity}-token sequence (up to {host / 2**30:.2f} GiB of KV): {str(e)[:200]}; "
+                "use fewer or shorter requests"
+            ) from None
         slot = self._next_slot
         self._next_slot += 1
         self._seqs[slot] = seq
@@ -77,9 +84,8 @@ class InplaceKVCache(KVCache):
         seq = self._seqs.pop(slot, None)
         if seq is None:
             return
-        if self.cuda:
-            self.evict_stream.synchronize()
-            torch.cuda.current_stream(self.device).synchronize()
+        if self.cuda:  # every stream: copies into or out of its pinned memory must be done
+            torch.cuda.synchronize(self.device)
         seq.release()
 
     def close(self) -> None:
@@ -259,28 +265,32 @@ class InplaceKVCache(KVCache):
         D = self.spec.window
         assert sq.win_len[layer] == D, f"evicting a window of {sq.win_len[layer]} tokens, expected {D}"
         region, idx = sq.home(sq.placed[layer] // D)
+        src = sq.window[layer]
         if region == COMPUTE:
-            sq.drain(layer)
+            sq.drain(layer)  # the staging block is free again
+            dst = sq.staging_buffer()[layer]  # written home by drain() before the next read (also without CUDA)
+        else:
+            dst = sq.load_block(layer, idx)
+        # the destination exists (staging or slab registered): only now count the block as placed
+        event = None
+        if self.cuda:
+            self.evict_stream.wait_stream(torch.cuda.current_stream(self.device))
+            with torch.cuda.stream(self.evict_stream):
+                dst.copy_(src, non_blocking=True)
+                event = torch.cuda.Event()
+                event.record(self.evict_stream)
+            sq.evict_events[layer] = event
+        else:
+            dst.copy_(src)
+        if region == COMPUTE:
+            sq.pending[layer] = (event, idx)
+        if region == COMPUTE:
             sq.n_comp[layer] += 1
         else:
             sq.n_load[layer] += 1
         sq.placed[layer] += D
         sq.win_len[layer] = 0
         self.evicted_blocks += 1
-        src = sq.window[layer]
-        if not self.cuda:
-            dst = sq.compute[layer, :, :, idx * D : (idx + 1) * D] if region == COMPUTE else sq.load_block(layer, idx)
-            dst.copy_(src)
-            return
-        self.evict_stream.wait_stream(torch.cuda.current_stream(self.device))
-        with torch.cuda.stream(self.evict_stream):
-            dst = sq.staging_buffer()[layer] if region == COMPUTE else sq.load_block(layer, idx)
-            dst.copy_(src, non_blocking=True)
-            event = torch.cuda.Event()
-            event.record(self.evict_stream)
-        sq.evict_events[layer] = event
-        if region == COMPUTE:
-            sq.pending[layer] = (event, idx)
 
     def _gather(self, sq: SequenceKV, layer: int) -> torch.Tensor:
         """All cached KV of ``layer`` in position order on the device: ``[parts, Hkv, ctx, dim]``.
@@ -326,13 +336,14 @@ class InplaceKVCache(KVCache):
                 "use fewer or shorter requests"
             )
         # load region (worst case for the policy) + eviction staging + the prefill staging buffer
-        pinned = int(host * p.max_load_share) + (s.staging_bytes(len(capacities)) + s.pingpong_blocks * s.block_bytes if p.max_cpu_share > 0 else 0)
+        pinned = sum(load_blocks_reserved(p, c // s.window) for c in capacities) * s.num_layers * s.block_bytes
+        pinned += s.staging_bytes(len(capacities)) + s.pingpong_blocks * s.block_bytes if p.max_cpu_share > 0 else 0
         if getattr(p, "monolithic", False):  # two prepare buffers of up to one layer's KV each
             pinned += 2 * host // s.num_layers
         if pinned_budget is not None and pinned > pinned_budget:
             raise ValueError(
-                f"the load region needs up to {pinned / gib:.2f} GiB of pinned memory, above the pinned budget of "
-                f"{pinned_budget / gib:.2f} GiB: raise pinned_budget, or use a policy with a larger CPU share"
+                f"the load region and staging buffers need up to {pinned / gib:.2f} GiB of pinned memory, above the pinned "
+                f"budget of {pinned_budget / gib:.2f} GiB: raise pinned_budget, or use fewer or shorter requests"
             )
 
 

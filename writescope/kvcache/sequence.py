@@ -67,7 +67,7 @@ class SequenceKV:
         self.compute = torch.empty((L, spec.parts, spec.layout.kv_heads, cpu_blocks * D, spec.dim), dtype=spec.dtype)
         self.slabs: list[LoadSlab] = []
         self.staging: torch.Tensor | None = None  # pinned [L, parts, kv_heads, D, dim] for evictions to compute
-        self.pending: list[tuple[object, int] | None] = [None] * L  # (event, compute block) awaiting copy-in
+        self.pending: list[tuple[object | None, int] | None] = [None] * L  # (CUDA event or None, compute block) awaiting copy-in
         self.evict_events: list[object | None] = [None] * L  # window reuse waits on these
         if prompt_len > 0:  # reserve the prefill plan's load blocks now, so a shortfall shows at allocate
             plan = [route_block(policy, j, prompt_len, D, 0) for j in range(prompt_len // D)]
@@ -106,7 +106,7 @@ class SequenceKV:
         have = self.slabs[-1].first + self.slabs[-1].nblk if self.slabs else 0
         if blocks <= have:
             return
-        cap = min(self.max_blocks, math.ceil(self.policy.max_load_share * self.max_blocks) + 2)
+        cap = load_blocks_reserved(self.policy, self.max_blocks)
         want = max(blocks - have, min(cap - have, max(SLAB_MIN_BLOCKS, have)))
         s = self.spec
         t = host_empty((s.num_layers, want, *s.block_shape()), s.dtype, self.pin)
@@ -149,7 +149,8 @@ class SequenceKV:
         if p is None:
             return
         event, idx = p
-        event.synchronize()  # type: ignore[attr-defined]
+        if event is not None:
+            event.synchronize()  # type: ignore[attr-defined]
         D = self.spec.window
         self.compute[layer, :, :, idx * D : (idx + 1) * D].copy_(self.staging[layer])  # type: ignore[index]
         self.pending[layer] = None
@@ -189,3 +190,9 @@ class SequenceKV:
             assert self.n_comp[layer] + self.n_load[layer] == nb, f"layer {layer}: region counts do not add up"
             assert self.seq_len(layer) <= self.capacity, f"layer {layer}: {self.seq_len(layer)} tokens > capacity"
 
+
+
+def load_blocks_reserved(policy: PlacementPolicy, max_blocks: int) -> int:
+    """Most load-region blocks a sequence of ``max_blocks`` whole blocks reserves under ``policy``
+    (its largest load share, +2 for the rounding of the prefill plan and of decode routing)."""
+    return 0 if policy.max_load_share == 0 else min(max_blocks, math.ceil(policy.max_load_share * max_blocks) + 2)
