@@ -68,7 +68,7 @@ def _drive(layout, Hq, policy, lens, steps, dtype, window, seed=0):
 
 
 @pytest.mark.parametrize("layout", [QWEN3, MLA], ids=["gqa-32-4", "mla"])
-@pytest.mark.parametrize("policy", ["gpu", "cpu", "static:0.5"])
+@pytest.mark.parametrize("policy", ["gpu", "cpu", "static:0.5", "monolithic:0.5", "monolithic:0"])
 def test_split_decode_on_cuda_matches_float64(layout, policy):
     lay, Hq = layout
     # fp32: exact up to summation order. window 16: several evictions through the side stream.
@@ -146,7 +146,7 @@ def test_policies_give_resident_tokens_on_cuda(name):
     prompts = [list(range(5, 5 + n)) for n in (90, 33, 5)]
     params = SamplingParams(max_tokens=40, ignore_eos=True)
     tokens = {}
-    for policy in ["resident", "gpu", "cpu", "static:0.5"]:
+    for policy in ["resident", "gpu", "cpu", "static:0.5", "monolithic:0.5"]:
         llm = LLM(name, device="cuda", dtype="fp32", progress=False, policy=policy, window=16, prefill_chunk_tokens=40)
         tokens[policy] = [o.token_ids for o in llm.generate(prompt_token_ids=prompts, sampling_params=params)]
         assert llm.cache.active_slots == []
