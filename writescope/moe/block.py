@@ -28,9 +28,27 @@ class SparseMoeBlock(nn.Module):
         self.experts = nn.ModuleList(GatedMLP(hidden, cfg.intermediate_size, cfg.expert_names) for _ in range(cfg.num_experts))
         if cfg.n_shared_experts:
             self.shared_experts = GatedMLP(hidden, cfg.intermediate_size * cfg.n_shared_experts)
+        self.host_experts: frozenset[int] = frozenset()
+
+    def offload_experts(self, ids) -> None:
+        """Move routed experts ``ids`` to host memory; their tokens are then computed on the CPU
+        (docs/DESIGN.md section 6). Experts not named move back to the block's device.
+
+        Raises:
+            ValueError: an id outside ``[0, num_experts)``.
+        """
+        ids = frozenset(int(e) for e in ids)
+        bad = sorted(e for e in ids if not 0 <= e < self.cfg.num_experts)
+        if bad:
+            raise ValueError(f"expert ids {bad[:5]} outside [0, {self.cfg.num_experts})")
+        device = self.gate.weight.device
+        for e, expert in enumerate(self.experts):
+            expert.to("cpu" if e in ids else device)
+        self.host_experts = ids
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        """x ``[T, D]`` -> ``[T, D]``, same dtype."""
+        """x ``[T, D]`` -> ``[T, D]``, same dtype. Host experts run on the CPU after the device
+        experts are issued, so both sides work at once when the device is a GPU."""
         weights, ids = route(x, self.gate.weight, self.cfg, self.deepseek)  # [T, K] f32, [T, K]
         out = torch.zeros_like(x)  # [T, D]
         flat = ids.flatten()  # [T*K]
@@ -38,14 +56,26 @@ class SparseMoeBlock(nn.Module):
         counts = torch.bincount(flat, minlength=self.cfg.num_experts).tolist()
         token_of = order // self.cfg.top_k  # [T*K] token index of each sorted assignment
         w_sorted = weights.flatten()[order]  # [T*K]
-        start = 0
+        starts = [0]
+        for n in counts:
+            starts.append(starts[-1] + n)
+        host = [e for e in self.host_experts if counts[e]]
+        if host:  # the host experts' tokens, copied once: [n_host, D] on the CPU
+            host_tok = torch.cat([token_of[starts[e] : starts[e + 1]] for e in host])
+            x_host = x[host_tok].to("cpu")
         for e, n in enumerate(counts):
-            if n == 0:
+            if n == 0 or e in self.host_experts:
                 continue
-            tok = token_of[start : start + n]
+            tok = token_of[starts[e] : starts[e + 1]]
             y = self.experts[e](x[tok])  # [n, D]
-            out.index_add_(0, tok, (y * w_sorted[start : start + n, None].to(y.dtype)))
-            start += n
+            out.index_add_(0, tok, (y * w_sorted[starts[e] : starts[e + 1], None].to(y.dtype)))
+        if host:
+            ys, off = [], 0
+            for e in host:
+                n = counts[e]
+                ys.append(self.experts[e](x_host[off : off + n]) * w_sorted[starts[e] : starts[e + 1], None].to("cpu", x.dtype))
+                off += n
+            out.index_add_(0, host_tok, torch.cat(ys).to(x.device))
         if self.cfg.n_shared_experts:
             out = out + self.shared_experts(x)
         return out
