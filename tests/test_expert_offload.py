@@ -42,3 +42,33 @@ def test_bad_expert_id():
     with pytest.raises(ValueError, match=rf"outside \[0, {E}\)"):
         block.offload_experts([3, E])
     assert block.host_experts == frozenset()
+
+
+def test_vram_budget_offloads_what_the_plan_says_and_keeps_the_tokens():
+    from writescope import SamplingParams
+    from writescope.budget.plan import make_plan
+    from writescope.presets import preset_config
+    from writescope.scheduler.policies import StaticPolicy
+
+    cfg = preset_config("tiny-qwen3-moe")
+    base = make_plan(cfg, torch.float32, 2**40, 2, cfg.max_position_embeddings, 0, StaticPolicy(0.5), 16)
+    budget = base.gpu_min + base.experts_total // 2 * base.expert_bytes  # room for half the routed experts
+    llm = LLM("tiny-qwen3-moe", progress=False, policy="static:0.5", window=16, vram_budget=budget, max_batch=2)
+    blocks = [m for m in llm.model.modules() if isinstance(m, SparseMoeBlock)]
+    assert sum(cfg.moe.num_experts - len(b.host_experts) for b in blocks) == base.experts_total // 2
+    assert llm.load_info["experts_offloaded"] == base.experts_total - base.experts_total // 2
+    ref = LLM("tiny-qwen3-moe", progress=False)
+    prompts = [list(range(3, 3 + n)) for n in (70, 9)]
+    params = SamplingParams(max_tokens=24, ignore_eos=True)
+    assert [o.token_ids for o in llm.generate(prompt_token_ids=prompts, sampling_params=params)] == [
+        o.token_ids for o in ref.generate(prompt_token_ids=prompts, sampling_params=params)
+    ]
+
+
+def test_too_small_budget_is_refused_before_loading(monkeypatch):
+    def no_load(*a, **k):
+        raise AssertionError("weights were loaded before the budget check")
+
+    monkeypatch.setattr("writescope.engine.llm.load_model", no_load)
+    with pytest.raises(ValueError, match="below the minimum"):
+        LLM("qwen3-30b-a3b", progress=False, policy="gpu", vram_budget="2GiB", max_batch=4)

@@ -22,6 +22,7 @@ def add_parser(sub) -> None:
     p.add_argument("--dtype", default="auto")
     p.add_argument("--h2d-gbs", type=float, default=55.0, help="host-to-device GB/s for the bound (default: the H200 machine's 55)")
     p.add_argument("--cpu-gbs", type=float, default=86.0, help="host read GB/s for the bound (default: the H200 machine's 86)")
+    p.add_argument("--vram-budget", default=None, help="device memory the run may use, e.g. 32GiB")
     p.add_argument("--output-json", type=Path, help="write all rows here")
     p.add_argument("--plot", type=Path, help="write the plots here (PNG; needs matplotlib)")
     p.add_argument("--quiet", action="store_true")
@@ -67,7 +68,7 @@ def run(args: argparse.Namespace) -> int:
     grid_policies = policies + [s for s in sweep if s not in policies]
     t0 = time.perf_counter()
     llm = LLM(args.model, synthetic=args.synthetic, device=args.device, dtype=args.dtype, progress=not args.quiet,
-              max_model_len=None)
+              policy="gpu", vram_budget=args.vram_budget, max_batch=max(batches))  # windows + ping-pong: any partitioned policy
     roofline = llm.roofline(args.window) if needs_roofline else None
     cfg = BenchConfig(batches, contexts, grid_policies, args.steps, args.window, args.h2d_gbs, args.cpu_gbs, progress=not args.quiet)
     rows = run_grid(llm, cfg, roofline)

@@ -31,6 +31,7 @@ def add_parser(sub) -> None:
                         "once per machine); default resident")
     p.add_argument("--window", type=int, default=256, help="D: tokens of the D-window and of one KV block (default 256)")
     p.add_argument("--cpu-threads", type=int, default=None, help="threads for CPU attention (default: all torch threads)")
+    p.add_argument("--vram-budget", default=None, help="device memory the run may use, e.g. 32GiB (routed experts beyond it go to the CPU)")
     p.add_argument("--output-json", type=Path, help="write token ids, text and metrics per request here")
     p.add_argument("--quiet", action="store_true", help="no progress bars")
     p.set_defaults(run=run)
@@ -72,9 +73,13 @@ def run(args: argparse.Namespace) -> int:
     llm = LLM(
         args.model, synthetic=args.synthetic, device=args.device, dtype=args.dtype, seed=args.weight_seed,
         max_model_len=args.max_model_len, progress=not args.quiet, policy=args.policy, window=args.window,
-        cpu_threads=args.cpu_threads,
+        cpu_threads=args.cpu_threads, vram_budget=args.vram_budget, max_batch=args.batch,
     )
     cfg = llm.config
+    if llm.vram_plan is not None:
+        p = llm.vram_plan
+        print(f"VRAM budget {p.budget / 2**30:.2f} GiB: {p.experts_gpu} of {p.experts_total} routed experts on {llm.device}, "
+              f"{p.experts_total - p.experts_gpu} on the CPU (see `writescope plan`)")
     print(f"model: {cfg.architecture} ({cfg.num_layers} layers, {cfg.moe.num_experts} experts, top-{cfg.moe.top_k}), "
           f"{llm.load_info['source']}, {llm.dtype} on {llm.device}, loaded in {llm.load_info['load_s']:.1f} s")
     if llm.policy is not None and llm.device.type == "cpu":

@@ -10,7 +10,9 @@ import torch
 from tqdm import tqdm
 
 from writescope.attention.metadata import ForwardBatch
-from writescope.engine.model_loader import load_model, parse_dtype, resolve_device
+from writescope.budget.apply import enforce_budget, place_experts
+from writescope.budget.plan import make_plan, parse_size
+from writescope.engine.model_loader import load_model, parse_dtype, resolve_config, resolve_device
 from writescope.engine.outputs import RequestMetrics, RequestOutput
 from writescope.engine.sampling import SamplingParams, sample
 from writescope.kvcache.base import KVCache
@@ -44,10 +46,18 @@ class LLM:
         pinned_budget: bytes of host memory the load region may pin (default: half the host's
             memory).
         cpu_threads: threads for CPU attention (default: torch's intra-op thread count).
+        vram_budget: bytes (or a size such as ``"32GiB"``) of device memory the run may use.
+            The plan (``writescope plan``) for ``max_batch`` sequences of ``max_model_len``
+            tokens is checked before any weight is loaded; routed experts that do not fit are
+            moved to host memory and computed on the CPU; on CUDA the allocator is capped at
+            the budget for this process. The model is built on the device first, so it must
+            fit there once (true on the H200 for the three targets).
+        max_batch: sequences the budget plan reserves D-windows for (with ``vram_budget``).
 
     Raises:
         ValueError: unknown model/preset, bad dtype or device, bad max_model_len, unknown
-            policy, or a partitioned policy for a model with a sliding window.
+            policy, a partitioned policy for a model with a sliding window, or a
+            ``vram_budget`` the plan refuses (raised before loading weights).
         CheckpointError: the checkpoint's tensors do not match the config.
     """
 
@@ -66,6 +76,8 @@ class LLM:
         window: int = DEFAULT_WINDOW,
         pinned_budget: int | None = None,
         cpu_threads: int | None = None,
+        vram_budget: int | str | None = None,
+        max_batch: int = 32,
     ):
         self.device = resolve_device(device)
         self.dtype = parse_dtype(dtype, self.device)
@@ -76,13 +88,26 @@ class LLM:
             raise ValueError(f"window D must be >= 1 token, got {window}")
         if cpu_threads is not None and cpu_threads < 1:
             raise ValueError(f"cpu_threads must be >= 1, got {cpu_threads}")
-        self.config, self.model, self.tokenizer, self.load_info = load_model(
-            model, synthetic, self.dtype, self.device, seed, progress
-        )
-        limit = self.config.max_position_embeddings
+        cfg, _ = resolve_config(model)
+        limit = cfg.max_position_embeddings
         if max_model_len is not None and not 1 <= max_model_len <= limit:
             raise ValueError(f"max_model_len {max_model_len} must be in [1, {limit}] (the model's max_position_embeddings)")
         self.max_model_len = max_model_len or limit
+        self.vram_plan = None
+        if vram_budget is not None:  # checked before any weight is loaded
+            if max_batch < 1:
+                raise ValueError(f"max_batch must be >= 1, got {max_batch}")
+            budget = parse_size(vram_budget) if isinstance(vram_budget, str) else int(vram_budget)
+            parsed = parse_policy(policy, roofline=Roofline(1.0, 1.0))
+            self.vram_plan = make_plan(cfg, self.dtype, budget, max_batch, self.max_model_len, 0, parsed, window,
+                                       prefill_chunk_tokens, available_memory(torch.device("cpu")))
+            self.vram_plan.check()
+        self.config, self.model, self.tokenizer, self.load_info = load_model(
+            model, synthetic, self.dtype, self.device, seed, progress
+        )
+        if self.vram_plan is not None:
+            self.load_info["experts_offloaded"] = place_experts(self.model, self.vram_plan)
+            enforce_budget(self.device, self.vram_plan.budget)
         self.seed = seed
         self.prefill_chunk_tokens = prefill_chunk_tokens
         self.progress = progress
