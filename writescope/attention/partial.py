@@ -48,7 +48,7 @@ def attend_blocks(
     B, nb, Hkv, D, dk = k.shape
     acc = torch.promote_types(k.dtype, torch.float32)
     kf = k.to(acc)
-    vf = kf[..., : v.shape[-1]] if v.data_ptr() == k.data_ptr() and v.stride() == k.stride() else v.to(acc)
+    vf = _values(k, kf, v, acc)
     s = torch.matmul(q.to(acc).unsqueeze(1), kf.transpose(-1, -2)) * scale  # [B, nb, Hkv, G, D]
     if lengths is not None:
         pos = torch.arange(nb * D, device=k.device).view(1, nb, D)
@@ -59,6 +59,12 @@ def attend_blocks(
     p = torch.exp(s - lse_safe[:, None, :, :, None])  # masked -> 0
     o = torch.matmul(p, vf).sum(dim=1)  # [B, Hkv, G, dv]
     return o, lse
+
+
+def _values(k: torch.Tensor, kf: torch.Tensor, v: torch.Tensor, acc: torch.dtype) -> torch.Tensor:
+    """``v`` in ``acc``: a slice of the converted keys ``kf`` when ``v`` is a view of ``k`` (MLA),
+    so the latent is converted once."""
+    return kf[..., : v.shape[-1]] if v.data_ptr() == k.data_ptr() and v.stride() == k.stride() else v.to(acc)
 
 
 def block_partials(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
@@ -75,7 +81,7 @@ def block_partials(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> tuple[t
     """
     acc = torch.promote_types(k.dtype, torch.float32)
     kf = k.to(acc)
-    vf = kf[..., : v.shape[-1]] if v.data_ptr() == k.data_ptr() and v.stride() == k.stride() else v.to(acc)
+    vf = _values(k, kf, v, acc)
     s = torch.matmul(q.to(acc), kf.transpose(-1, -2))  # [nb, Hkv, G, D]
     m = s.amax(dim=-1, keepdim=True)
     p = torch.exp(s - m)

@@ -63,7 +63,6 @@ class SplitDecoder:
         self._buffers: list[torch.Tensor] = []
         self._stage: list[torch.Tensor | None] = [None, None]  # monolithic prepare buffers (pinned)
         self._stage_events: list[object | None] = [None, None]
-        self._stage_slot: int | None = None
         self._free_events: list[object | None] = []
         if self.cuda:
             self.copy_stream = torch.cuda.Stream(device)
@@ -122,10 +121,14 @@ class SplitDecoder:
         try:
             states = [self._window_part(layer, qg, seqs, scale)]
             sources = [(i, run) for i, sq in enumerate(seqs) for run in sq.load_runs(layer, 0, sq.n_load[layer], s.pingpong_blocks)]
-            if cpu_blocks is not None:
-                sources += self._prepare(layer, seqs, limits)
+            prepared = self._prepare(layer, seqs, limits) if cpu_blocks is not None else []
+            sources += prepared
             if sources:
                 states.append(self._load_part(qg, sources, scale, evict_stream))
+            if prepared and self.cuda:  # the prepare buffer of this layer's parity is reused once these copies are done
+                ev = torch.cuda.Event()
+                ev.record(self.copy_stream)
+                self._stage_events[layer % 2] = ev
         finally:  # never leave the worker reading a sequence the caller may free after an error
             cpu_state = fut.result() if fut is not None else None
         if cpu_rows:
@@ -158,7 +161,6 @@ class SplitDecoder:
             buf[off : off + nb].copy_(rows.unflatten(2, (nb, D)).permute(2, 0, 1, 3, 4))
             out += [(i, buf[a : min(off + nb, a + s.pingpong_blocks)]) for a in range(off, off + nb, s.pingpong_blocks)]
             off += nb
-        self._stage_slot = slot
         self.stats.prepare_seconds += time.perf_counter() - t0
         self.stats.prepared_bytes += off * s.block_bytes
         return out
@@ -179,8 +181,9 @@ class SplitDecoder:
         s = self.spec
         B, Hkv, G, _ = qg.shape
         fills = list(self._fills(sources))
-        ids_host = [i for fill in fills for i, src in fill for _ in range(src.shape[0])]
-        ids = torch.tensor(ids_host, dtype=torch.long).to(self.device, non_blocking=True)
+        runs = [(i, src.shape[0]) for fill in fills for i, src in fill]
+        ids_host = torch.repeat_interleave(torch.tensor([i for i, _ in runs]), torch.tensor([n for _, n in runs]))  # [blocks]
+        ids = ids_host.to(self.device, non_blocking=True)
         acc = torch.promote_types(s.dtype, torch.float32)
         o_blk = torch.empty(len(ids_host), Hkv, G, s.layout.v_dim, dtype=acc, device=self.device)
         lse_blk = torch.empty(len(ids_host), Hkv, G, dtype=acc, device=self.device)
@@ -219,11 +222,6 @@ class SplitDecoder:
                 done.record(cur)
                 self._free_events[b] = done
             start += total
-        if self.cuda and self._stage_slot is not None:  # staging reuse waits for these copies
-            ev = torch.cuda.Event()
-            ev.record(self.copy_stream)
-            self._stage_events[self._stage_slot] = ev
-        self._stage_slot = None
         return merge_segments(o_blk, lse_blk, ids, B)
 
     def _fills(self, sources):

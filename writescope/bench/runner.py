@@ -131,7 +131,7 @@ def run_one(llm: LLM, cfg: BenchConfig, batch: int, context: int, policy: str, r
     row.tpot_ms = statistics.median(o.metrics.tpot_s for o in outs) * 1e3
     if timer.times:
         row.attn_ms_per_layer = statistics.median(timer.times) * 1e3
-    itemsize = torch.tensor([], dtype=llm.dtype).element_size()
+    itemsize = llm.dtype.itemsize
     mean_ctx = context + cfg.steps / 2  # tokens cached on average over the decode steps
     row.kv_bytes_per_layer = int(batch * mean_ctx * llm.config.kv_layout.bytes_per_token(itemsize))
     if row.attn_ms_per_layer > 0:

@@ -22,6 +22,7 @@ import torch
 
 from writescope.budget.weights import weight_sizes
 from writescope.config import ModelConfig
+from writescope.kvcache.sequence import pinned_staging_bytes
 from writescope.kvcache.spec import DEFAULT_WINDOW, PartitionSpec
 from writescope.scheduler.policies import PlacementPolicy
 
@@ -109,7 +110,7 @@ def make_plan(
     """
     if batch < 1 or context < 1 or budget < 1 or max_new_tokens < 0:
         raise ValueError(f"batch, context and budget must be >= 1 (got {batch}, {context}, {budget})")
-    item = torch.tensor([], dtype=dtype).element_size()
+    item = dtype.itemsize
     w = weight_sizes(cfg)
     a, m, H = cfg.attention, cfg.moe, cfg.hidden_size
     cap = context + max_new_tokens
@@ -120,9 +121,7 @@ def make_plan(
         kv_gpu, pingpong = spec.window_bytes(batch), spec.pingpong_total_bytes()
         host = spec.host_bytes([cap] * batch)
         pinned = int(host * policy.max_load_share)
-        staging = spec.staging_bytes(batch) + spec.pingpong_blocks * spec.block_bytes if policy.max_cpu_share > 0 else 0
-        if getattr(policy, "monolithic", False):
-            staging += 2 * host // cfg.num_layers  # the re-layout buffers of the monolithic baseline
+        staging = pinned_staging_bytes(spec, policy, batch, host)
     T = min(prefill_chunk_tokens, batch * context)
     act = T * (8 * H + 2 * (a.q_heads + 2 * a.kv_heads) * a.head_dim + 3 * m.top_k * m.intermediate_size) * item
     act += 4096 * cap + batch * cfg.vocab_size * 4

@@ -89,4 +89,4 @@ def write_checkpoint(
 
 def checkpoint_bytes(shapes: dict[str, tuple[int, ...]], dtype: torch.dtype) -> int:
     """Bytes the weights take on disk in ``dtype``."""
-    return sum(math.prod(s) for s in shapes.values()) * torch.tensor([], dtype=dtype).element_size()
+    return sum(math.prod(s) for s in shapes.values()) * dtype.itemsize

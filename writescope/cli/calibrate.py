@@ -5,8 +5,6 @@ from __future__ import annotations
 import argparse
 import time
 
-import torch
-
 
 def add_parser(sub) -> None:
     p = sub.add_parser("calibrate", help="measure the CPU and load-path costs of the model's KV shape on this machine")
@@ -37,7 +35,7 @@ def run(args: argparse.Namespace) -> int:
     r, detail = cal.calibrate(layout, q_heads, dtype, device, args.window, args.batch, cpu_threads=args.cpu_threads,
                               progress=not args.quiet)
     path = cal.save(device, shape, r, detail)
-    tok_bytes = layout.bytes_per_token(torch.tensor([], dtype=dtype).element_size())
+    tok_bytes = layout.bytes_per_token(dtype.itemsize)
     print(f"done in {time.perf_counter() - t0:.1f} s; stored in {path}")
     print(f"  A (CPU, compute region)     {r.a * 1e9:10.3f} ns/token  = {tok_bytes / r.a / 1e9:6.1f} GB/s")
     print(f"  B (GPU, load region)        {r.b * 1e9:10.3f} ns/token  = {tok_bytes / r.b / 1e9:6.1f} GB/s")

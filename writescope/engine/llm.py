@@ -41,7 +41,9 @@ class LLM:
         progress: show progress bars (loading, long prefills).
         policy: KV placement: ``resident`` (all KV on the device), ``gpu`` (spilled KV in the
             pinned load region, streamed every step), ``cpu`` (spilled KV in the compute region,
-            attended by the CPU), ``static:R`` (CPU share R in [0, 1]). See docs/DESIGN.md section 7.
+            attended by the CPU), ``static:R`` (CPU share R in [0, 1]), ``writescope`` (roofline
+            share r(L) with A tracked online; calibrates on first use), ``monolithic[:R]`` (the
+            one-physical-state baseline). See docs/DESIGN.md section 7.
         window: D, tokens of the D-window and of one block (partitioned policies).
         pinned_budget: bytes of host memory the load region may pin (default: half the host's
             memory).
@@ -83,7 +85,7 @@ class LLM:
         self.dtype = parse_dtype(dtype, self.device)
         if prefill_chunk_tokens < 1:
             raise ValueError(f"prefill_chunk_tokens must be >= 1, got {prefill_chunk_tokens}")
-        parse_policy(policy, roofline=Roofline(1.0, 1.0))  # fail on a bad policy before loading weights
+        sizing = parse_policy(policy, roofline=Roofline(1.0, 1.0))  # fails before loading weights; sizes the budget plan
         if window < 1:
             raise ValueError(f"window D must be >= 1 token, got {window}")
         if cpu_threads is not None and cpu_threads < 1:
@@ -98,8 +100,7 @@ class LLM:
             if max_batch < 1:
                 raise ValueError(f"max_batch must be >= 1, got {max_batch}")
             budget = parse_size(vram_budget) if isinstance(vram_budget, str) else int(vram_budget)
-            parsed = parse_policy(policy, roofline=Roofline(1.0, 1.0))
-            self.vram_plan = make_plan(cfg, self.dtype, budget, max_batch, self.max_model_len, 0, parsed, window,
+            self.vram_plan = make_plan(cfg, self.dtype, budget, max_batch, self.max_model_len, 0, sizing, window,
                                        prefill_chunk_tokens, available_memory(torch.device("cpu")))
             self.vram_plan.check()
         self.config, self.model, self.tokenizer, self.load_info = load_model(

@@ -27,7 +27,7 @@ class ContiguousKVCache(KVCache):
 
     def bytes_for(self, capacity: int) -> int:
         """Bytes one sequence of ``capacity`` tokens takes across all layers."""
-        return capacity * self.num_layers * self.layout.bytes_per_token(torch.tensor([], dtype=self.dtype).element_size())
+        return capacity * self.num_layers * self.layout.bytes_per_token(self.dtype.itemsize)
 
     def allocate(self, capacity: int, prompt_len: int = 0) -> int:
         if capacity < 1:

@@ -24,7 +24,7 @@ from writescope.attention.reference import attend_sequence
 from writescope.attention.split import SplitDecoder
 from writescope.kvcache.base import KVCache
 from writescope.kvcache.pinned import host_empty, unpin
-from writescope.kvcache.sequence import SequenceKV, load_blocks_reserved
+from writescope.kvcache.sequence import SequenceKV, load_blocks_reserved, pinned_staging_bytes
 from writescope.kvcache.spec import PartitionSpec
 from writescope.scheduler.policies import COMPUTE, PlacementPolicy
 
@@ -337,9 +337,7 @@ class InplaceKVCache(KVCache):
             )
         # load region (worst case for the policy) + eviction staging + the prefill staging buffer
         pinned = sum(load_blocks_reserved(p, c // s.window) for c in capacities) * s.num_layers * s.block_bytes
-        pinned += s.staging_bytes(len(capacities)) + s.pingpong_blocks * s.block_bytes if p.max_cpu_share > 0 else 0
-        if getattr(p, "monolithic", False):  # two prepare buffers of up to one layer's KV each
-            pinned += 2 * host // s.num_layers
+        pinned += pinned_staging_bytes(s, p, len(capacities), host)
         if pinned_budget is not None and pinned > pinned_budget:
             raise ValueError(
                 f"the load region and staging buffers need up to {pinned / gib:.2f} GiB of pinned memory, above the pinned "

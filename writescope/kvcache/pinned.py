@@ -26,7 +26,7 @@ def host_empty(shape: tuple[int, ...], dtype: torch.dtype, pin: bool) -> torch.T
     Raises:
         RuntimeError: the allocation or the registration failed (message names the bytes).
     """
-    itemsize = torch.tensor([], dtype=dtype).element_size()
+    itemsize = dtype.itemsize
     nbytes = itemsize
     for s in shape:
         nbytes *= s

@@ -71,8 +71,6 @@ class SequenceKV:
         self.evict_events: list[object | None] = [None] * L  # window reuse waits on these
         if prompt_len > 0:  # reserve the prefill plan's load blocks now, so a shortfall shows at allocate
             plan = [route_block(policy, j, prompt_len, D, 0) for j in range(prompt_len // D)]
-            if cpu_blocks == 0:
-                plan = [LOAD] * len(plan)
             if LOAD in plan:
                 self._reserve_load(plan.count(LOAD))
             if COMPUTE in plan:  # fault in (commit) the prompt's compute rows now, not during prefill
@@ -93,8 +91,7 @@ class SequenceKV:
         assert block == len(self.homes), f"block {block} placed before block {len(self.homes)}"
         n_c = sum(1 for r, _ in self.homes if r == COMPUTE)
         region = route_block(self.policy, block, self.prompt_len, self.spec.window, n_c)
-        if region == COMPUTE and self.compute.shape[3] == 0:
-            region = LOAD
+        assert region == LOAD or self.compute.shape[3] > 0, f"policy {self.policy} routed to the compute region with max_cpu_share 0"
         idx = n_c if region == COMPUTE else len(self.homes) - n_c
         if region == LOAD:
             self._reserve_load(idx + 1)
@@ -190,6 +187,17 @@ class SequenceKV:
             assert self.n_comp[layer] + self.n_load[layer] == nb, f"layer {layer}: region counts do not add up"
             assert self.seq_len(layer) <= self.capacity, f"layer {layer}: {self.seq_len(layer)} tokens > capacity"
 
+
+
+def pinned_staging_bytes(spec: PartitionSpec, policy: PlacementPolicy, batch: int, host_kv: int) -> int:
+    """Pinned staging a batch needs besides the load region: eviction staging (one block per
+    layer and sequence) and the prefill staging buffer when anything goes to the compute region,
+    plus the monolithic baseline's two re-layout buffers of up to one layer's KV (``host_kv`` is
+    the batch's spilled KV in bytes, all layers)."""
+    staging = spec.staging_bytes(batch) + spec.pingpong_blocks * spec.block_bytes if policy.max_cpu_share > 0 else 0
+    if getattr(policy, "monolithic", False):
+        staging += 2 * host_kv // spec.num_layers
+    return staging
 
 
 def load_blocks_reserved(policy: PlacementPolicy, max_blocks: int) -> int:

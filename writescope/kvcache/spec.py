@@ -73,7 +73,7 @@ class PartitionSpec:
 
     @property
     def element_size(self) -> int:
-        return torch.tensor([], dtype=self.dtype).element_size()
+        return self.dtype.itemsize
 
     def block_shape(self) -> tuple[int, int, int, int]:
         """``(parts, kv_heads, D, dim)``: one block of one layer."""
