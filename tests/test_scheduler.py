@@ -137,6 +137,36 @@ def test_writescope_policy_gives_resident_tokens(preset):
     assert sum(o.kv_placement["compute"] for o in outs) > 0 and sum(o.kv_placement["load"] for o in outs) > 0
 
 
+def test_prefill_plan_uses_the_announced_batch_and_is_kept():
+    # delta = C_gpu - C_cpu > 0 shifts work to the CPU by delta / ((A + B) L batch): with batch 1
+    # a 256-token prompt would go all to the CPU, with batch 16 near B / (A + B) = 0.25
+    rf = Roofline(a=3e-6, b=1e-6, c_cpu=0.0, c_gpu=2e-3)
+    P, D = 256, 16
+    want = {b: math.floor(roofline_share(P * b, rf.a, rf.b, rf.c_cpu, rf.c_gpu) * P / D + 0.5) for b in (1, 16)}
+    assert want[1] == P // D and want[16] < P // D
+    for batch in (1, 16):
+        cache = InplaceKVCache(PartitionSpec(KVLayout(2, 8, 8, False), 1, torch.float32, window=D), WriteScopePolicy(rf), torch.device("cpu"))
+        cache.expect_batch(batch)
+        slot = cache.allocate(P + 8, prompt_len=P)
+        sq = cache.sequence(slot)
+        assert sq.prompt_plan().count(COMPUTE) == want[batch]
+        cache.policy.a.value *= 100  # a later estimate does not change the prompt's plan
+        cache.write(slot, 0, torch.randn(P, 2, 8), torch.randn(P, 2, 8))
+        assert cache.placement(slot)["compute"] == want[batch] * D
+        cache.close()
+
+
+def test_generate_announces_its_batch_before_prefill():
+    rf = Roofline(a=3e-6, b=1e-6, c_cpu=0.0, c_gpu=2e-3)
+    llm = LLM("tiny-qwen3-moe", progress=False)
+    llm.set_policy("writescope", window=16, roofline=rf)
+    prompts = [list(range(3, 3 + 256))] * 16
+    outs = llm.generate(prompt_token_ids=prompts, sampling_params=SamplingParams(max_tokens=1, ignore_eos=True))
+    n_cpu = math.floor(roofline_share(256 * 16, rf.a, rf.b, rf.c_cpu, rf.c_gpu) * 256 / 16 + 0.5)
+    assert n_cpu < 16
+    assert all(o.kv_placement["compute"] == n_cpu * 16 for o in outs)
+
+
 def test_writescope_needs_a_roofline():
     with pytest.raises(ValueError, match="writescope calibrate"):
         parse_policy("writescope")
@@ -148,7 +178,14 @@ def test_calibration_measures_stores_and_reloads(tmp_path, monkeypatch):
     layout, dev = KVLayout(2, 16, 16, False), torch.device("cpu")
     r, detail = calibrate(layout, 4, torch.float32, dev, window=16, batch=2, contexts=(64, 128, 256), steps=2, progress=False)
     assert r.a > 0 and r.b > 0 and r.c_cpu >= 0 and r.c_gpu >= 0
-    assert [p[0] for p in detail["points"]["cpu"]] == [2 * 64, 2 * 128, 2 * 256]  # all placed tokens on the CPU side
+    # both sides measured together: per point, the CPU share's blocks on the CPU and the rest streamed
+    want = [(2 * 16 * math.floor(r_ * L / 16 + 0.5), 2 * (L - 16 * math.floor(r_ * L / 16 + 0.5))) for r_ in (0.25, 0.5) for L in (64, 128, 256)]
+    assert [(c[0], g[0]) for c, g in zip(detail["points"]["cpu"], detail["points"]["gpu"])] == want
+    assert detail["shares"] == [0.25, 0.5] and detail["contexts"] == [64, 128, 256]
+    with pytest.raises(ValueError, match="both sides"):
+        calibrate(layout, 4, torch.float32, dev, window=16, batch=2, contexts=(64, 128), steps=1, progress=False, shares=(0.0,))
+    with pytest.raises(ValueError, match="lower --batch"):
+        calibrate(layout, 4, torch.float32, dev, window=16, batch=2, contexts=(2**40, 2**41), steps=1, progress=False)
     shape = shape_key(layout, 4, torch.float32, 16)
     assert load(dev, shape) is None
     path = save(dev, shape, r, detail)

@@ -40,6 +40,7 @@ class SplitStats:
     last_cpu_tokens: int = 0
     prepare_seconds: float = 0.0  # monolithic baseline: re-layout into pinned staging
     prepared_bytes: int = 0
+    last_load_tokens: int = 0  # load-region (and prepared) tokens streamed by the last decode call
 
 
 class SplitDecoder:
@@ -64,6 +65,7 @@ class SplitDecoder:
         self._stage: list[torch.Tensor | None] = [None, None]  # monolithic prepare buffers (pinned)
         self._stage_events: list[object | None] = [None, None]
         self._free_events: list[object | None] = []
+        self._gpu_timer: object = 0.0  # see last_gpu_seconds
         if self.cuda:
             self.copy_stream = torch.cuda.Stream(device)
 
@@ -110,6 +112,7 @@ class SplitDecoder:
         qg = q.view(B, Hkv, Hq // Hkv, dk)
         self.stats.layer_steps += 1
         self.stats.last_cpu_seconds, self.stats.last_cpu_tokens = 0.0, 0
+        self._gpu_timer = self._start_gpu_timer()
         limits = [sq.n_comp[layer] if cpu_blocks is None else cpu_blocks[i] for i, sq in enumerate(seqs)]
         cpu_rows = [i for i in range(B) if limits[i] > 0]
         for sq in seqs:  # the newest compute block may still sit in pinned staging: write it home first
@@ -125,6 +128,8 @@ class SplitDecoder:
             sources += prepared
             if sources:
                 states.append(self._load_part(qg, sources, scale, evict_stream))
+            self.stats.last_load_tokens = sum(src.shape[0] for _, src in sources) * s.window
+            self._gpu_timer = self._stop_gpu_timer(self._gpu_timer)
             if prepared and self.cuda:  # the prepare buffer of this layer's parity is reused once these copies are done
                 ev = torch.cuda.Event()
                 ev.record(self.copy_stream)
@@ -136,6 +141,31 @@ class SplitDecoder:
             states.append((o_c.to(self.device), l_c.to(self.device)))
         o, _ = merge_unchecked([st[0] for st in states], [st[1] for st in states])
         return o.view(B, Hq, dv).to(q.dtype)
+
+    def _start_gpu_timer(self):
+        if not self.cuda:
+            return time.perf_counter()
+        ev = torch.cuda.Event(enable_timing=True)
+        ev.record()
+        return ev
+
+    def _stop_gpu_timer(self, start):
+        if not self.cuda:
+            return time.perf_counter() - start
+        end = torch.cuda.Event(enable_timing=True)
+        end.record()
+        return start, end
+
+    def last_gpu_seconds(self) -> float:
+        """Seconds the device spent on the last decode call's GPU part (D-window and load
+        region, from its first kernel to its last, before the CPU part is merged). On CUDA this
+        waits for that part to finish (CUDA events); without CUDA it is the wall time of that part.
+        """
+        t = self._gpu_timer
+        if isinstance(t, tuple):
+            t[1].synchronize()
+            return t[0].elapsed_time(t[1]) / 1e3
+        return float(t)
 
     def _prepare(self, layer, seqs, limits):
         """Monolithic baseline: copy the GPU's share of each compute region (per-head rows) into

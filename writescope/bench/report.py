@@ -8,15 +8,16 @@ from writescope.bench.runner import BenchRow
 
 
 def format_table(rows: list[BenchRow]) -> str:
-    head = ("batch", "context", "policy", "prefill tok/s", "decode tok/s", "TPOT ms", "attn ms/layer", "r", "GB/s", "% bound")
+    head = ("batch", "context", "policy", "prefill tok/s", "decode tok/s", "TPOT ms", "attn ms/layer", "prep ms/layer", "r", "GB/s", "% bound")
     lines = [head]
     for r in rows:
         if not r.fits:
-            lines.append((str(r.batch), str(r.context), r.policy, f"does not fit: {r.reason}", "", "", "", "", "", ""))
+            lines.append((str(r.batch), str(r.context), r.policy, f"does not fit: {r.reason}") + ("",) * (len(head) - 4))
             continue
         lines.append((
             str(r.batch), str(r.context), r.policy, f"{r.prefill_tok_s:,.0f}", f"{r.decode_tok_s:,.1f}", f"{r.tpot_ms:.2f}",
-            f"{r.attn_ms_per_layer:.3f}", "-" if r.r_deployed is None else f"{r.r_deployed:.3f}", f"{r.gbs:.1f}",
+            f"{r.attn_ms_per_layer:.3f}", f"{r.prepare_ms_per_layer:.3f}" if r.prepare_ms_per_layer else "-",
+            "-" if r.r_deployed is None else f"{r.r_deployed:.3f}", f"{r.gbs:.1f}",
             f"{100 * r.frac_of_bound:.1f}" if r.frac_of_bound else "-",
         ))
     widths = [max(len(x[i]) for x in lines if not x[3].startswith("does not fit") or i < 4) for i in range(len(head))]
@@ -45,10 +46,13 @@ def format_best(rows: list[BenchRow]) -> str:
     if not best:
         return ""
     ws = {(r.batch, r.context): r for r in rows if r.fits and r.policy == "writescope"}
+    gpu = {(r.batch, r.context): r for r in sorted(rows, key=lambda r: r.policy == "gpu") if r.fits and r.policy in ("gpu", "static:0")}
     lines = ["best static share (by decode tok/s) vs deployed writescope r:"]
     for (b, c), r in sorted(best.items()):
-        w = ws.get((b, c))
+        w, g = ws.get((b, c)), gpu.get((b, c))
         dep = f"writescope r = {w.r_deployed:.3f}, {w.decode_tok_s:,.1f} tok/s" if w and w.r_deployed is not None else "no writescope row"
+        if w and g and g.decode_tok_s > 0:
+            dep += f" ({w.decode_tok_s / g.decode_tok_s:.2f}x gpu's {g.decode_tok_s:,.1f})"
         lines.append(f"  batch {b} context {c}: best {r.policy} ({r.decode_tok_s:,.1f} tok/s); {dep}")
     return "\n".join(lines)
 

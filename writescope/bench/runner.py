@@ -43,6 +43,7 @@ class BenchRow:
     bound_ms: float = 0.0
     frac_of_bound: float = 0.0
     prepare_ms_per_layer: float = 0.0  # monolithic: re-layout into pinned staging
+    prepare_gbs: float = 0.0  # monolithic: bytes re-laid out per second of prepare
     extra: dict = field(default_factory=dict)
 
     def to_dict(self) -> dict:
@@ -87,8 +88,10 @@ class _TimedAttend:
         self.cache.attend = self.inner
 
 
-def run_grid(llm: LLM, cfg: BenchConfig, roofline=None) -> list[BenchRow]:
-    """Every (batch, context, policy) of ``cfg`` on the loaded ``llm``; one row each."""
+def run_grid(llm: LLM, cfg: BenchConfig, roofline=None, on_row=None) -> list[BenchRow]:
+    """Every (batch, context, policy) of ``cfg`` on the loaded ``llm``; one row each.
+    ``on_row(rows)`` is called with the rows so far after each configuration (to save partial
+    results of a long grid)."""
     grid = [(b, c, p) for b in cfg.batches for c in cfg.contexts for p in cfg.policies]
     if cfg.warmup:  # first uses (kernels, allocators, pinned buffers) cost extra: pay them unmeasured
         for p in dict.fromkeys(cfg.policies):
@@ -99,6 +102,8 @@ def run_grid(llm: LLM, cfg: BenchConfig, roofline=None) -> list[BenchRow]:
     for b, c, p in bar:
         bar.set_postfix_str(f"batch {b} context {c} {p}", refresh=True)
         rows.append(run_one(llm, cfg, b, c, p, roofline))
+        if on_row is not None:
+            on_row(rows)
     bar.close()
     return rows
 
@@ -147,6 +152,8 @@ def run_one(llm: LLM, cfg: BenchConfig, batch: int, context: int, policy: str, r
         if isinstance(cache, InplaceKVCache):
             st = cache.decoder.stats
             row.prepare_ms_per_layer = st.prepare_seconds / max(1, st.layer_steps) * 1e3
+            if st.prepare_seconds > 0:
+                row.prepare_gbs = st.prepared_bytes / st.prepare_seconds / 1e9
             if getattr(cache.policy, "monolithic", False):
                 read = cache.policy.read_share(context)  # the split the monolithic cache read with
                 row.r_deployed = read

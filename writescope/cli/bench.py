@@ -12,6 +12,7 @@ def add_parser(sub) -> None:
     p = sub.add_parser("bench", help="compare KV placement policies: prefill and decode over a grid")
     p.add_argument("--model", required=True, help="checkpoint directory or preset name")
     p.add_argument("--synthetic", action="store_true", help="seeded synthetic weights instead of the checkpoint's")
+    p.add_argument("--num-layers", type=int, default=None, help="keep only the first N decoder layers (synthetic weights; a shape benchmark)")
     p.add_argument("--batch", default="4", help="comma-separated batch sizes (default 4)")
     p.add_argument("--context", default="2k", help="comma-separated prompt lengths, k = 1024 (default 2k)")
     p.add_argument("--policies", default="gpu,cpu,static:0.5,monolithic,writescope", help="comma-separated policies")
@@ -68,23 +69,32 @@ def run(args: argparse.Namespace) -> int:
     grid_policies = policies + [s for s in sweep if s not in policies]
     t0 = time.perf_counter()
     llm = LLM(args.model, synthetic=args.synthetic, device=args.device, dtype=args.dtype, progress=not args.quiet,
-              policy="gpu", vram_budget=args.vram_budget, max_batch=max(batches))  # windows + ping-pong: any partitioned policy
+              policy="gpu", vram_budget=args.vram_budget, max_batch=max(batches), num_layers=args.num_layers)  # windows + ping-pong: any partitioned policy
     roofline = llm.roofline(args.window) if needs_roofline else None
     cfg = BenchConfig(batches, contexts, grid_policies, args.steps, args.window, args.h2d_gbs, args.cpu_gbs, progress=not args.quiet)
-    rows = run_grid(llm, cfg, roofline)
-    for r in rows:
-        r.extra["sweep"] = r.policy in sweep and r.policy not in policies
-    print(f"\n{args.model} ({llm.dtype} on {llm.device}), {args.steps} decode steps per configuration, D = {args.window}; "
-          f"{time.perf_counter() - t0:.0f} s in all")
+    sweep_only = {s for s in sweep if s not in policies}
+
+    def save(rows) -> None:  # after every configuration, so an interrupted grid keeps what it measured
+        for r in rows:
+            r.extra["sweep"] = r.policy in sweep_only
+        if args.output_json:
+            args.output_json.parent.mkdir(parents=True, exist_ok=True)
+            doc = {"model": args.model, "num_layers": llm.config.num_layers, "device": str(llm.device), "dtype": str(llm.dtype),
+                   "args": {k: str(v) for k, v in vars(args).items() if k != "run"},
+                   "roofline": None if roofline is None else vars(roofline), "complete": len(rows) == cfg_size,
+                   "rows": [r.to_dict() for r in rows]}
+            args.output_json.write_text(json.dumps(doc, indent=1))
+
+    cfg_size = len(batches) * len(contexts) * len(grid_policies)
+    rows = run_grid(llm, cfg, roofline, on_row=save)
+    n = llm.config.num_layers
+    print(f"\n{args.model} ({n} layer{'s' if n != 1 else ''}, {llm.dtype} on {llm.device}), {args.steps} decode steps per configuration, "
+          f"D = {args.window}; {time.perf_counter() - t0:.0f} s in all")
     print(format_table(rows))
     best = format_best(rows)
     if best:
         print("\n" + best)
     if args.output_json:
-        args.output_json.parent.mkdir(parents=True, exist_ok=True)
-        doc = {"model": args.model, "device": str(llm.device), "dtype": str(llm.dtype), "args": {k: str(v) for k, v in vars(args).items() if k != "run"},
-               "roofline": None if roofline is None else vars(roofline), "rows": [r.to_dict() for r in rows]}
-        args.output_json.write_text(json.dumps(doc, indent=1))
         print(f"wrote {args.output_json}")
     if args.plot:
         plot(rows, args.plot)

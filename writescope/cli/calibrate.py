@@ -12,7 +12,7 @@ def add_parser(sub) -> None:
     p.add_argument("--device", default="auto", help="auto, cpu or cuda")
     p.add_argument("--dtype", default="auto", help="auto (bf16 on cuda, fp32 on cpu), bf16, fp16, fp32")
     p.add_argument("--window", type=int, default=256, help="D, tokens per block (default 256)")
-    p.add_argument("--batch", type=int, default=8, help="sequences in the measured batch (default 8)")
+    p.add_argument("--batch", type=int, default=16, help="sequences in the measured batch (default 16)")
     p.add_argument("--cpu-threads", type=int, default=None, help="threads for CPU attention (default: all torch threads)")
     p.add_argument("--quiet", action="store_true", help="no progress bar")
     p.set_defaults(run=run)

@@ -55,6 +55,8 @@ class LLM:
             the budget for this process. The model is built on the device first, so it must
             fit there once (true on the H200 for the three targets).
         max_batch: sequences the budget plan reserves D-windows for (with ``vram_budget``).
+        num_layers: keep only the first ``num_layers`` decoder layers of the model's shape
+            (synthetic weights only; for benchmarks of one model's layer shape).
 
     Raises:
         ValueError: unknown model/preset, bad dtype or device, bad max_model_len, unknown
@@ -80,6 +82,7 @@ class LLM:
         cpu_threads: int | None = None,
         vram_budget: int | str | None = None,
         max_batch: int = 32,
+        num_layers: int | None = None,
     ):
         self.device = resolve_device(device)
         self.dtype = parse_dtype(dtype, self.device)
@@ -90,7 +93,9 @@ class LLM:
             raise ValueError(f"window D must be >= 1 token, got {window}")
         if cpu_threads is not None and cpu_threads < 1:
             raise ValueError(f"cpu_threads must be >= 1, got {cpu_threads}")
-        cfg, _ = resolve_config(model)
+        cfg, ckpt = resolve_config(model, num_layers)
+        if num_layers is not None and ckpt is not None and not synthetic:
+            raise ValueError("num_layers (--num-layers) keeps only some layers: use it with synthetic weights (--synthetic)")
         limit = cfg.max_position_embeddings
         if max_model_len is not None and not 1 <= max_model_len <= limit:
             raise ValueError(f"max_model_len {max_model_len} must be in [1, {limit}] (the model's max_position_embeddings)")
@@ -104,7 +109,7 @@ class LLM:
                                        prefill_chunk_tokens, available_memory(torch.device("cpu")))
             self.vram_plan.check()
         self.config, self.model, self.tokenizer, self.load_info = load_model(
-            model, synthetic, self.dtype, self.device, seed, progress
+            model, synthetic, self.dtype, self.device, seed, progress, num_layers
         )
         if self.vram_plan is not None:
             self.load_info["experts_offloaded"] = place_experts(self.model, self.vram_plan)
@@ -233,6 +238,8 @@ class LLM:
         if self.device.type == "cuda":
             torch.cuda.reset_peak_memory_stats(self.device)
         slots: list[int] = []
+        if isinstance(self.cache, InplaceKVCache):
+            self.cache.expect_batch(len(ids) + len(self.cache.active_slots))
         try:
             for p, sp in zip(ids, plist):
                 slots.append(self.cache.allocate(len(p) + sp.max_tokens, prompt_len=len(p)))

@@ -58,31 +58,46 @@ def resolve_device(name: str) -> torch.device:
     return dev
 
 
-def resolve_config(model: str) -> tuple[ModelConfig, Path | None]:
-    """(config, checkpoint dir or None for a preset).
+def resolve_config(model: str, num_layers: int | None = None) -> tuple[ModelConfig, Path | None]:
+    """(config, checkpoint dir or None for a preset). ``num_layers`` keeps the model's shape
+    but only its first ``num_layers`` decoder layers (benchmarks of one model's layer shape).
 
     Raises:
-        ValueError: neither a checkpoint directory nor a preset name.
+        ValueError: neither a checkpoint directory nor a preset name; ``num_layers`` not in
+            [1, the model's num_hidden_layers].
     """
     p = Path(model)
     if p.is_dir():
-        return ModelConfig.from_file(p), p
-    if model in PRESETS:
-        return preset_config(model), None
-    raise ValueError(f"--model {model!r} is neither a checkpoint directory nor a preset; presets: {', '.join(PRESETS)}")
+        cfg, ckpt = ModelConfig.from_file(p), p
+    elif model in PRESETS:
+        cfg, ckpt = preset_config(model), None
+    else:
+        raise ValueError(f"--model {model!r} is neither a checkpoint directory nor a preset; presets: {', '.join(PRESETS)}")
+    if num_layers is not None:
+        if not 1 <= num_layers <= cfg.num_layers:
+            raise ValueError(f"num_layers (--num-layers) {num_layers} must be in [1, {cfg.num_layers}] (the model's layers)")
+        cfg = cfg.with_overrides(num_hidden_layers=num_layers)
+    return cfg, ckpt
 
 
 def load_model(
-    model: str, synthetic: bool, dtype: torch.dtype, device: torch.device, seed: int = 0, progress: bool = True
+    model: str, synthetic: bool, dtype: torch.dtype, device: torch.device, seed: int = 0, progress: bool = True,
+    num_layers: int | None = None,
 ) -> tuple[ModelConfig, CausalLM, Tokenizer, dict]:
     """Build the model on ``device`` and fill its weights.
 
     A preset name always means synthetic weights (there is no file to read); a directory is
     loaded from its safetensors unless ``synthetic`` is set. Returns (config, model,
     tokenizer, info) where info has ``source`` and ``load_s``.
+
+    Raises:
+        ValueError: see :func:`resolve_config`; ``num_layers`` with a checkpoint's own weights
+            (a truncated model is for synthetic weights only).
     """
     t0 = time.perf_counter()
-    cfg, ckpt = resolve_config(model)
+    cfg, ckpt = resolve_config(model, num_layers)
+    if num_layers is not None and ckpt is not None and not synthetic:
+        raise ValueError("num_layers (--num-layers) keeps only some layers: use it with synthetic weights (--synthetic)")
     net = build_model(cfg, dtype, device)
     if ckpt is None or synthetic:
         fill_synthetic(net, seed, progress=progress)

@@ -80,6 +80,11 @@ class InplaceKVCache(KVCache):
         self._seqs[slot] = seq
         return slot
 
+    def expect_batch(self, batch: int) -> None:
+        """``batch`` sequences (those already active included) will decode together: tell the
+        policy before their prompts are placed (the roofline's fixed-cost term is per step)."""
+        self.policy.expect_batch(batch)
+
     def free(self, slot: int) -> None:
         seq = self._seqs.pop(slot, None)
         if seq is None:

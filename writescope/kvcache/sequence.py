@@ -69,8 +69,9 @@ class SequenceKV:
         self.staging: torch.Tensor | None = None  # pinned [L, parts, kv_heads, D, dim] for evictions to compute
         self.pending: list[tuple[object | None, int] | None] = [None] * L  # (CUDA event or None, compute block) awaiting copy-in
         self.evict_events: list[object | None] = [None] * L  # window reuse waits on these
+        self._prompt_plan: list[int] | None = None  # regions of the prompt's whole blocks, decided once
         if prompt_len > 0:  # reserve the prefill plan's load blocks now, so a shortfall shows at allocate
-            plan = [route_block(policy, j, prompt_len, D, 0) for j in range(prompt_len // D)]
+            plan = self.prompt_plan()
             if LOAD in plan:
                 self._reserve_load(plan.count(LOAD))
             if COMPUTE in plan:  # fault in (commit) the prompt's compute rows now, not during prefill
@@ -84,13 +85,25 @@ class SequenceKV:
         return self.n_comp[layer] * self.spec.window
 
     # ------------------------------------------------------------------ routing
+    def prompt_plan(self) -> list[int]:
+        """Region of each whole block of the prompt, decided by the policy the first time it is
+        asked (at ``allocate`` when the prompt length is known, else at the first write) and
+        kept: an adaptive policy's later estimates change where new blocks go, never this plan."""
+        if self.prompt_len == 0:
+            return []  # not known yet
+        if self._prompt_plan is None:
+            D = self.spec.window
+            self._prompt_plan = [route_block(self.policy, j, self.prompt_len, D, 0) for j in range(self.prompt_len // D)]
+        return self._prompt_plan
+
     def home(self, block: int) -> tuple[int, int]:
         """(region, index) of ``block``; routed by the policy the first time it is asked."""
         if block < len(self.homes):
             return self.homes[block]
         assert block == len(self.homes), f"block {block} placed before block {len(self.homes)}"
         n_c = sum(1 for r, _ in self.homes if r == COMPUTE)
-        region = route_block(self.policy, block, self.prompt_len, self.spec.window, n_c)
+        plan = self.prompt_plan()
+        region = plan[block] if block < len(plan) else route_block(self.policy, block, self.prompt_len, self.spec.window, n_c)
         assert region == LOAD or self.compute.shape[3] > 0, f"policy {self.policy} routed to the compute region with max_cpu_share 0"
         idx = n_c if region == COMPUTE else len(self.homes) - n_c
         if region == LOAD:

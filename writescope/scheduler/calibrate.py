@@ -1,12 +1,19 @@
 """Calibration of the roofline inputs A, B, C_cpu, C_gpu on this machine (docs/DESIGN.md section 5).
 
 For the model's KV shape, one layer of InplaceKVCache is filled with random KV for a batch at a
-few context lengths and decoded for a few steps:
+few context lengths and CPU shares (static R, both sides busy) and decoded for a few steps. Each
+step gives two points:
 
-- ``cpu`` placement (R = 1): the CPU part's wall time (the worker's own timer) against the
-  compute-region tokens gives A (slope, seconds per token) and C_cpu (intercept);
-- ``gpu`` placement (R = 0): the whole step's wall time (synchronised) against the load-region
-  tokens gives B and C_gpu (the D-window part and the merge are in C_gpu).
+- the CPU part's wall time (the worker's own timer) against its compute-region tokens: the
+  slope is A (seconds per token), the intercept C_cpu;
+- the GPU part's device time (CUDA events from the D-window attention to the last streamed
+  block) against its load-region tokens: the slope is B, the intercept C_gpu (the D-window part
+  is in C_gpu).
+
+Both sides are measured while the other runs, as in a split step: host DRAM bandwidth is shared
+by the DMA and the CPU reads, so each side is slower than alone (a first version measured each
+side alone and put the share too high: the one-layer sweep in benchmarks/results found its best
+at R = 0.25-0.31 at 16K-32K where the uncontended costs said 0.44).
 
 Least-squares lines through the medians; slopes floored at 1e-12 s, intercepts at 0. Results are
 stored as JSON in ``$XDG_CACHE_HOME/writescope/calibration.json`` keyed by machine (CPU model,
@@ -32,8 +39,10 @@ from writescope.kvcache.spec import PartitionSpec, Roofline
 from writescope.paths import cache_dir
 from writescope.scheduler.policies import StaticPolicy
 
-CUDA_CONTEXTS = (2048, 4096, 8192)  # tokens per sequence
+CUDA_CONTEXTS = (4096, 16384, 32768)  # tokens per sequence: the per-token costs dominate the fixed ones
 CPU_CONTEXTS = (512, 1024, 2048)
+SHARES = (0.25, 0.5)  # CPU shares measured: around where split steps run
+HOST_FRACTION = 0.5  # a calibration point may use at most this fraction of the available host memory
 
 
 def machine_key(device: torch.device) -> str:
@@ -59,38 +68,55 @@ def calibrate(
     dtype: torch.dtype,
     device: torch.device | str,
     window: int = 256,
-    batch: int = 8,
+    batch: int = 16,
     contexts: tuple[int, ...] | None = None,
-    steps: int = 5,
+    steps: int = 6,
     cpu_threads: int | None = None,
     progress: bool = True,
+    shares: tuple[float, ...] = SHARES,
 ) -> tuple[Roofline, dict]:
     """Measure A, B, C_cpu, C_gpu for this KV shape on this machine.
 
+    Contexts whose KV would take more than half the available host memory are skipped.
+
     Returns:
-        ``(roofline, detail)``: detail holds the measured points (tokens, seconds) per side.
+        ``(roofline, detail)``: detail holds the measured points ``(tokens, seconds)`` per side
+        and the contexts and shares used.
 
     Raises:
-        ValueError: batch, steps or a context below 1.
+        ValueError: batch, steps or a context below 1, a share outside (0, 1), or fewer than
+            two contexts that fit host memory.
     """
+    from writescope.engine.llm import available_memory
+
     device = torch.device(device)
     contexts = contexts or (CUDA_CONTEXTS if device.type == "cuda" else CPU_CONTEXTS)
     if batch < 1 or steps < 1 or min(contexts) < 1:
         raise ValueError(f"batch, steps and contexts must be >= 1, got {batch}, {steps}, {contexts}")
+    if not all(0 < r < 1 for r in shares):
+        raise ValueError(f"calibration shares must be in (0, 1) so both sides run, got {shares}")
+    host = available_memory(torch.device("cpu"))
+    per_token = layout.bytes_per_token(dtype.itemsize)
+    fit = [L for L in contexts if host is None or batch * L * per_token <= HOST_FRACTION * host]
+    if len(fit) < 2:
+        raise ValueError(f"calibration needs two contexts that fit host memory; of {contexts} (batch {batch}) only {fit} fit: "
+                         "lower --batch")
     points = {"cpu": [], "gpu": []}
-    bar = tqdm(total=2 * len(contexts), desc="calibrate", disable=not progress)
-    for side, share in (("cpu", 1.0), ("gpu", 0.0)):
-        for L in contexts:
-            points[side].append(_measure(layout, q_heads, dtype, device, window, share, batch, L, steps, cpu_threads, side))
+    bar = tqdm(total=len(shares) * len(fit), desc="calibrate", disable=not progress)
+    for share in shares:
+        for L in fit:
+            cpu, gpu = _measure(layout, q_heads, dtype, device, window, share, batch, L, steps, cpu_threads)
+            points["cpu"].append(cpu)
+            points["gpu"].append(gpu)
             bar.update()
     bar.close()
     a, c_cpu = _fit(points["cpu"])
     b, c_gpu = _fit(points["gpu"])
-    return Roofline(a, b, c_cpu, c_gpu), {"points": points, "batch": batch, "steps": steps}
+    return Roofline(a, b, c_cpu, c_gpu), {"points": points, "batch": batch, "steps": steps, "contexts": fit, "shares": list(shares)}
 
 
-def _measure(layout, q_heads, dtype, device, window, share, batch, L, steps, cpu_threads, side) -> tuple[int, float]:
-    """(placed tokens of the batch, median seconds) for one placement and context."""
+def _measure(layout, q_heads, dtype, device, window, share, batch, L, steps, cpu_threads):
+    """``((cpu tokens, median CPU seconds), (load tokens, median GPU seconds))`` for one split."""
     spec = PartitionSpec(layout, 1, dtype, window=window)
     cache = InplaceKVCache(spec, StaticPolicy(share), device, cpu_threads)
     g = torch.Generator(device=device).manual_seed(L)
@@ -98,29 +124,24 @@ def _measure(layout, q_heads, dtype, device, window, share, batch, L, steps, cpu
     def rnd(*shape):
         return torch.randn(*shape, generator=g, device=device, dtype=dtype)
 
-    def sync():
-        if device.type == "cuda":
-            torch.cuda.synchronize(device)
-
     try:
+        cache.expect_batch(batch)
         slots = [cache.allocate(L + steps + 1, prompt_len=L) for _ in range(batch)]
         for s in slots:
             cache.write(s, 0, rnd(L, layout.kv_heads, layout.k_dim), None if layout.shared_kv else rnd(L, layout.kv_heads, layout.v_dim))
-        times = []
+        cpu, gpu = [], []
+        dec = cache.decoder
         for t in range(steps + 1):
             q = rnd(batch, q_heads, layout.k_dim)
             k = rnd(batch, layout.kv_heads, layout.k_dim)
             v = None if layout.shared_kv else rnd(batch, layout.kv_heads, layout.v_dim)
             fb = ForwardBatch.build(slots, [1] * batch, [cache.seq_len(s) for s in slots], device)
-            sync()
-            t0 = time.perf_counter()
             cache.attend(0, q, k, v, fb, layout.k_dim**-0.5)
-            sync()
-            dt = time.perf_counter() - t0
+            gpu_s = dec.last_gpu_seconds()
             if t > 0:  # the first step warms up
-                times.append(cache.decoder.stats.last_cpu_seconds if side == "cpu" else dt)
-        placed = sum(cache.placement(s)["compute" if side == "cpu" else "load"] for s in slots)
-        return placed, statistics.median(times)
+                cpu.append((dec.stats.last_cpu_tokens, dec.stats.last_cpu_seconds))
+                gpu.append((dec.stats.last_load_tokens, gpu_s))
+        return (cpu[0][0], statistics.median(x for _, x in cpu)), (gpu[0][0], statistics.median(x for _, x in gpu))
     finally:
         cache.close()
 

@@ -49,6 +49,10 @@ class PlacementPolicy:
         """Feedback after one layer's decode attention: the CPU part took ``cpu_seconds`` for
         ``cpu_tokens`` compute-region tokens over ``batch`` sequences. Static policies ignore it."""
 
+    def expect_batch(self, batch: int) -> None:
+        """``batch`` sequences will decode together (told before their prompts are placed, so a
+        policy whose share depends on the batch plans the prefill for it). Static policies ignore it."""
+
     def __repr__(self) -> str:
         return self.name
 
@@ -103,7 +107,12 @@ class MonolithicPolicy(PlacementPolicy):
         return self.inner.cpu_share(placed_tokens)
 
     def observe(self, cpu_seconds: float, cpu_tokens: int, batch: int) -> None:
-        self.inner.observe(cpu_seconds, cpu_tokens, batch)
+        """No feedback: the baseline reads with the calibrated share. Its CPU part runs while the
+        main thread re-lays out the GPU's share, so fed back it would see a slower CPU, lower
+        the share, re-lay out more, and run away to r = 0."""
+
+    def expect_batch(self, batch: int) -> None:
+        self.inner.expect_batch(batch)
 
 
 def parse_policy(text: str, roofline=None) -> PlacementPolicy | None:

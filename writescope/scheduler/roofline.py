@@ -87,8 +87,8 @@ class WriteScopePolicy(PlacementPolicy):
         alpha, window: see :class:`OnlineEstimate`.
 
     ``cpu_share(L)`` takes L per sequence and uses ``L * batch`` tokens in the delta term, with
-    ``batch`` the batch size of the last observed step (fixed costs are per step, shared by the
-    batch).
+    ``batch`` the batch size of the last observed step, or the one announced by
+    :meth:`expect_batch` before a prefill (fixed costs are per step, shared by the batch).
     """
 
     name = "writescope"
@@ -101,6 +101,9 @@ class WriteScopePolicy(PlacementPolicy):
     def cpu_share(self, placed_tokens: int) -> float:
         r = self.roofline
         return roofline_share(placed_tokens * self.batch, self.a.value, r.b, r.c_cpu, r.c_gpu)
+
+    def expect_batch(self, batch: int) -> None:
+        self.batch = max(1, batch)
 
     def observe(self, cpu_seconds: float, cpu_tokens: int, batch: int) -> None:
         """One measured CPU step: the sample of A is ``(cpu_seconds - C_cpu) / cpu_tokens``,
