@@ -1,0 +1,73 @@
+"""``cpu_attend``: the compute-region CPU attention (whole chunks in place, tails batched) against
+float64 attention. Tolerance: 1e-5 relative for float32 inputs, bf16 rounding (2e-2) for bf16."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+import writescope.attention.partial as partial
+from writescope.attention.partial import cpu_attend
+
+
+def reference(q, k, v, scale):
+    """q [Hkv, G, dk], k [Hkv, n, dk], v [Hkv, n, dv] -> (o [Hkv, G, dv], lse [Hkv, G]) in float64."""
+    s = torch.einsum("hgd,hnd->hgn", q.double(), k.double()) * scale
+    lse = torch.logsumexp(s, dim=-1)
+    return torch.einsum("hgn,hnd->hgd", torch.softmax(s, dim=-1), v.double()), lse
+
+
+def regions(lengths, Hkv, dk, dtype, gen, cap=None):
+    """Per sequence a [2, Hkv, cap, dk] region (per-head rows, as the compute region) and its
+    first n keys as views; None where the length is 0."""
+    out = []
+    for n in lengths:
+        if n == 0:
+            out.append(None)
+            continue
+        reg = torch.randn(2, Hkv, cap or n + 7, dk, generator=gen).to(dtype)
+        out.append((reg[0, :, :n], reg[1, :, :n]))
+    return out
+
+
+@pytest.mark.parametrize("chunk", [512, 16])
+@pytest.mark.parametrize("dtype, tol", [(torch.float32, 1e-5), (torch.bfloat16, 2e-2)])
+def test_matches_float64_on_ragged_lengths(chunk, dtype, tol, monkeypatch):
+    monkeypatch.setattr(partial, "MIN_CPU_CHUNK", chunk)
+    gen = torch.Generator().manual_seed(0)
+    # odd sizes; two equal tails (1280 and 768 leave 256 for chunk 512) share one call; 0 = no keys
+    lengths = [1, 15, 16, 17, 0, 511, 512, 513, 1280, 768, 4097]
+    Hkv, G, dk = 2, 4, 32
+    kv = regions(lengths, Hkv, dk, dtype, gen)
+    q = torch.randn(len(lengths), Hkv, G, dk, generator=gen).to(dtype)
+    o, lse = cpu_attend(q, kv, dk**-0.5, dk)
+    assert o.shape == (len(lengths), Hkv, G, dk) and lse.shape == (len(lengths), Hkv, G)
+    for i, x in enumerate(kv):
+        if x is None:
+            assert torch.all(o[i] == 0) and torch.all(lse[i] == float("-inf"))
+            continue
+        ro, rl = reference(q[i], x[0], x[1], dk**-0.5)
+        torch.testing.assert_close(o[i].double(), ro, rtol=tol, atol=tol)
+        torch.testing.assert_close(lse[i].double(), rl, rtol=tol, atol=tol)
+
+
+def test_whole_chunks_read_in_place_and_tails_in_one_call(monkeypatch):
+    """The op is called once per sequence with whole chunks (views of the region, no copy) and
+    once for all tails of one length."""
+    calls = []
+    real = partial._cpu_flash
+
+    def spy(q, k, v, **kw):
+        calls.append((tuple(k.shape), k.is_contiguous()))
+        return real(q, k, v, **kw)
+
+    monkeypatch.setattr(partial, "_cpu_flash", spy)
+    gen = torch.Generator().manual_seed(1)
+    lengths = [1024, 1280, 768, 256]  # chunks 2, 2, 1, 0; tails 0, 256, 256, 256
+    kv = regions(lengths, 2, 16, torch.float32, gen, cap=2048)
+    q = torch.randn(4, 2, 2, 16, generator=gen)
+    cpu_attend(q, kv, 0.25, 16)
+    whole = [c for c in calls if c[0][2] == 512]
+    tails = [c for c in calls if c[0][2] != 512]
+    assert [c[0][0] for c in whole] == [2, 2, 1] and not any(c[1] for c in whole)  # strided views of the regions
+    assert len(tails) == 1 and tails[0][0] == (3, 2, 256, 16)
