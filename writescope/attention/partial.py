@@ -118,16 +118,25 @@ def cpu_attend(
     """
     B, Hkv, G, _ = q.shape
     parts = [None if x is None else _cpu_partials(q[i], x[0], x[1], scale) for i, x in enumerate(kv)]
-    for i, tail in _cpu_tails(q, kv, scale):
-        parts[i] = tail if parts[i] is None else (torch.cat((parts[i][0], tail[0])), torch.cat((parts[i][1], tail[1])))
+    tails = dict(_cpu_tails(q, kv, scale))
+    counts = [(0 if p is None else p[0].shape[0]) + (i in tails) for i, p in enumerate(parts)]
     acc = torch.promote_types(q.dtype, torch.float32)
-    width = max([p[0].shape[0] for p in parts if p is not None] or [1])
-    o = torch.zeros(B, width, Hkv, G, dv, dtype=acc)
-    lse = torch.full((B, width, Hkv, G), float("-inf"), dtype=acc)
+    width = max(counts + [1])
+    # written in place, not zero-filled and concatenated: at 16 x 10K keys the fills and cats of
+    # a first version cost 2-4 ms per step on the H200 host (fresh pages of large temporaries)
+    o = torch.empty(B, width, Hkv, G, dv, dtype=acc)
+    lse = torch.empty(B, width, Hkv, G, dtype=acc)
     for i, p in enumerate(parts):
+        n = 0
         if p is not None:
-            o[i, : p[0].shape[0]] = p[0]
-            lse[i, : p[1].shape[0]] = p[1]
+            n = p[0].shape[0]
+            o[i, :n], lse[i, :n] = p[0], p[1]
+        if i in tails:
+            o[i, n], lse[i, n] = tails[i][0][0], tails[i][1][0]
+            n += 1
+        if n < width:  # empty partials: weight 0, finite output
+            o[i, n:] = 0
+            lse[i, n:] = float("-inf")
     if width == 1:
         return o[:, 0], lse[:, 0]
     return merge_stacked(o, lse, dim=1)
