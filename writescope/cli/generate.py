@@ -81,7 +81,8 @@ def run(args: argparse.Namespace) -> int:
         print(f"VRAM budget {p.budget / 2**30:.2f} GiB: {p.experts_gpu} of {p.experts_total} routed experts on {llm.device}, "
               f"{p.experts_total - p.experts_gpu} on the CPU (see `writescope plan`)")
     print(f"model: {cfg.architecture} ({cfg.num_layers} layers, {cfg.moe.num_experts} experts, top-{cfg.moe.top_k}), "
-          f"{llm.load_info['source']}, {llm.dtype} on {llm.device}, loaded in {llm.load_info['load_s']:.1f} s")
+          f"{llm.load_info['source']}, {llm.dtype} on {llm.device}, loaded in {llm.load_info['load_s']:.1f} s; "
+          f"experts: {'grouped GEMMs' if llm.load_info.get('grouped_experts') else 'one GEMM chain per expert (no grouped GEMM here)'}")
     if llm.policy is not None and llm.device.type == "cpu":
         print(f"note: policy {llm.policy_name} on the CPU: the 'GPU' side runs as CPU tensors (exact, but no device split)")
     outs = llm.generate(prompts, params, prompt_token_ids=prompt_ids)

@@ -19,6 +19,7 @@ from writescope.kvcache.base import KVCache
 from writescope.kvcache.contiguous import ContiguousKVCache
 from writescope.kvcache.inplace import InplaceKVCache
 from writescope.kvcache.spec import DEFAULT_WINDOW, PartitionSpec, Roofline
+from writescope.moe.block import SparseMoeBlock
 from writescope.scheduler.calibrate import load_or_calibrate
 from writescope.scheduler.policies import parse_policy
 
@@ -113,6 +114,11 @@ class LLM:
         )
         if self.vram_plan is not None:
             self.load_info["experts_offloaded"] = place_experts(self.model, self.vram_plan)
+        blocks = [m for m in self.model.modules() if isinstance(m, SparseMoeBlock)]
+        # device experts packed for grouped GEMMs before the budget is enforced (the packing
+        # copies one layer's experts at a time)
+        self.load_info["grouped_experts"] = bool(blocks) and all([b.pack() for b in blocks])
+        if self.vram_plan is not None:
             enforce_budget(self.device, self.vram_plan.budget)
         self.seed = seed
         self.prefill_chunk_tokens = prefill_chunk_tokens

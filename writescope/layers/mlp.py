@@ -21,6 +21,9 @@ class GatedMLP(nn.Module):
         self.add_module(up, nn.Linear(hidden, intermediate, bias=False))
         self.add_module(down, nn.Linear(intermediate, hidden, bias=False))
 
+    def dtype_of(self) -> torch.dtype:
+        return getattr(self, self.names[0]).weight.dtype
+
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         gate, up, down = (getattr(self, n) for n in self.names)
         return down(F.silu(gate(x)) * up(x))

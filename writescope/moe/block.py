@@ -10,6 +10,7 @@ from torch import nn
 
 from writescope.config import MoEConfig
 from writescope.layers.mlp import GatedMLP
+from writescope.moe.grouped import PackedExperts, grouped_mm_supported
 from writescope.moe.router import route
 
 
@@ -29,6 +30,8 @@ class SparseMoeBlock(nn.Module):
         if cfg.n_shared_experts:
             self.shared_experts = GatedMLP(hidden, cfg.intermediate_size * cfg.n_shared_experts)
         self.host_experts: frozenset[int] = frozenset()
+        self.packed: PackedExperts | None = None  # device experts for the grouped path (see pack)
+        self.grouped = True  # use the grouped path where torch supports it (False: the loop, the reference)
 
     def offload_experts(self, ids) -> None:
         """Move routed experts ``ids`` to host memory; their tokens are then computed on the CPU
@@ -45,12 +48,30 @@ class SparseMoeBlock(nn.Module):
         for e, expert in enumerate(self.experts):
             expert.to("cpu" if e in ids else device)
         self.host_experts = ids
+        self.packed = None  # re-packed on the next forward (or pack())
+
+    def pack(self) -> bool:
+        """Pack the device experts for the grouped GEMM path (done on the first forward if not
+        called; ``LLM`` calls it after placing experts). Returns whether the grouped path is used:
+        False when torch lacks a grouped GEMM for this device, dtype and shape, when ``grouped``
+        is off, or when every expert is on the host."""
+        w = self.gate.weight
+        dev_ids = [e for e in range(self.cfg.num_experts) if e not in self.host_experts]
+        if not self.grouped or not dev_ids or not grouped_mm_supported(w.device, self.experts[dev_ids[0]].dtype_of(), w.shape[1], self.cfg.intermediate_size):
+            self.packed = None
+            return False
+        if self.packed is None:
+            self.packed = PackedExperts(self.experts, dev_ids, self.cfg.expert_names)
+        return True
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         """x ``[T, D]`` -> ``[T, D]``, same dtype. Host experts run on the CPU after the device
         experts are issued, so both sides work at once when the device is a GPU."""
         weights, ids = route(x, self.gate.weight, self.cfg, self.deepseek)  # [T, K] f32, [T, K]
         out = torch.zeros_like(x)  # [T, D]
+        if (self.packed is not None or self.pack()) and not self.host_experts:
+            self.packed(x, weights, ids, out)
+            return out + self.shared_experts(x) if self.cfg.n_shared_experts else out
         flat = ids.flatten()  # [T*K]
         order = torch.argsort(flat, stable=True)
         counts = torch.bincount(flat, minlength=self.cfg.num_experts).tolist()
@@ -63,8 +84,10 @@ class SparseMoeBlock(nn.Module):
         if host:  # the host experts' tokens, copied once: [n_host, D] on the CPU
             host_tok = torch.cat([token_of[starts[e] : starts[e + 1]] for e in host])
             x_host = x[host_tok].to("cpu")
+        if self.packed is not None:
+            self.packed(x, weights, ids, out)
         for e, n in enumerate(counts):
-            if n == 0 or e in self.host_experts:
+            if n == 0 or e in self.host_experts or self.packed is not None:
                 continue
             tok = token_of[starts[e] : starts[e + 1]]
             y = self.experts[e](x[tok])  # [n, D]

@@ -1,0 +1,128 @@
+"""Expert phase of one MoE block: grouped GEMMs vs the per-expert loop, and the fraction of routed
+experts on the GPU (the rest computed on the CPU), for a decode batch and a long prefill chunk.
+
+Per configuration: median ms of the block's forward over --repeats runs (synchronised), the
+bytes of the activated experts' weights, and against them
+- on the device: GB/s and the fraction of the HBM bound (bytes / device copy GB/s, measured
+  first in the same run);
+- with every expert on the host: the CPU expert path's weight GB/s.
+Weights are random (std 0.02), inputs random; routing is the block's own top-k.
+
+Run (repository root):
+    PYTHONPATH=. python3 benchmarks/experts.py --models qwen3-30b-a3b,deepseek-v2-lite --out benchmarks/results/experts_h200
+    PYTHONPATH=. python3 benchmarks/experts.py --models tiny-qwen3-moe --device cpu --tokens 4,64 --repeats 3 --out /tmp/experts
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import statistics
+import time
+from pathlib import Path
+
+import torch
+
+from writescope.engine.model_loader import parse_dtype, resolve_config, resolve_device
+from writescope.moe.block import SparseMoeBlock
+from writescope.moe.router import route
+
+
+def sync(device):
+    if device.type == "cuda":
+        torch.cuda.synchronize(device)
+
+
+def copy_gbs(device, nbytes=2**30, repeats=5) -> float:
+    """Device-to-device copy bandwidth (read + write bytes per second)."""
+    a = torch.empty(nbytes // 2, dtype=torch.bfloat16, device=device).normal_()
+    b = torch.empty_like(a)
+    ts = []
+    for _ in range(repeats):
+        sync(device)
+        t0 = time.perf_counter()
+        b.copy_(a)
+        sync(device)
+        ts.append(time.perf_counter() - t0)
+    return 2 * nbytes / statistics.median(ts) / 1e9
+
+
+def timed(fn, device, repeats) -> float:
+    fn()  # warm-up (packing, kernels)
+    ts = []
+    for _ in range(repeats):
+        sync(device)
+        t0 = time.perf_counter()
+        fn()
+        sync(device)
+        ts.append(time.perf_counter() - t0)
+    return statistics.median(ts)
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+    ap.add_argument("--models", default="qwen3-30b-a3b,deepseek-v2-lite")
+    ap.add_argument("--device", default="auto")
+    ap.add_argument("--dtype", default="auto")
+    ap.add_argument("--tokens", default="16,16384", help="token counts: a decode batch, a prefill chunk")
+    ap.add_argument("--fractions", default="1,0.75,0.5,0.25,0", help="fractions of routed experts on the device")
+    ap.add_argument("--repeats", type=int, default=10)
+    ap.add_argument("--out", type=Path, required=True, help="writes OUT.json and OUT.md")
+    args = ap.parse_args()
+    device = resolve_device(args.device)
+    dtype = parse_dtype(args.dtype, device)
+    hbm = copy_gbs(device) if device.type == "cuda" else None
+    rows = []
+    for name in args.models.split(","):
+        cfg, _ = resolve_config(name)
+        block = SparseMoeBlock(cfg.moe, cfg.hidden_size, deepseek=cfg.model_type == "deepseek_v2").to(device, dtype)
+        with torch.no_grad():
+            for p in block.parameters():
+                p.normal_(0.0, 0.02)
+        E, D, I = cfg.moe.num_experts, cfg.hidden_size, cfg.moe.intermediate_size
+        expert_bytes = 3 * D * I * dtype.itemsize
+        for T in (int(t) for t in args.tokens.split(",")):
+            x = torch.randn(T, D, device=device, dtype=dtype)
+            _, ids = route(x, block.gate.weight, cfg.moe, block.deepseek)
+            active = torch.unique(ids).tolist()
+            for frac in (float(f) for f in args.fractions.split(",")):
+                on_device = int(round(frac * E))
+                block.offload_experts(range(on_device, E))
+                for path in ("grouped", "loop"):
+                    block.grouped, block.packed = path == "grouped", None
+                    if path == "grouped" and not block.pack():
+                        continue
+                    with torch.no_grad():
+                        sec = timed(lambda: block(x), device, args.repeats)
+                    dev_active = sum(1 for e in active if e < on_device)
+                    host_active = len(active) - dev_active
+                    row = {"model": name, "tokens": T, "fraction_on_device": frac, "path": path, "ms": sec * 1e3,
+                           "active_experts": len(active), "active_on_device": dev_active, "active_on_host": host_active,
+                           "active_weight_bytes": len(active) * expert_bytes}
+                    if hbm and host_active == 0:
+                        bound = dev_active * expert_bytes / (hbm * 1e9)
+                        row.update(hbm_gbs=hbm, gbs=dev_active * expert_bytes / sec / 1e9, frac_of_bound=bound / sec)
+                    if dev_active == 0:
+                        row["cpu_weight_gbs"] = host_active * expert_bytes / sec / 1e9
+                    rows.append(row)
+                    print(json.dumps({k: round(v, 3) if isinstance(v, float) else v for k, v in row.items()}), flush=True)
+        if device.type == "cuda":
+            torch.cuda.empty_cache()
+    args.out.parent.mkdir(parents=True, exist_ok=True)
+    args.out.with_suffix(".json").write_text(json.dumps({"device": str(device), "dtype": str(dtype), "hbm_copy_gbs": hbm, "rows": rows}, indent=1))
+    lines = ["| model | tokens | on device | path | ms | active experts (device/host) | GB/s | % of HBM bound | CPU weight GB/s |",
+             "|---|---|---|---|---|---|---|---|---|"]
+    def f(r, key, scale=1.0, fmt=".0f"):
+        return "-" if key not in r else format(scale * r[key], fmt)
+
+    for r in rows:
+        lines.append(f"| {r['model']} | {r['tokens']} | {r['fraction_on_device']:g} | {r['path']} | {r['ms']:.2f} | "
+                     f"{r['active_on_device']}/{r['active_on_host']} | {f(r, 'gbs')} | {f(r, 'frac_of_bound', 100)} | "
+                     f"{f(r, 'cpu_weight_gbs', fmt='.1f')} |")
+    table = "\n".join(lines)
+    args.out.with_suffix(".md").write_text(f"device {device}, {dtype}, device copy {hbm} GB/s\n\n{table}\n")
+    print(table)
+
+
+if __name__ == "__main__":
+    main()
