@@ -72,3 +72,35 @@ def test_too_small_budget_is_refused_before_loading(monkeypatch):
     monkeypatch.setattr("writescope.engine.llm.load_model", no_load)
     with pytest.raises(ValueError, match="below the minimum"):
         LLM("qwen3-30b-a3b", progress=False, policy="gpu", vram_budget="2GiB", max_batch=4)
+
+
+def test_thread_split_is_explicit(monkeypatch):
+    """Host experts run with ``expert_threads``; CPU attention leaves the launching thread a core with CUDA."""
+    from contextlib import contextmanager
+
+    import writescope.moe.block as block_mod
+    from writescope.engine.threads import default_attention_threads, intra_op_threads
+
+    n = torch.get_num_threads()
+    assert default_attention_threads(torch.device("cuda")) == max(1, n - 1)
+    assert default_attention_threads(torch.device("cpu")) == n
+    with intra_op_threads(1):
+        assert torch.get_num_threads() == 1
+    assert torch.get_num_threads() == n
+
+    seen = []
+
+    @contextmanager
+    def spy(k):
+        seen.append(k)
+        yield
+
+    monkeypatch.setattr(block_mod, "intra_op_threads", spy)
+    llm = LLM("tiny-qwen3-moe", progress=False, expert_threads=1, policy="static:0.5", cpu_threads=2)
+    assert llm.expert_threads == 1 and llm.attention_threads == 2 and llm.cache.decoder.cpu_threads == 2
+    for b in (m for m in llm.model.modules() if isinstance(m, SparseMoeBlock)):
+        b.offload_experts(range(b.cfg.num_experts))
+    llm.generate(prompt_token_ids=[[5, 6, 7, 8]], sampling_params=None)
+    assert seen and set(seen) == {1}
+    with pytest.raises(ValueError, match="expert_threads"):
+        LLM("tiny-qwen3-moe", progress=False, expert_threads=0)

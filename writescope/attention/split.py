@@ -22,6 +22,7 @@ import torch
 
 from writescope.attention.merge import merge_segments, merge_unchecked
 from writescope.attention.partial import attend_blocks, block_partials, cpu_attend
+from writescope.engine.threads import default_attention_threads, intra_op_threads
 from writescope.kvcache.pinned import host_empty, unpin
 from writescope.kvcache.spec import PartitionSpec
 
@@ -49,7 +50,8 @@ class SplitDecoder:
     Args:
         spec: cache layout (block shape, ping-pong sizes).
         device: the GPU (or the CPU standing in for it).
-        cpu_threads: threads the CPU attention may use (defaults to ``torch.get_num_threads()``).
+        cpu_threads: threads the CPU attention may use (default:
+            :func:`writescope.engine.threads.default_attention_threads`).
         cpu_inline: run the CPU attention on the calling thread after issuing the GPU work
             (which then runs asynchronously), instead of in a worker thread started first.
     """
@@ -57,7 +59,7 @@ class SplitDecoder:
     def __init__(self, spec: PartitionSpec, device: torch.device, cpu_threads: int | None = None, cpu_inline: bool = False):
         self.spec, self.device, self.cpu_inline = spec, device, cpu_inline
         self.cuda = device.type == "cuda"
-        self.cpu_threads = cpu_threads or torch.get_num_threads()
+        self.cpu_threads = cpu_threads or default_attention_threads(device)
         # the worker sets its own intra-op thread count (OpenMP settings are per thread)
         self.pool = ThreadPoolExecutor(1, "writescope-cpu-attn", initializer=torch.set_num_threads, initargs=(self.cpu_threads,))
         self.stats = SplitStats()
@@ -283,12 +285,8 @@ class SplitDecoder:
             kv[i] = (k[:, : n[i]], v[:, : n[i]])
             tokens += n[i]
         if self.cpu_inline:  # the worker sets its thread count once; here, for this call only
-            before = torch.get_num_threads()
-            torch.set_num_threads(self.cpu_threads)
-            try:
+            with intra_op_threads(self.cpu_threads):
                 o, lse = cpu_attend(q_host, kv, scale, self.spec.layout.v_dim)
-            finally:
-                torch.set_num_threads(before)
         else:
             o, lse = cpu_attend(q_host, kv, scale, self.spec.layout.v_dim)
         dt = time.perf_counter() - t0

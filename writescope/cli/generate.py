@@ -30,7 +30,8 @@ def add_parser(sub) -> None:
                         "static:R (CPU share R in [0,1]), writescope (roofline share with online feedback; calibrates "
                         "once per machine); default resident")
     p.add_argument("--window", type=int, default=256, help="D: tokens of the D-window and of one KV block (default 256)")
-    p.add_argument("--cpu-threads", type=int, default=None, help="threads for CPU attention (default: all torch threads)")
+    p.add_argument("--cpu-threads", type=int, default=None, help="threads for CPU attention (default: all torch threads, less one with CUDA)")
+    p.add_argument("--expert-threads", type=int, default=None, help="threads for routed experts in host memory (default: all torch threads)")
     p.add_argument("--vram-budget", default=None, help="device memory the run may use, e.g. 32GiB (routed experts beyond it go to the CPU)")
     p.add_argument("--output-json", type=Path, help="write token ids, text and metrics per request here")
     p.add_argument("--quiet", action="store_true", help="no progress bars")
@@ -57,7 +58,7 @@ def run(args: argparse.Namespace) -> int:
     from writescope import LLM, SamplingParams
 
     for flag, value in (("--batch", args.batch), ("--max-new-tokens", args.max_new_tokens), ("--window", args.window),
-                        ("--cpu-threads", args.cpu_threads)):
+                        ("--cpu-threads", args.cpu_threads), ("--expert-threads", args.expert_threads)):
         if value is not None and value < 1:
             raise ValueError(f"{flag} must be >= 1, got {value}")
     if args.output_json is not None and args.output_json.is_dir():
@@ -73,7 +74,7 @@ def run(args: argparse.Namespace) -> int:
     llm = LLM(
         args.model, synthetic=args.synthetic, device=args.device, dtype=args.dtype, seed=args.weight_seed,
         max_model_len=args.max_model_len, progress=not args.quiet, policy=args.policy, window=args.window,
-        cpu_threads=args.cpu_threads, vram_budget=args.vram_budget, max_batch=args.batch,
+        cpu_threads=args.cpu_threads, vram_budget=args.vram_budget, max_batch=args.batch, expert_threads=args.expert_threads,
     )
     cfg = llm.config
     if llm.vram_plan is not None:
@@ -83,6 +84,7 @@ def run(args: argparse.Namespace) -> int:
     print(f"model: {cfg.architecture} ({cfg.num_layers} layers, {cfg.moe.num_experts} experts, top-{cfg.moe.top_k}), "
           f"{llm.load_info['source']}, {llm.dtype} on {llm.device}, loaded in {llm.load_info['load_s']:.1f} s; "
           f"experts: {'grouped GEMMs' if llm.load_info.get('grouped_experts') else 'one GEMM chain per expert (no grouped GEMM here)'}")
+    print(f"CPU threads: attention {llm.attention_threads}, host experts {llm.expert_threads} (--cpu-threads, --expert-threads)")
     if llm.policy is not None and llm.device.type == "cpu":
         print(f"note: policy {llm.policy_name} on the CPU: the 'GPU' side runs as CPU tensors (exact, but no device split)")
     outs = llm.generate(prompts, params, prompt_token_ids=prompt_ids)

@@ -15,6 +15,7 @@ from writescope.budget.plan import make_plan, parse_size
 from writescope.engine.model_loader import load_model, parse_dtype, resolve_config, resolve_device
 from writescope.engine.outputs import RequestMetrics, RequestOutput
 from writescope.engine.sampling import SamplingParams, sample
+from writescope.engine.threads import default_attention_threads, default_expert_threads
 from writescope.kvcache.base import KVCache
 from writescope.kvcache.contiguous import ContiguousKVCache
 from writescope.kvcache.inplace import InplaceKVCache
@@ -48,7 +49,9 @@ class LLM:
         window: D, tokens of the D-window and of one block (partitioned policies).
         pinned_budget: bytes of host memory the load region may pin (default: half the host's
             memory).
-        cpu_threads: threads for CPU attention (default: torch's intra-op thread count).
+        cpu_threads: threads for CPU attention (default: torch's intra-op thread count, less one
+            with CUDA: see :mod:`writescope.engine.threads`).
+        expert_threads: threads for the routed experts in host memory (default: torch's count).
         vram_budget: bytes (or a size such as ``"32GiB"``) of device memory the run may use.
             The plan (``writescope plan``) for ``max_batch`` sequences of ``max_model_len``
             tokens is checked before any weight is loaded; routed experts that do not fit are
@@ -84,6 +87,7 @@ class LLM:
         vram_budget: int | str | None = None,
         max_batch: int = 32,
         num_layers: int | None = None,
+        expert_threads: int | None = None,
     ):
         self.device = resolve_device(device)
         self.dtype = parse_dtype(dtype, self.device)
@@ -94,6 +98,8 @@ class LLM:
             raise ValueError(f"window D must be >= 1 token, got {window}")
         if cpu_threads is not None and cpu_threads < 1:
             raise ValueError(f"cpu_threads must be >= 1, got {cpu_threads}")
+        if expert_threads is not None and expert_threads < 1:
+            raise ValueError(f"expert_threads must be >= 1, got {expert_threads}")
         cfg, ckpt = resolve_config(model, num_layers)
         if num_layers is not None and ckpt is not None and not synthetic:
             raise ValueError("num_layers (--num-layers) keeps only some layers: use it with synthetic weights (--synthetic)")
@@ -118,6 +124,9 @@ class LLM:
         # device experts packed for grouped GEMMs before the budget is enforced (the packing
         # copies one layer's experts at a time)
         self.load_info["grouped_experts"] = bool(blocks) and all([b.pack() for b in blocks])
+        self.expert_threads = expert_threads or default_expert_threads(self.device)
+        for b in blocks:
+            b.host_threads = self.expert_threads
         if self.vram_plan is not None:
             enforce_budget(self.device, self.vram_plan.budget)
         self.seed = seed
@@ -163,6 +172,7 @@ class LLM:
         if isinstance(self.cache, InplaceKVCache):
             self.cache.close()
         self.cache, self.policy, self.window, self.cpu_threads = cache, parsed, window, cpu_threads
+        self.attention_threads = cpu_threads or default_attention_threads(self.device)  # what the CPU attention uses
         self.policy_name = "resident" if parsed is None else parsed.name
 
     def roofline(self, window: int = DEFAULT_WINDOW, cpu_threads: int | None = None) -> Roofline:

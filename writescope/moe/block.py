@@ -9,6 +9,7 @@ import torch
 from torch import nn
 
 from writescope.config import MoEConfig
+from writescope.engine.threads import intra_op_threads
 from writescope.layers.mlp import GatedMLP
 from writescope.moe.grouped import PackedExperts, grouped_mm_supported
 from writescope.moe.router import route
@@ -32,6 +33,7 @@ class SparseMoeBlock(nn.Module):
         self.host_experts: frozenset[int] = frozenset()
         self.packed: PackedExperts | None = None  # device experts for the grouped path (see pack)
         self.grouped = True  # use the grouped path where torch supports it (False: the loop, the reference)
+        self.host_threads: int | None = None  # intra-op threads for the host experts (None: torch's count)
 
     def offload_experts(self, ids) -> None:
         """Move routed experts ``ids`` to host memory; their tokens are then computed on the CPU
@@ -94,10 +96,11 @@ class SparseMoeBlock(nn.Module):
             out.index_add_(0, tok, (y * w_sorted[starts[e] : starts[e + 1], None].to(y.dtype)))
         if host:
             ys, off = [], 0
-            for e in host:
-                n = counts[e]
-                ys.append(self.experts[e](x_host[off : off + n]) * w_sorted[starts[e] : starts[e + 1], None].to("cpu", x.dtype))
-                off += n
+            with intra_op_threads(self.host_threads or torch.get_num_threads()):
+                for e in host:
+                    n = counts[e]
+                    ys.append(self.experts[e](x_host[off : off + n]) * w_sorted[starts[e] : starts[e + 1], None].to("cpu", x.dtype))
+                    off += n
             out.index_add_(0, host_tok, torch.cat(ys).to(x.device))
         if self.cfg.n_shared_experts:
             out = out + self.shared_experts(x)

@@ -1,0 +1,39 @@
+"""CPU threads: how many the CPU attention and the host experts use (docs/DESIGN.md section 6).
+
+The two never run at the same time within a decode step (a layer's attention finishes before its
+experts start), so each may use most of the cores; what they share the cores with is the thread
+that launches GPU work. With CUDA the CPU attention runs in a worker thread while the main thread
+streams the load region and launches its kernels, so by default it leaves that thread one core
+(the one-layer benchmarks in benchmarks/results/split_attention.md ran it with 15 of 16 threads).
+Host experts run on the main thread after the device experts are issued: all threads.
+"""
+
+from __future__ import annotations
+
+from contextlib import contextmanager
+
+import torch
+
+
+def default_attention_threads(device: torch.device) -> int:
+    """Threads for CPU attention: torch's intra-op count, less one with CUDA (see module doc)."""
+    n = torch.get_num_threads()
+    return max(1, n - 1) if torch.device(device).type == "cuda" else n
+
+
+def default_expert_threads(device: torch.device) -> int:
+    """Threads for the host experts' GEMMs: torch's intra-op count."""
+    return torch.get_num_threads()
+
+
+@contextmanager
+def intra_op_threads(n: int):
+    """Run the block with ``n`` intra-op threads on this thread, then restore the previous count."""
+    before = torch.get_num_threads()
+    if n != before:
+        torch.set_num_threads(n)
+    try:
+        yield
+    finally:
+        if n != before:
+            torch.set_num_threads(before)
