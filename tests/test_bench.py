@@ -49,3 +49,22 @@ def test_parse_tokens():
 def test_bench_rejects_bad_policy_before_loading(capsys):
     assert main(["bench", "--model", "tiny-qwen3-moe", "--policies", "gpu,fast"]) == 2
     assert "unknown policy 'fast'" in capsys.readouterr().err
+
+
+def test_profile_breaks_a_decode_step_down(tmp_path, capsys):
+    out = tmp_path / "bd.json"
+    rc = main(["profile", "--model", "tiny-qwen3-moe", "--batch", "2", "--context", "300", "--policy", "static:0.5",
+               "--window", "16", "--steps", "3", "--skip", "1", "--output-json", str(out), "--quiet"])
+    assert rc == 0
+    assert "other (main)" in capsys.readouterr().out
+    doc = json.loads(out.read_text())
+    assert doc["step_ms"] > 0 and doc["steps"] == 3
+    # every part of a split decode step shows up: both attention sides, the merge, experts, KV writes
+    for name in ("attn.cpu_part", "attn.window", "attn.load_region", "attn.merge", "moe.router", "moe.device_experts", "kv.append"):
+        assert doc["ranges"][name]["cpu_ms"] > 0, name
+    main_ms = sum(v["cpu_ms"] for k, v in doc["ranges"].items() if k != "attn.cpu_part")
+    assert main_ms < doc["step_ms"] * 1.05  # the main thread's ranges fit in the step
+
+
+def test_profile_refuses_bad_steps():
+    assert main(["profile", "--model", "tiny-qwen3-moe", "--steps", "0", "--quiet"]) == 2

@@ -19,6 +19,7 @@ from concurrent.futures import Future, ThreadPoolExecutor
 from dataclasses import dataclass
 
 import torch
+from torch.profiler import record_function
 
 from writescope.attention.merge import merge_segments, merge_unchecked
 from writescope.attention.partial import attend_blocks, block_partials, cpu_attend
@@ -117,19 +118,24 @@ class SplitDecoder:
         self._gpu_timer = self._start_gpu_timer()
         limits = [sq.n_comp[layer] if cpu_blocks is None else cpu_blocks[i] for i, sq in enumerate(seqs)]
         cpu_rows = [i for i in range(B) if limits[i] > 0]
-        for sq in seqs:  # the newest compute block may still sit in pinned staging: write it home first
-            sq.drain(layer)
+        with record_function("kv.drain"):
+            for sq in seqs:  # the newest compute block may still sit in pinned staging: write it home first
+                sq.drain(layer)
         fut: Future | None = None
-        q_host = (qg.to("cpu") if self.cuda else qg) if cpu_rows else None
+        with record_function("attn.q_to_host"):
+            q_host = (qg.to("cpu") if self.cuda else qg) if cpu_rows else None
         if cpu_rows and not self.cpu_inline:
             fut = self.pool.submit(self._cpu_part, layer, q_host, seqs, cpu_rows, limits, scale)
         try:
-            states = [self._window_part(layer, qg, seqs, scale)]
+            with record_function("attn.window"):
+                states = [self._window_part(layer, qg, seqs, scale)]
             sources = [(i, run) for i, sq in enumerate(seqs) for run in sq.load_runs(layer, 0, sq.n_load[layer], s.pingpong_blocks)]
-            prepared = self._prepare(layer, seqs, limits) if cpu_blocks is not None else []
+            with record_function("attn.monolithic_prepare"):
+                prepared = self._prepare(layer, seqs, limits) if cpu_blocks is not None else []
             sources += prepared
             if sources:
-                states.append(self._load_part(qg, sources, scale, evict_stream))
+                with record_function("attn.load_region"):
+                    states.append(self._load_part(qg, sources, scale, evict_stream))
             self.stats.last_load_tokens = sum(src.shape[0] for _, src in sources) * s.window
             self._gpu_timer = self._stop_gpu_timer(self._gpu_timer)
             if prepared and self.cuda:  # the prepare buffer of this layer's parity is reused once these copies are done
@@ -137,12 +143,14 @@ class SplitDecoder:
                 ev.record(self.copy_stream)
                 self._stage_events[layer % 2] = ev
         finally:  # never leave the worker reading a sequence the caller may free after an error
-            cpu_state = fut.result() if fut is not None else None
+            with record_function("attn.wait_cpu"):
+                cpu_state = fut.result() if fut is not None else None
         if cpu_rows:
             o_c, l_c = cpu_state if cpu_state is not None else self._cpu_part(layer, q_host, seqs, cpu_rows, limits, scale)
             states.append((o_c.to(self.device), l_c.to(self.device)))
-        o, _ = merge_unchecked([st[0] for st in states], [st[1] for st in states])
-        return o.view(B, Hq, dv).to(q.dtype)
+        with record_function("attn.merge"):
+            o, _ = merge_unchecked([st[0] for st in states], [st[1] for st in states])
+            return o.view(B, Hq, dv).to(q.dtype)
 
     def _start_gpu_timer(self):
         if not self.cuda:
@@ -276,6 +284,10 @@ class SplitDecoder:
     def _cpu_part(self, layer, q_host, seqs, rows, limits, scale):
         """Compute-region attention for ``rows`` over their first ``limits[i]`` blocks; others
         get the empty partial. Runs in the worker thread unless ``cpu_inline``."""
+        with record_function("attn.cpu_part"):
+            return self._cpu_part_body(layer, q_host, seqs, rows, limits, scale)
+
+    def _cpu_part_body(self, layer, q_host, seqs, rows, limits, scale):
         t0 = time.perf_counter()
         kv = [None] * len(seqs)
         tokens = 0

@@ -1,11 +1,11 @@
-"""``writescope`` entry point: subcommands ``generate``, ``bench``, ``calibrate``, ``plan`` and ``make-checkpoint``."""
+"""``writescope`` entry point: subcommands ``generate``, ``bench``, ``calibrate``, ``plan``, ``profile`` and ``make-checkpoint``."""
 
 from __future__ import annotations
 
 import argparse
 import sys
 
-from writescope.cli import bench, calibrate, generate, make_checkpoint, plan
+from writescope.cli import bench, calibrate, generate, make_checkpoint, plan, profile
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -16,6 +16,7 @@ def main(argv: list[str] | None = None) -> int:
     bench.add_parser(sub)
     plan.add_parser(sub)
     make_checkpoint.add_parser(sub)
+    profile.add_parser(sub)
     args = parser.parse_args(argv)
     try:
         return args.run(args)

@@ -130,6 +130,7 @@ class LLM:
         if self.vram_plan is not None:
             enforce_budget(self.device, self.vram_plan.budget)
         self.seed = seed
+        self.step_hook = None  # called after every decode step (profilers; see writescope.bench.breakdown)
         self.prefill_chunk_tokens = prefill_chunk_tokens
         self.progress = progress
         self.pinned_budget = pinned_budget if pinned_budget is not None else (host_memory_total() or 0) // 2 or None
@@ -348,6 +349,8 @@ class LLM:
                 out_ids[i].append(t)
                 check(i, now)
             decode_tokens += len(active)
+            if self.step_hook is not None:
+                self.step_hook()
         t_end = time.perf_counter()
         peak = peak_memory(self.device)
         prefill_s, decode_s = t_first - t0, t_end - t_first

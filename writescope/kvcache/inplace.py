@@ -18,6 +18,7 @@ from __future__ import annotations
 import math
 
 import torch
+from torch.profiler import record_function
 
 from writescope.attention.metadata import ForwardBatch
 from writescope.attention.reference import attend_sequence
@@ -141,7 +142,8 @@ class InplaceKVCache(KVCache):
                 sq.prompt_len = batch.query_lens[i]  # no hint given: the first write is the prompt
         new = _pack(k, v)  # [parts, Hkv, T, dim]
         if all(n == 1 for n in batch.query_lens):
-            self._append(seqs, layer_id, new)
+            with record_function("kv.append"):
+                self._append(seqs, layer_id, new)
             cpu_blocks = None
             if getattr(self.policy, "monolithic", False):
                 cpu_blocks = [min(n, math.floor(self.policy.read_share(sq.placed[layer_id]) * n + 0.5))
@@ -161,9 +163,10 @@ class InplaceKVCache(KVCache):
                 keys = kv[0].transpose(0, 1)  # [ctx + n, Hkv, dk]
                 vals = kv[1].transpose(0, 1) if self.spec.parts == 2 else keys[..., : self.layout.v_dim]
                 out[s:e] = attend_sequence(q[s:e], keys, vals, ctx, scale)
-        for sq in seqs:
-            if sq.win_len[layer_id] == self.spec.window:
-                self._evict(sq, layer_id)
+        with record_function("kv.evict"):
+            for sq in seqs:
+                if sq.win_len[layer_id] == self.spec.window:
+                    self._evict(sq, layer_id)
         return out
 
     # ------------------------------------------------------------------ writes

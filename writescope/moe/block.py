@@ -7,6 +7,7 @@ from __future__ import annotations
 
 import torch
 from torch import nn
+from torch.profiler import record_function
 
 from writescope.config import MoEConfig
 from writescope.engine.threads import intra_op_threads
@@ -69,11 +70,24 @@ class SparseMoeBlock(nn.Module):
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         """x ``[T, D]`` -> ``[T, D]``, same dtype. Host experts run on the CPU after the device
         experts are issued, so both sides work at once when the device is a GPU."""
-        weights, ids = route(x, self.gate.weight, self.cfg, self.deepseek)  # [T, K] f32, [T, K]
+        with record_function("moe.router"):
+            weights, ids = route(x, self.gate.weight, self.cfg, self.deepseek)  # [T, K] f32, [T, K]
         out = torch.zeros_like(x)  # [T, D]
         if (self.packed is not None or self.pack()) and not self.host_experts:
-            self.packed(x, weights, ids, out)
-            return out + self.shared_experts(x) if self.cfg.n_shared_experts else out
+            with record_function("moe.device_experts"):
+                self.packed(x, weights, ids, out)
+            return self._shared(x, out)
+        return self._split_forward(x, weights, ids, out)
+
+    def _shared(self, x, out):
+        if not self.cfg.n_shared_experts:
+            return out
+        with record_function("moe.shared_experts"):
+            return out + self.shared_experts(x)
+
+    def _split_forward(self, x, weights, ids, out):
+        """Some experts on the host (or no grouped GEMM): device experts issued first, then the
+        host experts on the CPU, then their sum moved back."""
         flat = ids.flatten()  # [T*K]
         order = torch.argsort(flat, stable=True)
         counts = torch.bincount(flat, minlength=self.cfg.num_experts).tolist()
@@ -84,24 +98,24 @@ class SparseMoeBlock(nn.Module):
             starts.append(starts[-1] + n)
         host = [e for e in self.host_experts if counts[e]]
         if host:  # the host experts' tokens, copied once: [n_host, D] on the CPU
-            host_tok = torch.cat([token_of[starts[e] : starts[e + 1]] for e in host])
-            x_host = x[host_tok].to("cpu")
-        if self.packed is not None:
-            self.packed(x, weights, ids, out)
-        for e, n in enumerate(counts):
-            if n == 0 or e in self.host_experts or self.packed is not None:
-                continue
-            tok = token_of[starts[e] : starts[e + 1]]
-            y = self.experts[e](x[tok])  # [n, D]
-            out.index_add_(0, tok, (y * w_sorted[starts[e] : starts[e + 1], None].to(y.dtype)))
+            with record_function("moe.tokens_to_host"):
+                host_tok = torch.cat([token_of[starts[e] : starts[e + 1]] for e in host])
+                x_host = x[host_tok].to("cpu")
+        with record_function("moe.device_experts"):
+            if self.packed is not None:
+                self.packed(x, weights, ids, out)
+            for e, n in enumerate(counts):
+                if n == 0 or e in self.host_experts or self.packed is not None:
+                    continue
+                tok = token_of[starts[e] : starts[e + 1]]
+                y = self.experts[e](x[tok])  # [n, D]
+                out.index_add_(0, tok, (y * w_sorted[starts[e] : starts[e + 1], None].to(y.dtype)))
         if host:
             ys, off = [], 0
-            with intra_op_threads(self.host_threads or torch.get_num_threads()):
+            with record_function("moe.host_experts"), intra_op_threads(self.host_threads or torch.get_num_threads()):
                 for e in host:
                     n = counts[e]
                     ys.append(self.experts[e](x_host[off : off + n]) * w_sorted[starts[e] : starts[e + 1], None].to("cpu", x.dtype))
                     off += n
             out.index_add_(0, host_tok, torch.cat(ys).to(x.device))
-        if self.cfg.n_shared_experts:
-            out = out + self.shared_experts(x)
-        return out
+        return self._shared(x, out)

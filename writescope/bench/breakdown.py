@@ -1,0 +1,110 @@
+"""Where the time of a decode step goes: the named ranges of the engine under torch's profiler.
+
+The engine marks its parts with ``torch.profiler.record_function``:
+
+| range | thread | what |
+|---|---|---|
+| ``attn.cpu_part`` | CPU worker | compute-region attention (overlaps the main thread's ranges; taken from the decoder's own timer, as the profiler sees only the main thread) |
+| ``attn.q_to_host`` | main | copying the queries to the host (waits for the layer's GPU work) |
+| ``attn.window`` | main | D-window attention on the device |
+| ``attn.load_region`` | main | streaming the load region through the ping-pong buffers + its attention |
+| ``attn.monolithic_prepare`` | main | the monolithic baseline's re-layout into pinned staging |
+| ``attn.wait_cpu`` | main | waiting for the CPU worker |
+| ``attn.merge`` | main | the lse merge of all partials |
+| ``kv.append`` / ``kv.evict`` / ``kv.drain`` | main | D-window writes, window evictions, staged compute blocks written home |
+| ``moe.router`` / ``moe.device_experts`` / ``moe.host_experts`` / ``moe.shared_experts`` | main | expert phase |
+| ``moe.tokens_to_host`` | main | the host experts' tokens copied to the host (waits for the device) |
+
+For each: CPU wall time per step (time spent inside the range on its thread, including waiting
+for the device when the range synchronises) and device time per step (kernels launched inside the
+range). ``other`` is the measured step time minus the main thread's ranges: projections, norms,
+sampling, Python.
+"""
+
+from __future__ import annotations
+
+import statistics
+import time
+from dataclasses import dataclass
+
+import torch
+from torch.profiler import ProfilerActivity, profile, schedule
+
+from writescope.engine.sampling import SamplingParams
+
+WORKER_RANGES = ("attn.cpu_part",)
+MAIN_RANGES = (
+    "attn.q_to_host", "attn.window", "attn.load_region", "attn.monolithic_prepare", "attn.wait_cpu", "attn.merge",
+    "kv.append", "kv.evict", "kv.drain", "moe.router", "moe.tokens_to_host", "moe.device_experts", "moe.host_experts",
+    "moe.shared_experts",
+)
+
+
+@dataclass
+class Breakdown:
+    step_ms: float  # median wall time of a profiled decode step
+    steps: int
+    ranges: dict[str, tuple[float, float]]  # name -> (CPU ms per step, device ms per step)
+
+    def table(self) -> str:
+        """The breakdown as text, ranges by CPU time."""
+        lines = [f"decode step {self.step_ms:.2f} ms (median of {self.steps} profiled steps; profiler overhead included)",
+                 f"{'range':24s} {'thread':7s} {'CPU ms/step':>12s} {'% of step':>9s} {'device ms/step':>15s}"]
+        main = 0.0
+        for name, (cpu, dev) in sorted(self.ranges.items(), key=lambda kv: -kv[1][0]):
+            worker = name in WORKER_RANGES
+            main += 0.0 if worker else cpu
+            lines.append(f"{name:24s} {'worker' if worker else 'main':7s} {cpu:12.3f} {100 * cpu / self.step_ms:8.1f}% {dev:15.3f}")
+        other = max(0.0, self.step_ms - main)
+        lines.append(f"{'other (main)':24s} {'main':7s} {other:12.3f} {100 * other / self.step_ms:8.1f}% {'':>15s}")
+        return "\n".join(lines)
+
+
+def decode_breakdown(llm, prompt_token_ids: list[list[int]], steps: int = 8, skip: int = 2, trace: str | None = None) -> Breakdown:
+    """Generate with the prompts and profile ``steps`` decode steps after ``skip`` unprofiled ones.
+
+    Args:
+        llm: a loaded :class:`~writescope.engine.llm.LLM` (its current policy is used).
+        prompt_token_ids: the batch's prompts.
+        steps, skip: decode steps profiled, and decode steps run first (warm-up).
+        trace: write a Chrome trace (``chrome://tracing``, Perfetto) here.
+
+    Raises:
+        ValueError: steps < 1 or skip < 0; and whatever ``generate`` raises for the prompts.
+    """
+    if steps < 1 or skip < 0:
+        raise ValueError(f"steps must be >= 1 and skip >= 0, got {steps}, {skip}")
+    cuda = llm.device.type == "cuda"
+    acts = [ProfilerActivity.CPU] + ([ProfilerActivity.CUDA] if cuda else [])
+    stamps: list[float] = []
+    worker: list[float] = []  # the CPU worker's attention seconds so far (its thread is not profiled)
+    stats = getattr(getattr(llm.cache, "decoder", None), "stats", None)
+
+    def on_step():
+        if cuda:
+            torch.cuda.synchronize(llm.device)
+        stamps.append(time.perf_counter())
+        worker.append(stats.cpu_seconds if stats is not None else 0.0)
+        prof.step()
+
+    # step 0 holds the prefill and the first decode step: wait; then skip warm-up steps
+    prof = profile(activities=acts, schedule=schedule(wait=1, warmup=skip, active=steps, repeat=1))
+    params = SamplingParams(max_tokens=2 + skip + steps, ignore_eos=True)
+    llm.step_hook = on_step
+    try:
+        with prof:
+            llm.generate(prompt_token_ids=prompt_token_ids, sampling_params=params)
+    finally:
+        llm.step_hook = None
+    if trace:
+        prof.export_chrome_trace(trace)
+    active = stamps[skip : skip + steps + 1]  # profiled step j runs from stamp j - 1 to stamp j
+    step_ms = statistics.median(b - a for a, b in zip(active, active[1:])) * 1e3 if len(active) > 1 else float("nan")
+    ranges = {}
+    if stats is not None and worker[skip + steps] > worker[skip]:
+        ranges["attn.cpu_part"] = ((worker[skip + steps] - worker[skip]) * 1e3 / steps, 0.0)
+    for ev in prof.key_averages():
+        if ev.key in MAIN_RANGES:
+            dev = getattr(ev, "device_time_total", 0.0) or 0.0
+            ranges[ev.key] = (ev.cpu_time_total / 1e3 / steps, dev / 1e3 / steps)
+    return Breakdown(step_ms, steps, ranges)

@@ -1,0 +1,59 @@
+"""``writescope profile``: where the time of a decode step goes (see :mod:`writescope.bench.breakdown`)."""
+
+from __future__ import annotations
+
+import argparse
+import json
+from pathlib import Path
+
+
+def add_parser(sub) -> None:
+    p = sub.add_parser("profile", help="break a decode step down into attention, experts, KV writes and the rest")
+    p.add_argument("--model", required=True, help="checkpoint directory or preset name")
+    p.add_argument("--synthetic", action="store_true", help="seeded synthetic weights instead of the checkpoint's")
+    p.add_argument("--num-layers", type=int, default=None, help="keep only the first N decoder layers (synthetic weights)")
+    p.add_argument("--batch", type=int, default=4)
+    p.add_argument("--context", default="2k", help="prompt tokens per request, k = 1024 (default 2k)")
+    p.add_argument("--policy", default="writescope", help="KV placement policy (default writescope)")
+    p.add_argument("--steps", type=int, default=8, help="decode steps profiled (default 8)")
+    p.add_argument("--skip", type=int, default=2, help="decode steps run before profiling (default 2)")
+    p.add_argument("--window", type=int, default=256, help="D (default 256)")
+    p.add_argument("--device", default="auto")
+    p.add_argument("--dtype", default="auto")
+    p.add_argument("--vram-budget", default=None, help="device memory the run may use, e.g. 32GiB")
+    p.add_argument("--trace", type=Path, help="also write a Chrome trace here")
+    p.add_argument("--output-json", type=Path, help="write the breakdown here")
+    p.add_argument("--quiet", action="store_true")
+    p.set_defaults(run=run)
+
+
+def run(args: argparse.Namespace) -> int:
+    import torch
+
+    from writescope.bench.breakdown import decode_breakdown
+    from writescope.cli.bench import parse_tokens
+    from writescope.engine.llm import LLM
+
+    (context,) = parse_tokens(args.context)
+    if args.batch < 1 or args.steps < 1 or args.skip < 0:
+        raise ValueError(f"--batch and --steps must be >= 1 and --skip >= 0, got {args.batch}, {args.steps}, {args.skip}")
+    llm = LLM(args.model, synthetic=args.synthetic, device=args.device, dtype=args.dtype, progress=not args.quiet,
+              policy=args.policy, window=args.window, vram_budget=args.vram_budget, max_batch=args.batch,
+              num_layers=args.num_layers)
+    g = torch.Generator().manual_seed(0)
+    prompts = torch.randint(3, llm.config.vocab_size, (args.batch, context), generator=g).tolist()
+    bd = decode_breakdown(llm, prompts, args.steps, args.skip, str(args.trace) if args.trace else None)
+    n = llm.config.num_layers
+    print(f"{args.model} ({n} layer{'s' if n != 1 else ''}, {llm.dtype} on {llm.device}), batch {args.batch} x {context} tokens, "
+          f"policy {llm.policy_name}")
+    print(bd.table())
+    if args.output_json:
+        args.output_json.parent.mkdir(parents=True, exist_ok=True)
+        args.output_json.write_text(json.dumps({"model": args.model, "num_layers": n, "batch": args.batch, "context": context,
+                                                "policy": llm.policy_name, "step_ms": bd.step_ms, "steps": bd.steps,
+                                                "ranges": {k: {"cpu_ms": c, "device_ms": d} for k, (c, d) in bd.ranges.items()}},
+                                               indent=1))
+        print(f"wrote {args.output_json}")
+    if args.trace:
+        print(f"wrote {args.trace}")
+    return 0
