@@ -15,6 +15,9 @@ def add_parser(sub) -> None:
     src.add_argument("--prompt-file", type=Path, help="file whose text is the prompt")
     src.add_argument("--prompt", help="prompt text")
     src.add_argument("--prompt-ids", help="comma-separated token ids, e.g. 1,2,3")
+    src.add_argument("--machine-text", metavar="TOKENS",
+                     help="prompts of TOKENS tokens (k = 1024) of real text read from this machine (Python's license and "
+                          "standard-library docstrings); request i starts 997 i tokens further in")
     p.add_argument("--max-new-tokens", type=int, default=32, help="tokens to generate per request (default 32)")
     p.add_argument("--batch", type=int, default=1, help="copies of the prompt in the batch (default 1)")
     p.add_argument("--temperature", type=float, default=0.0, help="0 = greedy (default)")
@@ -39,6 +42,8 @@ def add_parser(sub) -> None:
 
 
 def _prompt(args) -> tuple[list[str] | None, list[list[int]] | None]:
+    if args.machine_text is not None:
+        return None, None  # built once the tokenizer is loaded
     if args.prompt_ids is not None:
         try:
             ids = [int(t) for t in args.prompt_ids.split(",") if t.strip()]
@@ -69,7 +74,12 @@ def run(args: argparse.Namespace) -> int:
         for i in range(args.batch)
     ]
     prompts, prompt_ids = _prompt(args)
-    if (prompts is not None and not prompts[0]) or (prompt_ids is not None and not prompt_ids[0]):
+    machine_tokens = None
+    if args.machine_text is not None:
+        from writescope.cli.bench import parse_tokens
+
+        (machine_tokens,) = parse_tokens(args.machine_text)
+    elif (prompts is not None and not prompts[0]) or (prompt_ids is not None and not prompt_ids[0]):
         raise ValueError("the prompt is empty: give at least one token (--prompt, --prompt-file or --prompt-ids)")
     llm = LLM(
         args.model, synthetic=args.synthetic, device=args.device, dtype=args.dtype, seed=args.weight_seed,
@@ -87,6 +97,12 @@ def run(args: argparse.Namespace) -> int:
     print(f"CPU threads: attention {llm.attention_threads}, host experts {llm.expert_threads} (--cpu-threads, --expert-threads)")
     if llm.policy is not None and llm.device.type == "cpu":
         print(f"note: policy {llm.policy_name} on the CPU: the 'GPU' side runs as CPU tensors (exact, but no device split)")
+    if machine_tokens is not None:
+        from writescope.engine.machine_text import machine_prompts
+
+        prompt_ids, have = machine_prompts(llm.tokenizer, machine_tokens, args.batch)
+        print(f"prompts: {args.batch} x {machine_tokens} tokens of this machine's text (Python's license and docstrings; "
+              f"{have:,} tokens in all{', repeated where they run out' if have < machine_tokens + (args.batch - 1) * 997 else ''})")
     outs = llm.generate(prompts, params, prompt_token_ids=prompt_ids)
     for o in outs:
         print(f"\n--- request {o.request_id}: {o.metrics.prompt_tokens} prompt tokens -> {o.metrics.output_tokens} new ({o.finish_reason})")
