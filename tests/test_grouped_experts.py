@@ -67,6 +67,47 @@ def test_packing_does_not_copy_the_experts(llms):
         assert getattr(block.experts[e], down).weight.data_ptr() == p.w2[e].data_ptr()
 
 
+def test_row_chunks_equal_one_pass(llms, monkeypatch):
+    block = _blocks(llms["tiny-qwen3-moe"])[0]
+    x = torch.randn(29, block.gate.weight.shape[1], generator=torch.Generator().manual_seed(3))
+    with torch.no_grad():
+        one = block(x)
+        monkeypatch.setattr(grouped, "ROW_CHUNK", 5)  # 29 tokens x top-4 = 116 rows: 24 chunks, groups cut across them
+        chunked = block(x)
+    torch.testing.assert_close(chunked, one, rtol=1e-6, atol=1e-6)
+
+
+def test_offload_after_packing_frees_the_old_pack_and_stale_packs_are_dropped(llms):
+    block = _blocks(llms["tiny-mixtral"])[1]
+    gate = block.cfg.expert_names[0]
+    block.offload_experts([])
+    assert block.pack()
+    full = block.packed.w13.untyped_storage().nbytes()
+    try:
+        block.offload_experts(range(block.cfg.num_experts // 2, block.cfg.num_experts))
+        assert block.packed is not None and len(block.packed.ids) == block.cfg.num_experts // 2
+        # the kept experts are views of the new, half-size pack: the old one is no longer referenced
+        assert getattr(block.experts[0], gate).weight.untyped_storage().nbytes() == full // 2
+        block.grouped = False  # respected even with a pack present
+        x = torch.randn(7, block.gate.weight.shape[1])
+        with torch.no_grad():
+            block(x)
+        assert block.packed is None
+    finally:
+        block.grouped = True
+        block.offload_experts([])
+    block.pack()
+    block.to(torch.float64)  # moving the block drops its pack; the next forward packs again
+    assert block.packed is None
+    block.to(torch.float32)
+
+
+def test_probe_runs_both_gemms():
+    # D = 64, I = 36 in bf16: the second GEMM's rows (I x 2 bytes = 72) are not 16-byte aligned
+    assert grouped.grouped_mm_supported(torch.device("cpu"), torch.float32, 64, 32)
+    assert not grouped._probe(torch.device("cpu"), torch.bfloat16, 64, 36)
+
+
 def test_without_a_grouped_gemm_the_loop_runs(monkeypatch):
     monkeypatch.setattr(grouped, "_SUPPORTED", {})
     monkeypatch.delattr(torch, "_grouped_mm")

@@ -69,6 +69,7 @@ class SplitDecoder:
         self._stage_events: list[object | None] = [None, None]
         self._free_events: list[object | None] = []
         self._gpu_timer: object = 0.0  # see last_gpu_seconds
+        self._gpu_timer_done = True
         if self.cuda:
             self.copy_stream = torch.cuda.Stream(device)
 
@@ -115,7 +116,7 @@ class SplitDecoder:
         qg = q.view(B, Hkv, Hq // Hkv, dk)
         self.stats.layer_steps += 1
         self.stats.last_cpu_seconds, self.stats.last_cpu_tokens = 0.0, 0
-        self._gpu_timer = self._start_gpu_timer()
+        self._gpu_timer, self._gpu_timer_done = self._start_gpu_timer(), False
         limits = [sq.n_comp[layer] if cpu_blocks is None else cpu_blocks[i] for i, sq in enumerate(seqs)]
         cpu_rows = [i for i in range(B) if limits[i] > 0]
         with record_function("kv.drain"):
@@ -137,7 +138,7 @@ class SplitDecoder:
                 with record_function("attn.load_region"):
                     states.append(self._load_part(qg, sources, scale, evict_stream))
             self.stats.last_load_tokens = sum(src.shape[0] for _, src in sources) * s.window
-            self._gpu_timer = self._stop_gpu_timer(self._gpu_timer)
+            self._gpu_timer, self._gpu_timer_done = self._stop_gpu_timer(self._gpu_timer), True
             if prepared and self.cuda:  # the prepare buffer of this layer's parity is reused once these copies are done
                 ev = torch.cuda.Event()
                 ev.record(self.copy_stream)
@@ -175,7 +176,7 @@ class SplitDecoder:
         if isinstance(t, tuple):
             t[1].synchronize()
             return t[0].elapsed_time(t[1]) / 1e3
-        return float(t)
+        return t if self._gpu_timer_done else float("nan")  # nan: the last call stopped early (an error)
 
     def _prepare(self, layer, seqs, limits):
         """Monolithic baseline: copy the GPU's share of each compute region (per-head rows) into

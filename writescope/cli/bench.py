@@ -70,6 +70,9 @@ def run(args: argparse.Namespace) -> int:
     t0 = time.perf_counter()
     llm = LLM(args.model, synthetic=args.synthetic, device=args.device, dtype=args.dtype, progress=not args.quiet,
               policy="gpu", vram_budget=args.vram_budget, max_batch=max(batches), num_layers=args.num_layers)  # windows + ping-pong: any partitioned policy
+    if args.num_layers is not None and not llm.config.moe.moe_layers:
+        print(f"note: the first {args.num_layers} layer(s) of {args.model} hold no MoE block (dense layers first): "
+              "raise --num-layers for the expert phase", flush=True)
     roofline = llm.roofline(args.window) if needs_roofline else None
     cfg = BenchConfig(batches, contexts, grid_policies, args.steps, args.window, args.h2d_gbs, args.cpu_gbs, progress=not args.quiet)
     sweep_only = {s for s in sweep if s not in policies}
@@ -83,7 +86,9 @@ def run(args: argparse.Namespace) -> int:
                    "args": {k: str(v) for k, v in vars(args).items() if k != "run"},
                    "roofline": None if roofline is None else vars(roofline), "complete": len(rows) == cfg_size,
                    "rows": [r.to_dict() for r in rows]}
-            args.output_json.write_text(json.dumps(doc, indent=1))
+            tmp = args.output_json.with_name(args.output_json.name + ".tmp")
+            tmp.write_text(json.dumps(doc, indent=1))
+            tmp.replace(args.output_json)  # an interrupted write never leaves a broken file
 
     cfg_size = len(batches) * len(contexts) * len(grid_policies)
     rows = run_grid(llm, cfg, roofline, on_row=save)

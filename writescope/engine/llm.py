@@ -123,7 +123,9 @@ class LLM:
         blocks = [m for m in self.model.modules() if isinstance(m, SparseMoeBlock)]
         # device experts packed for grouped GEMMs before the budget is enforced (the packing
         # copies one layer's experts at a time)
-        self.load_info["grouped_experts"] = bool(blocks) and all([b.pack() for b in blocks])
+        packed = [b.pack() for b in blocks]  # False for a block with every expert on the host
+        self.load_info["grouped_experts"] = bool(blocks) and all(p or not [e for e in range(b.cfg.num_experts) if e not in b.host_experts]
+                                                                 for p, b in zip(packed, blocks))
         self.expert_threads = expert_threads or default_expert_threads(self.device)
         for b in blocks:
             b.host_threads = self.expert_threads

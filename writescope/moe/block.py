@@ -48,14 +48,21 @@ class SparseMoeBlock(nn.Module):
         if bad:
             raise ValueError(f"expert ids {bad[:5]} outside [0, {self.cfg.num_experts})")
         device = self.gate.weight.device
+        was_packed, self.packed = self.packed is not None, None
         for e, expert in enumerate(self.experts):
             expert.to("cpu" if e in ids else device)
         self.host_experts = ids
-        self.packed = None  # re-packed on the next forward (or pack())
+        if was_packed:  # re-pack now: the kept experts are views of the old pack, which is freed once they move
+            self.pack()
+
+    def _apply(self, fn, recurse=True):
+        self.packed = None  # .to(device or dtype) moves the parameters one by one: pack again on the next forward
+        return super()._apply(fn, recurse)
 
     def pack(self) -> bool:
         """Pack the device experts for the grouped GEMM path (done on the first forward if not
-        called; ``LLM`` calls it after placing experts). Returns whether the grouped path is used:
+        called; ``LLM`` calls it after placing experts; call it again after replacing expert
+        parameters by new tensors). Returns whether the grouped path is used:
         False when torch lacks a grouped GEMM for this device, dtype and shape, when ``grouped``
         is off, or when every expert is on the host."""
         w = self.gate.weight
@@ -63,8 +70,8 @@ class SparseMoeBlock(nn.Module):
         if not self.grouped or not dev_ids or not grouped_mm_supported(w.device, self.experts[dev_ids[0]].dtype_of(), w.shape[1], self.cfg.intermediate_size):
             self.packed = None
             return False
-        if self.packed is None:
-            self.packed = PackedExperts(self.experts, dev_ids, self.cfg.expert_names)
+        self.packed = None  # the old pack (if any) goes once the experts are views of the new one
+        self.packed = PackedExperts(self.experts, dev_ids, self.cfg.expert_names)
         return True
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
@@ -73,7 +80,11 @@ class SparseMoeBlock(nn.Module):
         with record_function("moe.router"):
             weights, ids = route(x, self.gate.weight, self.cfg, self.deepseek)  # [T, K] f32, [T, K]
         out = torch.zeros_like(x)  # [T, D]
-        if (self.packed is not None or self.pack()) and not self.host_experts:
+        if not self.grouped:
+            self.packed = None
+        elif self.packed is None:
+            self.pack()
+        if self.packed is not None and not self.host_experts:
             with record_function("moe.device_experts"):
                 self.packed(x, weights, ids, out)
             return self._shared(x, out)

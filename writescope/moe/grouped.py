@@ -10,7 +10,9 @@ for each group g in one call each (torch's grouped GEMM: CUTLASS on sm90 for bf1
 loop on the CPU), then scales by the routing weight and adds into the token rows, as the loop does
 (HF ``Qwen3MoeSparseMoeBlock`` / ``MixtralSparseMoeBlock``: expert output x weight, index_add).
 Assignments of host experts are sorted last, outside every group, and masked out: nothing here
-waits for the host (no ``.tolist()``).
+waits for the host (no ``.tolist()``). Assignments are processed in chunks of ``ROW_CHUNK`` rows
+so the intermediates stay within the memory plan's activation estimate (3 K I elements per
+token, writescope.budget.plan): a chunk holds at most ROW_CHUNK (D + 2I) elements at once.
 
 Shape legend: T tokens, K top-k, D hidden, I expert intermediate size, E_dev device experts.
 """
@@ -21,6 +23,7 @@ import torch
 import torch.nn.functional as F
 
 _SUPPORTED: dict[tuple, bool] = {}
+ROW_CHUNK = 8192  # (token, expert) assignments per pair of grouped GEMMs
 
 
 def grouped_mm_supported(device: torch.device, dtype: torch.dtype, hidden: int, inter: int) -> bool:
@@ -34,19 +37,29 @@ def grouped_mm_supported(device: torch.device, dtype: torch.dtype, hidden: int, 
 
 
 def _probe(device, dtype, hidden, inter) -> bool:
+    """Both GEMMs of a step on the real layouts (w13^T then w2^T, whose contraction width is I),
+    with an empty group and a trailing row outside every group, against plain matmuls."""
     if not hasattr(torch, "_grouped_mm"):
         return False
     g = torch.Generator().manual_seed(0)
-    x = torch.randn(5, hidden, generator=g).to(device, dtype)
-    w = torch.randn(3, 2 * inter, hidden, generator=g).to(device, dtype) / hidden**0.5
-    offs = torch.tensor([2, 2, 5], dtype=torch.int32, device=device)
+    x = torch.randn(6, hidden, generator=g).to(device, dtype)
+    w13 = (torch.randn(3, 2 * inter, hidden, generator=g) / hidden**0.5).to(device, dtype)
+    w2 = (torch.randn(3, hidden, inter, generator=g) / inter**0.5).to(device, dtype)
+    offs = torch.tensor([2, 2, 5], dtype=torch.int32, device=device)  # row 5 is in no group
     try:
-        y = torch._grouped_mm(x, w.transpose(1, 2), offs=offs)
+        h = torch._grouped_mm(x, w13.transpose(1, 2), offs=offs)
+        a = F.silu(h[:, :inter]) * h[:, inter:]
+        y = torch._grouped_mm(a, w2.transpose(1, 2), offs=offs)
+        if device.type == "cuda":
+            torch.cuda.synchronize(device)
     except (RuntimeError, NotImplementedError, TypeError):
         return False
-    ref = torch.cat([x[:2] @ w[0].t(), x[2:5] @ w[2].t()])
+    ref = []
+    for e, (lo, hi) in enumerate(((0, 2), (2, 2), (2, 5))):
+        hr = x[lo:hi].float() @ w13[e].float().t()
+        ref.append((F.silu(hr[:, :inter]) * hr[:, inter:]) @ w2[e].float().t())
     tol = 1e-4 if dtype == torch.float32 else 3e-2
-    return bool(torch.allclose(y[:5].float(), ref.float(), rtol=tol, atol=tol))
+    return bool(torch.allclose(y[:5].float(), torch.cat(ref), rtol=tol, atol=tol))
 
 
 class PackedExperts:
@@ -88,13 +101,20 @@ class PackedExperts:
         K, G = ids.shape[1], len(self.ids)
         slot = self.slot_of[ids.flatten()]  # [T*K]
         order = torch.argsort(slot, stable=True)
-        token_of = order // K
-        offs = torch.bincount(slot, minlength=G + 1)[:G].cumsum(0).to(torch.int32)
-        xs = x[token_of]  # [T*K, D]
-        h = torch._grouped_mm(xs, self.w13.transpose(1, 2), offs=offs)  # [T*K, 2I]
-        a = F.silu(h[:, : self.inter]) * h[:, self.inter :]
-        y = torch._grouped_mm(a, self.w2.transpose(1, 2), offs=offs)  # [T*K, D]
-        w = weights.flatten()[order].to(y.dtype)
-        # rows past the last group (host experts) are not computed: select, never multiply, them away
-        y = torch.where((slot[order] < G)[:, None], y * w[:, None], torch.zeros((), dtype=y.dtype, device=y.device))
-        out.index_add_(0, token_of, y)
+        slot_sorted = slot[order]
+        ends = torch.bincount(slot, minlength=G + 1)[:G].cumsum(0)  # [G] group ends over all rows
+        w_sorted = weights.flatten()[order]
+        rows = order.numel()
+        for start in range(0, rows, ROW_CHUNK):
+            stop = min(rows, start + ROW_CHUNK)
+            offs = (ends - start).clamp(0, stop - start).to(torch.int32)  # this chunk's part of each group
+            token_of = order[start:stop] // K
+            h = torch._grouped_mm(x[token_of], self.w13.transpose(1, 2), offs=offs)  # [n, 2I]
+            a = F.silu(h[:, : self.inter]) * h[:, self.inter :]
+            del h
+            y = torch._grouped_mm(a, self.w2.transpose(1, 2), offs=offs)  # [n, D]
+            del a
+            y.mul_(w_sorted[start:stop, None].to(y.dtype))
+            # rows past the last group (host experts) are never computed: overwrite, never multiply, them
+            y.masked_fill_((slot_sorted[start:stop] >= G)[:, None], 0)
+            out.index_add_(0, token_of, y)
