@@ -209,6 +209,7 @@ class Harness:
         """Every cached token's bytes sit at its position's home, equal to what was written
         (after any pending compute-region copy-in, which the next read would do)."""
         sq, D = self.seq(slot), self.D
+        self.cache.flush_writes()  # prefill writes to the compute region land in the background
         for layer in range(self.L):
             sq.drain(layer)
             k, _ = self.history(slot, layer)
@@ -227,6 +228,7 @@ class Harness:
         evicted to the compute region waits in staging until the next read writes it home
         (once); drain first so the snapshot holds its final bytes."""
         sq = self.seq(slot)
+        self.cache.flush_writes()
         snap = {}
         for layer in range(self.L):
             sq.drain(layer)

@@ -24,7 +24,8 @@ from writescope.attention.metadata import ForwardBatch
 from writescope.attention.reference import attend_sequence
 from writescope.attention.split import SplitDecoder
 from writescope.kvcache.base import KVCache
-from writescope.kvcache.pinned import host_empty, unpin
+from writescope.engine.threads import default_attention_threads
+from writescope.kvcache.prefill_writer import PrefillWriter
 from writescope.kvcache.sequence import SequenceKV, load_blocks_reserved, pinned_staging_bytes
 from writescope.kvcache.spec import PartitionSpec
 from writescope.scheduler.policies import COMPUTE, PlacementPolicy
@@ -58,7 +59,7 @@ class InplaceKVCache(KVCache):
         self._next_slot = 0
         self.prefill_readback_bytes = 0
         self.evicted_blocks = 0
-        self._staging: torch.Tensor | None = None  # pinned, for prefill writes to the compute region
+        self._writer: PrefillWriter | None = None  # prefill writes to the compute region (made on first use)
 
     # ------------------------------------------------------------------ lifecycle
     def allocate(self, capacity: int, prompt_len: int = 0) -> int:
@@ -90,17 +91,20 @@ class InplaceKVCache(KVCache):
         seq = self._seqs.pop(slot, None)
         if seq is None:
             return
-        if self.cuda:  # every stream: copies into or out of its pinned memory must be done
-            torch.cuda.synchronize(self.device)
-        seq.release()
+        try:
+            self.flush_writes()  # nothing still writing into its compute rows
+        finally:
+            if self.cuda:  # every stream: copies into or out of its pinned memory must be done
+                torch.cuda.synchronize(self.device)
+            seq.release()
 
     def close(self) -> None:
         """Free every slot and stop the CPU worker."""
         for slot in list(self._seqs):
             self.free(slot)
-        if self._staging is not None:
-            unpin(self._staging)
-            self._staging = None
+        if self._writer is not None:
+            self._writer.close()
+            self._writer = None
         self.decoder.close()
 
     def __del__(self) -> None:  # a cache dropped without close(): stop its worker thread
@@ -148,6 +152,7 @@ class InplaceKVCache(KVCache):
             if getattr(self.policy, "monolithic", False):
                 cpu_blocks = [min(n, math.floor(self.policy.read_share(sq.placed[layer_id]) * n + 0.5))
                               for sq, n in ((sq, sq.n_comp[layer_id]) for sq in seqs)]
+            self.flush_writes()  # the prompt's compute rows are in place before the CPU reads them
             out = self.decoder.decode(layer_id, q, seqs, scale, self.evict_stream, cpu_blocks)
             st = self.decoder.stats
             if st.last_cpu_tokens:
@@ -253,20 +258,18 @@ class InplaceKVCache(KVCache):
 
     def _write_compute(self, dst: torch.Tensor, src: torch.Tensor) -> None:
         """Device ``src`` ``[parts, Hkv, n, dim]`` -> compute-region rows ``dst`` (host, per-head
-        strided). On CUDA through a pinned staging buffer at full PCIe speed (a pageable
-        device-to-host copy runs at a fraction of it), one buffer's worth at a time."""
-        if not self.cuda:
-            dst.copy_(src)
-            return
-        if self._staging is None:
-            self._staging = host_empty((self.spec.pingpong_blocks * self.spec.block_bytes // self.spec.element_size,), self.spec.dtype, pin=True)
-        step = max(1, self._staging.numel() // (src.shape[0] * src.shape[1] * src.shape[3]))  # tokens per round
-        for a in range(0, src.shape[2], step):
-            part = src[:, :, a : a + step]
-            stage = self._staging[: part.numel()].view(part.shape)
-            stage.copy_(part, non_blocking=True)
-            torch.cuda.current_stream(self.device).synchronize()
-            dst[:, :, a : a + step].copy_(stage)
+        strided), in the background (:class:`~writescope.kvcache.prefill_writer.PrefillWriter`):
+        readers call :meth:`flush_writes` first."""
+        if self._writer is None:
+            s = self.spec
+            self._writer = PrefillWriter(s.pingpong_blocks * s.block_bytes, s.dtype, self.device, threads=default_attention_threads(self.device))
+        self._writer.write(dst, src)
+
+    def flush_writes(self) -> None:
+        """Wait until every prefill write to the compute region has landed (the CPU attention,
+        chunked prefill's read-back and ``free`` call it; so may anyone reading the regions)."""
+        if self._writer is not None:
+            self._writer.flush()
 
     def _evict(self, sq: SequenceKV, layer: int) -> None:
         """Move the full D-window of ``layer`` to its block's home (asynchronously on CUDA)."""
@@ -304,6 +307,7 @@ class InplaceKVCache(KVCache):
         """All cached KV of ``layer`` in position order on the device: ``[parts, Hkv, ctx, dim]``.
         Only for chunked prefill (a read, not a move)."""
         D = self.spec.window
+        self.flush_writes()
         if self.cuda:
             self.evict_stream.synchronize()
         sq.drain(layer)

@@ -21,6 +21,7 @@ from dataclasses import dataclass
 import torch
 
 from writescope.kvcache.pinned import host_empty, unpin
+from writescope.kvcache.prefill_writer import STAGING_BUFFERS
 from writescope.kvcache.spec import PartitionSpec
 from writescope.scheduler.policies import COMPUTE, LOAD, PlacementPolicy, route_block
 
@@ -204,10 +205,10 @@ class SequenceKV:
 
 def pinned_staging_bytes(spec: PartitionSpec, policy: PlacementPolicy, batch: int, host_kv: int) -> int:
     """Pinned staging a batch needs besides the load region: eviction staging (one block per
-    layer and sequence) and the prefill staging buffer when anything goes to the compute region,
+    layer and sequence) and the prefill writer's staging buffers when anything goes to the compute region,
     plus the monolithic baseline's two re-layout buffers of up to one layer's KV (``host_kv`` is
     the batch's spilled KV in bytes, all layers)."""
-    staging = spec.staging_bytes(batch) + spec.pingpong_blocks * spec.block_bytes if policy.max_cpu_share > 0 else 0
+    staging = spec.staging_bytes(batch) + STAGING_BUFFERS * spec.pingpong_blocks * spec.block_bytes if policy.max_cpu_share > 0 else 0
     if getattr(policy, "monolithic", False):
         staging += 2 * host_kv // spec.num_layers
     return staging

@@ -1,0 +1,74 @@
+"""Background prefill writes to the compute region: ordering, back-pressure, errors."""
+
+from __future__ import annotations
+
+import time
+
+import pytest
+import torch
+
+import writescope.kvcache.prefill_writer as pw
+from writescope import LLM, SamplingParams
+from writescope.kvcache.prefill_writer import PrefillWriter
+
+
+@pytest.fixture
+def slow_writes(monkeypatch):
+    """Every background copy lands 5 ms late: a reader that does not flush sees stale rows."""
+    real = pw._finish
+
+    def slow(event, stage, dst):
+        time.sleep(0.005)
+        real(event, stage, dst)
+
+    monkeypatch.setattr(pw, "_finish", slow)
+
+
+def test_chunks_land_in_strided_rows_after_flush(slow_writes):
+    src = torch.randn(2, 3, 101, 8)
+    region = torch.zeros(2, 3, 200, 8)  # per-head rows with a larger capacity: dst is strided
+    dst = region[:, :, 50:151]
+    w = PrefillWriter(buffer_bytes=2 * 3 * 8 * 4 * 7, dtype=torch.float32, device=torch.device("cpu"), buffers=2)  # 7 tokens a chunk
+    w.write(dst, src)  # 15 chunks through 2 buffers: the issuing thread waits for free buffers
+    assert w.in_flight > 0 and not torch.equal(dst, src)  # still landing
+    w.flush()
+    assert torch.equal(dst, src) and w.in_flight == 0
+    assert torch.all(region[:, :, :50] == 0) and torch.all(region[:, :, 151:] == 0)
+    w.close()
+
+
+def test_a_failed_write_is_raised_at_flush_and_the_writer_goes_on(monkeypatch):
+    w = PrefillWriter(1024, torch.float32, torch.device("cpu"))
+    w.write(torch.zeros(1, 1, 3, 2), torch.ones(1, 1, 4, 2))  # shapes differ: the copy fails in the thread
+    with pytest.raises(RuntimeError):
+        w.flush()
+    dst = torch.zeros(1, 1, 4, 2)
+    w.write(dst, torch.ones(1, 1, 4, 2))
+    w.flush()
+    assert torch.equal(dst, torch.ones(1, 1, 4, 2))
+    w.close()
+
+
+@pytest.mark.parametrize("policy", ["cpu", "static:0.5", "monolithic:0.5"])
+def test_late_writes_do_not_change_tokens(slow_writes, policy):
+    """Prompts routed partly to the compute region, written late: the CPU attention and chunked
+    prefill's read-back wait for them, so tokens equal the all-device cache's."""
+    llm = LLM("tiny-qwen3-moe", progress=False, prefill_chunk_tokens=96)  # chunked: later chunks read earlier KV back
+    prompts = [list(range(3, 3 + n)) for n in (300, 17, 129)]
+    params = SamplingParams(max_tokens=20, ignore_eos=True)
+    ref = [o.token_ids for o in llm.generate(prompt_token_ids=prompts, sampling_params=params)]
+    llm.set_policy(policy, window=16)
+    got = [o.token_ids for o in llm.generate(prompt_token_ids=prompts, sampling_params=params)]
+    assert got == ref
+
+
+@pytest.mark.gpu
+def test_cuda_writes_go_through_pinned_staging():
+    src = torch.randn(2, 4, 1000, 128, device="cuda", dtype=torch.bfloat16)
+    dst = torch.empty(2, 4, 2000, 128, dtype=torch.bfloat16)[:, :, 500:1500]
+    w = PrefillWriter(4 << 20, torch.bfloat16, torch.device("cuda"))  # 4 MiB: 4 chunks
+    w.write(dst, src)
+    assert all(b.is_pinned() for b in w._bufs)
+    w.flush()
+    assert torch.equal(dst, src.cpu())
+    w.close()
