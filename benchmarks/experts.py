@@ -1,5 +1,6 @@
 """Expert phase of one MoE block: grouped GEMMs vs the per-expert loop, and the fraction of routed
-experts on the GPU (the rest computed on the CPU), for a decode batch and a long prefill chunk.
+experts on the GPU (the rest computed on the CPU, or streamed to the GPU when an expert has at
+least writescope.moe.streaming.MIN_TOKENS tokens), for a decode batch and a long prefill chunk.
 
 Per configuration: median ms of the block's forward over --repeats runs (synchronised), the
 bytes of the activated experts' weights, and against them
@@ -26,6 +27,7 @@ import torch
 from writescope.engine.model_loader import parse_dtype, resolve_config, resolve_device
 from writescope.moe.block import SparseMoeBlock
 from writescope.moe.router import route
+from writescope.moe.streaming import MIN_TOKENS
 
 
 def sync(device):
@@ -88,9 +90,12 @@ def main() -> None:
             for frac in (float(f) for f in args.fractions.split(",")):
                 on_device = int(round(frac * E))
                 block.offload_experts(range(on_device, E))
-                for path in ("grouped", "loop"):
-                    block.grouped, block.packed = path == "grouped", None
-                    if path == "grouped" and not block.pack():
+                for path in ("grouped", "grouped, no streaming", "loop"):
+                    if path == "grouped, no streaming" and on_device == E:
+                        continue  # nothing on the host to stream
+                    block.grouped, block.packed = path != "loop", None
+                    block.stream_min_tokens = MIN_TOKENS if path == "grouped" else None
+                    if path != "loop" and not block.pack():
                         continue
                     with torch.no_grad():
                         sec = timed(lambda: block(x), device, args.repeats)

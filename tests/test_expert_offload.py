@@ -52,11 +52,14 @@ def test_vram_budget_offloads_what_the_plan_says_and_keeps_the_tokens():
 
     cfg = preset_config("tiny-qwen3-moe")
     base = make_plan(cfg, torch.float32, 2**40, 2, cfg.max_position_embeddings, 0, StaticPolicy(0.5), 16)
-    budget = base.gpu_min + base.experts_total // 2 * base.expert_bytes  # room for half the routed experts
+    # room for half the routed experts plus the 8 experts' worth of streaming slots
+    budget = base.gpu_min + (base.experts_total // 2 + 8) * base.expert_bytes
     llm = LLM("tiny-qwen3-moe", progress=False, policy="static:0.5", window=16, vram_budget=budget, max_batch=2)
+    assert llm.vram_plan.stream_slots == 8 * base.expert_bytes
     blocks = [m for m in llm.model.modules() if isinstance(m, SparseMoeBlock)]
     assert sum(cfg.moe.num_experts - len(b.host_experts) for b in blocks) == base.experts_total // 2
     assert llm.load_info["experts_offloaded"] == base.experts_total - base.experts_total // 2
+    assert all(b.stream_min_tokens is not None for b in blocks)
     ref = LLM("tiny-qwen3-moe", progress=False)
     prompts = [list(range(3, 3 + n)) for n in (70, 9)]
     params = SamplingParams(max_tokens=24, ignore_eos=True)

@@ -45,7 +45,10 @@ def test_paper_configurations_by_hand(name):
     assert plan.pingpong == 2 * (64 * 2**20 // (256 * tok)) * (256 * tok)  # two buffers of whole blocks
     assert plan.reserve == RESERVE
     room = 32 * GiB - plan.gpu_min
-    assert plan.experts_gpu == min(n_exp, room // expert)
+    # experts left on the host: two groups of 4 streaming slots (one expert each) are kept for prefill
+    stream = 8 * expert if room // expert < n_exp else 0
+    assert plan.stream_slots == stream
+    assert plan.experts_gpu == min(n_exp, (room - stream) // expert)
     assert plan.gpu_total <= 32 * GiB
     assert max(plan.experts_gpu_per_layer) - min(plan.experts_gpu_per_layer) <= 1  # spread evenly
     assert plan.expert_weights_host == (n_exp - plan.experts_gpu) * expert

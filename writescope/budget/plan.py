@@ -24,6 +24,7 @@ from writescope.budget.weights import weight_sizes
 from writescope.config import ModelConfig
 from writescope.kvcache.sequence import pinned_staging_bytes
 from writescope.kvcache.spec import DEFAULT_WINDOW, PartitionSpec
+from writescope.moe.streaming import stream_plan_bytes
 from writescope.scheduler.policies import PlacementPolicy
 
 GiB = 2**30
@@ -47,6 +48,7 @@ class MemoryPlan:
     kv_pinned_max: int  # the part of it the policy may put in the pinned load region
     pinned_staging: int
     host_free: int | None
+    stream_slots: int = 0  # device weight slots for streaming host experts in long prefills (0: not streamed)
 
     @property
     def experts_gpu(self) -> int:
@@ -59,7 +61,7 @@ class MemoryPlan:
 
     @property
     def gpu_total(self) -> int:
-        return self.gpu_min + self.experts_gpu * self.expert_bytes
+        return self.gpu_min + self.experts_gpu * self.expert_bytes + self.stream_slots
 
     @property
     def expert_weights_host(self) -> int:
@@ -130,9 +132,14 @@ def make_plan(
                       host, pinned, staging, host_free)
     room = max(0, budget - plan.gpu_min)
     n = min(plan.experts_total, room // expert_bytes) if expert_bytes else 0
+    slots = stream_plan_bytes(H, m.intermediate_size, item) if expert_bytes else 0
+    stream = 0
+    if n < plan.experts_total and room >= slots:  # some experts on the host: keep room to stream them in prefill
+        stream, room = slots, room - slots
+        n = min(plan.experts_total, room // expert_bytes)
     per, extra = divmod(n, max(1, w.moe_layers))
     layers = tuple(per + (1 if i < extra else 0) for i in range(w.moe_layers))
-    return MemoryPlan(**{**plan.__dict__, "experts_gpu_per_layer": layers})
+    return MemoryPlan(**{**plan.__dict__, "experts_gpu_per_layer": layers, "stream_slots": stream})
 
 
 def format_plan(plan: MemoryPlan, cfg: ModelConfig) -> str:
@@ -147,6 +154,7 @@ def format_plan(plan: MemoryPlan, cfg: ModelConfig) -> str:
         ("  KV on GPU (D-windows; all KV if resident)", g(plan.kv_gpu)),
         ("  ping-pong buffers", g(plan.pingpong)),
         ("  activations (estimate)", g(plan.activations)),
+        ("  expert streaming slots (prefill)", g(plan.stream_slots)),
         ("  reserve", g(plan.reserve)),
         ("  GPU total", g(plan.gpu_total)),
         ("  GPU minimum (no routed experts)", g(plan.gpu_min)),

@@ -129,6 +129,8 @@ class LLM:
         self.expert_threads = expert_threads or default_expert_threads(self.device)
         for b in blocks:
             b.host_threads = self.expert_threads
+            if self.vram_plan is not None and not self.vram_plan.stream_slots:
+                b.stream_min_tokens = None  # no room in the budget for streaming slots: host experts stay on the CPU
         if self.vram_plan is not None:
             enforce_budget(self.device, self.vram_plan.budget)
         self.seed = seed

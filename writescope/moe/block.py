@@ -13,6 +13,7 @@ from writescope.config import MoEConfig
 from writescope.engine.threads import intra_op_threads
 from writescope.layers.mlp import GatedMLP
 from writescope.moe.grouped import PackedExperts, grouped_mm_supported
+from writescope.moe.streaming import MIN_TOKENS, run_streamed
 from writescope.moe.router import route
 
 
@@ -35,6 +36,8 @@ class SparseMoeBlock(nn.Module):
         self.packed: PackedExperts | None = None  # device experts for the grouped path (see pack)
         self.grouped = True  # use the grouped path where torch supports it (False: the loop, the reference)
         self.host_threads: int | None = None  # intra-op threads for the host experts (None: torch's count)
+        self.host_pack: PackedExperts | None = None  # host experts packed (pinned with CUDA), for streaming
+        self.stream_min_tokens: int | None = MIN_TOKENS  # stream a host expert with this many tokens (None: never)
 
     def offload_experts(self, ids) -> None:
         """Move routed experts ``ids`` to host memory; their tokens are then computed on the CPU
@@ -48,10 +51,12 @@ class SparseMoeBlock(nn.Module):
         if bad:
             raise ValueError(f"expert ids {bad[:5]} outside [0, {self.cfg.num_experts})")
         device = self.gate.weight.device
-        was_packed, self.packed = self.packed is not None, None
+        was_packed, self.packed, self.host_pack = self.packed is not None, None, None
         for e, expert in enumerate(self.experts):
             expert.to("cpu" if e in ids else device)
         self.host_experts = ids
+        if ids:  # one host allocation for all of them (page-locked with CUDA, so they can be streamed)
+            self.host_pack = PackedExperts(self.experts, sorted(ids), self.cfg.expert_names, pin=device.type == "cuda")
         if was_packed:  # re-pack now: the kept experts are views of the old pack, which is freed once they move
             self.pack()
 
@@ -108,6 +113,12 @@ class SparseMoeBlock(nn.Module):
         for n in counts:
             starts.append(starts[-1] + n)
         host = [e for e in self.host_experts if counts[e]]
+        streamed = []
+        if host and self.stream_min_tokens is not None and self.host_pack is not None and grouped_mm_supported(
+            x.device, x.dtype, x.shape[1], self.cfg.intermediate_size
+        ):
+            streamed = [e for e in host if counts[e] >= self.stream_min_tokens]
+            host = [e for e in host if counts[e] < self.stream_min_tokens]
         if host:  # the host experts' tokens, copied once: [n_host, D] on the CPU
             with record_function("moe.tokens_to_host"):
                 host_tok = torch.cat([token_of[starts[e] : starts[e + 1]] for e in host])
@@ -121,6 +132,10 @@ class SparseMoeBlock(nn.Module):
                 tok = token_of[starts[e] : starts[e + 1]]
                 y = self.experts[e](x[tok])  # [n, D]
                 out.index_add_(0, tok, (y * w_sorted[starts[e] : starts[e + 1], None].to(y.dtype)))
+        if streamed:  # issued before the CPU starts on the rest: copies and GEMMs run meanwhile
+            with record_function("moe.streamed_experts"):
+                run_streamed(self.host_pack, streamed, [token_of[starts[e] : starts[e + 1]] for e in streamed],
+                             [w_sorted[starts[e] : starts[e + 1]] for e in streamed], x, out)
         if host:
             ys, off = [], 0
             with record_function("moe.host_experts"), intra_op_threads(self.host_threads or torch.get_num_threads()):

@@ -67,14 +67,16 @@ class PackedExperts:
 
     Args:
         experts: the block's expert modules (``GatedMLP``), all of them.
-        device_ids: ids of the experts on the device, ascending.
+        device_ids: ids of the experts packed (all on one device), ascending.
         names: the experts' (gate, up, down) parameter names.
+        pin: host experts only: pack into page-locked memory, so they can be streamed to the GPU
+            asynchronously (writescope.moe.streaming).
 
-    The packed tensors live on the experts' device; each device expert's parameters are replaced
+    The packed tensors live on the experts' device; each packed expert's parameters are replaced
     by views of them.
     """
 
-    def __init__(self, experts, device_ids: list[int], names: tuple[str, str, str]):
+    def __init__(self, experts, device_ids: list[int], names: tuple[str, str, str], pin: bool = False):
         gate, up, down = names
         self.num_experts = len(experts)
         self.ids = list(device_ids)
@@ -82,6 +84,11 @@ class PackedExperts:
         self.inter, self.hidden = first.shape
         self.w13 = torch.stack([torch.cat((getattr(experts[e], gate).weight, getattr(experts[e], up).weight)) for e in self.ids])
         self.w2 = torch.stack([getattr(experts[e], down).weight for e in self.ids])
+        if pin:
+            from writescope.kvcache.pinned import host_empty
+
+            self.w13 = host_empty(tuple(self.w13.shape), self.w13.dtype, pin=True).copy_(self.w13)
+            self.w2 = host_empty(tuple(self.w2.shape), self.w2.dtype, pin=True).copy_(self.w2)
         for s, e in enumerate(self.ids):  # views of the packed weights: no second copy
             getattr(experts[e], gate).weight = torch.nn.Parameter(self.w13[s, : self.inter], requires_grad=False)
             getattr(experts[e], up).weight = torch.nn.Parameter(self.w13[s, self.inter :], requires_grad=False)

@@ -1,0 +1,67 @@
+"""Host experts streamed to the device for tokens-heavy steps (writescope.moe.streaming) give the
+same result as computing them on the CPU or keeping them on the device (fp32, 1e-5)."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+import writescope.moe.block as block_mod
+import writescope.moe.streaming as streaming
+from writescope import LLM
+from writescope.moe.block import SparseMoeBlock
+
+
+def _blocks(llm):
+    return [m for m in llm.model.modules() if isinstance(m, SparseMoeBlock)]
+
+
+@pytest.mark.parametrize("preset", ["tiny-qwen3-moe", "tiny-mixtral", "tiny-deepseek-v2"])
+def test_streamed_equals_cpu_and_device(preset, monkeypatch):
+    llm = LLM(preset, progress=False)
+    block = _blocks(llm)[0]
+    E = block.cfg.num_experts
+    x = torch.randn(301, block.gate.weight.shape[1], generator=torch.Generator().manual_seed(0))
+    monkeypatch.setattr(streaming, "SLOTS", 1)  # one expert a group: even 3 host experts reuse a slot group
+    streamed = []
+    real = block_mod.run_streamed
+    monkeypatch.setattr(block_mod, "run_streamed", lambda pack, ex, *a: (streamed.append(list(ex)), real(pack, ex, *a)))
+    with torch.no_grad():
+        on_device = block(x)
+        block.offload_experts(range(E // 4, E))  # three quarters on the host: several slot groups
+        assert block.host_pack is not None and block.host_pack.ids == list(range(E // 4, E))
+        block.stream_min_tokens = None
+        on_cpu = block(x)
+        assert not streamed
+        block.stream_min_tokens = 1
+        all_streamed = block(x)
+        assert streamed and set(streamed[-1]) <= set(range(E // 4, E)) and len(streamed[-1]) > 2 * streaming.SLOTS  # both groups reused
+        block.stream_min_tokens = 60  # some streamed, the rest on the CPU
+        mixed = block(x)
+    torch.testing.assert_close(on_cpu, on_device, rtol=1e-5, atol=1e-5)
+    torch.testing.assert_close(all_streamed, on_device, rtol=1e-5, atol=1e-5)
+    torch.testing.assert_close(mixed, on_device, rtol=1e-5, atol=1e-5)
+
+
+def test_whole_model_with_streamed_experts_gives_the_same_tokens():
+    llm = LLM("tiny-qwen3-moe", progress=False)
+    prompts = [list(range(3, 3 + n)) for n in (200, 37)]
+    ref = [o.token_ids for o in llm.generate(prompt_token_ids=prompts)]
+    for b in _blocks(llm):
+        b.offload_experts(range(3, b.cfg.num_experts))
+        b.stream_min_tokens = 8  # prefill streams, decode computes on the CPU
+    assert [o.token_ids for o in llm.generate(prompt_token_ids=prompts)] == ref
+
+
+@pytest.mark.gpu
+def test_host_experts_are_pinned_and_streamed_on_cuda():
+    llm = LLM("tiny-qwen3-moe", device="cuda", dtype="bf16", progress=False)
+    block = _blocks(llm)[0]
+    x = torch.randn(257, block.gate.weight.shape[1], device="cuda", dtype=torch.bfloat16)
+    with torch.no_grad():
+        ref = block(x)
+        block.offload_experts(range(4, block.cfg.num_experts))
+        assert block.host_pack.w13.is_pinned()
+        block.stream_min_tokens = 1
+        got = block(x)
+    torch.testing.assert_close(got.float(), ref.float(), rtol=2e-2, atol=2e-2)

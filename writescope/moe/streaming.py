@@ -1,0 +1,111 @@
+"""Streaming host experts to the GPU for long prompts (docs/DESIGN.md section 6; issue: budget).
+
+A routed expert in host memory is computed on the CPU during decode (few tokens each). In a
+prefill chunk an expert gets many tokens, and the CPU's GEMMs are far slower than copying the
+weights over: on the H200 machine a bf16 expert GEMM runs at 1.3-1.7 TFLOP/s on 16 cores and the
+pinned host-to-device copy at 55 GB/s (docs/HARDWARE.md). Computing n tokens of an expert with
+D x I weights costs 6 D I n FLOPs; copying the weights costs 6 D I bytes (bf16, three matrices),
+so copying wins from n ~ 1.5e12 / 55e9 ~ 27 tokens. Experts with at least ``min_tokens`` (32)
+assigned tokens are streamed; the rest stay on the CPU.
+
+Streamed experts go through ``2 x slots`` device weight slots shared by all layers (double
+buffered: the copy of the next group runs on a copy stream while the current group computes),
+and are computed as grouped GEMMs like the device experts. The slots are part of the memory plan
+(writescope.budget.plan: ``stream_slots``).
+"""
+
+from __future__ import annotations
+
+import torch
+import torch.nn.functional as F
+
+MIN_TOKENS = 32  # assigned tokens from which an expert is streamed rather than computed on the CPU
+SLOTS = 4  # experts per slot group (two groups: double buffering)
+
+_SLOTS: dict[tuple, "WeightSlots"] = {}
+
+
+class WeightSlots:
+    """Two groups of ``slots`` expert weight slots on ``device`` (``w13 [2, S, 2I, D]``, ``w2
+    [2, S, D, I]``), shared by every block of one shape, with the events that order their reuse."""
+
+    def __init__(self, device: torch.device, dtype: torch.dtype, hidden: int, inter: int, slots: int):
+        with torch.inference_mode(False):  # normal tensors: written in place in and out of inference mode
+            self.w13 = torch.empty(2, slots, 2 * inter, hidden, dtype=dtype, device=device)
+            self.w2 = torch.empty(2, slots, hidden, inter, dtype=dtype, device=device)
+        self.slots = slots
+        self.cuda = device.type == "cuda"
+        self.copy_stream = torch.cuda.Stream(device) if self.cuda else None
+        self.free: list[object | None] = [None, None]  # event: the group's last reader is done
+
+    @staticmethod
+    def for_shape(device: torch.device, dtype: torch.dtype, hidden: int, inter: int, slots: int | None = None) -> "WeightSlots":
+        slots = slots or SLOTS
+        key = (str(device), dtype, hidden, inter, slots)
+        if key not in _SLOTS:
+            _SLOTS[key] = WeightSlots(device, dtype, hidden, inter, slots)
+        return _SLOTS[key]
+
+    def nbytes(self) -> int:
+        return self.w13.numel() * self.w13.element_size() + self.w2.numel() * self.w2.element_size()
+
+
+def stream_plan_bytes(hidden: int, inter: int, itemsize: int, slots: int | None = None) -> int:
+    """Device bytes of the weight slots (both groups) for experts of ``hidden`` x ``inter``."""
+    return 2 * (slots or SLOTS) * 3 * hidden * inter * itemsize
+
+
+def run_streamed(host_pack, experts: list[int], rows: list[torch.Tensor], weights: list[torch.Tensor], x: torch.Tensor, out: torch.Tensor) -> None:
+    """Compute host experts ``experts`` on ``x``'s device by streaming their weights.
+
+    Args:
+        host_pack: the block's host experts packed (``PackedExperts`` with ``pin``): ``w13``,
+            ``w2`` and ``ids`` (expert id per packed slot).
+        experts: expert ids to stream; rows[i] ``[n_i]`` int64 (device) the token rows of
+            expert i, weights[i] ``[n_i]`` float32 (device) their routing weights.
+        x: ``[T, D]`` tokens; out: ``[T, D]`` accumulated into (same dtype).
+    """
+    D, I = host_pack.hidden, host_pack.inter
+    ws = WeightSlots.for_shape(x.device, x.dtype, D, I)
+    index = {e: s for s, e in enumerate(host_pack.ids)}
+    cur = torch.cuda.current_stream(x.device) if ws.cuda else None
+    groups = [experts[a : a + ws.slots] for a in range(0, len(experts), ws.slots)]
+    ready = _issue_copy(ws, host_pack, index, groups[0], 0, cur)
+    for g, group in enumerate(groups):
+        b = g % 2
+        nxt = _issue_copy(ws, host_pack, index, groups[g + 1], (g + 1) % 2, cur) if g + 1 < len(groups) else None
+        if ready is not None:
+            cur.wait_event(ready)
+        sel = [experts.index(e) for e in group]
+        tok = torch.cat([rows[i] for i in sel])
+        w = torch.cat([weights[i] for i in sel]).to(x.dtype)
+        offs = torch.tensor([r.numel() for r in (rows[i] for i in sel)], device=x.device).cumsum(0).to(torch.int32)
+        n = len(group)
+        h = torch._grouped_mm(x[tok], ws.w13[b, :n].transpose(1, 2), offs=offs)
+        a = F.silu(h[:, :I]) * h[:, I:]
+        del h
+        y = torch._grouped_mm(a, ws.w2[b, :n].transpose(1, 2), offs=offs)
+        out.index_add_(0, tok, y.mul_(w[:, None]))
+        if ws.cuda:
+            done = torch.cuda.Event()
+            done.record(cur)
+            ws.free[b] = done
+        ready = nxt
+
+
+def _issue_copy(ws: WeightSlots, host_pack, index: dict[int, int], group: list[int], b: int, cur):
+    """Copy ``group``'s weights into slot group ``b``; returns the event to wait for (None without CUDA)."""
+    if not ws.cuda:
+        for i, e in enumerate(group):
+            ws.w13[b, i].copy_(host_pack.w13[index[e]])
+            ws.w2[b, i].copy_(host_pack.w2[index[e]])
+        return None
+    with torch.cuda.stream(ws.copy_stream):
+        if ws.free[b] is not None:
+            ws.copy_stream.wait_event(ws.free[b])  # the group's previous readers are done
+        for i, e in enumerate(group):
+            ws.w13[b, i].copy_(host_pack.w13[index[e]], non_blocking=True)
+            ws.w2[b, i].copy_(host_pack.w2[index[e]], non_blocking=True)
+        ev = torch.cuda.Event()
+        ev.record(ws.copy_stream)
+    return ev
