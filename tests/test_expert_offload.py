@@ -107,3 +107,19 @@ def test_thread_split_is_explicit(monkeypatch):
     assert seen and set(seen) == {1}
     with pytest.raises(ValueError, match="expert_threads"):
         LLM("tiny-qwen3-moe", progress=False, expert_threads=0)
+
+
+@pytest.mark.parametrize("preset", ["tiny-qwen3-moe", "tiny-mixtral", "tiny-deepseek-v2"])
+def test_planned_host_experts_are_built_in_host_memory(preset):
+    """Experts the plan puts on the host never take device memory: built there (the rest of the
+    model here on the meta device, standing in for the GPU)."""
+    from writescope.models import build_model
+    from writescope.presets import preset_config
+
+    cfg = preset_config(preset)
+    where = {i: range(1, cfg.moe.num_experts) for i in cfg.moe.moe_layers}
+    model = build_model(cfg, torch.float32, "meta", where)
+    for i, layer in enumerate(model.model.layers):
+        for name, p in layer.named_parameters():
+            on_host = i in where and name.split(".")[1] == "experts" and int(name.split(".")[2]) >= 1
+            assert p.device.type == ("cpu" if on_host else "meta"), (i, name, p.device)

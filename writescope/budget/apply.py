@@ -9,15 +9,27 @@ from writescope.budget.plan import MemoryPlan
 from writescope.moe.block import SparseMoeBlock
 
 
+def host_experts(cfg, plan: MemoryPlan) -> dict[int, range]:
+    """``{layer id: routed expert ids in host memory}``: all but the first
+    ``plan.experts_gpu_per_layer[i]`` of the i-th MoE layer (the lowest ids stay on the device;
+    no routing statistics are used yet). Given to the model builder so host experts are made in
+    host memory and never occupy the device."""
+    layers = cfg.moe.moe_layers
+    assert len(layers) == len(plan.experts_gpu_per_layer), f"{len(layers)} MoE layers, plan for {len(plan.experts_gpu_per_layer)}"
+    return {i: range(keep, cfg.moe.num_experts) for i, keep in zip(layers, plan.experts_gpu_per_layer) if keep < cfg.moe.num_experts}
+
+
 def place_experts(model: torch.nn.Module, plan: MemoryPlan) -> int:
-    """Offload all but ``plan.experts_gpu_per_layer[i]`` routed experts of the i-th MoE layer
-    (the lowest ids stay; no routing statistics are used yet). Returns the experts offloaded."""
-    blocks = [m for m in model.modules() if isinstance(m, SparseMoeBlock)]
-    assert len(blocks) == len(plan.experts_gpu_per_layer), f"{len(blocks)} MoE blocks, plan for {len(plan.experts_gpu_per_layer)}"
+    """Mark (and, where they are not there yet, move) the plan's host experts of every MoE layer
+    (see :func:`host_experts`). Returns the experts in host memory."""
+    where = host_experts(model.config, plan)
     moved = 0
-    for block, keep in zip(blocks, plan.experts_gpu_per_layer):
-        block.offload_experts(range(keep, block.cfg.num_experts))
-        moved += block.cfg.num_experts - keep
+    for i, layer in enumerate(model.model.layers):
+        block = layer.mlp_module
+        if isinstance(block, SparseMoeBlock):
+            ids = where.get(i, range(0))
+            block.offload_experts(ids)
+            moved += len(ids)
     return moved
 
 

@@ -10,7 +10,7 @@ import torch
 from tqdm import tqdm
 
 from writescope.attention.metadata import ForwardBatch
-from writescope.budget.apply import enforce_budget, place_experts
+from writescope.budget.apply import enforce_budget, host_experts, place_experts
 from writescope.budget.plan import make_plan, parse_size
 from writescope.engine.model_loader import load_model, parse_dtype, resolve_config, resolve_device
 from writescope.engine.outputs import RequestMetrics, RequestOutput
@@ -55,9 +55,8 @@ class LLM:
         vram_budget: bytes (or a size such as ``"32GiB"``) of device memory the run may use.
             The plan (``writescope plan``) for ``max_batch`` sequences of ``max_model_len``
             tokens is checked before any weight is loaded; routed experts that do not fit are
-            moved to host memory and computed on the CPU; on CUDA the allocator is capped at
-            the budget for this process. The model is built on the device first, so it must
-            fit there once (true on the H200 for the three targets).
+            built in host memory (never on the device) and computed on the CPU, or streamed to the
+            device for long prompts; on CUDA the allocator is capped at the budget for this process.
         max_batch: sequences the budget plan reserves D-windows for (with ``vram_budget``).
         num_layers: keep only the first ``num_layers`` decoder layers of the model's shape
             (synthetic weights only; for benchmarks of one model's layer shape).
@@ -115,8 +114,9 @@ class LLM:
             self.vram_plan = make_plan(cfg, self.dtype, budget, max_batch, self.max_model_len, 0, sizing, window,
                                        prefill_chunk_tokens, available_memory(torch.device("cpu")))
             self.vram_plan.check()
+        on_host = host_experts(cfg, self.vram_plan) if self.vram_plan is not None else None
         self.config, self.model, self.tokenizer, self.load_info = load_model(
-            model, synthetic, self.dtype, self.device, seed, progress, num_layers
+            model, synthetic, self.dtype, self.device, seed, progress, num_layers, on_host
         )
         if self.vram_plan is not None:
             self.load_info["experts_offloaded"] = place_experts(self.model, self.vram_plan)

@@ -83,6 +83,7 @@ def resolve_config(model: str, num_layers: int | None = None) -> tuple[ModelConf
 def load_model(
     model: str, synthetic: bool, dtype: torch.dtype, device: torch.device, seed: int = 0, progress: bool = True,
     num_layers: int | None = None,
+    host_experts: dict[int, range] | None = None,
 ) -> tuple[ModelConfig, CausalLM, Tokenizer, dict]:
     """Build the model on ``device`` and fill its weights.
 
@@ -93,12 +94,14 @@ def load_model(
     Raises:
         ValueError: see :func:`resolve_config`; ``num_layers`` with a checkpoint's own weights
             (a truncated model is for synthetic weights only).
+
+    ``host_experts`` (``{layer id: expert ids}``) are built and filled in host memory.
     """
     t0 = time.perf_counter()
     cfg, ckpt = resolve_config(model, num_layers)
     if num_layers is not None and ckpt is not None and not synthetic:
         raise ValueError("num_layers (--num-layers) keeps only some layers: use it with synthetic weights (--synthetic)")
-    net = build_model(cfg, dtype, device)
+    net = build_model(cfg, dtype, device, host_experts)
     if ckpt is None or synthetic:
         fill_synthetic(net, seed, progress=progress)
         source = f"synthetic weights (seed {seed})"

@@ -15,14 +15,22 @@ LAYER_BUILDERS = {
 }
 
 
-def build_model(cfg: ModelConfig, dtype: torch.dtype, device: torch.device | str) -> CausalLM:
+def build_model(
+    cfg: ModelConfig, dtype: torch.dtype, device: torch.device | str, host_experts: dict[int, range] | None = None
+) -> CausalLM:
     """An uninitialised model (storage allocated, values undefined) in ``dtype`` on ``device``.
 
     Built on the meta device first, so no time is spent on default initialisation.
+    ``host_experts`` (``{layer id: routed expert ids}``, from a memory plan) are allocated in
+    host memory instead, so they never take device memory.
     """
     with torch.device("meta"):
         model = CausalLM(cfg, LAYER_BUILDERS[cfg.model_type]).to(dtype)
-    model = model.to_empty(device=device)
+    on_host = set()
+    for i, ids in (host_experts or {}).items():
+        experts = model.model.layers[i].mlp_module.experts
+        on_host |= {id(p) for e in ids for p in experts[e].parameters()}
+    model._apply(lambda t: torch.empty_like(t, device="cpu" if id(t) in on_host else device))  # to_empty, per tensor
     model.tie_weights()
     return model.eval()
 

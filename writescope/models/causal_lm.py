@@ -33,6 +33,11 @@ class DecoderLayer(nn.Module):
         self.mlp_name = mlp_name
         self.add_module(mlp_name, mlp)
 
+    @property
+    def mlp_module(self) -> nn.Module:
+        """The MLP (a ``GatedMLP`` or a ``SparseMoeBlock``), whatever the checkpoint calls it."""
+        return getattr(self, self.mlp_name)
+
     def forward(self, x, rope, cos_sin, batch: ForwardBatch, cache: KVCache) -> torch.Tensor:
         h = x + self.self_attn(self.input_layernorm(x), rope, cos_sin, batch, cache)
         return h + getattr(self, self.mlp_name)(self.post_attention_layernorm(h))
