@@ -62,6 +62,16 @@ def _probe(device, dtype, hidden, inter) -> bool:
     return bool(torch.allclose(y[:5].float(), torch.cat(ref), rtol=tol, atol=tol))
 
 
+def grouped_swiglu(xs: torch.Tensor, w13: torch.Tensor, w2: torch.Tensor, offs: torch.Tensor, inter: int) -> torch.Tensor:
+    """``down(silu(gate(x)) * up(x))`` of each group of rows of ``xs`` ``[n, D]`` with its expert's
+    weights ``w13 [G, 2I, D]`` (gate rows, then up) and ``w2 [G, D, I]``; ``offs [G]`` int32 group
+    ends. Rows past ``offs[-1]`` come out undefined. Returns ``[n, D]``."""
+    h = torch._grouped_mm(xs, w13.transpose(1, 2), offs=offs)  # [n, 2I]
+    a = F.silu(h[:, :inter]) * h[:, inter:]
+    del h
+    return torch._grouped_mm(a, w2.transpose(1, 2), offs=offs)
+
+
 class PackedExperts:
     """The device experts of one block, packed (see module doc).
 
@@ -116,11 +126,7 @@ class PackedExperts:
             stop = min(rows, start + ROW_CHUNK)
             offs = (ends - start).clamp(0, stop - start).to(torch.int32)  # this chunk's part of each group
             token_of = order[start:stop] // K
-            h = torch._grouped_mm(x[token_of], self.w13.transpose(1, 2), offs=offs)  # [n, 2I]
-            a = F.silu(h[:, : self.inter]) * h[:, self.inter :]
-            del h
-            y = torch._grouped_mm(a, self.w2.transpose(1, 2), offs=offs)  # [n, D]
-            del a
+            y = grouped_swiglu(x[token_of], self.w13, self.w2, offs, self.inter)  # [n, D]
             y.mul_(w_sorted[start:stop, None].to(y.dtype))
             # rows past the last group (host experts) are never computed: overwrite, never multiply, them
             y.masked_fill_((slot_sorted[start:stop] >= G)[:, None], 0)

@@ -17,7 +17,8 @@ and are computed as grouped GEMMs like the device experts. The slots are part of
 from __future__ import annotations
 
 import torch
-import torch.nn.functional as F
+
+from writescope.moe.grouped import grouped_swiglu
 
 MIN_TOKENS = 32  # assigned tokens from which an expert is streamed rather than computed on the CPU
 SLOTS = 4  # experts per slot group (two groups: double buffering)
@@ -81,10 +82,7 @@ def run_streamed(host_pack, experts: list[int], rows: list[torch.Tensor], weight
         w = torch.cat([weights[i] for i in sel]).to(x.dtype)
         offs = torch.tensor([r.numel() for r in (rows[i] for i in sel)], device=x.device).cumsum(0).to(torch.int32)
         n = len(group)
-        h = torch._grouped_mm(x[tok], ws.w13[b, :n].transpose(1, 2), offs=offs)
-        a = F.silu(h[:, :I]) * h[:, I:]
-        del h
-        y = torch._grouped_mm(a, ws.w2[b, :n].transpose(1, 2), offs=offs)
+        y = grouped_swiglu(x[tok], ws.w13[b, :n], ws.w2[b, :n], offs, I)
         out.index_add_(0, tok, y.mul_(w[:, None]))
         if ws.cuda:
             done = torch.cuda.Event()
