@@ -72,7 +72,7 @@ def test_budget_below_the_minimum_is_refused_with_the_minimum():
     cfg = preset_config("qwen3-30b-a3b")
     plan = make_plan(cfg, torch.bfloat16, 3 * GiB, 4, 8192, 256, StaticPolicy(0.5))
     assert plan.experts_gpu == 0
-    with pytest.raises(ValueError, match=rf"below the minimum of {plan.gpu_min / GiB:.2f} GiB"):
+    with pytest.raises(ValueError, match=rf"below the minimum of {plan.gpu_min / GiB:.3f} GiB"):
         plan.check()
 
 

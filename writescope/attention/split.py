@@ -131,8 +131,10 @@ class SplitDecoder:
             with record_function("attn.window"):
                 states = [self._window_part(layer, qg, seqs, scale)]
             sources = [(i, run) for i, sq in enumerate(seqs) for run in sq.load_runs(layer, 0, sq.n_load[layer], s.pingpong_blocks)]
-            with record_function("attn.monolithic_prepare"):
-                prepared = self._prepare(layer, seqs, limits) if cpu_blocks is not None else []
+            prepared = []
+            if cpu_blocks is not None:
+                with record_function("attn.monolithic_prepare"):
+                    prepared = self._prepare(layer, seqs, limits)
             sources += prepared
             if sources:
                 with record_function("attn.load_region"):

@@ -30,8 +30,8 @@ def add_parser(sub) -> None:
     p.set_defaults(run=run)
 
 
-def parse_tokens(text: str) -> list[int]:
-    """``"2k,8k,300"`` -> ``[2048, 8192, 300]``.
+def parse_tokens(text: str, flag: str = "token count") -> list[int]:
+    """``"2k,8k,300"`` -> ``[2048, 8192, 300]``; ``flag`` names the option in errors.
 
     Raises:
         ValueError: an entry that is not a positive integer with an optional k suffix.
@@ -42,9 +42,9 @@ def parse_tokens(text: str) -> list[int]:
         try:
             n = int(float(t[:-1]) * 1024) if t.endswith("k") else int(t)
         except ValueError:
-            raise ValueError(f"{part!r} is not a token count: use e.g. 2k,8k or 2048") from None
+            raise ValueError(f"{flag} {part!r} is not a token count: use e.g. 2k,8k or 2048") from None
         if n < 1:
-            raise ValueError(f"token counts must be >= 1, got {part!r}")
+            raise ValueError(f"{flag} must be >= 1 token, got {part!r}")
         out.append(n)
     return out
 
@@ -55,7 +55,12 @@ def run(args: argparse.Namespace) -> int:
     from writescope.engine.llm import LLM
     from writescope.scheduler.policies import parse_policy
 
-    batches, contexts = parse_tokens(args.batch), parse_tokens(args.context)
+    batches, contexts = parse_tokens(args.batch, "--batch"), parse_tokens(args.context, "--context")
+    if args.plot:
+        import importlib.util
+
+        if importlib.util.find_spec("matplotlib") is None:
+            raise ValueError("--plot needs matplotlib: pip install matplotlib (or the project's [plot] extra)")
     policies = [p.strip() for p in args.policies.split(",") if p.strip()]
     needs_roofline = any(p.lower() in ("writescope", "monolithic") for p in policies)
     for p in policies:

@@ -51,8 +51,10 @@ def _prompt(args) -> tuple[list[str] | None, list[list[int]] | None]:
             raise ValueError(f"--prompt-ids must be comma-separated integers, got {args.prompt_ids!r}") from e
         return None, [ids] * args.batch
     if args.prompt_file is not None:
-        if not args.prompt_file.is_file():
+        if not args.prompt_file.exists():
             raise FileNotFoundError(f"--prompt-file {args.prompt_file} does not exist")
+        if not args.prompt_file.is_file():
+            raise ValueError(f"--prompt-file {args.prompt_file} is not a regular file: give a text file")
         text = args.prompt_file.read_text(errors="replace")
     else:
         text = args.prompt
@@ -78,7 +80,7 @@ def run(args: argparse.Namespace) -> int:
     if args.machine_text is not None:
         from writescope.cli.bench import parse_tokens
 
-        (machine_tokens,) = parse_tokens(args.machine_text)
+        (machine_tokens,) = parse_tokens(args.machine_text, "--machine-text")
     elif (prompts is not None and not prompts[0]) or (prompt_ids is not None and not prompt_ids[0]):
         raise ValueError("the prompt is empty: give at least one token (--prompt, --prompt-file or --prompt-ids)")
     llm = LLM(
@@ -89,8 +91,9 @@ def run(args: argparse.Namespace) -> int:
     cfg = llm.config
     if llm.vram_plan is not None:
         p = llm.vram_plan
-        print(f"VRAM budget {p.budget / 2**30:.2f} GiB: {p.experts_gpu} of {p.experts_total} routed experts on {llm.device}, "
-              f"{p.experts_total - p.experts_gpu} on the CPU (see `writescope plan`)")
+        where = "" if llm.device.type == "cuda" else " (the device is the CPU here: the split only shows where they would live)"
+        print(f"VRAM budget {p.budget / 2**30:.2f} GiB: {p.experts_gpu} of {p.experts_total} routed experts on the device, "
+              f"{p.experts_total - p.experts_gpu} in host memory{where} (see `writescope plan`)")
     print(f"model: {cfg.architecture} ({cfg.num_layers} layers, {cfg.moe.num_experts} experts, top-{cfg.moe.top_k}), "
           f"{llm.load_info['source']}, {llm.dtype} on {llm.device}, loaded in {llm.load_info['load_s']:.1f} s; "
           f"experts: {'grouped GEMMs' if llm.load_info.get('grouped_experts') else 'one GEMM chain per expert (no grouped GEMM here)'}")
@@ -102,7 +105,7 @@ def run(args: argparse.Namespace) -> int:
 
         prompt_ids, have = machine_prompts(llm.tokenizer, machine_tokens, args.batch)
         print(f"prompts: {args.batch} x {machine_tokens} tokens of this machine's text (Python's license and docstrings; "
-              f"{have:,} tokens in all{', repeated where they run out' if have < machine_tokens + (args.batch - 1) * 997 else ''})")
+              f"read from {have:,} tokens of text{', repeated where they run out' if have < machine_tokens + (args.batch - 1) * 997 else ''})")
     outs = llm.generate(prompts, params, prompt_token_ids=prompt_ids)
     for o in outs:
         print(f"\n--- request {o.request_id}: {o.metrics.prompt_tokens} prompt tokens -> {o.metrics.output_tokens} new ({o.finish_reason})")

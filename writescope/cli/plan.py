@@ -15,6 +15,8 @@ def add_parser(sub) -> None:
     p.add_argument("--policy", default="writescope", help="KV placement policy (default writescope)")
     p.add_argument("--window", type=int, default=256, help="D (default 256)")
     p.add_argument("--dtype", default="bf16", help="bf16 (default), fp16 or fp32")
+    p.add_argument("--host-memory", default=None,
+                   help="host memory free on the machine that will run it, e.g. 125GiB (default: what this machine has free)")
     p.set_defaults(run=run)
 
 
@@ -29,17 +31,19 @@ def run(args: argparse.Namespace) -> int:
     from writescope.scheduler.policies import parse_policy
 
     budget = parse_size(args.vram_budget)
-    (context,) = parse_tokens(args.context)
+    (context,) = parse_tokens(args.context, "--context")
     for flag, value in (("--batch", args.batch), ("--window", args.window), ("--max-new-tokens", args.max_new_tokens)):
         if value < 1:
             raise ValueError(f"{flag} must be >= 1, got {value}")
     policy = parse_policy(args.policy, roofline=Roofline(1.0, 1.0))  # the share does not change the worst-case sizes
     cfg, _ = resolve_config(args.model)
     dtype = parse_dtype(args.dtype, torch.device("cuda"))
-    plan = make_plan(cfg, dtype, budget, args.batch, context, args.max_new_tokens, policy, args.window,
-                     host_free=available_memory(torch.device("cpu")))
+    host = parse_size(args.host_memory) if args.host_memory else available_memory(torch.device("cpu"))
+    plan = make_plan(cfg, dtype, budget, args.batch, context, args.max_new_tokens, policy, args.window, host_free=host)
     print(f"{args.model}: batch {args.batch} x ({context} + {args.max_new_tokens}) tokens, policy {args.policy}, {dtype}, D = {args.window}")
     print(format_plan(plan, cfg))
+    if not args.host_memory:
+        print("(host free is this machine's; plan for another with --host-memory)")
     plan.check()
     print("the plan fits")
     return 0

@@ -34,7 +34,7 @@ def run(args: argparse.Namespace) -> int:
     from writescope.cli.bench import parse_tokens
     from writescope.engine.llm import LLM
 
-    (context,) = parse_tokens(args.context)
+    (context,) = parse_tokens(args.context, "--context")
     if args.batch < 1 or args.steps < 1 or args.skip < 0:
         raise ValueError(f"--batch and --steps must be >= 1 and --skip >= 0, got {args.batch}, {args.steps}, {args.skip}")
     llm = LLM(args.model, synthetic=args.synthetic, device=args.device, dtype=args.dtype, progress=not args.quiet,
