@@ -43,6 +43,21 @@ def test_streamed_equals_cpu_and_device(preset, monkeypatch):
     torch.testing.assert_close(mixed, on_device, rtol=1e-5, atol=1e-5)
 
 
+def test_weight_slots_go_with_the_model():
+    import gc
+
+    llm = LLM("tiny-mixtral", progress=False)
+    b = _blocks(llm)[0]
+    b.offload_experts(range(1, b.cfg.num_experts))
+    b.stream_min_tokens = 1
+    with torch.no_grad():
+        b(torch.randn(40, b.gate.weight.shape[1]))
+    assert len(streaming._SLOTS) >= 1
+    del llm, b
+    gc.collect()
+    assert len(streaming._SLOTS) == 0
+
+
 def test_whole_model_with_streamed_experts_gives_the_same_tokens():
     llm = LLM("tiny-qwen3-moe", progress=False)
     prompts = [list(range(3, 3 + n)) for n in (200, 37)]

@@ -37,16 +37,38 @@ def test_chunks_land_in_strided_rows_after_flush(slow_writes):
     w.close()
 
 
-def test_a_failed_write_is_raised_at_flush_and_the_writer_goes_on(monkeypatch):
-    w = PrefillWriter(1024, torch.float32, torch.device("cpu"))
+def test_a_failed_write_is_raised_at_flush_and_the_writer_goes_on(slow_writes):
+    w = PrefillWriter(1024, torch.float32, torch.device("cpu"), buffers=1)  # every write reuses the failed one's buffer
+    later = torch.zeros(1, 1, 4, 2)
     w.write(torch.zeros(1, 1, 3, 2), torch.ones(1, 1, 4, 2))  # shapes differ: the copy fails in the thread
     with pytest.raises(RuntimeError):
+        w.write(later, torch.ones(1, 1, 4, 2))  # the buffer is needed again: its failure surfaces here, once
+    w.write(later, torch.ones(1, 1, 4, 2))
+    w.flush()  # the failure was reported once, above
+    assert torch.equal(later, torch.ones(1, 1, 4, 2))
+    bad = torch.zeros(1, 1, 3, 2)
+    w.write(bad, torch.ones(1, 1, 4, 2))
+    with pytest.raises(RuntimeError):
+        w.flush()  # a failure still pending is raised by flush, after every write has finished
+    for _ in range(3):
+        dst = torch.zeros(1, 1, 4, 2)
+        w.write(dst, torch.ones(1, 1, 4, 2))
         w.flush()
-    dst = torch.zeros(1, 1, 4, 2)
-    w.write(dst, torch.ones(1, 1, 4, 2))
-    w.flush()
-    assert torch.equal(dst, torch.ones(1, 1, 4, 2))
+        assert torch.equal(dst, torch.ones(1, 1, 4, 2))
     w.close()
+
+
+def test_cache_allocated_under_inference_mode():
+    """A user calling generate inside torch.inference_mode(): the compute rows are inference
+    tensors, written by the writer thread (outside inference mode) all the same."""
+    llm = LLM("tiny-qwen3-moe", progress=False)
+    prompts = [list(range(3, 300))]
+    params = SamplingParams(max_tokens=6, ignore_eos=True)
+    ref = [o.token_ids for o in llm.generate(prompt_token_ids=prompts, sampling_params=params)]
+    llm.set_policy("static:0.5", window=16)
+    with torch.inference_mode():
+        got = [o.token_ids for o in llm.generate(prompt_token_ids=prompts, sampling_params=params)]
+    assert got == ref
 
 
 @pytest.mark.parametrize("policy", ["cpu", "static:0.5", "monolithic:0.5"])

@@ -116,7 +116,7 @@ class SplitDecoder:
         qg = q.view(B, Hkv, Hq // Hkv, dk)
         self.stats.layer_steps += 1
         self.stats.last_cpu_seconds, self.stats.last_cpu_tokens = 0.0, 0
-        self._gpu_timer, self._gpu_timer_done = self._start_gpu_timer(), False
+        self._gpu_timer_done = False
         limits = [sq.n_comp[layer] if cpu_blocks is None else cpu_blocks[i] for i, sq in enumerate(seqs)]
         cpu_rows = [i for i in range(B) if limits[i] > 0]
         with record_function("kv.drain"):
@@ -128,6 +128,7 @@ class SplitDecoder:
         if cpu_rows and not self.cpu_inline:
             fut = self.pool.submit(self._cpu_part, layer, q_host, seqs, cpu_rows, limits, scale)
         try:
+            self._gpu_timer = self._start_gpu_timer()  # after q went to the host (a sync): the device part only
             with record_function("attn.window"):
                 states = [self._window_part(layer, qg, seqs, scale)]
             sources = [(i, run) for i, sq in enumerate(seqs) for run in sq.load_runs(layer, 0, sq.n_load[layer], s.pingpong_blocks)]
@@ -159,19 +160,20 @@ class SplitDecoder:
         if not self.cuda:
             return time.perf_counter()
         ev = torch.cuda.Event(enable_timing=True)
-        ev.record()
+        ev.record(torch.cuda.current_stream(self.device))
         return ev
 
     def _stop_gpu_timer(self, start):
         if not self.cuda:
             return time.perf_counter() - start
         end = torch.cuda.Event(enable_timing=True)
-        end.record()
+        end.record(torch.cuda.current_stream(self.device))
         return start, end
 
     def last_gpu_seconds(self) -> float:
         """Seconds the device spent on the last decode call's GPU part (D-window and load
-        region, from its first kernel to its last, before the CPU part is merged). On CUDA this
+        region, from its first kernel to its last, before the CPU part is merged; kernels are
+        launched from Python, so launch gaps count). On CUDA this
         waits for that part to finish (CUDA events); without CUDA it is the wall time of that part.
         """
         t = self._gpu_timer

@@ -262,7 +262,8 @@ class InplaceKVCache(KVCache):
         readers call :meth:`flush_writes` first."""
         if self._writer is None:
             s = self.spec
-            self._writer = PrefillWriter(s.pingpong_blocks * s.block_bytes, s.dtype, self.device, threads=default_attention_threads(self.device))
+            self._writer = PrefillWriter(s.pingpong_blocks * s.block_bytes, s.dtype, self.device,
+                                         threads=min(4, default_attention_threads(self.device)))
         self._writer.write(dst, src)
 
     def flush_writes(self) -> None:

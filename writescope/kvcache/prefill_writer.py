@@ -16,7 +16,7 @@ copies (so CI exercises the ordering).
 
 from __future__ import annotations
 
-from concurrent.futures import Future, ThreadPoolExecutor
+from concurrent.futures import Future, ThreadPoolExecutor, wait
 
 import torch
 
@@ -33,7 +33,7 @@ class PrefillWriter:
         dtype: element type of everything written.
         device: the device the sources live on (CUDA: DMA + events; CPU: plain copies).
         buffers: staging buffers in flight.
-        threads: intra-op threads of the writer thread.
+        threads: intra-op threads of the writer thread (a strided copy: a few are enough).
     """
 
     def __init__(self, buffer_bytes: int, dtype: torch.dtype, device: torch.device, buffers: int = STAGING_BUFFERS, threads: int = 1):
@@ -54,9 +54,10 @@ class PrefillWriter:
             self._bufs = [host_empty((self.numel,), self.dtype, pin=self.cuda) for _ in range(self.n_buffers)]
         b = self._next
         self._next = (b + 1) % self.n_buffers
-        if self._busy[b] is not None:
-            self._busy[b].result()  # re-raises a failed write
-            self._busy[b] = None
+        fut, self._busy[b] = self._busy[b], None
+        if fut is not None and fut.exception() is not None:  # waits; a failure is raised here, once
+            self._pending = [f for f in self._pending if f is not fut]
+            raise fut.exception()
         return b
 
     def write(self, dst: torch.Tensor, src: torch.Tensor) -> None:
@@ -74,7 +75,7 @@ class PrefillWriter:
                 self.copy_stream.wait_stream(cur)  # src was produced on the current stream
                 with torch.cuda.stream(self.copy_stream):
                     stage.copy_(part, non_blocking=True)
-                    event = torch.cuda.Event()
+                    event = torch.cuda.Event(blocking=True)  # the writer thread sleeps, not spins, on it
                     event.record(self.copy_stream)
                 part.record_stream(self.copy_stream)  # the allocator keeps src until the copy is done
                 fut = self._pool.submit(_finish, event, stage, dst[:, :, a : a + step])
@@ -85,10 +86,14 @@ class PrefillWriter:
             self._pending.append(fut)
 
     def flush(self) -> None:
-        """Wait until every issued write is in its destination (re-raises a failed write)."""
+        """Wait until every issued write is in its destination or failed; then re-raise the
+        first failure (every write has finished either way)."""
         pending, self._pending = self._pending, []
+        wait(pending)
+        self._busy = [None] * self.n_buffers  # every buffer is free; failures are reported here, once
         for fut in pending:
-            fut.result()
+            if fut.exception() is not None:
+                raise fut.exception()
 
     @property
     def in_flight(self) -> int:
@@ -109,4 +114,5 @@ class PrefillWriter:
 def _finish(event, stage: torch.Tensor, dst: torch.Tensor) -> None:
     if event is not None:
         event.synchronize()
-    dst.copy_(stage)
+    with torch.inference_mode():  # dst may be an inference tensor (a cache allocated under inference mode)
+        dst.copy_(stage)

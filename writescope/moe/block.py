@@ -119,10 +119,11 @@ class SparseMoeBlock(nn.Module):
         ):
             streamed = [e for e in host if counts[e] >= self.stream_min_tokens]
             host = [e for e in host if counts[e] < self.stream_min_tokens]
-        if host:  # the host experts' tokens, copied once: [n_host, D] on the CPU
+        if host:  # the host experts' tokens and routing weights, copied once: [n_host, D], [n_host] on the CPU
             with record_function("moe.tokens_to_host"):
                 host_tok = torch.cat([token_of[starts[e] : starts[e + 1]] for e in host])
                 x_host = x[host_tok].to("cpu")
+                w_host = torch.cat([w_sorted[starts[e] : starts[e + 1]] for e in host]).to("cpu", x.dtype)
         with record_function("moe.device_experts"):
             if self.packed is not None:
                 self.packed(x, weights, ids, out)
@@ -141,7 +142,7 @@ class SparseMoeBlock(nn.Module):
             with record_function("moe.host_experts"), intra_op_threads(self.host_threads or torch.get_num_threads()):
                 for e in host:
                     n = counts[e]
-                    ys.append(self.experts[e](x_host[off : off + n]) * w_sorted[starts[e] : starts[e + 1], None].to("cpu", x.dtype))
+                    ys.append(self.experts[e](x_host[off : off + n]) * w_host[off : off + n, None])
                     off += n
             out.index_add_(0, host_tok, torch.cat(ys).to(x.device))
         return self._shared(x, out)

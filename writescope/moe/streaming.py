@@ -16,6 +16,8 @@ and are computed as grouped GEMMs like the device experts. The slots are part of
 
 from __future__ import annotations
 
+import weakref
+
 import torch
 
 from writescope.moe.grouped import grouped_swiglu
@@ -23,7 +25,7 @@ from writescope.moe.grouped import grouped_swiglu
 MIN_TOKENS = 32  # assigned tokens from which an expert is streamed rather than computed on the CPU
 SLOTS = 4  # experts per slot group (two groups: double buffering)
 
-_SLOTS: dict[tuple, "WeightSlots"] = {}
+_SLOTS: "weakref.WeakValueDictionary[tuple, WeightSlots]" = weakref.WeakValueDictionary()  # freed with the last block holding them
 
 
 class WeightSlots:
@@ -43,9 +45,10 @@ class WeightSlots:
     def for_shape(device: torch.device, dtype: torch.dtype, hidden: int, inter: int, slots: int | None = None) -> "WeightSlots":
         slots = slots or SLOTS
         key = (str(device), dtype, hidden, inter, slots)
-        if key not in _SLOTS:
-            _SLOTS[key] = WeightSlots(device, dtype, hidden, inter, slots)
-        return _SLOTS[key]
+        ws = _SLOTS.get(key)
+        if ws is None:
+            ws = _SLOTS[key] = WeightSlots(device, dtype, hidden, inter, slots)
+        return ws
 
     def nbytes(self) -> int:
         return self.w13.numel() * self.w13.element_size() + self.w2.numel() * self.w2.element_size()
@@ -68,9 +71,20 @@ def run_streamed(host_pack, experts: list[int], rows: list[torch.Tensor], weight
     """
     D, I = host_pack.hidden, host_pack.inter
     ws = WeightSlots.for_shape(x.device, x.dtype, D, I)
+    host_pack.slots = ws  # the block keeps the slots alive (they go with the last block using them)
     index = {e: s for s, e in enumerate(host_pack.ids)}
     cur = torch.cuda.current_stream(x.device) if ws.cuda else None
     groups = [experts[a : a + ws.slots] for a in range(0, len(experts), ws.slots)]
+    # every group's offsets in one small host-to-device copy before the loop, from pinned memory,
+    # so no copy inside the loop waits for the stream
+    ends = []
+    for group in groups:
+        run = 0
+        for e in group:
+            run += rows[experts.index(e)].numel()
+            ends.append(run)
+    offs_all = torch.tensor(ends, dtype=torch.int32)
+    offs_all = (offs_all.pin_memory() if ws.cuda else offs_all).to(x.device, non_blocking=True)
     ready = _issue_copy(ws, host_pack, index, groups[0], 0, cur)
     for g, group in enumerate(groups):
         b = g % 2
@@ -80,7 +94,8 @@ def run_streamed(host_pack, experts: list[int], rows: list[torch.Tensor], weight
         sel = [experts.index(e) for e in group]
         tok = torch.cat([rows[i] for i in sel])
         w = torch.cat([weights[i] for i in sel]).to(x.dtype)
-        offs = torch.tensor([r.numel() for r in (rows[i] for i in sel)], device=x.device).cumsum(0).to(torch.int32)
+        first = g * ws.slots
+        offs = offs_all[first : first + len(group)]
         n = len(group)
         y = grouped_swiglu(x[tok], ws.w13[b, :n], ws.w2[b, :n], offs, I)
         out.index_add_(0, tok, y.mul_(w[:, None]))
