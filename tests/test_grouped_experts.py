@@ -135,3 +135,25 @@ def test_grouped_on_cuda_bf16_real_shapes(preset):
         block.grouped, block.packed = False, None
         ref = block(x)
     torch.testing.assert_close(got.float(), ref.float(), rtol=2e-2, atol=2e-3)
+
+
+@pytest.mark.gpu
+def test_grouped_path_never_waits_for_the_device():
+    """All experts on the GPU: routing, sorting, grouped GEMMs and the scatter run without a
+    host sync (torch's sync debug mode turns any sync into an error)."""
+    from writescope.engine.model_loader import resolve_config
+
+    cfg, _ = resolve_config("qwen3-30b-a3b")
+    block = SparseMoeBlock(cfg.moe, cfg.hidden_size, deepseek=False).to("cuda", torch.bfloat16)
+    with torch.no_grad():
+        for p in block.parameters():
+            p.normal_(0.0, 0.02)
+        assert block.pack()
+        x = torch.randn(16, cfg.hidden_size, device="cuda", dtype=torch.bfloat16)
+        block(x)  # warm-up
+        torch.cuda.synchronize()
+        torch.cuda.set_sync_debug_mode("error")
+        try:
+            block(x)
+        finally:
+            torch.cuda.set_sync_debug_mode("default")

@@ -156,6 +156,12 @@ class SplitDecoder:
             o, _ = merge_unchecked([st[0] for st in states], [st[1] for st in states])
             return o.view(B, Hq, dv).to(q.dtype)
 
+    def _to_device(self, t: torch.Tensor) -> torch.Tensor:
+        """A small host tensor to the device without waiting: from pageable memory a copy waits
+        for the stream's earlier work, so it goes through pinned memory (torch's caching host
+        allocator keeps that block until the copy is done)."""
+        return t.pin_memory().to(self.device, non_blocking=True) if self.cuda else t
+
     def _start_gpu_timer(self):
         if not self.cuda:
             return time.perf_counter()
@@ -217,7 +223,7 @@ class SplitDecoder:
         self.stats.window_tokens += int(lens.sum())
         k = win[:, 0].unsqueeze(1)  # [B, 1, Hkv, D, dk]
         v = win[:, 1].unsqueeze(1) if s.parts == 2 else k[..., : s.layout.v_dim]
-        return attend_blocks(qg, k, v, scale, lens.to(self.device, non_blocking=True))
+        return attend_blocks(qg, k, v, scale, self._to_device(lens))
 
     def _load_part(self, qg, sources, scale, evict_stream):
         """Stream every sequence's load blocks through the ping-pong buffers. Runs of several
@@ -228,7 +234,7 @@ class SplitDecoder:
         fills = list(self._fills(sources))
         runs = [(i, src.shape[0]) for fill in fills for i, src in fill]
         ids_host = torch.repeat_interleave(torch.tensor([i for i, _ in runs]), torch.tensor([n for _, n in runs]))  # [blocks]
-        ids = ids_host.to(self.device, non_blocking=True)
+        ids = self._to_device(ids_host)
         acc = torch.promote_types(s.dtype, torch.float32)
         o_blk = torch.empty(len(ids_host), Hkv, G, s.layout.v_dim, dtype=acc, device=self.device)
         lse_blk = torch.empty(len(ids_host), Hkv, G, dtype=acc, device=self.device)

@@ -119,7 +119,9 @@ class PackedExperts:
         slot = self.slot_of[ids.flatten()]  # [T*K]
         order = torch.argsort(slot, stable=True)
         slot_sorted = slot[order]
-        ends = torch.bincount(slot, minlength=G + 1)[:G].cumsum(0)  # [G] group ends over all rows
+        # per-slot counts by scatter_add: CUDA's bincount reads the max back to the host (a sync)
+        counts = torch.zeros(G + 1, dtype=torch.long, device=slot.device).scatter_add_(0, slot, torch.ones_like(slot))
+        ends = counts[:G].cumsum(0)  # [G] group ends over all rows
         w_sorted = weights.flatten()[order]
         rows = order.numel()
         for start in range(0, rows, ROW_CHUNK):
