@@ -1,0 +1,38 @@
+#!/usr/bin/env bash
+# The H200 runs the open issues still need, one part per device call (each well under 10 minutes):
+#   bash benchmarks/h200_session.sh tests      # every gpu-marked test (about 2 min)
+#   bash benchmarks/h200_session.sh split      # one-layer split attention + prefill routing (issue 3)
+#   bash benchmarks/h200_session.sh experts    # expert phase: grouped vs loop, fraction on GPU, streaming (issue 5)
+#   bash benchmarks/h200_session.sh scheduler  # calibrate + writescope bench, Qwen3 shape, batch 16, 8K-32K (issue 4)
+#   bash benchmarks/h200_session.sh profile    # where a decode step goes, Qwen3 shape, 4 layers, 16 x 32K
+# Results go to $OUT (the device tool's folder) or benchmarks/results/new; copy what you keep into
+# benchmarks/results/ with the command line above.
+set -euo pipefail
+cd "$(dirname "$0")/.."
+export PYTHONPATH=.
+out=${OUT:-benchmarks/results/new}
+mkdir -p "$out"
+export XDG_CACHE_HOME="$out/cache"
+git log --oneline -1 2>/dev/null || true
+case "${1:-}" in
+  tests)
+    python3 -m pytest -m gpu -v -p no:cacheprovider tests 2>&1 | tee "$out/gpu_tests_h200.log" | tail -40 ;;
+  split)
+    python3 benchmarks/split_attention.py --shares-list 0,0.25,0.3125,0.375,0.5,1 --out "$out/split_attention_h200" \
+      2>&1 | tee "$out/split_attention_h200.log" | tail -30 ;;
+  experts)
+    python3 benchmarks/experts.py --models qwen3-30b-a3b,deepseek-v2-lite --out "$out/experts_h200" \
+      2>&1 | tee "$out/experts_h200.log" | tail -30 ;;
+  scheduler)
+    python3 -m writescope.cli.main calibrate --model qwen3-30b-a3b --device cuda --quiet | tee "$out/calibrate_h200.log"
+    python3 -m writescope.cli.main bench --model qwen3-30b-a3b --num-layers 2 --batch 16 --context 32k,16k,8k \
+      --policies gpu,cpu,monolithic,writescope --sweep-static 16 --steps 16 --quiet \
+      --output-json "$out/bench_qwen3_h200.json" --plot "$out/bench_qwen3_h200.png" 2>&1 | tee "$out/bench_qwen3_h200.log" | tail -8 ;;
+  profile)
+    for p in writescope gpu; do
+      python3 -m writescope.cli.main profile --model qwen3-30b-a3b --num-layers 4 --batch 16 --context 32k --policy "$p" \
+        --quiet --output-json "$out/profile_qwen3_$p.json" 2>&1 | grep -v USDT | tee "$out/profile_qwen3_$p.log"
+    done ;;
+  *)
+    echo "usage: $0 tests|split|experts|scheduler|profile" >&2; exit 2 ;;
+esac
