@@ -71,3 +71,31 @@ def test_whole_chunks_read_in_place_and_tails_in_one_call(monkeypatch):
     tails = [c for c in calls if c[0][2] != 512]
     assert [c[0][0] for c in whole] == [2, 2, 1] and not any(c[1] for c in whole)  # strided views of the regions
     assert len(tails) == 1 and tails[0][0] == (3, 2, 256, 16)
+
+
+@pytest.mark.parametrize("chunk", [512, 16])
+def test_mla_latent_through_the_flash_op(chunk, monkeypatch):
+    """MLA: V is the first dv columns of the latent K (a view); the op is given the latent as
+    both and the first dv output columns kept. Exact against float64; the op is called (not the
+    plain-torch fallback)."""
+    monkeypatch.setattr(partial, "MIN_CPU_CHUNK", chunk)
+    calls = []
+    real = partial._cpu_flash
+    monkeypatch.setattr(partial, "_cpu_flash", lambda *a, **k: (calls.append(1), real(*a, **k))[1])
+    gen = torch.Generator().manual_seed(5)
+    dk, dv, G = 40, 32, 16
+    lengths = [1, 17, 0, 513, 1100]
+    kv = []
+    for n in lengths:
+        lat = torch.randn(1, n + 3, dk, generator=gen)[:, :n] if n else None  # [1 head, n, dk] rows of a region
+        kv.append(None if lat is None else (lat, lat[..., :dv]))
+    q = torch.randn(len(lengths), 1, G, dk, generator=gen)
+    o, lse = cpu_attend(q, kv, dk**-0.5, dv)
+    assert o.shape == (len(lengths), 1, G, dv) and calls
+    for i, x in enumerate(kv):
+        if x is None:
+            assert torch.all(lse[i] == float("-inf"))
+            continue
+        ro, rl = reference(q[i], x[0], x[1], dk**-0.5)
+        torch.testing.assert_close(o[i].double(), ro, rtol=1e-5, atol=1e-5)
+        torch.testing.assert_close(lse[i].double(), rl, rtol=1e-5, atol=1e-5)

@@ -114,9 +114,16 @@ def cpu_attend(
     (about 0.25 ms on the H200 host): a first version split n into chunks of n // (n // 512)
     keys plus a separate tail call per sequence, and an odd number of 256-token blocks made a
     16-sequence step 50% slower. All partials of all sequences are merged by lse in one pass.
-    Other shapes (MLA's 576/512) use :func:`attend_blocks` in chunks of ``FALLBACK_CHUNK`` keys.
+
+    MLA (V = the first ``dv`` columns of the 576-wide latent K, a view of the same rows): the op
+    needs equal K and V widths, so it is given the latent as both and the first ``dv`` output
+    columns are kept; exact, with 12.5% more value work, at the op's speed (the plain-torch path
+    read the latent at 6-7 GB/s on the H200 host; benchmarks/results/calibrate.md). Other
+    shapes use :func:`attend_blocks` in chunks of ``FALLBACK_CHUNK`` keys.
     """
     B, Hkv, G, _ = q.shape
+    kv = [None if x is None else _latent_as_values(*x) for x in kv]
+    width_v = max([x[1].shape[-1] for x in kv if x is not None] or [dv])
     parts = [None if x is None else _cpu_partials(q[i], x[0], x[1], scale) for i, x in enumerate(kv)]
     tails = dict(_cpu_tails(q, kv, scale))
     counts = [(0 if p is None else p[0].shape[0]) + (i in tails) for i, p in enumerate(parts)]
@@ -124,7 +131,7 @@ def cpu_attend(
     width = max(counts + [1])
     # written in place, not zero-filled and concatenated: at 16 x 10K keys the fills and cats of
     # a first version cost 2-4 ms per step on the H200 host (fresh pages of large temporaries)
-    o = torch.empty(B, width, Hkv, G, dv, dtype=acc)
+    o = torch.empty(B, width, Hkv, G, width_v, dtype=acc)
     lse = torch.empty(B, width, Hkv, G, dtype=acc)
     for i, p in enumerate(parts):
         n = 0
@@ -138,8 +145,16 @@ def cpu_attend(
             o[i, n:] = 0
             lse[i, n:] = float("-inf")
     if width == 1:
-        return o[:, 0], lse[:, 0]
-    return merge_stacked(o, lse, dim=1)
+        return o[:, 0, ..., :dv], lse[:, 0]
+    o, lse = merge_stacked(o, lse, dim=1)
+    return o[..., :dv], lse
+
+
+def _latent_as_values(k: torch.Tensor, v: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """``(k, k)`` when ``v`` is the leading columns of ``k`` (MLA's latent), else ``(k, v)``."""
+    if v.shape[-1] < k.shape[-1] and v.data_ptr() == k.data_ptr() and v.stride() == k.stride() and v.shape[:-1] == k.shape[:-1]:
+        return k, k
+    return k, v
 
 
 def _flash_ok(k, v) -> bool:
