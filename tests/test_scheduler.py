@@ -225,3 +225,40 @@ def test_monolithic_baseline_gives_resident_tokens_and_prepares_every_step(polic
     assert all(o.kv_placement["load"] == 0 for o in outs)  # one physical state
     stats = llm.cache.decoder.stats
     assert stats.prepared_bytes > 0 and stats.prepare_seconds > 0 and stats.cpu_tokens > 0
+
+
+def test_generate_records_the_r_trace(capsys, tmp_path):
+    """The r(L) trace: one point before the first decode step and one per step. With a fixed
+    target the placed share stays within one block of it; with ``writescope`` the target moves
+    with the measured CPU cost (here a CPU far slower than the roofline given: it falls towards
+    0) and the placed share follows only through new blocks (placed ones never move)."""
+    llm = LLM("tiny-qwen3-moe", progress=False)
+    prompts = [list(range(3, 3 + 256)), list(range(5, 5 + 256))]
+    params = SamplingParams(max_tokens=61, ignore_eos=True)
+    llm.set_policy("static:0.25", window=16)
+    llm.generate(prompt_token_ids=prompts, sampling_params=params)
+    trace = llm.r_trace
+    assert [p["step"] for p in trace] == list(range(61))
+    assert trace[-1]["L"] > trace[0]["L"] == 256
+    for p in trace:
+        assert p["target"] == 0.25 and abs(p["deployed"] - 0.25) <= 16 / p["L"] + 1e-9
+    llm.set_policy("writescope", window=16, roofline=Roofline(a=3e-9, b=1e-9))  # r = 0.25 until A is measured
+    llm.generate(prompt_token_ids=prompts, sampling_params=params)
+    trace = llm.r_trace
+    assert trace[0]["target"] == pytest.approx(0.25) and trace[0]["deployed"] == 0.25
+    assert trace[-1]["target"] < 0.1  # measured A >> 3 ns/token
+    assert trace[-1]["deployed"] < trace[0]["deployed"]  # new blocks went to the load region
+    llm.set_policy("resident")
+    llm.generate(prompt_token_ids=prompts, sampling_params=SamplingParams(max_tokens=3))
+    assert llm.r_trace is None
+
+
+def test_generate_cli_prints_the_r_trace(tmp_path, capsys, monkeypatch):
+    from writescope.cli.main import main
+
+    monkeypatch.setenv("XDG_CACHE_HOME", str(tmp_path))
+    out = tmp_path / "g.json"
+    assert main(["generate", "--model", "tiny-qwen3-moe", "--prompt-ids", ",".join(["7"] * 100), "--max-new-tokens", "20",
+                 "--policy", "static:0.5", "--window", "16", "--quiet", "--output-json", str(out)]) == 0
+    assert "r(L) trace" in capsys.readouterr().out
+    assert len(json.loads(out.read_text())["r_trace"]) == 20

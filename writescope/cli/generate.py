@@ -111,12 +111,27 @@ def run(args: argparse.Namespace) -> int:
         print(f"\n--- request {o.request_id}: {o.metrics.prompt_tokens} prompt tokens -> {o.metrics.output_tokens} new ({o.finish_reason})")
         print(o.text)
     print("\n" + format_timings(outs, llm.policy_name))
+    if llm.r_trace:
+        print(format_r_trace(llm.r_trace))
     if args.output_json:
         args.output_json.parent.mkdir(parents=True, exist_ok=True)
-        doc = {"model": args.model, "device": str(llm.device), "dtype": str(llm.dtype), "policy": llm.policy_name, "requests": [o.to_dict() for o in outs]}
+        doc = {"model": args.model, "device": str(llm.device), "dtype": str(llm.dtype), "policy": llm.policy_name,
+               "r_trace": llm.r_trace, "requests": [o.to_dict() for o in outs]}
         args.output_json.write_text(json.dumps(doc, indent=2))
         print(f"wrote {args.output_json}")
     return 0
+
+
+def format_r_trace(trace: list[dict], lines: int = 8) -> str:
+    """The CPU share over the decode: target r(L) of the policy and the share placed, at most
+    ``lines`` evenly spaced points (all of them are in --output-json)."""
+    pick = trace if len(trace) <= lines else [trace[round(i * (len(trace) - 1) / (lines - 1))] for i in range(lines)]
+
+    def f(x):
+        return "-" if x is None else f"{x:.3f}"
+
+    rows = [f"  step {p['step']:>5}  L {p['L']:>10,.0f}  target r(L) {f(p['target'])}  placed {f(p['deployed'])}" for p in pick]
+    return "r(L) trace (mean placed tokens per sequence L)\n" + "\n".join(rows)
 
 
 def format_timings(outs, policy: str = "resident") -> str:

@@ -135,6 +135,7 @@ class LLM:
             enforce_budget(self.device, self.vram_plan.budget)
         self.seed = seed
         self.step_hook = None  # called after every decode step (profilers; see writescope.bench.breakdown)
+        self.r_trace: list[dict] | None = None  # the last generate's r(L) trace (partitioned policies)
         self.prefill_chunk_tokens = prefill_chunk_tokens
         self.progress = progress
         self.pinned_budget = pinned_budget if pinned_budget is not None else (host_memory_total() or 0) // 2 or None
@@ -338,6 +339,10 @@ class LLM:
         for i in range(B):
             check(i, t_first)
         decode_tokens = 0
+        trace = [] if isinstance(self.cache, InplaceKVCache) else None
+        self.r_trace = trace
+        if trace is not None:
+            trace.append(self._r_point(0, slots))
         while True:
             active = [i for i in range(B) if finish[i] is None]
             if not active:
@@ -353,6 +358,8 @@ class LLM:
                 out_ids[i].append(t)
                 check(i, now)
             decode_tokens += len(active)
+            if trace is not None:
+                trace.append(self._r_point(len(out_ids[active[0]]) - 1, [slots[i] for i in active]))
             if self.step_hook is not None:
                 self.step_hook()
         t_end = time.perf_counter()
@@ -379,6 +386,16 @@ class LLM:
             )
             self._next_request_id += 1
         return outputs
+
+    def _r_point(self, step: int, slots: list[int]) -> dict:
+        """One point of the r(L) trace: after ``step`` decode steps, the mean placed tokens per
+        sequence L, the policy's target share r(L) and the share placed on the CPU side."""
+        placed = [self.cache.placement(s) for s in slots]
+        comp, load = sum(p["compute"] for p in placed), sum(p["load"] for p in placed)
+        L = (comp + load) / max(1, len(slots))
+        target = self.cache.policy.cpu_share(int(L)) if not getattr(self.cache.policy, "monolithic", False) else None
+        return {"step": step, "L": L, "target": target, "deployed": comp / (comp + load) if comp + load else None}
+
 
 
 def available_memory(device: torch.device) -> int | None:
