@@ -31,13 +31,22 @@ def main() -> None:
     p.add_argument("--max-new-tokens", type=int, default=48)
     p.add_argument("--prompt-modules", default="json.decoder,json.encoder")
     p.add_argument("--prompt-tokens", type=int, default=None, help="truncate each prompt to this many tokens")
+    p.add_argument("--machine-text", type=int, default=None, metavar="TOKENS",
+                   help="instead: prompts of TOKENS tokens of this machine's text (writescope generate --machine-text)")
+    p.add_argument("--vram-budget", default=None, help="run under a GPU budget, e.g. 32GiB")
     p.add_argument("--out", type=Path, default=None)
     a = p.parse_args()
     t0 = time.perf_counter()
-    llm = LLM(a.model, device=a.device, dtype=a.dtype, progress=False)
-    text = "".join(Path(importlib.import_module(m).__file__).read_text() for m in a.prompt_modules.split(","))
-    ids = llm.tokenizer.encode(text)[: a.prompt_tokens]
-    prompts = [ids[i:] for i in range(a.batch)]  # ragged: request i drops its first i tokens
+    llm = LLM(a.model, device=a.device, dtype=a.dtype, progress=False, vram_budget=a.vram_budget, max_batch=a.batch)
+    if a.machine_text:
+        from writescope.engine.machine_text import machine_prompts
+
+        prompts, _ = machine_prompts(llm.tokenizer, a.machine_text, a.batch)
+        prompts = [x[i:] for i, x in enumerate(prompts)]  # ragged: request i drops its first i tokens
+    else:
+        text = "".join(Path(importlib.import_module(m).__file__).read_text() for m in a.prompt_modules.split(","))
+        ids = llm.tokenizer.encode(text)[: a.prompt_tokens]
+        prompts = [ids[i:] for i in range(a.batch)]  # ragged: request i drops its first i tokens
     print(f"{a.model} on {llm.device} ({llm.dtype}), built in {time.perf_counter() - t0:.1f} s; "
           f"prompts {[len(x) for x in prompts]} tokens, {a.max_new_tokens} new")
     params = SamplingParams(max_tokens=a.max_new_tokens, ignore_eos=True)
