@@ -99,3 +99,59 @@ def test_mla_latent_through_the_flash_op(chunk, monkeypatch):
         ro, rl = reference(q[i], x[0], x[1], dk**-0.5)
         torch.testing.assert_close(o[i].double(), ro, rtol=1e-5, atol=1e-5)
         torch.testing.assert_close(lse[i].double(), rl, rtol=1e-5, atol=1e-5)
+
+
+# ------------------------------------------------------------------ the C++ kernel (opt-in backend)
+kernel = pytest.importorskip("writescope.attention.cpu_kernel")
+
+
+@pytest.fixture
+def use_kernel(monkeypatch):
+    if not kernel.kernel_available():
+        pytest.skip("no C++ compiler for the CPU attention kernel")
+    monkeypatch.setenv("WRITESCOPE_CPU_ATTENTION", "kernel")
+
+
+@pytest.mark.parametrize("chunk", [512, 16])
+@pytest.mark.parametrize("dtype, tol", [(torch.float32, 1e-5), (torch.bfloat16, 2e-2)])
+@pytest.mark.parametrize("shape", ["gqa", "mla"])
+def test_kernel_matches_float64(use_kernel, monkeypatch, chunk, dtype, tol, shape):
+    """One call for the whole ragged batch; GQA (K and V rows) and MLA (V = first dv columns of
+    the latent rows, a strided view)."""
+    monkeypatch.setattr(kernel, "CHUNK", chunk)
+    calls = []
+    real = kernel._extension().attend
+    monkeypatch.setattr(kernel, "_extension", lambda: type("E", (), {"attend": staticmethod(lambda *a: (calls.append(1), real(*a))[1])}))
+    gen = torch.Generator().manual_seed(7)
+    lengths = [1, 15, 16, 17, 0, 511, 512, 513, 4097]
+    if shape == "gqa":
+        Hkv, G, dk, dv = 2, 4, 32, 32
+        kv = regions(lengths, Hkv, dk, dtype, gen)
+    else:
+        Hkv, G, dk, dv = 1, 16, 40, 32
+        kv = []
+        for n in lengths:
+            lat = torch.randn(1, n + 3, dk, generator=gen).to(dtype)[:, :n]
+            kv.append((lat, lat[..., :dv]) if n else None)
+    q = torch.randn(len(lengths), Hkv, G, dk, generator=gen).to(dtype)
+    o, lse = cpu_attend(q, kv, dk**-0.5, dv)
+    assert len(calls) == 1 and o.shape == (len(lengths), Hkv, G, dv)
+    for i, x in enumerate(kv):
+        if x is None:
+            assert torch.all(o[i] == 0) and torch.all(lse[i] == float("-inf"))
+            continue
+        ro, rl = reference(q[i], x[0], x[1], dk**-0.5)
+        torch.testing.assert_close(o[i].double(), ro, rtol=tol, atol=tol)
+        torch.testing.assert_close(lse[i].double(), rl, rtol=tol, atol=tol)
+
+
+def test_policies_give_resident_tokens_with_the_kernel(use_kernel):
+    from writescope import LLM, SamplingParams
+
+    llm = LLM("tiny-qwen3-moe", progress=False)
+    prompts = [list(range(3, 3 + n)) for n in (300, 17, 129)]
+    params = SamplingParams(max_tokens=20, ignore_eos=True)
+    ref = [o.token_ids for o in llm.generate(prompt_token_ids=prompts, sampling_params=params)]
+    for pol in ("cpu", "static:0.5"):
+        llm.set_policy(pol, window=16)
+        assert [o.token_ids for o in llm.generate(prompt_token_ids=prompts, sampling_params=params)] == ref
