@@ -111,8 +111,8 @@ def cpu_attend(
     That op parallelises over batch x heads only, so each sequence's keys are viewed in place
     as a batch of chunks of exactly ``MIN_CPU_CHUNK`` keys (no copy, one call per sequence);
     the tails (the last ``n mod MIN_CPU_CHUNK`` keys) of all sequences with the same tail length
-    are copied into one batch and attended by one call. Each call costs a parallel region
-    (about 0.25 ms on the H200 host): a first version split n into chunks of n // (n // 512)
+    are copied into one batch and attended by one call. Each call costs a parallel region of
+    its own (not measured alone): a first version split n into chunks of n // (n // 512)
     keys plus a separate tail call per sequence, and an odd number of 256-token blocks made a
     16-sequence step 50% slower. All partials of all sequences are merged by lse in one pass.
 
