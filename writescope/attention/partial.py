@@ -135,7 +135,7 @@ def cpu_attend(
     acc = torch.promote_types(q.dtype, torch.float32)
     width = max(counts + [1])
     # written in place, not zero-filled and concatenated: at 16 x 10K keys the fills and cats of
-    # a first version cost 2-4 ms per step on the H200 host (fresh pages of large temporaries)
+    # a first version cost 1.4-5.0 ms per step on the H200 host (benchmarks/results/scheduler.md)
     o = torch.empty(B, width, Hkv, G, width_v, dtype=acc)
     lse = torch.empty(B, width, Hkv, G, dtype=acc)
     for i, p in enumerate(parts):
