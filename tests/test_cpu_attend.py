@@ -17,6 +17,17 @@ def reference(q, k, v, scale):
     return torch.einsum("hgn,hnd->hgd", torch.softmax(s, dim=-1), v.double()), lse
 
 
+def assert_matches_reference(q, kv, o, lse, scale, tol):
+    """Each sequence's (o, lse) equals float64 attention; empty ones are (0, -inf)."""
+    for i, x in enumerate(kv):
+        if x is None:
+            assert torch.all(o[i] == 0) and torch.all(lse[i] == float("-inf"))
+            continue
+        ro, rl = reference(q[i], x[0], x[1], scale)
+        torch.testing.assert_close(o[i].double(), ro, rtol=tol, atol=tol)
+        torch.testing.assert_close(lse[i].double(), rl, rtol=tol, atol=tol)
+
+
 def regions(lengths, Hkv, dk, dtype, gen, cap=None):
     """Per sequence a [2, Hkv, cap, dk] region (per-head rows, as the compute region) and its
     first n keys as views; None where the length is 0."""
@@ -42,13 +53,7 @@ def test_matches_float64_on_ragged_lengths(chunk, dtype, tol, monkeypatch):
     q = torch.randn(len(lengths), Hkv, G, dk, generator=gen).to(dtype)
     o, lse = cpu_attend(q, kv, dk**-0.5, dk)
     assert o.shape == (len(lengths), Hkv, G, dk) and lse.shape == (len(lengths), Hkv, G)
-    for i, x in enumerate(kv):
-        if x is None:
-            assert torch.all(o[i] == 0) and torch.all(lse[i] == float("-inf"))
-            continue
-        ro, rl = reference(q[i], x[0], x[1], dk**-0.5)
-        torch.testing.assert_close(o[i].double(), ro, rtol=tol, atol=tol)
-        torch.testing.assert_close(lse[i].double(), rl, rtol=tol, atol=tol)
+    assert_matches_reference(q, kv, o, lse, dk**-0.5, tol)
 
 
 def test_whole_chunks_read_in_place_and_tails_in_one_call(monkeypatch):
@@ -136,13 +141,7 @@ def test_kernel_matches_float64(use_kernel, monkeypatch, chunk, dtype, tol, shap
     q = torch.randn(len(lengths), Hkv, G, dk, generator=gen).to(dtype)
     o, lse = cpu_attend(q, kv, dk**-0.5, dv)
     assert len(calls) == 1 and o.shape == (len(lengths), Hkv, G, dv)
-    for i, x in enumerate(kv):
-        if x is None:
-            assert torch.all(o[i] == 0) and torch.all(lse[i] == float("-inf"))
-            continue
-        ro, rl = reference(q[i], x[0], x[1], dk**-0.5)
-        torch.testing.assert_close(o[i].double(), ro, rtol=tol, atol=tol)
-        torch.testing.assert_close(lse[i].double(), rl, rtol=tol, atol=tol)
+    assert_matches_reference(q, kv, o, lse, dk**-0.5, tol)
 
 
 def test_policies_give_resident_tokens_with_the_kernel(use_kernel):
