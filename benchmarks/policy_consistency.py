@@ -38,8 +38,11 @@ def main() -> None:
     a = p.parse_args()
     t0 = time.perf_counter()
     llm = LLM(a.model, device=a.device, dtype=a.dtype, progress=False, vram_budget=a.vram_budget, max_batch=a.batch)
-    if a.machine_text:
+    if a.machine_text is not None:
         from writescope.engine.machine_text import machine_prompts
+
+        if a.machine_text <= a.batch:
+            raise SystemExit(f"--machine-text {a.machine_text} must exceed --batch {a.batch} (request i drops its first i tokens)")
 
         prompts, _ = machine_prompts(llm.tokenizer, a.machine_text, a.batch)
         prompts = [x[i:] for i, x in enumerate(prompts)]  # ragged: request i drops its first i tokens

@@ -59,6 +59,7 @@ def test_matches_float64_on_ragged_lengths(chunk, dtype, tol, monkeypatch):
 def test_whole_chunks_read_in_place_and_tails_in_one_call(monkeypatch):
     """The op is called once per sequence with whole chunks (views of the region, no copy) and
     once for all tails of one length."""
+    monkeypatch.setenv("WRITESCOPE_CPU_ATTENTION", "flash")
     calls = []
     real = partial._cpu_flash
 
@@ -84,6 +85,7 @@ def test_mla_latent_through_the_flash_op(chunk, monkeypatch):
     both and the first dv output columns kept. Exact against float64; the op is called (not the
     plain-torch fallback)."""
     monkeypatch.setattr(partial, "MIN_CPU_CHUNK", chunk)
+    monkeypatch.setenv("WRITESCOPE_CPU_ATTENTION", "flash")
     calls = []
     real = partial._cpu_flash
     monkeypatch.setattr(partial, "_cpu_flash", lambda *a, **k: (calls.append(1), real(*a, **k))[1])
@@ -142,6 +144,55 @@ def test_kernel_matches_float64(use_kernel, monkeypatch, chunk, dtype, tol, shap
     o, lse = cpu_attend(q, kv, dk**-0.5, dv)
     assert len(calls) == 1 and o.shape == (len(lengths), Hkv, G, dv)
     assert_matches_reference(q, kv, o, lse, dk**-0.5, tol)
+
+
+def test_kernel_edge_inputs(use_kernel):
+    """No keys at all: the empty partials, not a crash; mixed dtypes or a K narrower than q: the
+    flash op instead of the kernel."""
+    o, lse = cpu_attend(torch.randn(2, 1, 1, 8), [None, None], 1.0, 8)
+    assert torch.all(o == 0) and torch.all(lse == float("-inf"))
+    q = torch.randn(2, 1, 2, 8)
+    kv = [(torch.randn(1, 5, 8), torch.randn(1, 5, 8)), (torch.randn(1, 3, 8).bfloat16(), torch.randn(1, 3, 8).bfloat16())]
+    assert not kernel.usable(q, kv)
+    assert not kernel.usable(q, [(torch.randn(1, 5, 4), torch.randn(1, 5, 4))])
+    assert kernel.usable(q, [kv[0], None])
+
+
+def test_kernel_releases_the_gil(use_kernel):
+    """The GPU part is launched from the main thread while the worker runs the CPU part: the
+    kernel must not hold the GIL. A Python thread counting in a loop keeps most of its idle rate
+    while the kernel runs (one kernel thread, so the two do not compete for a core)."""
+    import threading
+    import time
+
+    from writescope.engine.threads import intra_op_threads
+
+    gen = torch.Generator().manual_seed(0)
+    kv = regions([30000] * 4, 4, 128, torch.float32, gen)
+    q = torch.randn(4, 4, 8, 128, generator=gen)
+    ticks, stop = [0], threading.Event()
+
+    def spin():
+        while not stop.is_set():
+            ticks[0] += 1
+
+    t = threading.Thread(target=spin)
+    t.start()
+    try:
+        ext = kernel._extension()
+        args = (q, [x[0] for x in kv], [x[1] for x in kv], 512, 0.1)
+        with intra_op_threads(1):
+            ext.attend(*args)  # warm
+            b0, t0 = ticks[0], time.perf_counter()
+            ext.attend(*args)  # the C++ call alone (holding the GIL, the counter got ~3%)
+            run_s, run_ticks = time.perf_counter() - t0, ticks[0] - b0
+        b1, t1 = ticks[0], time.perf_counter()
+        time.sleep(run_s)
+        idle_s, idle_ticks = time.perf_counter() - t1, ticks[0] - b1
+    finally:
+        stop.set()
+        t.join()
+    assert run_ticks / run_s > 0.5 * idle_ticks / idle_s, (run_ticks, run_s, idle_ticks, idle_s)
 
 
 def test_policies_give_resident_tokens_with_the_kernel(use_kernel):

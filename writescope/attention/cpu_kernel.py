@@ -102,8 +102,15 @@ static void run(const float* q, int64_t B, int64_t H, int64_t G, int64_t dk, int
 }
 
 std::vector<at::Tensor> attend(at::Tensor q, std::vector<at::Tensor> ks, std::vector<at::Tensor> vs, int64_t chunk, double scale) {
+  TORCH_CHECK(!ks.empty() && ks.size() == vs.size() && (int64_t)ks.size() == q.size(0), "one (k, v) per query row, at least one");
   const int64_t B = q.size(0), H = q.size(1), G = q.size(2), dk = q.size(3);
   const int64_t dv = vs[0].size(2);
+  for (int64_t b = 0; b < B; ++b) {
+    TORCH_CHECK(ks[b].dim() == 3 && vs[b].dim() == 3 && ks[b].size(0) == H && vs[b].size(0) == H, "k, v must be [Hkv, n, dim]");
+    TORCH_CHECK(ks[b].size(2) == dk && vs[b].size(2) == dv && ks[b].size(1) == vs[b].size(1), "k width must equal q's, v widths equal");
+    TORCH_CHECK(ks[b].scalar_type() == ks[0].scalar_type() && vs[b].scalar_type() == ks[0].scalar_type(), "one dtype for the batch");
+    TORCH_CHECK(ks[b].stride(2) == 1 && vs[b].stride(2) == 1, "rows must have unit stride");
+  }
   std::vector<int64_t> n(B), khs(B), vhs(B), krs(B), vrs(B), ts, th, tst;
   for (int64_t b = 0; b < B; ++b) {
     n[b] = ks[b].size(1); khs[b] = ks[b].stride(0); vhs[b] = vs[b].stride(0); krs[b] = ks[b].stride(1); vrs[b] = vs[b].stride(1);
@@ -125,7 +132,10 @@ std::vector<at::Tensor> attend(at::Tensor q, std::vector<at::Tensor> ks, std::ve
   return {o, lse};
 }
 
-PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) { m.def("attend", &attend, "batched CPU decode attention partials"); }
+PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
+  // the GIL is released: the GPU part of the step is launched from the main thread meanwhile
+  m.def("attend", &attend, "batched CPU decode attention partials", py::call_guard<py::gil_scoped_release>());
+}
 """
 
 _EXT = None
@@ -156,16 +166,18 @@ def kernel_selected() -> bool:
 
 
 def usable(q: torch.Tensor, kv: list) -> bool:
-    """The kernel handles these inputs: bf16 or fp32 rows with unit last stride."""
+    """The kernel handles these inputs: one dtype (bf16 or fp32) for the batch's keys and values,
+    K as wide as q, rows with unit last stride, at least one sequence with keys."""
     if q.dtype not in (torch.float32, torch.bfloat16):
         return False
+    dtypes = {t.dtype for x in kv if x is not None for t in x}
+    if len(dtypes) != 1 or dtypes.pop() not in (torch.float32, torch.bfloat16):
+        return False  # (no keys at all: nothing for the kernel to do either)
     for x in kv:
         if x is None:
             continue
         k, v = x
-        if k.dtype not in (torch.float32, torch.bfloat16) or v.dtype != k.dtype:
-            return False
-        if k.stride(-1) != 1 or v.stride(-1) != 1:
+        if k.shape[-1] != q.shape[-1] or k.stride(-1) != 1 or v.stride(-1) != 1:
             return False
     return True
 
@@ -179,6 +191,8 @@ def kernel_partials(q: torch.Tensor, kv: list, scale: float) -> dict[int, tuple[
         q: ``[B, Hkv, G, dk]``; kv: per sequence ``(k [Hkv, n, dk], v [Hkv, n, dv])`` or None.
     """
     rows = [i for i, x in enumerate(kv) if x is not None]
+    if not rows:
+        return {}
     qs = q[rows]
     o, lse = _extension().attend(qs, [kv[i][0] for i in rows], [kv[i][1] for i in rows], CHUNK, float(scale))
     # tasks are ordered (sequence, head, chunk): each sequence's block viewed as [chunk, head, ...]

@@ -389,11 +389,13 @@ class LLM:
 
     def _r_point(self, step: int, slots: list[int]) -> dict:
         """One point of the r(L) trace: after ``step`` decode steps, the mean placed tokens per
-        sequence L, the policy's target share r(L) and the share placed on the CPU side."""
+        sequence L, the policy's target share r(L) (monolithic: the share the CPU attends) and the
+        share placed on the CPU side."""
         placed = [self.cache.placement(s) for s in slots]
         comp, load = sum(p["compute"] for p in placed), sum(p["load"] for p in placed)
         L = (comp + load) / max(1, len(slots))
-        target = self.cache.policy.cpu_share(int(L)) if not getattr(self.cache.policy, "monolithic", False) else None
+        pol = self.cache.policy  # monolithic places everything on the CPU side and splits when reading: its read share
+        target = pol.read_share(int(L)) if getattr(pol, "monolithic", False) else pol.cpu_share(int(L))
         return {"step": step, "L": L, "target": target, "deployed": comp / (comp + load) if comp + load else None}
 
 
