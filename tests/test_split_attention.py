@@ -400,8 +400,8 @@ def test_ragged_small_window_many_steps_blocks_never_move(make_harness):
 
 
 def test_mla_compute_region_longer_than_fallback_chunk(make_harness):
-    """MLA CPU attention runs plain torch in chunks of 8192 keys: a compute region of 8192,
-    then 8208 tokens (one and two chunks)."""
+    """MLA CPU attention over a long compute region: 8192, then 8208 tokens (whole chunks of the
+    flash op and a tail; the plain-torch path's chunk of 8192 keys when the op cannot be used)."""
     D, P = 16, 8192 + 8
     h = make_harness(MLA_FEW_HEADS, window=D, policy="cpu", dtype=torch.float32)
     slot = h.allocate(P + 10, prompt_len=P)
@@ -416,9 +416,9 @@ def test_mla_compute_region_longer_than_fallback_chunk(make_harness):
 @pytest.mark.parametrize("kv_heads", [1, 2], ids=["kv1", "kv2"])
 @pytest.mark.parametrize("threads", [1, 2, 3, 16], ids=lambda t: f"threads{t}")
 def test_cpu_attention_split_over_threads(make_harness, threads, kv_heads):
-    """The CPU worker cuts each head's compute-region keys into chunks (strided views, batched
-    through the flash op) plus a tail that does not fill a chunk, merged by lse. 97 blocks of 16
-    (1552 keys) and, after an eviction, 98 (1568 keys) give uneven chunks for most thread counts."""
+    """The CPU worker cuts each head's compute-region keys into whole chunks (strided views,
+    batched through the flash op) plus a tail that does not fill a chunk, merged by lse, with any
+    thread count. 97 blocks of 16 (1552 keys) and, after an eviction, 98 (1568 keys) leave tails."""
     D, P = 16, 97 * 16 + 5
     h = make_harness((4, KVLayout(kv_heads, 16, 16, False)), window=D, policy="cpu", cpu_threads=threads)
     slot = h.allocate(P + 12, prompt_len=P)

@@ -15,8 +15,8 @@ reference is :func:`writescope.attention.partial.attend_blocks` (plain torch), t
 
 ``kernel_available()`` is False where the extension cannot be built (no C++ compiler); callers
 then use the flash op. Selected with ``WRITESCOPE_CPU_ATTENTION=kernel`` (default: ``flash``):
-exact, but on the 2-core CI machine about 2x slower than the flash op per thread (benchmarks/
-cpu_kernel_vs_flash.py; the inner loops are plain C++ left to the compiler's vectoriser, no AMX);
+exact, but on the 2-core CI machine 1.8-2.7x slower than the flash op (benchmarks/
+cpu_kernel_vs_flash.py, output in benchmarks/results/cpu_kernel_vs_flash_ci.log; the inner loops are plain C++ left to the compiler's vectoriser, no AMX);
 it has not run on the H200 host. Tuning it (AMX or AVX512-BF16 tiles for the two products) is
 what would make one call per batch pay.
 """

@@ -68,7 +68,8 @@ class SplitDecoder:
         self._stage: list[torch.Tensor | None] = [None, None]  # monolithic prepare buffers (pinned)
         self._stage_events: list[object | None] = [None, None]
         self._free_events: list[object | None] = []
-        self._gpu_timer: object = 0.0  # see last_gpu_seconds
+        self.time_gpu = False  # time the GPU part of each call (calibration; see last_gpu_seconds)
+        self._gpu_timer: object = 0.0
         self._gpu_timer_done = True
         if self.cuda:
             self.copy_stream = torch.cuda.Stream(device)
@@ -128,7 +129,8 @@ class SplitDecoder:
         if cpu_rows and not self.cpu_inline:
             fut = self.pool.submit(self._cpu_part, layer, q_host, seqs, cpu_rows, limits, scale)
         try:
-            self._gpu_timer = self._start_gpu_timer()  # after q went to the host (a sync): the device part only
+            if self.time_gpu:  # after q went to the host (a sync): the device part only
+                self._gpu_timer = self._start_gpu_timer()
             with record_function("attn.window"):
                 states = [self._window_part(layer, qg, seqs, scale)]
             sources = [(i, run) for i, sq in enumerate(seqs) for run in sq.load_runs(layer, 0, sq.n_load[layer], s.pingpong_blocks)]
@@ -141,7 +143,8 @@ class SplitDecoder:
                 with record_function("attn.load_region"):
                     states.append(self._load_part(qg, sources, scale, evict_stream))
             self.stats.last_load_tokens = sum(src.shape[0] for _, src in sources) * s.window
-            self._gpu_timer, self._gpu_timer_done = self._stop_gpu_timer(self._gpu_timer), True
+            if self.time_gpu:
+                self._gpu_timer, self._gpu_timer_done = self._stop_gpu_timer(self._gpu_timer), True
             if prepared and self.cuda:  # the prepare buffer of this layer's parity is reused once these copies are done
                 ev = torch.cuda.Event()
                 ev.record(self.copy_stream)
@@ -179,8 +182,8 @@ class SplitDecoder:
     def last_gpu_seconds(self) -> float:
         """Seconds the device spent on the last decode call's GPU part (D-window and load
         region, from its first kernel to its last, before the CPU part is merged; kernels are
-        launched from Python, so launch gaps count). On CUDA this
-        waits for that part to finish (CUDA events); without CUDA it is the wall time of that part.
+        launched from Python, so launch gaps count); nan unless ``time_gpu`` is set. On CUDA
+        this waits for that part to finish (CUDA events); without CUDA it is its wall time.
         """
         t = self._gpu_timer
         if isinstance(t, tuple):

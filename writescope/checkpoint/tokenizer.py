@@ -50,7 +50,8 @@ class Tokenizer:
             raise ValueError(f"cannot read tokenizer {path}: {e}") from e
 
 
-def _corpus_files() -> list[Path]:
+def stdlib_sources() -> list[Path]:
+    """This interpreter's standard-library sources, tests and site-packages left out, sorted."""
     root = Path(sysconfig.get_paths()["stdlib"])
     return sorted(p for p in root.rglob("*.py") if "site-packages" not in p.parts and "test" not in p.parts)
 
@@ -81,7 +82,7 @@ def synthetic_tokenizer(vocab_size: int, use_cache: bool = True) -> Tokenizer:
         initial_alphabet=pre_tokenizers.ByteLevel.alphabet(),
         show_progress=False,
     )
-    tok.train_from_iterator((p.read_text(errors="replace") for p in _corpus_files()), trainer)
+    tok.train_from_iterator((p.read_text(errors="replace") for p in stdlib_sources()), trainer)
     result = Tokenizer(tok)
     if use_cache:
         path.parent.mkdir(parents=True, exist_ok=True)

@@ -99,9 +99,7 @@ class LLM:
             raise ValueError(f"cpu_threads must be >= 1, got {cpu_threads}")
         if expert_threads is not None and expert_threads < 1:
             raise ValueError(f"expert_threads must be >= 1, got {expert_threads}")
-        cfg, ckpt = resolve_config(model, num_layers)
-        if num_layers is not None and ckpt is not None and not synthetic:
-            raise ValueError("num_layers (--num-layers) keeps only some layers: use it with synthetic weights (--synthetic)")
+        cfg, _ = resolve_config(model, num_layers, synthetic)
         limit = cfg.max_position_embeddings
         if max_model_len is not None and not 1 <= max_model_len <= limit:
             raise ValueError(f"max_model_len {max_model_len} must be in [1, {limit}] (the model's max_position_embeddings)")

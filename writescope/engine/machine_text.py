@@ -7,14 +7,16 @@ import ast
 import sysconfig
 from pathlib import Path
 
+from writescope.checkpoint.tokenizer import stdlib_sources
+
 REQUEST_SHIFT = 997  # tokens between the starts of consecutive requests' prompts
 
 
 def machine_text_files() -> list[Path]:
-    """``LICENSE.txt`` of the standard library, then its modules (tests and site-packages left out), sorted."""
-    root = Path(sysconfig.get_paths()["stdlib"])
-    lic = [root / "LICENSE.txt"] if (root / "LICENSE.txt").is_file() else []
-    return lic + sorted(p for p in root.rglob("*.py") if "site-packages" not in p.parts and "test" not in p.parts)
+    """``LICENSE.txt`` of the standard library, then its modules: the synthetic tokenizer's
+    corpus (tests and site-packages left out), sorted."""
+    lic = Path(sysconfig.get_paths()["stdlib"]) / "LICENSE.txt"
+    return ([lic] if lic.is_file() else []) + stdlib_sources()
 
 
 def machine_text(min_chars: int) -> str:

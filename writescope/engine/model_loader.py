@@ -58,13 +58,14 @@ def resolve_device(name: str) -> torch.device:
     return dev
 
 
-def resolve_config(model: str, num_layers: int | None = None) -> tuple[ModelConfig, Path | None]:
+def resolve_config(model: str, num_layers: int | None = None, synthetic: bool = False) -> tuple[ModelConfig, Path | None]:
     """(config, checkpoint dir or None for a preset). ``num_layers`` keeps the model's shape
     but only its first ``num_layers`` decoder layers (benchmarks of one model's layer shape).
 
     Raises:
         ValueError: neither a checkpoint directory nor a preset name; ``num_layers`` not in
-            [1, the model's num_hidden_layers].
+            [1, the model's num_hidden_layers], or given for a checkpoint's own weights
+            (``synthetic`` False: a truncated model is for synthetic weights only).
     """
     p = Path(model)
     if p.is_dir():
@@ -76,6 +77,8 @@ def resolve_config(model: str, num_layers: int | None = None) -> tuple[ModelConf
     if num_layers is not None:
         if not 1 <= num_layers <= cfg.num_layers:
             raise ValueError(f"num_layers (--num-layers) {num_layers} must be in [1, {cfg.num_layers}] (the model's layers)")
+        if ckpt is not None and not synthetic:
+            raise ValueError("num_layers (--num-layers) keeps only some layers: use it with synthetic weights (--synthetic)")
         cfg = cfg.with_overrides(num_hidden_layers=num_layers)
     return cfg, ckpt
 
@@ -92,15 +95,12 @@ def load_model(
     tokenizer, info) where info has ``source`` and ``load_s``.
 
     Raises:
-        ValueError: see :func:`resolve_config`; ``num_layers`` with a checkpoint's own weights
-            (a truncated model is for synthetic weights only).
+        ValueError: see :func:`resolve_config`.
 
     ``host_experts`` (``{layer id: expert ids}``) are built and filled in host memory.
     """
     t0 = time.perf_counter()
-    cfg, ckpt = resolve_config(model, num_layers)
-    if num_layers is not None and ckpt is not None and not synthetic:
-        raise ValueError("num_layers (--num-layers) keeps only some layers: use it with synthetic weights (--synthetic)")
+    cfg, ckpt = resolve_config(model, num_layers, synthetic)
     net = build_model(cfg, dtype, device, host_experts)
     if ckpt is None or synthetic:
         fill_synthetic(net, seed, progress=progress)

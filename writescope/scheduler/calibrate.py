@@ -131,6 +131,7 @@ def _measure(layout, q_heads, dtype, device, window, share, batch, L, steps, cpu
             cache.write(s, 0, rnd(L, layout.kv_heads, layout.k_dim), None if layout.shared_kv else rnd(L, layout.kv_heads, layout.v_dim))
         cpu, gpu = [], []
         dec = cache.decoder
+        dec.time_gpu = True
         for t in range(steps + 1):
             q = rnd(batch, q_heads, layout.k_dim)
             k = rnd(batch, layout.kv_heads, layout.k_dim)
