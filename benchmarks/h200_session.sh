@@ -12,7 +12,7 @@ cd "$(dirname "$0")/.."
 export PYTHONPATH=.
 out=${OUT:-benchmarks/results/new}
 mkdir -p "$out"
-export XDG_CACHE_HOME="$out/cache"
+export XDG_CACHE_HOME=${XDG_CACHE_HOME:-/tmp/writescope-cache}  # not under $out: only results come back
 git log --oneline -1 2>/dev/null || true
 case "${1:-}" in
   tests)

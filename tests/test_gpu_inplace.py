@@ -113,19 +113,21 @@ def test_exact_sized_registration_round_trip():
 
 def test_pingpong_copies_overlap_attention():
     """The copy stream's host-to-device copies run while the compute stream attends: with
-    buffers large enough that a copy (~0.6 ms for 32 MiB) outlasts issuing the next fill, the
-    kernels of fill i run during the copy of fill i+1 in the profiler's device timeline."""
+    buffers large enough that a copy (~2.4 ms for 128 MiB) outlasts issuing the next fill (about
+    0.8 ms of Python per fill on the H200 host; 32 MiB fills, 0.6 ms copies, were too short to
+    show it), the kernels of fill i run during the copy of fill i+1 in the device timeline."""
     from torch.profiler import ProfilerActivity, profile
 
     lay, Hq = QWEN3
-    spec = PartitionSpec(lay, 1, torch.bfloat16, window=256, pingpong_bytes=32 * 2**20)
+    n = 65536
+    spec = PartitionSpec(lay, 1, torch.bfloat16, window=256, pingpong_bytes=128 * 2**20)
     cache = InplaceKVCache(spec, StaticPolicy(0.0), "cuda", cpu_threads=4)
-    slots = [cache.allocate(16384 + 4, prompt_len=16384) for _ in range(4)]
+    slots = [cache.allocate(n + 4, prompt_len=n) for _ in range(4)]
     for s in slots:
-        q, k, v = (torch.randn(16384, h, 128, device="cuda", dtype=torch.bfloat16) for h in (Hq, 4, 4))
-        cache.attend(0, q, k, v, ForwardBatch.build([s], [16384], [0], "cuda"), 0.088)
+        q, k, v = (torch.randn(n, h, 128, device="cuda", dtype=torch.bfloat16) for h in (Hq, 4, 4))
+        cache.attend(0, q, k, v, ForwardBatch.build([s], [n], [0], "cuda"), 0.088)
     q, k, v = (torch.randn(4, h, 128, device="cuda", dtype=torch.bfloat16) for h in (Hq, 4, 4))
-    batch = ForwardBatch.build(slots, [1] * 4, [16384] * 4, "cuda")
+    batch = ForwardBatch.build(slots, [1] * 4, [n] * 4, "cuda")
     torch.cuda.synchronize()
     with profile(activities=[ProfilerActivity.CUDA]) as prof:
         cache.attend(0, q, k, v, batch, 0.088)
@@ -133,7 +135,7 @@ def test_pingpong_copies_overlap_attention():
     ev = [e for e in prof.events() if e.device_type.name == "CUDA"]
     copies = [(e.time_range.start, e.time_range.end) for e in ev if "Memcpy HtoD" in e.name]
     kernels = [(e.time_range.start, e.time_range.end) for e in ev if "Memcpy" not in e.name and "Memset" not in e.name]
-    assert len(copies) >= 4, [e.name for e in ev][:20]  # 4 x 16K tokens x 2 KiB = 4 fills of 32 MiB
+    assert len(copies) >= 4, [e.name for e in ev][:20]  # 4 x 64K tokens x 2 KiB = 4 fills of 128 MiB
     overlaps = sum(any(ks < ce and cs < ke for ks, ke in kernels) for cs, ce in copies)
     assert overlaps >= 2, (overlaps, copies)
     cache.close()

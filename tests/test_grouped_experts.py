@@ -134,7 +134,11 @@ def test_grouped_on_cuda_bf16_real_shapes(preset):
         got = block(x)
         block.grouped, block.packed = False, None
         ref = block(x)
-    torch.testing.assert_close(got.float(), ref.float(), rtol=2e-2, atol=2e-3)
+    # the two paths sum in different orders (bf16 partial products, Mixtral: 14336 wide): allow one
+    # bf16 rounding step at the output's largest magnitude (2^-7 of it; the H200 run saw 24 of
+    # 151,552 Mixtral outputs differ by one such step), 2% relative elsewhere
+    atol = max(2e-3, ref.float().abs().max().item() * 2**-7)
+    torch.testing.assert_close(got.float(), ref.float(), rtol=2e-2, atol=atol)
 
 
 @pytest.mark.gpu

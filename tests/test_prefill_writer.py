@@ -71,6 +71,26 @@ def test_cache_allocated_under_inference_mode():
     assert got == ref
 
 
+def test_staging_is_made_at_allocate_only_when_the_prompt_uses_the_compute_region():
+    """Setting up the staging (pinning, on CUDA) is allocate's cost, not the first prefill's;
+    a cache whose prompts all go to the load region never makes it."""
+    from writescope.kvcache.inplace import InplaceKVCache
+    from writescope.kvcache.spec import KVLayout, PartitionSpec
+    from writescope.scheduler.policies import StaticPolicy
+
+    spec = PartitionSpec(KVLayout(2, 8, 8, False), 1, torch.float32, window=16)
+    load_only = InplaceKVCache(spec, StaticPolicy(0.0), "cpu")
+    load_only.allocate(100, prompt_len=64)
+    assert load_only._writer is None
+    load_only.close()
+    routed = InplaceKVCache(spec, StaticPolicy(0.5), "cpu")
+    routed.allocate(100, prompt_len=8)  # no whole block in the prompt: nothing to stage yet
+    assert routed._writer is None
+    routed.allocate(100, prompt_len=64)
+    assert routed._writer is not None and len(routed._writer._bufs) == pw.STAGING_BUFFERS
+    routed.close()
+
+
 @pytest.mark.parametrize("policy", ["cpu", "static:0.5", "monolithic:0.5"])
 def test_late_writes_do_not_change_tokens(slow_writes, policy):
     """Prompts routed partly to the compute region, written late: the CPU attention and chunked

@@ -48,10 +48,24 @@ class PrefillWriter:
         self._pool = ThreadPoolExecutor(1, "writescope-prefill-write", initializer=torch.set_num_threads, initargs=(threads,))
         self.copy_stream = torch.cuda.Stream(self.device) if self.cuda else None
 
+    def prepare(self) -> None:
+        """Make (and on CUDA pin) the staging buffers now, if not yet made. Pinning is the
+        expensive part (HARDWARE.md: 0.25 s per GiB), so caches call this at allocate, where
+        set-up cost is expected, rather than inside the first prefill."""
+        if not self._bufs:
+            bufs: list[torch.Tensor] = []
+            try:
+                for _ in range(self.n_buffers):
+                    bufs.append(host_empty((self.numel,), self.dtype, pin=self.cuda))
+            except BaseException:
+                for t in bufs if self.cuda else []:
+                    unpin(t)
+                raise
+            self._bufs = bufs
+
     def _buffer(self) -> int:
         """A free staging buffer's index (waits for the oldest one when all are busy)."""
-        if not self._bufs:
-            self._bufs = [host_empty((self.numel,), self.dtype, pin=self.cuda) for _ in range(self.n_buffers)]
+        self.prepare()
         b = self._next
         self._next = (b + 1) % self.n_buffers
         fut, self._busy[b] = self._busy[b], None
