@@ -5,6 +5,10 @@
 #   bash benchmarks/h200_session.sh experts    # expert phase: grouped vs loop, fraction on GPU, streaming (issue 5)
 #   bash benchmarks/h200_session.sh scheduler  # calibrate + writescope bench, Qwen3 shape, batch 16, 8K-32K (issue 4)
 #   bash benchmarks/h200_session.sh profile    # where a decode step goes, Qwen3 shape, 4 layers, 16 x 32K
+#   bash benchmarks/h200_session.sh prefill    # prefill routing vs one region, interleaved rounds (issue 3)
+#   bash benchmarks/h200_session.sh text MODEL # full-size MODEL, 32 GiB budget, 4 x 32K of machine text, 256 tokens,
+#                                              # then where its decode step goes (issue 6, runs 1 and the breakdown)
+#   bash benchmarks/h200_session.sh 1m         # DeepSeek-V2-Lite, 32 GiB, 32 x 32K machine text, 256 tokens (issue 6, run 4)
 # Results go to $OUT (the device tool's folder) or benchmarks/results/new; copy what you keep into
 # benchmarks/results/ with the command line above.
 set -euo pipefail
@@ -33,6 +37,20 @@ case "${1:-}" in
       python3 -m writescope.cli.main profile --model qwen3-30b-a3b --num-layers 4 --batch 16 --context 32k --policy "$p" \
         --quiet --output-json "$out/profile_qwen3_$p.json" 2>&1 | grep -v USDT | tee "$out/profile_qwen3_$p.log"
     done ;;
+  prefill)
+    python3 benchmarks/prefill_routing.py --out "$out/prefill_routing_h200" 2>&1 | tee "$out/prefill_routing_h200.log" | tail -8 ;;
+  text)
+    m=${2:?model}
+    timeout 330 python3 -m writescope.cli.main generate --model "$m" --synthetic --device cuda --vram-budget 32GiB \
+      --machine-text 32k --batch 4 --max-new-tokens 256 --ignore-eos --policy writescope \
+      --output-json "$out/text_${m}_h200.json" 2>&1 | grep -v "^prefill:" | tee "$out/text_${m}_h200.log" | tail -30
+    timeout 150 python3 -m writescope.cli.main profile --model "$m" --synthetic --device cuda --vram-budget 32GiB \
+      --batch 4 --context 32k --policy writescope --steps 6 --quiet --output-json "$out/profile_${m}_h200.json" \
+      2>&1 | grep -v USDT | tee "$out/profile_${m}_h200.log" | tail -30 ;;
+  1m)
+    timeout 560 python3 -m writescope.cli.main generate --model deepseek-v2-lite --synthetic --device cuda --vram-budget 32GiB \
+      --machine-text 32k --batch 32 --max-new-tokens 256 --ignore-eos --policy writescope \
+      --output-json "$out/1m_deepseek-v2-lite_h200.json" 2>&1 | grep -v "^prefill:" | tee "$out/1m_deepseek-v2-lite_h200.log" | tail -40 ;;
   *)
-    echo "usage: $0 tests|split|experts|scheduler|profile" >&2; exit 2 ;;
+    echo "usage: $0 tests|split|experts|scheduler|profile|prefill|text MODEL|1m" >&2; exit 2 ;;
 esac

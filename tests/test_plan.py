@@ -64,7 +64,7 @@ def test_paper_configurations_on_a_125_gib_host():
         if fits:
             plan.check()
         else:
-            with pytest.raises(ValueError, match=r"host memory .* 125.00 GiB is free: raise --vram-budget"):
+            with pytest.raises(ValueError, match=r"host memory .* 125.00 GiB is free, of which at most 90% .*: raise --vram-budget"):
                 plan.check()
 
 

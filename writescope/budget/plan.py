@@ -84,7 +84,8 @@ class MemoryPlan:
             raise ValueError(
                 f"the plan needs {self.host_total / GiB:.2f} GiB of host memory (experts {self.expert_weights_host / GiB:.2f} + "
                 f"KV {self.kv_host / GiB:.2f} + staging {self.pinned_staging / GiB:.2f}) but "
-                f"{self.host_free / GiB:.2f} GiB is free: "
+                f"{self.host_free / GiB:.2f} GiB is free, of which at most 90% ({0.9 * self.host_free / GiB:.2f} GiB) is planned "
+                "(the rest stays for the process and the OS): "
                 + ("raise --vram-budget (fewer experts on the host), " if self.expert_weights_host else "")
                 + "lower the batch or context"
             )
