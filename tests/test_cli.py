@@ -31,3 +31,29 @@ def test_generate_with_prompt_ids_and_sampling_is_seeded(tmp_path, capsys):
         outs.append([r["token_ids"] for r in json.loads(p.read_text())["requests"]])
     assert outs[0] == outs[1], "same --seed, same samples"
     assert outs[0][0] != outs[0][1], "request i samples with seed + i, so copies of a prompt differ"
+
+
+def test_budgeted_generate_plans_for_the_known_prompt_not_the_model_limit(monkeypatch, capsys):
+    """With --vram-budget and a prompt whose length is known before the model loads, the plan
+    covers prompt + new tokens: planning for the model's limit (DeepSeek-V2-Lite: 163,840 tokens)
+    refused a 32 x 32K batch on the H200 machine for 152 GiB of KV it would never hold."""
+    import writescope
+
+    seen = {}
+
+    class Stop(Exception):
+        pass
+
+    def fake_llm(*a, **kw):
+        seen.update(kw)
+        raise Stop
+
+    monkeypatch.setattr(writescope, "LLM", fake_llm)
+    base = ["generate", "--model", "tiny-qwen3-moe", "--max-new-tokens", "7", "--quiet", "--vram-budget", "2GiB"]
+    for extra, want in ((["--prompt-ids", "5,6,7"], 10), (["--machine-text", "1k"], 1024 + 7), (["--prompt", "hi"], None)):
+        seen.clear()
+        try:
+            main(base + extra)
+        except Stop:
+            pass
+        assert seen["max_model_len"] == want, (extra, seen["max_model_len"])

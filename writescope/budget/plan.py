@@ -87,7 +87,8 @@ class MemoryPlan:
                 f"{self.host_free / GiB:.2f} GiB is free, of which at most 90% ({0.9 * self.host_free / GiB:.2f} GiB) is planned "
                 "(the rest stays for the process and the OS): "
                 + ("raise --vram-budget (fewer experts on the host), " if self.expert_weights_host else "")
-                + "lower the batch or context"
+                + "lower the batch or the context (generate: --max-model-len; it defaults to the model's limit "
+                "unless the prompt's length is known)"
             )
 
 

@@ -83,9 +83,14 @@ def run(args: argparse.Namespace) -> int:
         (machine_tokens,) = parse_tokens(args.machine_text, "--machine-text")
     elif (prompts is not None and not prompts[0]) or (prompt_ids is not None and not prompt_ids[0]):
         raise ValueError("the prompt is empty: give at least one token (--prompt, --prompt-file or --prompt-ids)")
+    max_model_len = args.max_model_len
+    if max_model_len is None and args.vram_budget is not None:  # plan for the known prompt, not the model's limit
+        known = machine_tokens if machine_tokens is not None else (len(prompt_ids[0]) if prompt_ids is not None else None)
+        if known is not None:
+            max_model_len = known + args.max_new_tokens
     llm = LLM(
         args.model, synthetic=args.synthetic, device=args.device, dtype=args.dtype, seed=args.weight_seed,
-        max_model_len=args.max_model_len, progress=not args.quiet, policy=args.policy, window=args.window,
+        max_model_len=max_model_len, progress=not args.quiet, policy=args.policy, window=args.window,
         cpu_threads=args.cpu_threads, vram_budget=args.vram_budget, max_batch=args.batch, expert_threads=args.expert_threads,
     )
     cfg = llm.config
