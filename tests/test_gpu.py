@@ -50,3 +50,18 @@ def test_generate_on_cuda_reports_gpu_memory():
     assert [len(o.token_ids) for o in outs] == [8, 8]
     assert outs[0].metrics.peak_memory_bytes > 0
     assert llm.cache.active_slots == []
+
+
+def test_vram_budget_is_enforced_on_cuda():
+    """--vram-budget on a device given without an index ("cuda"): the caching allocator is capped
+    (an allocation beyond the budget raises), and generation under the cap still runs."""
+    from writescope import LLM, SamplingParams
+
+    try:
+        llm = LLM("tiny-qwen3-moe", device="cuda", vram_budget="2GiB", policy="static:0.5", progress=False)
+        out = llm.generate(prompt_token_ids=[list(range(3, 600))], sampling_params=SamplingParams(max_tokens=4, ignore_eos=True))
+        assert len(out[0].token_ids) == 4
+        with pytest.raises(torch.OutOfMemoryError):
+            torch.empty(3 * 2**30, dtype=torch.uint8, device="cuda")
+    finally:
+        torch.cuda.set_per_process_memory_fraction(1.0, torch.cuda.current_device())

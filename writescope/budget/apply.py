@@ -39,6 +39,7 @@ def enforce_budget(device: torch.device, budget: int) -> None:
     OutOfMemoryError). A no-op without CUDA."""
     if device.type != "cuda":
         return
+    index = device.index if device.index is not None else torch.cuda.current_device()  # the call needs an index
     torch.cuda.empty_cache()
-    total = torch.cuda.get_device_properties(device).total_memory
-    torch.cuda.set_per_process_memory_fraction(min(1.0, budget / total), device)
+    total = torch.cuda.get_device_properties(index).total_memory
+    torch.cuda.set_per_process_memory_fraction(min(1.0, budget / total), index)
