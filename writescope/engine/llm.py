@@ -113,6 +113,12 @@ class LLM:
                                        prefill_chunk_tokens, available_memory(torch.device("cpu")))
             self.vram_plan.check()
         on_host = host_experts(cfg, self.vram_plan) if self.vram_plan is not None else None
+        self.progress = progress
+        roofline = None
+        if self.vram_plan is not None and policy.strip().lower() in ("writescope", "monolithic"):
+            # calibrate (once per machine and shape) before the weights load: the budget's cap
+            # leaves no device memory for the calibration's cache afterwards
+            roofline = self._roofline(cfg, window, cpu_threads)
         self.config, self.model, self.tokenizer, self.load_info = load_model(
             model, synthetic, self.dtype, self.device, seed, progress, num_layers, on_host
         )
@@ -135,10 +141,9 @@ class LLM:
         self.step_hook = None  # called after every decode step (profilers; see writescope.bench.breakdown)
         self.r_trace: list[dict] | None = None  # the last generate's r(L) trace (partitioned policies)
         self.prefill_chunk_tokens = prefill_chunk_tokens
-        self.progress = progress
         self.pinned_budget = pinned_budget if pinned_budget is not None else (host_memory_total() or 0) // 2 or None
         self.cache: KVCache = ContiguousKVCache(self.config.kv_layout, self.config.num_layers, self.dtype, self.device)
-        self.set_policy(policy, window, cpu_threads)
+        self.set_policy(policy, window, cpu_threads, roofline)
         self._next_request_id = 0
 
     def set_policy(
@@ -182,10 +187,12 @@ class LLM:
     def roofline(self, window: int = DEFAULT_WINDOW, cpu_threads: int | None = None) -> Roofline:
         """Calibrated A, B, C for this model's KV shape on this machine: stored, or measured now
         (once per machine and shape; see :mod:`writescope.scheduler.calibrate`)."""
+        return self._roofline(self.config, window, cpu_threads)
+
+    def _roofline(self, cfg, window: int, cpu_threads: int | None) -> Roofline:
         if self.progress:
             print("writescope policy: looking up this machine's calibration (measured once if missing)", flush=True)
-        a = self.config.attention
-        return load_or_calibrate(self.config.kv_layout, a.q_heads, self.dtype, self.device, window, cpu_threads, self.progress)
+        return load_or_calibrate(cfg.kv_layout, cfg.attention.q_heads, self.dtype, self.device, window, cpu_threads, self.progress)
 
     # ---------------------------------------------------------------- validation
     def _prepare(self, prompts, prompt_token_ids, params) -> tuple[list[str | None], list[list[int]], list[SamplingParams]]:
