@@ -33,13 +33,32 @@ def place_experts(model: torch.nn.Module, plan: MemoryPlan) -> int:
     return moved
 
 
-def enforce_budget(device: torch.device, budget: int) -> None:
+def enforce_budget(device: torch.device, budget: int, planned: int | None = None) -> dict:
     """Cap the CUDA caching allocator of this process at ``budget`` bytes on ``device``
     (``torch.cuda.set_per_process_memory_fraction``; allocations beyond it raise
-    OutOfMemoryError). A no-op without CUDA."""
+    OutOfMemoryError). Without CUDA: no cap, returns {}.
+
+    Returns ``{"allocated": bytes in tensors, "reserved": bytes the allocator holds}`` at the
+    moment the cap is set (after releasing its unused cache).
+
+    Raises:
+        RuntimeError: the process already holds more than ``budget`` minus 256 MiB (what is
+            loaded took more than ``planned``, e.g. through allocator fragmentation): the run
+            would fail at its first allocation, so it is refused here with the numbers.
+    """
     if device.type != "cuda":
-        return
+        return {}
     index = device.index if device.index is not None else torch.cuda.current_device()  # the call needs an index
     torch.cuda.empty_cache()
+    held = {"allocated": torch.cuda.memory_allocated(index), "reserved": torch.cuda.memory_reserved(index)}
+    if held["reserved"] > budget - 256 * 2**20:
+        gib = 2**30
+        raise RuntimeError(
+            f"after loading the weights this process holds {held['reserved'] / gib:.2f} GiB of device memory "
+            f"({held['allocated'] / gib:.2f} GiB in tensors{'' if planned is None else f', {planned / gib:.2f} GiB planned'}), "
+            f"leaving nothing of the --vram-budget of {budget / gib:.2f} GiB for the KV and activations: raise the budget, "
+            "or set PYTORCH_CUDA_ALLOC_CONF=expandable_segments:True (less fragmentation; the CLI does) before starting"
+        )
     total = torch.cuda.get_device_properties(index).total_memory
     torch.cuda.set_per_process_memory_fraction(min(1.0, budget / total), index)
+    return held

@@ -99,6 +99,10 @@ def run(args: argparse.Namespace) -> int:
         where = "" if llm.device.type == "cuda" else " (the device is the CPU here: the split only shows where they would live)"
         print(f"VRAM budget {p.budget / 2**30:.2f} GiB: {p.experts_gpu} of {p.experts_total} routed experts on the device, "
               f"{p.experts_total - p.experts_gpu} in host memory{where} (see `writescope plan`)")
+        held = llm.load_info.get("device_memory_at_cap")
+        if held:
+            print(f"device memory when the cap was set: {held['allocated'] / 2**30:.2f} GiB in tensors, "
+                  f"{held['reserved'] / 2**30:.2f} GiB held (plan: {(p.non_expert_weights + p.experts_gpu * p.expert_bytes) / 2**30:.2f} GiB of weights)")
     print(f"model: {cfg.architecture} ({cfg.num_layers} layers, {cfg.moe.num_experts} experts, top-{cfg.moe.top_k}), "
           f"{llm.load_info['source']}, {llm.dtype} on {llm.device}, loaded in {llm.load_info['load_s']:.1f} s; "
           f"experts: {'grouped GEMMs' if llm.load_info.get('grouped_experts') else 'one GEMM chain per expert (no grouped GEMM here)'}")

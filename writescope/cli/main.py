@@ -3,7 +3,12 @@
 from __future__ import annotations
 
 import argparse
+import os
 import sys
+
+# before CUDA starts: freed weights (expert packing) go back to the device page by page instead of
+# pinning whole 20 MiB segments, so what a --vram-budget run holds stays close to its plan
+os.environ.setdefault("PYTORCH_CUDA_ALLOC_CONF", "expandable_segments:True")
 
 from writescope.cli import bench, calibrate, generate, make_checkpoint, plan, profile
 

@@ -136,7 +136,9 @@ class LLM:
             if self.vram_plan is not None and not self.vram_plan.stream_slots:
                 b.stream_min_tokens = None  # no room in the budget for streaming slots: host experts stay on the CPU
         if self.vram_plan is not None:
-            enforce_budget(self.device, self.vram_plan.budget)
+            p = self.vram_plan
+            planned = p.non_expert_weights + p.experts_gpu * p.expert_bytes
+            self.load_info["device_memory_at_cap"] = enforce_budget(self.device, p.budget, planned)
         self.seed = seed
         self.step_hook = None  # called after every decode step (profilers; see writescope.bench.breakdown)
         self.r_trace: list[dict] | None = None  # the last generate's r(L) trace (partitioned policies)
