@@ -67,6 +67,23 @@ def test_packing_does_not_copy_the_experts(llms):
         assert getattr(block.experts[e], down).weight.data_ptr() == p.w2[e].data_ptr()
 
 
+def test_packing_frees_the_original_weights():
+    """Once packed, the experts' original tensors are garbage: nothing (an autograd graph of
+    the packing, the model, the loader) keeps them. On the H200 a graph did: DeepSeek-V2-Lite
+    held 56 GiB of device memory for 29 GiB of weights under a 32 GiB budget."""
+    import gc
+    import weakref
+
+    from writescope.engine.model_loader import load_model
+
+    _, net, _, _ = load_model("tiny-deepseek-v2", True, torch.float32, torch.device("cpu"), progress=False)
+    block = [m for m in net.modules() if isinstance(m, SparseMoeBlock)][0]
+    olds = [weakref.ref(getattr(block.experts[e], n).weight) for e in range(block.cfg.num_experts) for n in block.cfg.expert_names]
+    assert block.pack()
+    gc.collect()
+    assert not [r for r in olds if r() is not None]
+
+
 def test_row_chunks_equal_one_pass(llms, monkeypatch):
     block = _blocks(llms["tiny-qwen3-moe"])[0]
     x = torch.randn(29, block.gate.weight.shape[1], generator=torch.Generator().manual_seed(3))

@@ -92,8 +92,9 @@ class PackedExperts:
         self.ids = list(device_ids)
         first = getattr(experts[self.ids[0]], gate).weight
         self.inter, self.hidden = first.shape
-        self.w13 = torch.stack([torch.cat((getattr(experts[e], gate).weight, getattr(experts[e], up).weight)) for e in self.ids])
-        self.w2 = torch.stack([getattr(experts[e], down).weight for e in self.ids])
+        with torch.no_grad():  # with autograd on, the packed tensors' graph would keep every original weight alive
+            self.w13 = torch.stack([torch.cat((getattr(experts[e], gate).weight, getattr(experts[e], up).weight)) for e in self.ids])
+            self.w2 = torch.stack([getattr(experts[e], down).weight for e in self.ids])
         if pin:
             from writescope.kvcache.pinned import host_empty
 
