@@ -10,7 +10,21 @@ from __future__ import annotations
 import torch
 import torch.nn.functional as F
 
-QUERY_CHUNK = 4096  # queries per SDPA call; bounds the [chunk, keys] mask at 4096 x keys bytes
+QUERY_CHUNK = 4096  # queries per SDPA call at most; bounds the [chunk, keys] mask at 4096 x keys bytes
+# Keys wider than FUSED_MAX_DIM (MLA's 576-wide latent) leave SDPA only its math path, which
+# holds float32 scores [q_heads, chunk, keys]: there queries per call are also cut so the scores
+# stay under SCORE_BYTES (the H200 1M-token run asked for 1 GiB of scores and overran a 32 GiB
+# budget). Narrower heads use the fused kernels, which never hold the scores.
+FUSED_MAX_DIM = 256
+SCORE_BYTES = 256 * 2**20
+
+
+def query_chunk(q_heads: int, keys: int, k_dim: int = FUSED_MAX_DIM + 1) -> int:
+    """Queries per SDPA call: at most ``QUERY_CHUNK``; for ``k_dim > FUSED_MAX_DIM`` also few
+    enough that float32 scores of ``q_heads x chunk x keys`` fit ``SCORE_BYTES`` (at least 1)."""
+    if k_dim <= FUSED_MAX_DIM:
+        return QUERY_CHUNK
+    return max(1, min(QUERY_CHUNK, SCORE_BYTES // (4 * q_heads * max(1, keys))))
 
 
 def attend_sequence(
@@ -43,8 +57,9 @@ def attend_sequence(
     vt = v.transpose(0, 1).unsqueeze(0)  # [1, kv_heads, total, v_dim]
     out = q.new_empty(n, q_heads, v.shape[-1])
     key_pos = torch.arange(total, device=q.device)
-    for start in range(0, n, QUERY_CHUNK):
-        stop = min(n, start + QUERY_CHUNK)
+    start = 0
+    while start < n:
+        stop = min(n, start + query_chunk(q_heads, total, q.shape[-1]))
         q_pos = torch.arange(context_len + start, context_len + stop, device=q.device)
         mask = key_pos[None, :] <= q_pos[:, None]  # [chunk, total]
         if sliding_window is not None:
@@ -56,4 +71,5 @@ def attend_sequence(
             qt, kt[:, :, :last], vt[:, :, :last], attn_mask=mask[:, :last], scale=scale, enable_gqa=kv_heads != q_heads
         )
         out[start:stop] = o[0].transpose(0, 1)
+        start = stop
     return out

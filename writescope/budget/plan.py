@@ -10,8 +10,10 @@ as the cache's own capacity check does) and the pinned staging buffers.
 Activations are an estimate (stated so it can be checked): one prefill chunk of
 T = min(prefill_chunk_tokens, batch x context) tokens holds about
 T x (8 H + 2 (q_heads + 2 kv_heads) head_dim + 3 top_k I) elements of hidden states, q/k/v and
-expert intermediates, plus the attention mask of 4096 x (context + max_new) bytes and the
-batch's float32 logits; a fixed ``RESERVE`` covers the allocator's fragmentation.
+expert intermediates, plus the attention mask of 4096 x (context + max_new) bytes, for keys wider
+than SDPA's fused kernels take (MLA) twice the bound on float32 scores
+(``writescope.attention.reference.SCORE_BYTES``: the scores and their softmax) and the batch's float32 logits; a fixed ``RESERVE`` covers the
+allocator's fragmentation.
 """
 
 from __future__ import annotations
@@ -20,6 +22,7 @@ from dataclasses import dataclass
 
 import torch
 
+from writescope.attention.reference import FUSED_MAX_DIM, SCORE_BYTES
 from writescope.budget.weights import weight_sizes
 from writescope.config import ModelConfig
 from writescope.kvcache.sequence import pinned_staging_bytes
@@ -129,6 +132,8 @@ def make_plan(
     T = min(prefill_chunk_tokens, batch * context)
     act = T * (8 * H + 2 * (a.q_heads + 2 * a.kv_heads) * a.head_dim + 3 * m.top_k * m.intermediate_size) * item
     act += 4096 * cap + batch * cfg.vocab_size * 4
+    if cfg.kv_layout.k_dim > FUSED_MAX_DIM:  # SDPA's math path holds float32 scores (and their softmax)
+        act += 2 * SCORE_BYTES
     expert_bytes = w.expert * item
     plan = MemoryPlan(budget, w.non_expert * item, expert_bytes, (), w.num_experts * w.moe_layers, kv_gpu, pingpong, act, RESERVE,
                       host, pinned, staging, host_free)
