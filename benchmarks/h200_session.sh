@@ -6,8 +6,8 @@
 #   bash benchmarks/h200_session.sh scheduler  # calibrate + writescope bench, Qwen3 shape, batch 16, 8K-32K (issue 4)
 #   bash benchmarks/h200_session.sh profile    # where a decode step goes, Qwen3 shape, 4 layers, 16 x 32K
 #   bash benchmarks/h200_session.sh prefill    # prefill routing vs one region, interleaved rounds (issue 3)
-#   bash benchmarks/h200_session.sh text MODEL # full-size MODEL, 32 GiB budget, 4 x 32K of machine text, 256 tokens,
-#                                              # then where its decode step goes (issue 6, runs 1 and the breakdown)
+#   bash benchmarks/h200_session.sh text MODEL # full-size MODEL, 32 GiB budget, 4 x 32K of machine text, 256 tokens (issue 6, run 1)
+#   bash benchmarks/h200_session.sh breakdown MODEL  # where its decode step goes (issue 6)
 #   bash benchmarks/h200_session.sh 1m         # DeepSeek-V2-Lite, 32 GiB, 32 x 32K machine text, 256 tokens (issue 6, run 4)
 # Results go to $OUT (the device tool's folder) or benchmarks/results/new; copy what you keep into
 # benchmarks/results/ with the command line above.
@@ -42,15 +42,17 @@ case "${1:-}" in
   text)
     m=${2:?model}
     timeout 330 python3 -m writescope.cli.main generate --model "$m" --synthetic --device cuda --vram-budget 32GiB \
-      --machine-text 32k --batch 4 --max-new-tokens 256 --ignore-eos --policy writescope \
-      --output-json "$out/text_${m}_h200.json" 2>&1 | grep -v "^prefill:" | tee "$out/text_${m}_h200.log" | tail -30
+      --machine-text 32k --batch 4 --max-new-tokens 256 --ignore-eos --policy writescope --prefill-chunk-tokens 2048 \
+      --output-json "$out/text_${m}_h200.json" 2>&1 | grep -v "synthetic weights\|calibrate:" | tee "$out/text_${m}_h200.log" | tail -30 ;;
+  breakdown)
+    m=${2:?model}
     timeout 150 python3 -m writescope.cli.main profile --model "$m" --synthetic --device cuda --vram-budget 32GiB \
       --batch 4 --context 32k --policy writescope --steps 6 --quiet --output-json "$out/profile_${m}_h200.json" \
       2>&1 | grep -v USDT | tee "$out/profile_${m}_h200.log" | tail -30 ;;
   1m)
     timeout 560 python3 -m writescope.cli.main generate --model deepseek-v2-lite --synthetic --device cuda --vram-budget 32GiB \
-      --machine-text 32k --batch 32 --max-new-tokens 256 --ignore-eos --policy writescope \
+      --machine-text 32k --batch 32 --max-new-tokens 256 --ignore-eos --policy writescope --prefill-chunk-tokens 2048 \
       --output-json "$out/1m_deepseek-v2-lite_h200.json" 2>&1 | grep -v "^prefill:" | tee "$out/1m_deepseek-v2-lite_h200.log" | tail -40 ;;
   *)
-    echo "usage: $0 tests|split|experts|scheduler|profile|prefill|text MODEL|1m" >&2; exit 2 ;;
+    echo "usage: $0 tests|split|experts|scheduler|profile|prefill|text MODEL|breakdown MODEL|1m" >&2; exit 2 ;;
 esac

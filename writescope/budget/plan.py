@@ -9,8 +9,8 @@ as the cache's own capacity check does) and the pinned staging buffers.
 
 Activations are an estimate (stated so it can be checked): one prefill chunk of
 T = min(prefill_chunk_tokens, batch x context) tokens holds about
-T x (8 H + 2 (q_heads + 2 kv_heads) head_dim + 3 top_k I) elements of hidden states, q/k/v and
-expert intermediates, plus the attention mask of 4096 x (context + max_new) bytes, for keys wider
+T x (8 H + 2 (q_heads + 2 kv_heads) head_dim + top_k (3 I + 2 H)) elements of hidden states,
+q/k/v, expert intermediates and the grouped GEMMs' gathered inputs and outputs, plus the attention mask of 4096 x (context + max_new) bytes, for keys wider
 than SDPA's fused kernels take (MLA) twice the bound on float32 scores
 (``writescope.attention.reference.SCORE_BYTES``: the scores and their softmax) and the batch's float32 logits; a fixed ``RESERVE`` covers the
 allocator's fragmentation.
@@ -130,7 +130,7 @@ def make_plan(
         pinned = int(host * policy.max_load_share)
         staging = pinned_staging_bytes(spec, policy, batch, host)
     T = min(prefill_chunk_tokens, batch * context)
-    act = T * (8 * H + 2 * (a.q_heads + 2 * a.kv_heads) * a.head_dim + 3 * m.top_k * m.intermediate_size) * item
+    act = T * (8 * H + 2 * (a.q_heads + 2 * a.kv_heads) * a.head_dim + m.top_k * (3 * m.intermediate_size + 2 * H)) * item
     act += 4096 * cap + batch * cfg.vocab_size * 4
     if cfg.kv_layout.k_dim > FUSED_MAX_DIM:  # SDPA's math path holds float32 scores (and their softmax)
         act += 2 * SCORE_BYTES

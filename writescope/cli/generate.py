@@ -27,6 +27,8 @@ def add_parser(sub) -> None:
     p.add_argument("--device", default="auto", help="auto, cpu or cuda")
     p.add_argument("--dtype", default="auto", help="auto (bf16 on cuda, fp32 on cpu), bf16, fp16, fp32")
     p.add_argument("--max-model-len", type=int, default=None, help="cap on prompt + new tokens per request")
+    p.add_argument("--prefill-chunk-tokens", type=int, default=8192,
+                   help="prompt tokens per prefill forward pass (default 8192; fewer bound activation memory under --vram-budget)")
     p.add_argument("--ignore-eos", action="store_true", help="do not stop at end-of-sequence tokens")
     p.add_argument("--policy", default="resident",
                    help="KV placement: resident (all on the device), gpu (stream spilled KV), cpu (attend it on the CPU), "
@@ -90,7 +92,7 @@ def run(args: argparse.Namespace) -> int:
             max_model_len = known + args.max_new_tokens
     llm = LLM(
         args.model, synthetic=args.synthetic, device=args.device, dtype=args.dtype, seed=args.weight_seed,
-        max_model_len=max_model_len, progress=not args.quiet, policy=args.policy, window=args.window,
+        max_model_len=max_model_len, prefill_chunk_tokens=args.prefill_chunk_tokens, progress=not args.quiet, policy=args.policy, window=args.window,
         cpu_threads=args.cpu_threads, vram_budget=args.vram_budget, max_batch=args.batch, expert_threads=args.expert_threads,
     )
     cfg = llm.config
