@@ -19,7 +19,7 @@ def _float64_attention(q, k, v, context_len, scale):
 
 def test_query_chunk_bounds_the_scores():
     assert ref.query_chunk(16, 1) == ref.QUERY_CHUNK
-    assert ref.query_chunk(16, 32768) == ref.SCORE_BYTES // (4 * 16 * 32768)  # 128 queries at 32K keys
+    assert ref.query_chunk(16, 32768) == ref.SCORE_BYTES // (5 * 16 * 32768)  # 102 queries at 32K keys
     assert ref.query_chunk(10**6, 10**6) == 1
     assert ref.query_chunk(32, 32768, k_dim=128) == ref.QUERY_CHUNK  # fused kernels: no scores held
 
@@ -34,7 +34,7 @@ def test_small_score_bound_gives_the_same_attention(monkeypatch):
         k = torch.randn(ctx + n, hkv, dk, generator=g)
         v = torch.randn(ctx + n, hkv, dv, generator=g)
         want = _float64_attention(q, k, v, ctx, dk**-0.5)
-        for score_bytes in (4 * hq * (ctx + n), 12 * hq * (ctx + n), ref.SCORE_BYTES):
+        for score_bytes in (5 * hq * (ctx + n), 15 * hq * (ctx + n), ref.SCORE_BYTES):
             monkeypatch.setattr(ref, "SCORE_BYTES", score_bytes)
             got = ref.attend_sequence(q, k, v, ctx, dk**-0.5)
             torch.testing.assert_close(got.double(), want, rtol=1e-5, atol=1e-5)

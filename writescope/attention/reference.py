@@ -21,10 +21,11 @@ SCORE_BYTES = 256 * 2**20
 
 def query_chunk(q_heads: int, keys: int, k_dim: int = FUSED_MAX_DIM + 1) -> int:
     """Queries per SDPA call: at most ``QUERY_CHUNK``; for ``k_dim > FUSED_MAX_DIM`` also few
-    enough that float32 scores of ``q_heads x chunk x keys`` fit ``SCORE_BYTES`` (at least 1)."""
+    enough that float32 scores and a bool mask of ``q_heads x chunk x keys`` fit ``SCORE_BYTES``
+    (at least 1)."""
     if k_dim <= FUSED_MAX_DIM:
         return QUERY_CHUNK
-    return max(1, min(QUERY_CHUNK, SCORE_BYTES // (4 * q_heads * max(1, keys))))
+    return max(1, min(QUERY_CHUNK, SCORE_BYTES // (5 * q_heads * max(1, keys))))  # float32 scores + a bool mask per head
 
 
 def attend_sequence(
@@ -66,10 +67,18 @@ def attend_sequence(
             mask &= key_pos[None, :] > q_pos[:, None] - sliding_window
         # keys past the last query of this chunk are never visible: drop them
         last = context_len + stop
-        qt = q[start:stop].transpose(0, 1).unsqueeze(0)  # [1, q_heads, chunk, k_dim]
-        o = F.scaled_dot_product_attention(
-            qt, kt[:, :, :last], vt[:, :, :last], attn_mask=mask[:, :last], scale=scale, enable_gqa=kv_heads != q_heads
-        )
-        out[start:stop] = o[0].transpose(0, 1)
+        c = stop - start
+        if kv_heads == 1 and q_heads > 1 and q.shape[-1] > FUSED_MAX_DIM:
+            # one shared KV head (MLA's latent) on the math path: the heads become query rows of
+            # that head, so the keys are not expanded per head (enable_gqa would copy them q_heads times)
+            qt = q[start:stop].transpose(0, 1).reshape(1, 1, q_heads * c, -1)  # [1, 1, q_heads * chunk, k_dim]
+            o = F.scaled_dot_product_attention(qt, kt[:, :, :last], vt[:, :, :last], attn_mask=mask[:, :last].repeat(q_heads, 1), scale=scale)
+            out[start:stop] = o.view(q_heads, c, -1).transpose(0, 1)
+        else:
+            qt = q[start:stop].transpose(0, 1).unsqueeze(0)  # [1, q_heads, chunk, k_dim]
+            o = F.scaled_dot_product_attention(
+                qt, kt[:, :, :last], vt[:, :, :last], attn_mask=mask[:, :last], scale=scale, enable_gqa=kv_heads != q_heads
+            )
+            out[start:stop] = o[0].transpose(0, 1)
         start = stop
     return out
