@@ -43,7 +43,7 @@ case "${1:-}" in
     m=${2:?model}
     timeout 330 python3 -m writescope.cli.main generate --model "$m" --synthetic --device cuda --vram-budget 32GiB \
       --machine-text 32k --batch 4 --max-new-tokens 256 --ignore-eos --policy writescope --prefill-chunk-tokens 2048 \
-      --output-json "$out/text_${m}_h200.json" 2>&1 | grep -v "synthetic weights\|calibrate:" | tee "$out/text_${m}_h200.log" | tail -30 ;;
+      --output-json "$out/text_${m}_h200.json" 2>&1 | grep -v "synthetic weights:\|calibrate:" | tee "$out/text_${m}_h200.log" | tail -30 ;;
   breakdown)
     m=${2:?model}
     timeout 150 python3 -m writescope.cli.main profile --model "$m" --synthetic --device cuda --vram-budget 32GiB \

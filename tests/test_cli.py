@@ -57,3 +57,29 @@ def test_budgeted_generate_plans_for_the_known_prompt_not_the_model_limit(monkey
         except Stop:
             pass
         assert seen["max_model_len"] == want, (extra, seen["max_model_len"])
+
+
+def test_profile_and_bench_plan_for_their_contexts(monkeypatch):
+    """profile and bench size the budget plan for the requests they make (the H200 profile of
+    DeepSeek-V2-Lite planned for 163,840 tokens and moved experts to the host that fit the GPU)."""
+    import writescope.engine.llm as engine
+
+    seen = {}
+
+    class Stop(Exception):
+        pass
+
+    def fake_llm(*a, **kw):
+        seen.update(kw)
+        raise Stop
+
+    monkeypatch.setattr(engine, "LLM", fake_llm)
+    for argv, want in ((["profile", "--context", "1k", "--steps", "3", "--skip", "2"], 1024 + 2 + 2 + 3),
+                       (["bench", "--context", "1k,2k", "--steps", "4", "--policies", "gpu"], 2048 + 4 + 1),
+                       (["bench", "--context", "64k", "--steps", "4", "--policies", "gpu"], 8192)):  # past tiny's limit: capped
+        seen.clear()
+        try:
+            main(argv + ["--model", "tiny-qwen3-moe", "--quiet", "--vram-budget", "2GiB"])
+        except Stop:
+            pass
+        assert seen["max_model_len"] == want, (argv, seen.get("max_model_len"))

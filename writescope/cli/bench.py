@@ -53,6 +53,7 @@ def run(args: argparse.Namespace) -> int:
     from writescope.bench.report import format_best, format_table, plot
     from writescope.bench.runner import BenchConfig, run_grid
     from writescope.engine.llm import LLM
+    from writescope.engine.model_loader import resolve_config
     from writescope.scheduler.policies import parse_policy
 
     batches, contexts = parse_tokens(args.batch, "--batch"), parse_tokens(args.context, "--context")
@@ -74,7 +75,9 @@ def run(args: argparse.Namespace) -> int:
     grid_policies = policies + [s for s in sweep if s not in policies]
     t0 = time.perf_counter()
     llm = LLM(args.model, synthetic=args.synthetic, device=args.device, dtype=args.dtype, progress=not args.quiet,
-              policy="gpu", vram_budget=args.vram_budget, max_batch=max(batches), num_layers=args.num_layers)  # windows + ping-pong: any partitioned policy
+              policy="gpu", vram_budget=args.vram_budget, max_batch=max(batches), num_layers=args.num_layers,  # windows + ping-pong: any partitioned policy
+              max_model_len=min(resolve_config(args.model, args.num_layers, args.synthetic)[0].max_position_embeddings,
+                                max(contexts) + args.steps + 1))  # what the grid's requests reach (the budget plans for it); longer rows report they do not fit
     if args.num_layers is not None and not llm.config.moe.moe_layers:
         print(f"note: the first {args.num_layers} layer(s) of {args.model} hold no MoE block (dense layers first): "
               "raise --num-layers for the expert phase", flush=True)

@@ -39,7 +39,7 @@ def run(args: argparse.Namespace) -> int:
         raise ValueError(f"--batch and --steps must be >= 1 and --skip >= 0, got {args.batch}, {args.steps}, {args.skip}")
     llm = LLM(args.model, synthetic=args.synthetic, device=args.device, dtype=args.dtype, progress=not args.quiet,
               policy=args.policy, window=args.window, vram_budget=args.vram_budget, max_batch=args.batch,
-              num_layers=args.num_layers)
+              num_layers=args.num_layers, max_model_len=context + 2 + args.skip + args.steps)  # the budget plans for this, not the model's limit
     g = torch.Generator().manual_seed(0)
     prompts = torch.randint(3, llm.config.vocab_size, (args.batch, context), generator=g).tolist()
     bd = decode_breakdown(llm, prompts, args.steps, args.skip, str(args.trace) if args.trace else None)
