@@ -33,30 +33,35 @@ def test_generate_with_prompt_ids_and_sampling_is_seeded(tmp_path, capsys):
     assert outs[0][0] != outs[0][1], "request i samples with seed + i, so copies of a prompt differ"
 
 
-def test_budgeted_generate_plans_for_the_known_prompt_not_the_model_limit(monkeypatch, capsys):
+class _Stop(Exception):
+    pass
+
+
+def _llm_kwargs(monkeypatch, module, argv: list[str]) -> dict:
+    """The keyword arguments ``writescope <argv>`` passes to ``module.LLM`` (stopped there)."""
+    seen: dict = {}
+
+    def fake_llm(*a, **kw):
+        seen.update(kw)
+        raise _Stop
+
+    monkeypatch.setattr(module, "LLM", fake_llm)
+    try:
+        main(argv)
+    except _Stop:
+        pass
+    return seen
+
+
+def test_budgeted_generate_plans_for_the_known_prompt_not_the_model_limit(monkeypatch):
     """With --vram-budget and a prompt whose length is known before the model loads, the plan
     covers prompt + new tokens: planning for the model's limit (DeepSeek-V2-Lite: 163,840 tokens)
     refused a 32 x 32K batch on the H200 machine for 152 GiB of KV it would never hold."""
     import writescope
 
-    seen = {}
-
-    class Stop(Exception):
-        pass
-
-    def fake_llm(*a, **kw):
-        seen.update(kw)
-        raise Stop
-
-    monkeypatch.setattr(writescope, "LLM", fake_llm)
     base = ["generate", "--model", "tiny-qwen3-moe", "--max-new-tokens", "7", "--quiet", "--vram-budget", "2GiB"]
     for extra, want in ((["--prompt-ids", "5,6,7"], 10), (["--machine-text", "1k"], 1024 + 7), (["--prompt", "hi"], None)):
-        seen.clear()
-        try:
-            main(base + extra)
-        except Stop:
-            pass
-        assert seen["max_model_len"] == want, (extra, seen["max_model_len"])
+        assert _llm_kwargs(monkeypatch, writescope, base + extra)["max_model_len"] == want, extra
 
 
 def test_profile_and_bench_plan_for_their_contexts(monkeypatch):
@@ -64,22 +69,8 @@ def test_profile_and_bench_plan_for_their_contexts(monkeypatch):
     DeepSeek-V2-Lite planned for 163,840 tokens and moved experts to the host that fit the GPU)."""
     import writescope.engine.llm as engine
 
-    seen = {}
-
-    class Stop(Exception):
-        pass
-
-    def fake_llm(*a, **kw):
-        seen.update(kw)
-        raise Stop
-
-    monkeypatch.setattr(engine, "LLM", fake_llm)
     for argv, want in ((["profile", "--context", "1k", "--steps", "3", "--skip", "2"], 1024 + 2 + 2 + 3),
                        (["bench", "--context", "1k,2k", "--steps", "4", "--policies", "gpu"], 2048 + 4 + 1),
                        (["bench", "--context", "64k", "--steps", "4", "--policies", "gpu"], 8192)):  # past tiny's limit: capped
-        seen.clear()
-        try:
-            main(argv + ["--model", "tiny-qwen3-moe", "--quiet", "--vram-budget", "2GiB"])
-        except Stop:
-            pass
-        assert seen["max_model_len"] == want, (argv, seen.get("max_model_len"))
+        got = _llm_kwargs(monkeypatch, engine, argv + ["--model", "tiny-qwen3-moe", "--quiet", "--vram-budget", "2GiB"])
+        assert got["max_model_len"] == want, argv
