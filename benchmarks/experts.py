@@ -95,8 +95,8 @@ def main() -> None:
                         continue  # nothing on the host to stream
                     block.grouped, block.packed = path != "loop", None
                     block.stream_min_tokens = MIN_TOKENS if path == "grouped" else None
-                    if path != "loop" and not block.pack() and (on_device > 0 or path != "grouped"):
-                        continue  # no grouped GEMM here; with every expert on the host, "grouped" still streams
+                    if path != "loop" and not block.pack() and (on_device > 0 or path != "grouped" or device.type != "cuda"):
+                        continue  # no grouped GEMM here; with every expert on the host, "grouped" still streams (CUDA)
                     with torch.no_grad():
                         sec = timed(lambda: block(x), device, args.repeats)
                     dev_active = sum(1 for e in active if e < on_device)

@@ -123,3 +123,70 @@ def test_planned_host_experts_are_built_in_host_memory(preset):
         for name, p in layer.named_parameters():
             on_host = i in where and name.split(".")[1] == "experts" and int(name.split(".")[2]) >= 1
             assert p.device.type == ("cpu" if on_host else "meta"), (i, name, p.device)
+
+
+def _fake_cuda(monkeypatch, reserved: int, total: int = 140 * 2**30) -> list:
+    """torch.cuda's memory calls answered as a device holding ``reserved`` bytes; returns the
+    fractions set."""
+    import types
+
+    fractions: list = []
+    monkeypatch.setattr(torch.cuda, "empty_cache", lambda: None)
+    monkeypatch.setattr(torch.cuda, "current_device", lambda: 0)
+    monkeypatch.setattr(torch.cuda, "memory_allocated", lambda i: reserved)
+    monkeypatch.setattr(torch.cuda, "memory_reserved", lambda i: reserved)
+    monkeypatch.setattr(torch.cuda, "get_device_properties", lambda i: types.SimpleNamespace(total_memory=total))
+    monkeypatch.setattr(torch.cuda, "set_per_process_memory_fraction", lambda f, i: fractions.append((f, i)))
+    return fractions
+
+
+def test_enforce_budget_refuses_warns_or_caps(monkeypatch):
+    """After loading: weights already filling the budget are refused with the numbers (nothing
+    capped); weights leaving less than the plan's working set warn; otherwise the cap is set."""
+    from writescope.budget.apply import enforce_budget
+
+    GiB, cuda = 2**30, torch.device("cuda")  # no index: the call must pick the current device
+    fractions = _fake_cuda(monkeypatch, reserved=56 * GiB)
+    with pytest.raises(ValueError, match=r"holds 56.00 GiB .* 29.26 GiB planned.* 32.00 GiB"):
+        enforce_budget(cuda, 32 * GiB, planned=int(29.26 * GiB), working=2 * GiB)
+    assert fractions == []
+    fractions = _fake_cuda(monkeypatch, reserved=31 * GiB)
+    with pytest.warns(ResourceWarning, match="may run out"):
+        enforce_budget(cuda, 32 * GiB, planned=29 * GiB, working=2 * GiB)
+    assert fractions == [(32 / 140, 0)]
+    fractions = _fake_cuda(monkeypatch, reserved=29 * GiB)
+    import warnings
+
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")
+        held = enforce_budget(cuda, 32 * GiB, planned=29 * GiB, working=2 * GiB)
+    assert held == {"allocated": 29 * GiB, "reserved": 29 * GiB} and fractions == [(32 / 140, 0)]
+
+
+def test_adaptive_policy_under_a_budget_calibrates_once_before_the_weights_load(monkeypatch):
+    """Under --vram-budget the cap leaves no device memory for a calibration: generate's LLM and
+    bench both look the roofline up before loading, and never again after."""
+    import writescope.engine.llm as engine
+    from writescope.cli.main import main
+    from writescope.scheduler.roofline import Roofline
+
+    calls: list[str] = []
+    real_load = engine.load_model
+
+    def fake_calibrate(*a, **kw):
+        calls.append("calibrate")
+        return Roofline(1e-9, 1e-9)
+
+    def spy_load(*a, **kw):
+        calls.append("load")
+        return real_load(*a, **kw)
+
+    monkeypatch.setattr(engine, "load_or_calibrate", fake_calibrate)
+    monkeypatch.setattr(engine, "load_model", spy_load)
+    llm = LLM("tiny-qwen3-moe", progress=False, vram_budget="2GiB", policy="writescope")
+    llm.roofline(llm.window)
+    assert calls == ["calibrate", "load"]
+    calls.clear()
+    rc = main(["bench", "--model", "tiny-qwen3-moe", "--context", "64", "--batch", "1", "--steps", "1", "--policies",
+               "writescope", "--vram-budget", "2GiB", "--quiet"])
+    assert rc == 0 and calls == ["calibrate", "load"]

@@ -11,21 +11,23 @@ import torch
 import torch.nn.functional as F
 
 QUERY_CHUNK = 4096  # queries per SDPA call at most; bounds the [chunk, keys] mask at 4096 x keys bytes
-# Keys wider than FUSED_MAX_DIM (MLA's 576-wide latent) leave SDPA only its math path, which
-# holds float32 scores [q_heads, chunk, keys]: there queries per call are also cut so the scores
-# stay under SCORE_BYTES (the H200 1M-token run asked for 1 GiB of scores and overran a 32 GiB
-# budget). Narrower heads use the fused kernels, which never hold the scores.
+# Keys wider than FUSED_MAX_DIM (MLA's 576-wide latent) may leave SDPA only its math path, which
+# holds float32 scores [q_heads, chunk, keys] and their softmax (about 10 bytes per score with the
+# mask, measured on the CPU's math path): there queries per call are also cut so that stays under
+# SCORE_BYTES (the H200 1M-token run asked for 1 GiB of scores and overran a 32 GiB budget).
+# Narrower heads use the fused kernels, which never hold the scores.
 FUSED_MAX_DIM = 256
-SCORE_BYTES = 256 * 2**20
+SCORE_BYTES = 512 * 2**20
+BYTES_PER_SCORE = 10
 
 
 def query_chunk(q_heads: int, keys: int, k_dim: int = FUSED_MAX_DIM + 1) -> int:
     """Queries per SDPA call: at most ``QUERY_CHUNK``; for ``k_dim > FUSED_MAX_DIM`` also few
-    enough that float32 scores and a bool mask of ``q_heads x chunk x keys`` fit ``SCORE_BYTES``
-    (at least 1)."""
+    enough that ``BYTES_PER_SCORE`` bytes for each of the ``q_heads x chunk x keys`` scores fit
+    ``SCORE_BYTES`` (at least 1)."""
     if k_dim <= FUSED_MAX_DIM:
         return QUERY_CHUNK
-    return max(1, min(QUERY_CHUNK, SCORE_BYTES // (5 * q_heads * max(1, keys))))  # float32 scores + a bool mask per head
+    return max(1, min(QUERY_CHUNK, SCORE_BYTES // (BYTES_PER_SCORE * q_heads * max(1, keys))))
 
 
 def attend_sequence(

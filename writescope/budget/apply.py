@@ -3,6 +3,8 @@ the rest to host memory, and make the device enforce the budget (docs/DESIGN.md 
 
 from __future__ import annotations
 
+import warnings
+
 import torch
 
 from writescope.budget.plan import MemoryPlan
@@ -33,16 +35,19 @@ def place_experts(model: torch.nn.Module, plan: MemoryPlan) -> int:
     return moved
 
 
-def enforce_budget(device: torch.device, budget: int, planned: int | None = None) -> dict:
+def enforce_budget(device: torch.device, budget: int, planned: int | None = None, working: int = 0) -> dict:
     """Cap the CUDA caching allocator of this process at ``budget`` bytes on ``device``
     (``torch.cuda.set_per_process_memory_fraction``; allocations beyond it raise
     OutOfMemoryError). Without CUDA: no cap, returns {}.
 
-    Returns ``{"allocated": bytes in tensors, "reserved": bytes the allocator holds}`` at the
-    moment the cap is set (after releasing its unused cache).
+    ``planned``: the bytes the plan gave the weights; ``working``: the bytes it keeps for the
+    rest (KV on the device, ping-pong, activations, streaming slots). Returns
+    ``{"allocated": bytes in tensors, "reserved": bytes the allocator holds}`` at the moment the
+    cap is set (after releasing its unused cache). Warns (``ResourceWarning``) when
+    ``reserved + working`` passes the budget: the run may run out of device memory later.
 
     Raises:
-        RuntimeError: the process already holds more than ``budget`` minus 256 MiB (what is
+        ValueError: the process already holds more than ``budget`` minus 256 MiB (what is
             loaded took more than ``planned``, e.g. through allocator fragmentation): the run
             would fail at its first allocation, so it is refused here with the numbers.
     """
@@ -53,12 +58,21 @@ def enforce_budget(device: torch.device, budget: int, planned: int | None = None
     held = {"allocated": torch.cuda.memory_allocated(index), "reserved": torch.cuda.memory_reserved(index)}
     if held["reserved"] > budget - 256 * 2**20:
         gib = 2**30
-        raise RuntimeError(
+        raise ValueError(
             f"after loading the weights this process holds {held['reserved'] / gib:.2f} GiB of device memory "
             f"({held['allocated'] / gib:.2f} GiB in tensors{'' if planned is None else f', {planned / gib:.2f} GiB planned'}), "
             f"leaving nothing of the --vram-budget of {budget / gib:.2f} GiB for the KV and activations: raise the budget, "
             "or set PYTORCH_CUDA_ALLOC_CONF=expandable_segments:True (less fragmentation; the CLI does) before starting"
         )
     total = torch.cuda.get_device_properties(index).total_memory
+    if held["reserved"] + working > budget:
+        gib = 2**30
+        warnings.warn(
+            f"after loading the weights this process holds {held['reserved'] / gib:.2f} GiB of device memory"
+            f"{'' if planned is None else f' ({planned / gib:.2f} GiB planned)'}; with the {working / gib:.2f} GiB the plan "
+            f"keeps for KV and activations that passes the --vram-budget of {budget / gib:.2f} GiB: the run may run out "
+            "of device memory (fewer requests, a shorter context or --prefill-chunk-tokens help)",
+            ResourceWarning, stacklevel=2,
+        )
     torch.cuda.set_per_process_memory_fraction(min(1.0, budget / total), index)
     return held

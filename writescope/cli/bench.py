@@ -75,7 +75,10 @@ def run(args: argparse.Namespace) -> int:
     grid_policies = policies + [s for s in sweep if s not in policies]
     t0 = time.perf_counter()
     llm = LLM(args.model, synthetic=args.synthetic, device=args.device, dtype=args.dtype, progress=not args.quiet,
-              policy="gpu", vram_budget=args.vram_budget, max_batch=max(batches), num_layers=args.num_layers,  # windows + ping-pong: any partitioned policy
+              # sized for windows + ping-pong (any partitioned policy); an adaptive one is calibrated
+              # before the weights load (after them a --vram-budget cap leaves no room for it)
+              policy="writescope" if needs_roofline else "gpu", window=args.window,
+              vram_budget=args.vram_budget, max_batch=max(batches), num_layers=args.num_layers,
               max_model_len=min(resolve_config(args.model, args.num_layers, args.synthetic)[0].max_position_embeddings,
                                 max(contexts) + args.steps + 1))  # what the grid's requests reach (the budget plans for it); longer rows report they do not fit
     if args.num_layers is not None and not llm.config.moe.moe_layers:

@@ -88,8 +88,11 @@ def run(args: argparse.Namespace) -> int:
     max_model_len = args.max_model_len
     if max_model_len is None and args.vram_budget is not None:  # plan for the known prompt, not the model's limit
         known = machine_tokens if machine_tokens is not None else (len(prompt_ids[0]) if prompt_ids is not None else None)
-        if known is not None:
-            max_model_len = known + args.max_new_tokens
+        if known is not None:  # capped at the model's limit: a longer request gets the limit's own message later
+            from writescope.engine.model_loader import resolve_config
+
+            limit = resolve_config(args.model, None, args.synthetic)[0].max_position_embeddings
+            max_model_len = min(limit, known + args.max_new_tokens)
     llm = LLM(
         args.model, synthetic=args.synthetic, device=args.device, dtype=args.dtype, seed=args.weight_seed,
         max_model_len=max_model_len, prefill_chunk_tokens=args.prefill_chunk_tokens, progress=not args.quiet, policy=args.policy, window=args.window,

@@ -6,14 +6,14 @@ import argparse
 import os
 import sys
 
-# before CUDA starts: freed weights (expert packing) go back to the device page by page instead of
-# pinning whole 20 MiB segments, so what a --vram-budget run holds stays close to its plan
-os.environ.setdefault("PYTORCH_CUDA_ALLOC_CONF", "expandable_segments:True")
-
 from writescope.cli import bench, calibrate, generate, make_checkpoint, plan, profile
 
 
 def main(argv: list[str] | None = None) -> int:
+    # before CUDA starts (set here, not at import, so importing the CLI changes nothing): freed
+    # weights go back to the device page by page instead of pinning whole 20 MiB segments, so
+    # what a --vram-budget run holds stays close to its plan
+    os.environ.setdefault("PYTORCH_CUDA_ALLOC_CONF", "expandable_segments:True")
     parser = argparse.ArgumentParser(prog="writescope", description="Long-context MoE inference with a partitioned KV cache.")
     sub = parser.add_subparsers(dest="command", required=True)
     generate.add_parser(sub)

@@ -33,13 +33,16 @@ def run(args: argparse.Namespace) -> int:
     from writescope.bench.breakdown import decode_breakdown
     from writescope.cli.bench import parse_tokens
     from writescope.engine.llm import LLM
+    from writescope.engine.model_loader import resolve_config
 
     (context,) = parse_tokens(args.context, "--context")
     if args.batch < 1 or args.steps < 1 or args.skip < 0:
         raise ValueError(f"--batch and --steps must be >= 1 and --skip >= 0, got {args.batch}, {args.steps}, {args.skip}")
     llm = LLM(args.model, synthetic=args.synthetic, device=args.device, dtype=args.dtype, progress=not args.quiet,
               policy=args.policy, window=args.window, vram_budget=args.vram_budget, max_batch=args.batch,
-              num_layers=args.num_layers, max_model_len=context + 2 + args.skip + args.steps)  # the budget plans for this, not the model's limit
+              num_layers=args.num_layers,  # the budget plans for the profiled requests, not the model's limit
+              max_model_len=min(resolve_config(args.model, args.num_layers, args.synthetic)[0].max_position_embeddings,
+                                context + 2 + args.skip + args.steps))
     g = torch.Generator().manual_seed(0)
     prompts = torch.randint(3, llm.config.vocab_size, (args.batch, context), generator=g).tolist()
     bd = decode_breakdown(llm, prompts, args.steps, args.skip, str(args.trace) if args.trace else None)

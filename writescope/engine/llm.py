@@ -64,7 +64,8 @@ class LLM:
     Raises:
         ValueError: unknown model/preset, bad dtype or device, bad max_model_len, unknown
             policy, a partitioned policy for a model with a sliding window, or a
-            ``vram_budget`` the plan refuses (raised before loading weights).
+            ``vram_budget`` the plan refuses (raised before loading weights), or loaded
+            weights that already hold the whole budget (raised after loading, before the cap).
         CheckpointError: the checkpoint's tensors do not match the config.
     """
 
@@ -114,6 +115,7 @@ class LLM:
             self.vram_plan.check()
         on_host = host_experts(cfg, self.vram_plan) if self.vram_plan is not None else None
         self.progress = progress
+        self._rooflines: dict[tuple[int, int | None], Roofline] = {}  # (window, cpu_threads) -> calibrated inputs
         roofline = None
         if self.vram_plan is not None and policy.strip().lower() in ("writescope", "monolithic"):
             # calibrate (once per machine and shape) before the weights load: the budget's cap
@@ -138,7 +140,8 @@ class LLM:
         if self.vram_plan is not None:
             p = self.vram_plan
             planned = p.non_expert_weights + p.experts_gpu * p.expert_bytes
-            self.load_info["device_memory_at_cap"] = enforce_budget(self.device, p.budget, planned)
+            working = p.kv_gpu + p.pingpong + p.activations + p.stream_slots
+            self.load_info["device_memory_at_cap"] = enforce_budget(self.device, p.budget, planned, working)
         self.seed = seed
         self.step_hook = None  # called after every decode step (profilers; see writescope.bench.breakdown)
         self.r_trace: list[dict] | None = None  # the last generate's r(L) trace (partitioned policies)
@@ -192,9 +195,15 @@ class LLM:
         return self._roofline(self.config, window, cpu_threads)
 
     def _roofline(self, cfg, window: int, cpu_threads: int | None) -> Roofline:
-        if self.progress:
-            print("writescope policy: looking up this machine's calibration (measured once if missing)", flush=True)
-        return load_or_calibrate(cfg.kv_layout, cfg.attention.q_heads, self.dtype, self.device, window, cpu_threads, self.progress)
+        """Kept per (window, cpu_threads): under a budget the first lookup happens before the
+        weights load, and a later one must not measure under the cap."""
+        key = (window, cpu_threads)
+        if key not in self._rooflines:
+            if self.progress:
+                print("writescope policy: looking up this machine's calibration (measured once if missing)", flush=True)
+            self._rooflines[key] = load_or_calibrate(cfg.kv_layout, cfg.attention.q_heads, self.dtype, self.device, window,
+                                                     cpu_threads, self.progress)
+        return self._rooflines[key]
 
     # ---------------------------------------------------------------- validation
     def _prepare(self, prompts, prompt_token_ids, params) -> tuple[list[str | None], list[list[int]], list[SamplingParams]]:
