@@ -9,6 +9,7 @@
 #   bash benchmarks/h200_session.sh text MODEL # full-size MODEL, 32 GiB budget, 4 x 32K of machine text, 256 tokens (issue 6, run 1)
 #   bash benchmarks/h200_session.sh breakdown MODEL  # where its decode step goes (issue 6)
 #   bash benchmarks/h200_session.sh 1m         # DeepSeek-V2-Lite, 32 GiB, 32 x 32K machine text, 256 tokens (issue 6, run 4)
+#   bash benchmarks/h200_session.sh mla        # DeepSeek-V2-Lite prefill, 2 x 32K, absorbed vs expanded MLA (pick the default)
 # Results go to $OUT (the device tool's folder) or benchmarks/results/new; copy what you keep into
 # benchmarks/results/ with the command line above.
 set -euo pipefail
@@ -53,6 +54,13 @@ case "${1:-}" in
     timeout 560 python3 -m writescope.cli.main generate --model deepseek-v2-lite --synthetic --device cuda --vram-budget 32GiB \
       --machine-text 32k --batch 32 --max-new-tokens 256 --ignore-eos --policy writescope --prefill-chunk-tokens 2048 \
       --output-json "$out/1m_deepseek-v2-lite_h200.json" 2>&1 | grep -v "^prefill:" | tee "$out/1m_deepseek-v2-lite_h200.log" | tail -40 ;;
+  mla)
+    for mode in absorbed expanded; do
+      WRITESCOPE_MLA_PREFILL=$mode timeout 200 python3 -m writescope.cli.main generate --model deepseek-v2-lite --synthetic \
+        --device cuda --vram-budget 32GiB --machine-text 32k --batch 2 --max-new-tokens 4 --ignore-eos --policy gpu \
+        --prefill-chunk-tokens 4096 --quiet --output-json "$out/mla_${mode}_h200.json" 2>&1 | tee "$out/mla_${mode}_h200.log" \
+        | grep -E "prefill|TTFT|peak|error" | sed "s/^/$mode: /"
+    done ;;
   *)
-    echo "usage: $0 tests|split|experts|scheduler|profile|prefill|text MODEL|breakdown MODEL|1m" >&2; exit 2 ;;
+    echo "usage: $0 tests|split|experts|scheduler|profile|prefill|text MODEL|breakdown MODEL|1m|mla" >&2; exit 2 ;;
 esac

@@ -21,11 +21,12 @@ SCORE_BYTES = 512 * 2**20
 BYTES_PER_SCORE = 10
 
 
-def query_chunk(q_heads: int, keys: int, k_dim: int = FUSED_MAX_DIM + 1) -> int:
-    """Queries per SDPA call: at most ``QUERY_CHUNK``; for ``k_dim > FUSED_MAX_DIM`` also few
+def query_chunk(q_heads: int, keys: int, k_dim: int = FUSED_MAX_DIM + 1, v_dim: int | None = None) -> int:
+    """Queries per SDPA call: at most ``QUERY_CHUNK``; when SDPA may take its math path
+    (``k_dim > FUSED_MAX_DIM``, or values narrower or wider than keys: MLA expanded) also few
     enough that ``BYTES_PER_SCORE`` bytes for each of the ``q_heads x chunk x keys`` scores fit
     ``SCORE_BYTES`` (at least 1)."""
-    if k_dim <= FUSED_MAX_DIM:
+    if k_dim <= FUSED_MAX_DIM and (v_dim is None or v_dim == k_dim):
         return QUERY_CHUNK
     return max(1, min(QUERY_CHUNK, SCORE_BYTES // (BYTES_PER_SCORE * q_heads * max(1, keys))))
 
@@ -62,7 +63,7 @@ def attend_sequence(
     key_pos = torch.arange(total, device=q.device)
     start = 0
     while start < n:
-        stop = min(n, start + query_chunk(q_heads, total, q.shape[-1]))
+        stop = min(n, start + query_chunk(q_heads, total, q.shape[-1], v.shape[-1]))
         q_pos = torch.arange(context_len + start, context_len + stop, device=q.device)
         mask = key_pos[None, :] <= q_pos[:, None]  # [chunk, total]
         if sliding_window is not None:

@@ -72,12 +72,12 @@ class _TimedAttend:
         self.inner = cache.attend
         cache.attend = self
 
-    def __call__(self, layer_id, q, k, v, batch, scale, sliding_window=None):
+    def __call__(self, layer_id, q, k, v, batch, scale, sliding_window=None, prefill_attn=None):
         decode = all(n == 1 for n in batch.query_lens)
         if decode and self.device.type == "cuda":
             torch.cuda.synchronize(self.device)
         t0 = time.perf_counter()
-        out = self.inner(layer_id, q, k, v, batch, scale, sliding_window)
+        out = self.inner(layer_id, q, k, v, batch, scale, sliding_window, prefill_attn)
         if decode:
             if self.device.type == "cuda":
                 torch.cuda.synchronize(self.device)

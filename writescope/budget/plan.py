@@ -13,7 +13,8 @@ T x (8 H + 2 (q_heads + 2 kv_heads) head_dim + top_k (3 I + 2 H)) elements of hi
 q/k/v, expert intermediates and the grouped GEMMs' gathered inputs and outputs, plus the attention mask of 4096 x (context + max_new) bytes, for keys wider
 than SDPA's fused kernels take (MLA) the bound on the math path's scores and softmax
 (``writescope.attention.reference.SCORE_BYTES``) and float32 copies of one sequence's keys (two)
-and values and the batch's float32 logits; a fixed ``RESERVE`` covers the
+and values; with ``WRITESCOPE_MLA_PREFILL=expanded`` also one sequence's per-head keys and values
+and their float32 copies and the batch's float32 logits; a fixed ``RESERVE`` covers the
 allocator's fragmentation.
 """
 
@@ -27,6 +28,7 @@ from writescope.attention.reference import FUSED_MAX_DIM, SCORE_BYTES
 from writescope.budget.weights import weight_sizes
 from writescope.config import ModelConfig
 from writescope.kvcache.sequence import pinned_staging_bytes
+from writescope.layers.attention import mla_prefill_mode
 from writescope.kvcache.spec import DEFAULT_WINDOW, PartitionSpec
 from writescope.moe.streaming import stream_plan_bytes
 from writescope.scheduler.policies import PlacementPolicy
@@ -135,6 +137,8 @@ def make_plan(
     act += 4096 * cap + batch * cfg.vocab_size * 4
     if cfg.kv_layout.k_dim > FUSED_MAX_DIM:  # SDPA's math path: scores and softmax, float32 copies of the keys and values
         act += SCORE_BYTES + cap * (2 * cfg.kv_layout.k_dim + cfg.kv_layout.v_dim) * 4
+        if mla_prefill_mode() == "expanded":  # one sequence's latents expanded to per-head keys and values (+ float32 copies)
+            act += cap * a.q_heads * (a.qk_nope_head_dim + a.qk_rope_head_dim + a.v_head_dim) * (item + 4)
     expert_bytes = w.expert * item
     plan = MemoryPlan(budget, w.non_expert * item, expert_bytes, (), w.num_experts * w.moe_layers, kv_gpu, pingpong, act, RESERVE,
                       host, pinned, staging, host_free)

@@ -60,6 +60,7 @@ class KVCache(ABC):
         batch: ForwardBatch,
         scale: float,
         sliding_window: int | None = None,
+        prefill_attn=None,
     ) -> torch.Tensor:
         """Write the new KV of this layer, then attend.
 
@@ -71,6 +72,11 @@ class KVCache(ABC):
             batch: ragged metadata; ``batch.context_lens[i]`` must equal what is cached.
             scale: softmax scale.
             sliding_window: see :func:`writescope.attention.attend_sequence`.
+            prefill_attn: replaces :func:`~writescope.attention.attend_sequence` for a call
+                that is not pure decode (some query length above 1): called per sequence as
+                ``prefill_attn(q_rows, keys, vals, context_len, scale)`` with the cached + new
+                KV in position order, returning ``[rows, q_heads, out_dim]``; the call then
+                returns ``[T, q_heads, out_dim]`` (MLA's expanded prefill). Decode ignores it.
 
         Returns:
             ``[T, q_heads, v_dim]`` in q's dtype.

@@ -61,9 +61,11 @@ class ContiguousKVCache(KVCache):
     def active_slots(self) -> list[int]:
         return list(self._k)
 
-    def attend(self, layer_id, q, k, v, batch: ForwardBatch, scale, sliding_window=None):
+    def attend(self, layer_id, q, k, v, batch: ForwardBatch, scale, sliding_window=None, prefill_attn=None):
         lay = self.layout
-        out = q.new_empty(q.shape[0], q.shape[1], lay.v_dim)
+        if all(n == 1 for n in batch.query_lens):
+            prefill_attn = None  # decode (see KVCache.attend)
+        out = q.new_empty(q.shape[0], q.shape[1], lay.v_dim) if prefill_attn is None else None
         for i, slot in enumerate(batch.slots):
             s, e = batch.query_start_loc[i], batch.query_start_loc[i + 1]
             ctx = batch.context_lens[i]
@@ -81,5 +83,10 @@ class ContiguousKVCache(KVCache):
                 keys, vals = kc[: ctx + e - s], vc[: ctx + e - s]
             self._len[slot][layer_id] = ctx + e - s
             if e > s:
-                out[s:e] = attend_sequence(q[s:e], keys, vals, ctx, scale, sliding_window)
-        return out
+                if prefill_attn is None:
+                    out[s:e] = attend_sequence(q[s:e], keys, vals, ctx, scale, sliding_window)
+                else:
+                    o = prefill_attn(q[s:e], keys, vals, ctx, scale)
+                    out = q.new_empty(q.shape[0], q.shape[1], o.shape[-1]) if out is None else out
+                    out[s:e] = o
+        return out if out is not None else q.new_empty(q.shape[0], q.shape[1], lay.v_dim)

@@ -135,7 +135,7 @@ class InplaceKVCache(KVCache):
         return list(self._seqs)
 
     # ------------------------------------------------------------------ attention
-    def attend(self, layer_id, q, k, v, batch: ForwardBatch, scale, sliding_window=None):
+    def attend(self, layer_id, q, k, v, batch: ForwardBatch, scale, sliding_window=None, prefill_attn=None):
         if sliding_window is not None:
             raise ValueError(
                 f"sliding_window={sliding_window} is not supported by the partitioned KV cache (policy {self.policy}): "
@@ -164,7 +164,7 @@ class InplaceKVCache(KVCache):
             if st.last_cpu_tokens:
                 self.policy.observe(st.last_cpu_seconds, st.last_cpu_tokens, len(seqs))
         else:
-            out = q.new_empty(q.shape[0], q.shape[1], self.layout.v_dim)
+            out = q.new_empty(q.shape[0], q.shape[1], self.layout.v_dim) if prefill_attn is None else None
             for i, sq in enumerate(seqs):
                 s, e = batch.query_start_loc[i], batch.query_start_loc[i + 1]
                 ctx = batch.context_lens[i]
@@ -173,7 +173,14 @@ class InplaceKVCache(KVCache):
                 kv = new[:, :, s:e] if prev is None else torch.cat((prev, new[:, :, s:e]), dim=2)
                 keys = kv[0].transpose(0, 1)  # [ctx + n, Hkv, dk]
                 vals = kv[1].transpose(0, 1) if self.spec.parts == 2 else keys[..., : self.layout.v_dim]
-                out[s:e] = attend_sequence(q[s:e], keys, vals, ctx, scale)
+                if prefill_attn is None:
+                    out[s:e] = attend_sequence(q[s:e], keys, vals, ctx, scale)
+                else:
+                    o = prefill_attn(q[s:e], keys, vals, ctx, scale)
+                    out = q.new_empty(q.shape[0], q.shape[1], o.shape[-1]) if out is None else out
+                    out[s:e] = o
+            if out is None:  # no rows
+                out = q.new_empty(q.shape[0], q.shape[1], self.layout.v_dim)
         with record_function("kv.evict"):
             for sq in seqs:
                 if sq.win_len[layer_id] == self.spec.window:

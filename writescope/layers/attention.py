@@ -6,10 +6,13 @@ result back. Shapes: T packed tokens, Hq query heads, Hkv KV heads, d head_dim.
 
 from __future__ import annotations
 
+import os
+
 import torch
 from torch import nn
 
 from writescope.attention.metadata import ForwardBatch
+from writescope.attention.reference import attend_sequence
 from writescope.config import AttentionConfig
 from writescope.kvcache.base import KVCache
 from writescope.layers.norm import RMSNorm
@@ -47,14 +50,37 @@ class GQAAttention(nn.Module):
         return self.o_proj(o.reshape(T, -1))
 
 
+MLA_PREFILL_MODES = ("absorbed", "expanded")
+
+
+def mla_prefill_mode() -> str:
+    """How MLA attends in prefill: ``WRITESCOPE_MLA_PREFILL`` = ``absorbed`` (default) or
+    ``expanded``.
+
+    Raises:
+        ValueError: another value.
+    """
+    mode = os.environ.get("WRITESCOPE_MLA_PREFILL", "absorbed").strip().lower()
+    if mode not in MLA_PREFILL_MODES:
+        raise ValueError(f"WRITESCOPE_MLA_PREFILL={mode!r}: use one of {', '.join(MLA_PREFILL_MODES)}")
+    return mode
+
+
 class MLAAttention(nn.Module):
     """DeepSeek-V2 multi-head latent attention, caching the compressed latent.
 
     Cached per token: ``[kv_a_layernorm(c_kv) (kv_lora_rank) | rope(k_pe) (qk_rope_head_dim)]``.
-    Decode and prefill both use the absorbed form (DeepSeek-V2 paper, arXiv 2405.04434 §2.1.2):
+    Decode uses the absorbed form (DeepSeek-V2 paper, arXiv 2405.04434 §2.1.2):
     q_lat = q_nope · W_UK (per head, ``[T, H, kv_lora_rank]``), scores = [q_lat | q_pe] · latent,
     o_lat = softmax · c_kv, o = o_lat · W_UVᵀ. ``W_UK``/``W_UV`` are the two halves of
     ``kv_b_proj.weight`` viewed as ``[H, nope + v, kv_lora_rank]``.
+
+    Prefill uses the same form by default. With ``WRITESCOPE_MLA_PREFILL=expanded`` it instead
+    expands each sequence's cached latent to per-head keys ``[k_nope | k_pe]`` (nope + rope wide)
+    and values (v wide), as transformers' ``modeling_deepseek_v2`` does for every step: the
+    scores take nope + rope multiply-adds per key and head instead of kv_lora_rank + rope
+    (192 against 576 for DeepSeek-V2-Lite), at the cost of expanding the context each chunk.
+    Which is faster on a GPU is not measured yet; both are exact.
     """
 
     def __init__(self, cfg: AttentionConfig, hidden: int, eps: float, layer_id: int):
@@ -85,9 +111,20 @@ class MLAAttention(nn.Module):
         q_pe = rope.apply(q_pe, *cos_sin)
         w = self.kv_b_proj.weight.view(H, nope + c.v_head_dim, R)
         w_uk, w_uv = w[:, :nope], w[:, nope:]  # [H, nope, R], [H, v, R]
+        entry = torch.cat((latent[:, None, :], k_pe), dim=-1)  # [T, 1, R + r]
+        if not all(n == 1 for n in batch.query_lens) and mla_prefill_mode() == "expanded":
+            q_exp = torch.cat((q_nope, q_pe), dim=-1)  # [T, H, nope + r]
+
+            def expanded(q_rows, keys, vals, context_len, scale):  # keys: [K, 1, R + r] cached + new latents
+                lat, kpe = keys[:, 0, :R], keys[:, 0, R:]
+                k_full = torch.cat((torch.einsum("kr,hnr->khn", lat, w_uk), kpe[:, None, :].expand(-1, H, -1)), dim=-1)
+                v_full = torch.einsum("kr,hvr->khv", lat, w_uv)  # [K, H, v]
+                return attend_sequence(q_rows, k_full, v_full, context_len, scale)  # [rows, H, v]
+
+            o = cache.attend(self.layer_id, q_exp, entry, None, batch, c.softmax_scale, prefill_attn=expanded)  # [T, H, v]
+            return self.o_proj(o.reshape(T, H * c.v_head_dim))
         q_lat = torch.einsum("thn,hnr->thr", q_nope, w_uk)  # [T, H, R]
         q_full = torch.cat((q_lat, q_pe), dim=-1)  # [T, H, R + r]
-        entry = torch.cat((latent[:, None, :], k_pe), dim=-1)  # [T, 1, R + r]
         o_lat = cache.attend(self.layer_id, q_full, entry, None, batch, c.softmax_scale)  # [T, H, R]
         o = torch.einsum("thr,hvr->thv", o_lat, w_uv)  # [T, H, v]
         return self.o_proj(o.reshape(T, H * c.v_head_dim))
