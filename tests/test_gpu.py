@@ -65,3 +65,17 @@ def test_vram_budget_is_enforced_on_cuda():
             torch.empty(3 * 2**30, dtype=torch.uint8, device="cuda")
     finally:
         torch.cuda.set_per_process_memory_fraction(1.0, torch.cuda.current_device())
+
+
+def test_host_experts_of_a_cuda_model_get_the_cpu_values():
+    """Routed experts built in host memory for a CUDA model are generated on the GPU and copied
+    down: the same values as generating them on the CPU."""
+    from writescope.checkpoint.synthetic import param_std, seeded_uniform
+    from writescope.engine.model_loader import load_model
+
+    _, net, _, _ = load_model("tiny-qwen3-moe", True, torch.bfloat16, torch.device("cuda"), progress=False, host_experts={0: range(0, 3)})
+    host = {k: v for k, v in net.state_dict().items() if v.device.type == "cpu"}
+    assert host, "no parameter was built in host memory"
+    for name, p in host.items():
+        mean, std = param_std(name, tuple(p.shape))
+        assert torch.equal(p, seeded_uniform(name, tuple(p.shape), 0, std, p.dtype, "cpu", mean)), name

@@ -68,10 +68,18 @@ def synthetic_tensors(shapes: dict[str, tuple[int, ...]], seed: int, dtype: torc
 
 @torch.no_grad()
 def fill_synthetic(model: torch.nn.Module, seed: int, progress: bool = True) -> None:
-    """Overwrite every parameter of ``model`` with its seeded synthetic value, in place."""
+    """Overwrite every parameter of ``model`` with its seeded synthetic value, in place.
+
+    Parameters in host memory of a model that also has CUDA parameters (routed experts placed on
+    the host by a budget) are generated on that GPU and copied down: the values are identical on
+    every device, and the hash generator is slow on a CPU (0.012 GB/s on the 2-core CI machine:
+    Qwen3-30B-A3B's 27 GB of host experts under a 32 GiB budget would take minutes; a profile of
+    that configuration on the H200 did not finish in 150 s, likely for this).
+    """
     from tqdm import tqdm
 
     params = model.state_dict()
+    gpu = next((v.device for v in params.values() if v.device.type == "cuda"), None)
     shapes = {k: tuple(v.shape) for k, v in params.items()}
     if getattr(model.config, "tie_word_embeddings", False):
         shapes.pop("lm_head.weight", None)
@@ -79,6 +87,7 @@ def fill_synthetic(model: torch.nn.Module, seed: int, progress: bool = True) -> 
     for name, shape in shapes.items():
         p = params[name]
         mean, std = param_std(name, shape)
-        p.copy_(seeded_uniform(name, shape, seed, std, p.dtype, p.device, mean))
+        where = gpu if gpu is not None and p.device.type == "cpu" else p.device
+        p.copy_(seeded_uniform(name, shape, seed, std, p.dtype, where, mean))
         bar.update(1)
     bar.close()
