@@ -56,10 +56,11 @@ case "${1:-}" in
       --output-json "$out/1m_deepseek-v2-lite_h200.json" 2>&1 | grep -v "^prefill:" | tee "$out/1m_deepseek-v2-lite_h200.log" | tail -40 ;;
   mla)
     for mode in absorbed expanded; do
+      # same expert placement in both modes (all 1,664 on the GPU at chunk 2048: writescope plan); || true: both run
       WRITESCOPE_MLA_PREFILL=$mode timeout 200 python3 -m writescope.cli.main generate --model deepseek-v2-lite --synthetic \
         --device cuda --vram-budget 32GiB --machine-text 32k --batch 2 --max-new-tokens 4 --ignore-eos --policy gpu \
-        --prefill-chunk-tokens 4096 --quiet --output-json "$out/mla_${mode}_h200.json" 2>&1 | tee "$out/mla_${mode}_h200.log" \
-        | grep -E "prefill|TTFT|peak|error" | sed "s/^/$mode: /"
+        --prefill-chunk-tokens 2048 --quiet --output-json "$out/mla_${mode}_h200.json" 2>&1 | tee "$out/mla_${mode}_h200.log" \
+        | grep -E "VRAM budget|prefill|TTFT|peak|error" | sed "s/^/$mode: /" || true
     done ;;
   *)
     echo "usage: $0 tests|split|experts|scheduler|profile|prefill|text MODEL|breakdown MODEL|1m|mla" >&2; exit 2 ;;

@@ -151,7 +151,7 @@ def test_enforce_budget_refuses_warns_or_caps(monkeypatch):
         enforce_budget(cuda, 32 * GiB, planned=int(29.26 * GiB), working=2 * GiB)
     assert fractions == []
     fractions = _fake_cuda(monkeypatch, reserved=31 * GiB)
-    with pytest.warns(ResourceWarning, match="may run out"):
+    with pytest.warns(RuntimeWarning, match="may run out"):
         enforce_budget(cuda, 32 * GiB, planned=29 * GiB, working=2 * GiB)
     assert fractions == [(32 / 140, 0)]
     fractions = _fake_cuda(monkeypatch, reserved=29 * GiB)

@@ -79,3 +79,22 @@ def test_host_experts_of_a_cuda_model_get_the_cpu_values():
     for name, p in host.items():
         mean, std = param_std(name, tuple(p.shape))
         assert torch.equal(p, seeded_uniform(name, tuple(p.shape), 0, std, p.dtype, "cpu", mean)), name
+
+
+def test_expanded_mla_widths_on_cuda():
+    """MLA expanded prefill's widths (keys 192, values 128) on CUDA: the fused-kernel probe
+    answers, and attend_sequence (bounded or not by its answer) matches a float64 reference
+    within bf16 rounding, with a context before the queries."""
+    from writescope.attention.reference import attend_sequence, fused_sdpa_available
+
+    assert isinstance(fused_sdpa_available("cuda:0", torch.bfloat16, 192, 128), bool)
+    g = torch.Generator(device="cuda").manual_seed(0)
+    n, ctx, H = 300, 700, 16
+    q = torch.randn(n, H, 192, device="cuda", generator=g).bfloat16()
+    k = torch.randn(ctx + n, H, 192, device="cuda", generator=g).bfloat16()
+    v = torch.randn(ctx + n, H, 128, device="cuda", generator=g).bfloat16()
+    got = attend_sequence(q, k, v, ctx, 192**-0.5).double()
+    s = torch.einsum("qhd,khd->hqk", q.double(), k.double()) * 192**-0.5
+    s = s.masked_fill(torch.arange(ctx + n, device="cuda")[None, :] > torch.arange(ctx, ctx + n, device="cuda")[:, None], float("-inf"))
+    want = torch.einsum("hqk,khd->qhd", s.softmax(-1), v.double())
+    assert (got - want).abs().max().item() < 3e-2

@@ -1,6 +1,7 @@
 """MLA prefill in its two exact forms (``WRITESCOPE_MLA_PREFILL``): absorbed (default) and
 expanded. Expanded against transformers' DeepSeek-V2 (which expands every step), and both forms
-giving the same logits and tokens through every cache, with chunked prefill reading context back."""
+giving the same all-position logits through every cache, with chunked prefill reading context
+back, mixed rows (one token next to many) and a sequence with no new tokens in a chunk."""
 
 from __future__ import annotations
 
@@ -9,38 +10,16 @@ import torch
 import torch.nn.functional as F
 
 from helpers import hf_logits, hf_reference_checkpoint, load_hf, load_ours, ours_prefill_then_decode
-from writescope import LLM, SamplingParams
+from writescope import LLM
+from writescope.attention.metadata import ForwardBatch
 from writescope.layers.attention import mla_prefill_mode
 
 FP32_TOL = 1e-4
 
 
-def test_expanded_prefill_matches_transformers(tmp_path, monkeypatch):
-    monkeypatch.setenv("WRITESCOPE_MLA_PREFILL", "expanded")
-    path = hf_reference_checkpoint("tiny-deepseek-v2", tmp_path)
-    hf, ours = load_hf(path, torch.float32), load_ours(path, torch.float32)
-    g = torch.Generator().manual_seed(3)
-    prompts = [torch.randint(3, ours.config.vocab_size, (n,), generator=g).tolist() for n in (1, 17, 33)]
-    conts = [[5, 6, 7, 8] for _ in prompts]
-    prefill, decode = ours_prefill_then_decode(ours, prompts, conts)
-    for p, c, pre, dec in zip(prompts, conts, prefill, decode):
-        ref = hf_logits(hf, p + c)
-        assert ref.std() > 0.3
-        torch.testing.assert_close(pre, ref[: len(p)], atol=FP32_TOL, rtol=0)
-        torch.testing.assert_close(dec, ref[len(p) : len(p) + len(c)], atol=FP32_TOL, rtol=0)
-
-
-@pytest.mark.parametrize("policy", ["resident", "static:0.5", "cpu"])
-def test_both_forms_give_the_same_tokens_through_every_cache(monkeypatch, policy):
-    """Ragged prompts, chunked prefill (later chunks attend cached context read back from the
-    regions), 6 greedy steps: identical tokens, and the expanded form really used its SDPA
-    shape (per-head keys nope + rope wide, no grouped query call)."""
-    prompts = [list(range(3, 3 + n)) for n in (1, 47, 130)]
-    params = SamplingParams(max_tokens=6, ignore_eos=True)
-    llm = LLM("tiny-deepseek-v2", dtype="fp32", progress=False, prefill_chunk_tokens=64)
-    if policy != "resident":
-        llm.set_policy(policy, window=16)
-    ref = [o.token_ids for o in llm.generate(prompt_token_ids=prompts, sampling_params=params)]
+@pytest.fixture
+def sdpa_calls(monkeypatch):
+    """Every SDPA call's ``((q heads, k heads, k width, v width), q rows)``."""
     calls = []
     real = F.scaled_dot_product_attention
 
@@ -49,13 +28,72 @@ def test_both_forms_give_the_same_tokens_through_every_cache(monkeypatch, policy
         return real(q, k, v, **kw)
 
     monkeypatch.setattr(F, "scaled_dot_product_attention", spy)
+    return calls
+
+
+def _expanded_shape(cfg):
+    a = cfg.attention
+    return (a.q_heads, a.q_heads, a.qk_nope_head_dim + a.qk_rope_head_dim, a.v_head_dim)
+
+
+def test_expanded_prefill_matches_transformers(tmp_path, monkeypatch, sdpa_calls):
     monkeypatch.setenv("WRITESCOPE_MLA_PREFILL", "expanded")
-    got = [o.token_ids for o in llm.generate(prompt_token_ids=prompts, sampling_params=params)]
-    assert got == ref
-    a = llm.config.attention
-    expanded = (a.q_heads, a.q_heads, a.qk_nope_head_dim + a.qk_rope_head_dim, a.v_head_dim)
-    assert any(shape == expanded for shape, _ in calls)
-    assert all(shape == expanded for shape, rows in calls if rows > 1)  # resident decodes through SDPA too (one row)
+    path = hf_reference_checkpoint("tiny-deepseek-v2", tmp_path)
+    hf, ours = load_hf(path, torch.float32), load_ours(path, torch.float32)
+    g = torch.Generator().manual_seed(3)
+    prompts = [torch.randint(3, ours.config.vocab_size, (n,), generator=g).tolist() for n in (1, 17, 33)]
+    conts = [[5, 6, 7, 8] for _ in prompts]
+    sdpa_calls.clear()
+    prefill, decode = ours_prefill_then_decode(ours, prompts, conts)
+    assert any(shape == _expanded_shape(ours.config) for shape, rows in sdpa_calls if rows > 1)  # the expanded form ran
+    for p, c, pre, dec in zip(prompts, conts, prefill, decode):
+        ref = hf_logits(hf, p + c)
+        assert ref.std() > 0.3
+        torch.testing.assert_close(pre, ref[: len(p)], atol=FP32_TOL, rtol=0)
+        torch.testing.assert_close(dec, ref[len(p) : len(p) + len(c)], atol=FP32_TOL, rtol=0)
+
+
+def _logits(llm, prompts, schedule):
+    """All-position logits per prompt: prefill in ``schedule`` (chunks of (prompt, tokens)), then
+    one decode step for every prompt."""
+    cache = llm.cache
+    slots = [cache.allocate(len(p) + 2, prompt_len=len(p)) for p in prompts]
+    done, outs = [0] * len(prompts), [[] for _ in prompts]
+    with torch.no_grad():
+        for chunk in schedule:
+            toks = [x for i, t in chunk for x in prompts[i][done[i] : done[i] + t]]
+            b = ForwardBatch.build([slots[i] for i, _ in chunk], [t for _, t in chunk], [done[i] for i, _ in chunk], "cpu")
+            lg = llm.model(torch.tensor(toks, dtype=torch.long), b, cache, all_logits=True)
+            for r, (i, t) in enumerate(chunk):
+                outs[i].append(lg[b.query_start_loc[r] : b.query_start_loc[r] + t])
+                done[i] += t
+        b = ForwardBatch.build(slots, [1] * len(prompts), done, "cpu")
+        lg = llm.model(torch.tensor([5] * len(prompts)), b, cache)
+    for i, s in enumerate(slots):
+        outs[i].append(lg[i : i + 1])
+        cache.free(s)
+    return [torch.cat(o) for o in outs]
+
+
+@pytest.mark.parametrize("policy", ["resident", "static:0.5", "cpu"])
+def test_both_forms_give_the_same_logits_through_every_cache(monkeypatch, sdpa_calls, policy):
+    llm = LLM("tiny-deepseek-v2", dtype="fp32", progress=False)
+    if policy != "resident":
+        llm.set_policy(policy, window=16)
+    g = torch.Generator().manual_seed(1)
+    prompts = [torch.randint(3, llm.config.vocab_size, (n,), generator=g).tolist() for n in (1, 15, 17, 47)]
+    # later chunks attend context read back from the regions; a 1-token row beside longer ones;
+    # prompt 1 has no new tokens in the second chunk
+    schedule = [[(0, 1), (1, 7), (3, 20)], [(1, 0), (2, 9), (3, 16)], [(1, 8), (2, 8), (3, 11)]]
+    want = _logits(llm, prompts, schedule)
+    sdpa_calls.clear()
+    monkeypatch.setenv("WRITESCOPE_MLA_PREFILL", "expanded")
+    got = _logits(llm, prompts, schedule)
+    assert any(shape == _expanded_shape(llm.config) for shape, _ in sdpa_calls)
+    assert all(shape == _expanded_shape(llm.config) for shape, rows in sdpa_calls if rows > 1)  # resident decodes through SDPA too (one row)
+    assert want[3].std() > 0.3
+    for w, o in zip(want, got):
+        torch.testing.assert_close(o, w, atol=1e-5, rtol=0)
 
 
 def test_bad_mode_is_named(monkeypatch):

@@ -7,28 +7,53 @@ queries so the mask stays small for long prompts.
 
 from __future__ import annotations
 
+import functools
+
 import torch
 import torch.nn.functional as F
 
 QUERY_CHUNK = 4096  # queries per SDPA call at most; bounds the [chunk, keys] mask at 4096 x keys bytes
 # Keys wider than FUSED_MAX_DIM (MLA's 576-wide latent) may leave SDPA only its math path, which
-# holds float32 scores [q_heads, chunk, keys] and their softmax (about 10 bytes per score with the
-# mask, measured on the CPU's math path): there queries per call are also cut so that stays under
-# SCORE_BYTES (the H200 1M-token run asked for 1 GiB of scores and overran a 32 GiB budget).
-# Narrower heads use the fused kernels, which never hold the scores.
+# holds float32 scores [q_heads, chunk, keys], their softmax and the mask (about 14 bytes per
+# score, measured on the CPU's math path): there queries per call are also cut so that stays
+# under SCORE_BYTES (the H200 1M-token run asked for 1 GiB of scores and overran a 32 GiB budget).
+# Narrower heads with equal key and value widths use the fused kernels, which never hold the
+# scores; narrower keys with values of another width (MLA expanded: 192 / 128) are bounded too
+# unless a fused kernel takes them on this device (probed once: CUDA's memory-efficient kernel).
 FUSED_MAX_DIM = 256
-SCORE_BYTES = 512 * 2**20
-BYTES_PER_SCORE = 10
+SCORE_BYTES = 768 * 2**20
+BYTES_PER_SCORE = 14
 
 
-def query_chunk(q_heads: int, keys: int, k_dim: int = FUSED_MAX_DIM + 1, v_dim: int | None = None) -> int:
+def query_chunk(q_heads: int, keys: int, k_dim: int = FUSED_MAX_DIM + 1, v_dim: int | None = None, fused: bool = False) -> int:
     """Queries per SDPA call: at most ``QUERY_CHUNK``; when SDPA may take its math path
-    (``k_dim > FUSED_MAX_DIM``, or values narrower or wider than keys: MLA expanded) also few
-    enough that ``BYTES_PER_SCORE`` bytes for each of the ``q_heads x chunk x keys`` scores fit
-    ``SCORE_BYTES`` (at least 1)."""
-    if k_dim <= FUSED_MAX_DIM and (v_dim is None or v_dim == k_dim):
+    (``k_dim > FUSED_MAX_DIM``, or values narrower or wider than keys without ``fused``, a fused
+    kernel known to take them) also few enough that ``BYTES_PER_SCORE`` bytes for each of the
+    ``q_heads x chunk x keys`` scores fit ``SCORE_BYTES`` (at least 1)."""
+    if k_dim <= FUSED_MAX_DIM and (v_dim is None or v_dim == k_dim or fused):
         return QUERY_CHUNK
     return max(1, min(QUERY_CHUNK, SCORE_BYTES // (BYTES_PER_SCORE * q_heads * max(1, keys))))
+
+
+@functools.lru_cache(maxsize=None)
+def fused_sdpa_available(device: str, dtype: torch.dtype, k_dim: int, v_dim: int) -> bool:
+    """Whether SDPA has a fused (never materialising the scores) kernel on ``device`` for keys of
+    ``k_dim`` and values of ``v_dim`` with a boolean mask, as :func:`attend_sequence` calls it:
+    a tiny call restricted to the fused backends, once per argument set. False off CUDA."""
+    if not device.startswith("cuda"):
+        return False
+    from torch.nn.attention import SDPBackend, sdpa_kernel
+
+    q = torch.zeros(1, 2, 4, k_dim, device=device, dtype=dtype)
+    k = torch.zeros(1, 2, 8, k_dim, device=device, dtype=dtype)
+    v = torch.zeros(1, 2, 8, v_dim, device=device, dtype=dtype)
+    mask = torch.ones(4, 8, dtype=torch.bool, device=device)
+    try:
+        with sdpa_kernel([SDPBackend.FLASH_ATTENTION, SDPBackend.EFFICIENT_ATTENTION, SDPBackend.CUDNN_ATTENTION]):
+            F.scaled_dot_product_attention(q, k, v, attn_mask=mask)
+        return True
+    except RuntimeError:
+        return False
 
 
 def attend_sequence(
@@ -61,9 +86,11 @@ def attend_sequence(
     vt = v.transpose(0, 1).unsqueeze(0)  # [1, kv_heads, total, v_dim]
     out = q.new_empty(n, q_heads, v.shape[-1])
     key_pos = torch.arange(total, device=q.device)
+    dk, dv = q.shape[-1], v.shape[-1]
+    fused = dk <= FUSED_MAX_DIM and dv != dk and fused_sdpa_available(str(q.device), q.dtype, dk, dv)
     start = 0
     while start < n:
-        stop = min(n, start + query_chunk(q_heads, total, q.shape[-1], v.shape[-1]))
+        stop = min(n, start + query_chunk(q_heads, total, q.shape[-1], v.shape[-1], fused))
         q_pos = torch.arange(context_len + start, context_len + stop, device=q.device)
         mask = key_pos[None, :] <= q_pos[:, None]  # [chunk, total]
         if sliding_window is not None:

@@ -43,7 +43,7 @@ def enforce_budget(device: torch.device, budget: int, planned: int | None = None
     ``planned``: the bytes the plan gave the weights; ``working``: the bytes it keeps for the
     rest (KV on the device, ping-pong, activations, streaming slots). Returns
     ``{"allocated": bytes in tensors, "reserved": bytes the allocator holds}`` at the moment the
-    cap is set (after releasing its unused cache). Warns (``ResourceWarning``) when
+    cap is set (after releasing its unused cache). Warns (``RuntimeWarning``, shown by default) when
     ``reserved + working`` passes the budget: the run may run out of device memory later.
 
     Raises:
@@ -72,7 +72,7 @@ def enforce_budget(device: torch.device, budget: int, planned: int | None = None
             f"{'' if planned is None else f' ({planned / gib:.2f} GiB planned)'}; with the {working / gib:.2f} GiB the plan "
             f"keeps for KV and activations that passes the --vram-budget of {budget / gib:.2f} GiB: the run may run out "
             "of device memory (fewer requests, a shorter context or --prefill-chunk-tokens help)",
-            ResourceWarning, stacklevel=2,
+            RuntimeWarning, stacklevel=2,
         )
     torch.cuda.set_per_process_memory_fraction(min(1.0, budget / total), index)
     return held

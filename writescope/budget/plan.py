@@ -10,12 +10,12 @@ as the cache's own capacity check does) and the pinned staging buffers.
 Activations are an estimate (stated so it can be checked): one prefill chunk of
 T = min(prefill_chunk_tokens, batch x context) tokens holds about
 T x (8 H + 2 (q_heads + 2 kv_heads) head_dim + top_k (3 I + 2 H)) elements of hidden states,
-q/k/v, expert intermediates and the grouped GEMMs' gathered inputs and outputs, plus the attention mask of 4096 x (context + max_new) bytes, for keys wider
-than SDPA's fused kernels take (MLA) the bound on the math path's scores and softmax
-(``writescope.attention.reference.SCORE_BYTES``) and float32 copies of one sequence's keys (two)
-and values; with ``WRITESCOPE_MLA_PREFILL=expanded`` also one sequence's per-head keys and values
-and their float32 copies and the batch's float32 logits; a fixed ``RESERVE`` covers the
-allocator's fragmentation.
+q/k/v, expert intermediates and the grouped GEMMs' gathered inputs and outputs, plus the
+attention mask of 4096 x (context + max_new) bytes and the batch's float32 logits. For keys
+wider than SDPA's fused kernels take (MLA), also the bound on the math path's scores, softmax and
+mask (``writescope.attention.reference.SCORE_BYTES``) and float32 copies of one sequence's keys
+(two) and values; with ``WRITESCOPE_MLA_PREFILL=expanded`` instead one sequence's per-head keys
+and values and the same bound. A fixed ``RESERVE`` covers the allocator's fragmentation.
 """
 
 from __future__ import annotations
@@ -135,10 +135,12 @@ def make_plan(
     T = min(prefill_chunk_tokens, batch * context)
     act = T * (8 * H + 2 * (a.q_heads + 2 * a.kv_heads) * a.head_dim + m.top_k * (3 * m.intermediate_size + 2 * H)) * item
     act += 4096 * cap + batch * cfg.vocab_size * 4
-    if cfg.kv_layout.k_dim > FUSED_MAX_DIM:  # SDPA's math path: scores and softmax, float32 copies of the keys and values
+    if cfg.kv_layout.k_dim > FUSED_MAX_DIM and mla_prefill_mode() == "expanded":
+        # one sequence's latents expanded to per-head keys and values, and the bound on scores
+        # should SDPA take its math path for them
+        act += cap * a.q_heads * (a.qk_nope_head_dim + a.qk_rope_head_dim + a.v_head_dim) * item + SCORE_BYTES
+    elif cfg.kv_layout.k_dim > FUSED_MAX_DIM:  # SDPA's math path: scores, softmax, mask; float32 copies of keys and values
         act += SCORE_BYTES + cap * (2 * cfg.kv_layout.k_dim + cfg.kv_layout.v_dim) * 4
-        if mla_prefill_mode() == "expanded":  # one sequence's latents expanded to per-head keys and values (+ float32 copies)
-            act += cap * a.q_heads * (a.qk_nope_head_dim + a.qk_rope_head_dim + a.v_head_dim) * (item + 4)
     expert_bytes = w.expert * item
     plan = MemoryPlan(budget, w.non_expert * item, expert_bytes, (), w.num_experts * w.moe_layers, kv_gpu, pingpong, act, RESERVE,
                       host, pinned, staging, host_free)

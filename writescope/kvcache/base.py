@@ -76,7 +76,8 @@ class KVCache(ABC):
                 that is not pure decode (some query length above 1): called per sequence as
                 ``prefill_attn(q_rows, keys, vals, context_len, scale)`` with the cached + new
                 KV in position order, returning ``[rows, q_heads, out_dim]``; the call then
-                returns ``[T, q_heads, out_dim]`` (MLA's expanded prefill). Decode ignores it.
+                returns ``[T, q_heads, out_dim]`` (MLA's expanded prefill). Decode ignores it,
+                and so does ``sliding_window`` (the hook attends everything it is given).
 
         Returns:
             ``[T, q_heads, v_dim]`` in q's dtype.

@@ -167,6 +167,8 @@ class InplaceKVCache(KVCache):
             out = q.new_empty(q.shape[0], q.shape[1], self.layout.v_dim) if prefill_attn is None else None
             for i, sq in enumerate(seqs):
                 s, e = batch.query_start_loc[i], batch.query_start_loc[i + 1]
+                if e == s:  # no new tokens: nothing to write or attend
+                    continue
                 ctx = batch.context_lens[i]
                 prev = self._gather(sq, layer_id) if ctx > 0 else None
                 self._write(sq, layer_id, new[:, :, s:e])
