@@ -10,6 +10,7 @@
 #   bash benchmarks/h200_session.sh breakdown MODEL  # where its decode step goes (issue 6)
 #   bash benchmarks/h200_session.sh 1m         # DeepSeek-V2-Lite, 32 GiB, 32 x 32K machine text, 256 tokens (issue 6, run 4)
 #   bash benchmarks/h200_session.sh mla        # DeepSeek-V2-Lite prefill, 2 x 32K, absorbed vs expanded MLA (pick the default)
+#   bash benchmarks/h200_session.sh grid MODEL # full-size decode grid under 32 GiB, random KV fill (issue 6, run 2)
 # Results go to $OUT (the device tool's folder) or benchmarks/results/new; copy what you keep into
 # benchmarks/results/ with the command line above.
 set -euo pipefail
@@ -62,6 +63,11 @@ case "${1:-}" in
         --prefill-chunk-tokens 2048 --quiet --output-json "$out/mla_${mode}_h200.json" 2>&1 | tee "$out/mla_${mode}_h200.log" \
         | grep -E "VRAM budget|prefill|TTFT|peak|error" | sed "s/^/$mode: /" || true
     done ;;
+  grid)
+    m=${2:?model}
+    timeout 570 python3 -m writescope.cli.main bench --model "$m" --synthetic --device cuda --vram-budget 32GiB --kv-fill random \
+      --batch 4,16 --context 8k,16k,32k --policies gpu,cpu,monolithic,writescope --sweep-static 4 --steps 6 --quiet \
+      --output-json "$out/grid_${m}_h200.json" --plot "$out/grid_${m}_h200.png" 2>&1 | tee "$out/grid_${m}_h200.log" | tail -30 ;;
   *)
-    echo "usage: $0 tests|split|experts|scheduler|profile|prefill|text MODEL|breakdown MODEL|1m|mla" >&2; exit 2 ;;
+    echo "usage: $0 tests|split|experts|scheduler|profile|prefill|text MODEL|breakdown MODEL|1m|mla|grid MODEL" >&2; exit 2 ;;
 esac

@@ -68,3 +68,32 @@ def test_profile_breaks_a_decode_step_down(tmp_path, capsys):
 
 def test_profile_refuses_bad_steps():
     assert main(["profile", "--model", "tiny-qwen3-moe", "--steps", "0", "--quiet"]) == 2
+
+
+@pytest.mark.parametrize("preset", ["tiny-qwen3-moe", "tiny-deepseek-v2"])
+def test_random_kv_fill_skips_the_prefill_and_places_like_it(preset, monkeypatch):
+    """--kv-fill random: no prompt goes through the model (every forward is a one-token decode
+    step), the cache holds every prompt token routed by the policy, and the grid rows report
+    decode numbers with prefill tok/s 0; the real prefill is back afterwards."""
+    from writescope import LLM
+    from writescope.bench.runner import BenchConfig, run_one
+
+    llm = LLM(preset, progress=False)
+    real_forward = llm.model.forward
+    query_lens = []
+
+    def spy(ids, batch, cache, *a, **kw):
+        query_lens.extend(batch.query_lens)
+        return real_forward(ids, batch, cache, *a, **kw)
+
+    monkeypatch.setattr(llm.model, "forward", spy)
+    cfg = BenchConfig([2], [100], ["static:0.5", "resident"], steps=3, window=16, warmup=False, kv_fill="random")
+    rows = {p: run_one(llm, cfg, 2, 100, p) for p in ("static:0.5", "resident")}
+    assert query_lens and set(query_lens) == {1}
+    for r in rows.values():
+        assert r.fits and r.decode_tok_s > 0 and r.prefill_tok_s == 0.0 and r.extra["kv_fill"] == "random"
+    assert rows["static:0.5"].r_deployed == pytest.approx(0.5, abs=0.1)
+    assert "_prefill" not in llm.__dict__
+    query_lens.clear()
+    run_one(llm, BenchConfig([1], [40], ["resident"], steps=1, window=16, warmup=False), 1, 40, "resident")
+    assert 40 in query_lens

@@ -62,6 +62,7 @@ class BenchConfig:
     seed: int = 0
     progress: bool = True
     warmup: bool = True  # one short unmeasured run per policy first
+    kv_fill: str = "prefill"  # "random": prompts' KV written as seeded random values, no prefill (decode-only grids)
 
 
 class _TimedAttend:
@@ -108,6 +109,25 @@ def run_grid(llm: LLM, cfg: BenchConfig, roofline=None, on_row=None) -> list[Ben
     return rows
 
 
+def _random_kv_prefill(llm: LLM, seed: int):
+    """A stand-in for ``LLM._prefill``: every prompt token's KV in every layer written through
+    the cache (so the policy routes it as a prefill would) as seeded normal values of the model's
+    KV shape, and random last-token logits. Decode then does the same work as after a real
+    prefill (the values do not change it), without the prefill's time."""
+
+    def prefill(ids: list[list[int]], slots: list[int]) -> torch.Tensor:
+        lay, dev, dt = llm.config.kv_layout, llm.device, llm.dtype
+        g = torch.Generator(device=dev).manual_seed(seed)
+        for slot, p in zip(slots, ids):
+            for layer in range(llm.config.num_layers):
+                k = torch.randn(len(p), lay.kv_heads, lay.k_dim, generator=g, device=dev, dtype=dt)
+                v = None if lay.shared_kv else torch.randn(len(p), lay.kv_heads, lay.v_dim, generator=g, device=dev, dtype=dt)
+                llm.cache.write(slot, layer, k, v)
+        return torch.randn(len(ids), llm.config.vocab_size, generator=g, device=dev, dtype=torch.float32)
+
+    return prefill
+
+
 def run_one(llm: LLM, cfg: BenchConfig, batch: int, context: int, policy: str, roofline=None) -> BenchRow:
     row = BenchRow(batch, context, policy)
     g = torch.Generator().manual_seed(cfg.seed + 1000 * batch + context)
@@ -119,10 +139,13 @@ def run_one(llm: LLM, cfg: BenchConfig, batch: int, context: int, policy: str, r
         llm.set_policy(policy, cfg.window, roofline=roofline)
         timer = _TimedAttend(llm.cache, llm.device)
         progress, llm.progress = llm.progress, False
+        if cfg.kv_fill == "random":
+            llm._prefill = _random_kv_prefill(llm, cfg.seed + batch + context)  # an instance attribute: removed below
         try:
             outs = llm.generate(prompt_token_ids=prompts, sampling_params=params)
         finally:
             llm.progress = progress
+            llm.__dict__.pop("_prefill", None)
     except (ValueError, RuntimeError, torch.OutOfMemoryError) as e:
         row.fits, row.reason = False, str(e).split("\n")[0][:300]
         if llm.device.type == "cuda":
@@ -132,7 +155,8 @@ def run_one(llm: LLM, cfg: BenchConfig, batch: int, context: int, policy: str, r
         if timer is not None:
             timer.remove()
     m = outs[0].metrics
-    row.prefill_tok_s, row.decode_tok_s = m.prefill_tok_s, m.decode_tok_s
+    row.prefill_tok_s, row.decode_tok_s = (0.0 if cfg.kv_fill == "random" else m.prefill_tok_s), m.decode_tok_s
+    row.extra["kv_fill"] = cfg.kv_fill
     row.tpot_ms = statistics.median(o.metrics.tpot_s for o in outs) * 1e3
     if timer.times:
         row.attn_ms_per_layer = statistics.median(timer.times) * 1e3

@@ -24,6 +24,9 @@ def add_parser(sub) -> None:
     p.add_argument("--h2d-gbs", type=float, default=55.0, help="host-to-device GB/s for the bound (default: the H200 machine's 55)")
     p.add_argument("--cpu-gbs", type=float, default=86.0, help="host read GB/s for the bound (default: the H200 machine's 86)")
     p.add_argument("--vram-budget", default=None, help="device memory the run may use, e.g. 32GiB")
+    p.add_argument("--kv-fill", choices=("prefill", "random"), default="prefill",
+                   help="prefill: run the prompts through the model (default); random: write seeded random KV of the model's "
+                        "shape through the cache instead (decode grids without the prefill's time; prefill tok/s is then 0)")
     p.add_argument("--output-json", type=Path, help="write all rows here")
     p.add_argument("--plot", type=Path, help="write the plots here (PNG; needs matplotlib)")
     p.add_argument("--quiet", action="store_true")
@@ -85,7 +88,8 @@ def run(args: argparse.Namespace) -> int:
         print(f"note: the first {args.num_layers} layer(s) of {args.model} hold no MoE block (dense layers first): "
               "raise --num-layers for the expert phase", flush=True)
     roofline = llm.roofline(args.window) if needs_roofline else None
-    cfg = BenchConfig(batches, contexts, grid_policies, args.steps, args.window, args.h2d_gbs, args.cpu_gbs, progress=not args.quiet)
+    cfg = BenchConfig(batches, contexts, grid_policies, args.steps, args.window, args.h2d_gbs, args.cpu_gbs, progress=not args.quiet,
+                      kv_fill=args.kv_fill)
     sweep_only = {s for s in sweep if s not in policies}
 
     def save(rows) -> None:  # after every configuration, so an interrupted grid keeps what it measured
@@ -107,6 +111,8 @@ def run(args: argparse.Namespace) -> int:
     print(f"\n{args.model} ({n} layer{'s' if n != 1 else ''}, {llm.dtype} on {llm.device}), {args.steps} decode steps per configuration, "
           f"D = {args.window}; {time.perf_counter() - t0:.0f} s in all")
     print(format_table(rows))
+    if args.kv_fill == "random":
+        print("prefill tok/s is 0: --kv-fill random wrote the prompts' KV as random values without running the prompts")
     best = format_best(rows)
     if best:
         print("\n" + best)

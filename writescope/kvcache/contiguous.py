@@ -61,6 +61,23 @@ class ContiguousKVCache(KVCache):
     def active_slots(self) -> list[int]:
         return list(self._k)
 
+    def write(self, slot: int, layer_id: int, k: torch.Tensor, v: torch.Tensor | None) -> None:
+        """Append one sequence's next tokens' KV without attending (fills a cache for benchmarks).
+
+        Args:
+            k: ``[n, kv_heads, k_dim]``; v: ``[n, kv_heads, v_dim]`` or None (shared latent).
+
+        Raises:
+            RuntimeError: the sequence would pass its capacity.
+        """
+        kc, n0, n = self._k[slot][layer_id], self._len[slot][layer_id], k.shape[0]
+        if n0 + n > kc.shape[0]:
+            raise RuntimeError(f"slot {slot} overflows its KV capacity {kc.shape[0]} tokens (needs {n0 + n})")
+        kc[n0 : n0 + n] = k
+        if not self.layout.shared_kv:
+            self._v[slot][layer_id][n0 : n0 + n] = v
+        self._len[slot][layer_id] = n0 + n
+
     def attend(self, layer_id, q, k, v, batch: ForwardBatch, scale, sliding_window=None, prefill_attn=None):
         lay = self.layout
         if all(n == 1 for n in batch.query_lens):
