@@ -9,6 +9,7 @@
 #   bash benchmarks/h200_session.sh text MODEL # full-size MODEL, 32 GiB budget, 4 x 32K of machine text, 256 tokens (issue 6, run 1)
 #   bash benchmarks/h200_session.sh breakdown MODEL  # where its decode step goes (issue 6)
 #   bash benchmarks/h200_session.sh 1m         # DeepSeek-V2-Lite, 32 GiB, 32 x 32K machine text, 256 tokens (issue 6, run 4)
+#   bash benchmarks/h200_session.sh 1m-decode  # the same batch's 256 decode steps with its KV filled at random (no prefill)
 #   bash benchmarks/h200_session.sh mla        # DeepSeek-V2-Lite prefill, 2 x 32K, absorbed vs expanded MLA (pick the default)
 #   bash benchmarks/h200_session.sh grid MODEL # full-size decode grid under 32 GiB, random KV fill (issue 6, run 2)
 # Results go to $OUT (the device tool's folder) or benchmarks/results/new; copy what you keep into
@@ -55,6 +56,10 @@ case "${1:-}" in
     timeout 560 python3 -m writescope.cli.main generate --model deepseek-v2-lite --synthetic --device cuda --vram-budget 32GiB \
       --machine-text 32k --batch 32 --max-new-tokens 256 --ignore-eos --policy writescope --prefill-chunk-tokens 2048 \
       --output-json "$out/1m_deepseek-v2-lite_h200.json" 2>&1 | grep -v "^prefill:" | tee "$out/1m_deepseek-v2-lite_h200.log" | tail -40 ;;
+  1m-decode)
+    timeout 570 python3 -m writescope.cli.main bench --model deepseek-v2-lite --synthetic --device cuda --vram-budget 32GiB \
+      --kv-fill random --batch 32 --context 32k --policies writescope --steps 256 --quiet \
+      --output-json "$out/1m_decode_deepseek-v2-lite_h200.json" 2>&1 | tee "$out/1m_decode_deepseek-v2-lite_h200.log" | tail -12 ;;
   mla)
     for mode in absorbed expanded; do
       # same expert placement in both modes (all 1,664 on the GPU at chunk 2048: writescope plan); || true: both run
@@ -69,5 +74,5 @@ case "${1:-}" in
       --batch 4,16 --context 8k,16k,32k --policies gpu,cpu,monolithic,writescope --sweep-static 4 --steps 6 --quiet \
       --output-json "$out/grid_${m}_h200.json" --plot "$out/grid_${m}_h200.png" 2>&1 | tee "$out/grid_${m}_h200.log" | tail -30 ;;
   *)
-    echo "usage: $0 tests|split|experts|scheduler|profile|prefill|text MODEL|breakdown MODEL|1m|mla|grid MODEL" >&2; exit 2 ;;
+    echo "usage: $0 tests|split|experts|scheduler|profile|prefill|text MODEL|breakdown MODEL|1m|1m-decode|mla|grid MODEL" >&2; exit 2 ;;
 esac
