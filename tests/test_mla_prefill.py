@@ -96,7 +96,12 @@ def test_both_forms_give_the_same_logits_through_every_cache(monkeypatch, sdpa_c
         torch.testing.assert_close(o, w, atol=1e-5, rtol=0)
 
 
-def test_bad_mode_is_named(monkeypatch):
+def test_bad_mode_is_named_before_the_weights_load(monkeypatch):
+    import writescope.engine.llm as engine
+
     monkeypatch.setenv("WRITESCOPE_MLA_PREFILL", "fast")
     with pytest.raises(ValueError, match="WRITESCOPE_MLA_PREFILL='fast'"):
         mla_prefill_mode()
+    monkeypatch.setattr(engine, "load_model", lambda *a, **k: pytest.fail("loaded weights despite a bad mode"))
+    with pytest.raises(ValueError, match="WRITESCOPE_MLA_PREFILL='fast'"):
+        LLM("tiny-deepseek-v2", progress=False)  # even where only one-token prompts would come

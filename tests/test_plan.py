@@ -96,3 +96,13 @@ def test_plan_cli(capsys):
     assert "routed experts on GPU" in out and "the plan fits" in out
     assert main(["plan", "--model", "tiny-qwen3-moe", "--vram-budget", "1MiB", "--batch", "2", "--context", "1k"]) == 2
     assert "below the minimum" in capsys.readouterr().err
+
+
+def test_plan_refuses_a_context_past_the_model_limit(capsys):
+    from writescope.cli.main import main
+
+    assert main(["plan", "--model", "deepseek-v2-lite", "--vram-budget", "1000GiB", "--batch", "1", "--context", "1000k",
+                 "--host-memory", "2000GiB"]) == 2
+    assert "passes deepseek-v2-lite's limit of 163840 tokens" in capsys.readouterr().err
+    assert main(["plan", "--model", "deepseek-v2-lite", "--vram-budget", "0", "--batch", "1", "--context", "1k"]) == 2
+    assert "--vram-budget: a size must be positive" in capsys.readouterr().err

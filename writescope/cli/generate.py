@@ -33,7 +33,7 @@ def add_parser(sub) -> None:
     p.add_argument("--policy", default="resident",
                    help="KV placement: resident (all on the device), gpu (stream spilled KV), cpu (attend it on the CPU), "
                         "static:R (CPU share R in [0,1]), writescope (roofline share with online feedback; calibrates "
-                        "once per machine); default resident")
+                        "once per machine), monolithic[:R] (the one-state baseline); default resident")
     p.add_argument("--window", type=int, default=256, help="D: tokens of the D-window and of one KV block (default 256)")
     p.add_argument("--cpu-threads", type=int, default=None, help="threads for CPU attention (default: all torch threads, less one with CUDA)")
     p.add_argument("--expert-threads", type=int, default=None, help="threads for routed experts in host memory (default: all torch threads)")

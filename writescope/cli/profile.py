@@ -14,7 +14,7 @@ def add_parser(sub) -> None:
     p.add_argument("--num-layers", type=int, default=None, help="keep only the first N decoder layers (synthetic weights)")
     p.add_argument("--batch", type=int, default=4)
     p.add_argument("--context", default="2k", help="prompt tokens per request, k = 1024 (default 2k)")
-    p.add_argument("--policy", default="writescope", help="KV placement policy (default writescope)")
+    p.add_argument("--policy", default="writescope", help="KV placement policy: resident, gpu, cpu, static:R, writescope, monolithic[:R] (default writescope)")
     p.add_argument("--steps", type=int, default=8, help="decode steps profiled (default 8)")
     p.add_argument("--skip", type=int, default=2, help="decode steps run before profiling (default 2)")
     p.add_argument("--window", type=int, default=256, help="D (default 256)")

@@ -13,6 +13,7 @@ from writescope.attention.metadata import ForwardBatch
 from writescope.budget.apply import enforce_budget, host_experts, place_experts
 from writescope.budget.plan import make_plan, parse_size
 from writescope.engine.model_loader import load_model, parse_dtype, resolve_config, resolve_device
+from writescope.layers.attention import mla_prefill_mode
 from writescope.engine.outputs import RequestMetrics, RequestOutput
 from writescope.engine.sampling import SamplingParams, sample
 from writescope.engine.threads import default_attention_threads, default_expert_threads
@@ -101,6 +102,8 @@ class LLM:
         if expert_threads is not None and expert_threads < 1:
             raise ValueError(f"expert_threads must be >= 1, got {expert_threads}")
         cfg, _ = resolve_config(model, num_layers, synthetic)
+        if cfg.model_type == "deepseek_v2":
+            mla_prefill_mode()  # a bad WRITESCOPE_MLA_PREFILL fails here, before the weights load
         limit = cfg.max_position_embeddings
         if max_model_len is not None and not 1 <= max_model_len <= limit:
             raise ValueError(f"max_model_len {max_model_len} must be in [1, {limit}] (the model's max_position_embeddings)")
@@ -109,7 +112,10 @@ class LLM:
         if vram_budget is not None:  # checked before any weight is loaded
             if max_batch < 1:
                 raise ValueError(f"max_batch must be >= 1, got {max_batch}")
-            budget = parse_size(vram_budget) if isinstance(vram_budget, str) else int(vram_budget)
+            try:
+                budget = parse_size(vram_budget) if isinstance(vram_budget, str) else int(vram_budget)
+            except ValueError as e:
+                raise ValueError(f"vram_budget (--vram-budget): {e}") from None
             self.vram_plan = make_plan(cfg, self.dtype, budget, max_batch, self.max_model_len, 0, sizing, window,
                                        prefill_chunk_tokens, available_memory(torch.device("cpu")))
             self.vram_plan.check()
@@ -235,7 +241,7 @@ class LLM:
                 raise ValueError(f"prompt {i} has token ids outside [0, {V}): {bad[:5]}")
             if len(p) + sp.max_tokens > self.max_model_len:
                 raise ValueError(
-                    f"prompt {i} has {len(p)} tokens + max_tokens (--max-new-tokens) {sp.max_tokens} = {len(p) + sp.max_tokens}, "
+                    f"prompt {i} has {len(p)} tokens + max_tokens {sp.max_tokens} = {len(p) + sp.max_tokens}, "
                     f"beyond the limit of {self.max_model_len} tokens: shorten the prompt, lower max_tokens"
                     + (" or raise max_model_len" if self.max_model_len < self.config.max_position_embeddings else "")
                 )
