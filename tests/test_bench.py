@@ -97,3 +97,12 @@ def test_random_kv_fill_skips_the_prefill_and_places_like_it(preset, monkeypatch
     query_lens.clear()
     run_one(llm, BenchConfig([1], [40], ["resident"], steps=1, window=16, warmup=False), 1, 40, "resident")
     assert 40 in query_lens
+
+
+def test_a_long_reason_does_not_widen_the_table():
+    from writescope.bench.report import format_table
+    from writescope.bench.runner import BenchRow
+
+    table = format_table([BenchRow(1, 1024, "gpu", decode_tok_s=5.0, tpot_ms=2.0), BenchRow(1, 16384, "gpu", fits=False, reason="x" * 150)])
+    head, fit_row = table.splitlines()[:2]
+    assert len(fit_row) == len(head) < 120

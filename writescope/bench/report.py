@@ -20,7 +20,7 @@ def format_table(rows: list[BenchRow]) -> str:
             "-" if r.r_deployed is None else f"{r.r_deployed:.3f}", f"{r.gbs:.1f}",
             f"{100 * r.frac_of_bound:.1f}" if r.frac_of_bound else "-",
         ))
-    widths = [max(len(x[i]) for x in lines if not x[3].startswith("does not fit") or i < 4) for i in range(len(head))]
+    widths = [max(len(x[i]) for x in lines if not x[3].startswith("does not fit") or i < 3) for i in range(len(head))]
     out = []
     for x in lines:
         if x[3].startswith("does not fit"):
