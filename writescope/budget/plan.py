@@ -70,6 +70,17 @@ class MemoryPlan:
         return self.gpu_min + self.experts_gpu * self.expert_bytes + self.stream_slots
 
     @property
+    def weights_gpu(self) -> int:
+        """Bytes of weights on the GPU: non-expert weights and the routed experts placed there."""
+        return self.non_expert_weights + self.experts_gpu * self.expert_bytes
+
+    @property
+    def working_gpu(self) -> int:
+        """Bytes the plan keeps on the GPU beside the weights and the reserve: KV, ping-pong,
+        activations and expert streaming slots."""
+        return self.kv_gpu + self.pingpong + self.activations + self.stream_slots
+
+    @property
     def expert_weights_host(self) -> int:
         return (self.experts_total - self.experts_gpu) * self.expert_bytes
 

@@ -56,7 +56,7 @@ def run(args: argparse.Namespace) -> int:
     from writescope.bench.report import format_best, format_table, plot
     from writescope.bench.runner import BenchConfig, run_grid
     from writescope.engine.llm import LLM
-    from writescope.engine.model_loader import resolve_config
+    from writescope.engine.model_loader import capped_model_len
     from writescope.scheduler.policies import parse_policy
 
     batches, contexts = parse_tokens(args.batch, "--batch"), parse_tokens(args.context, "--context")
@@ -82,8 +82,8 @@ def run(args: argparse.Namespace) -> int:
               # before the weights load (after them a --vram-budget cap leaves no room for it)
               policy="writescope" if needs_roofline else "gpu", window=args.window,
               vram_budget=args.vram_budget, max_batch=max(batches), num_layers=args.num_layers,
-              max_model_len=min(resolve_config(args.model, args.num_layers, args.synthetic)[0].max_position_embeddings,
-                                max(contexts) + args.steps + 1))  # what the grid's requests reach (the budget plans for it); longer rows report they do not fit
+              # what the grid's requests reach (the budget plans for it); longer rows report they do not fit
+              max_model_len=capped_model_len(args.model, max(contexts) + args.steps + 1, args.num_layers, args.synthetic))
     if args.num_layers is not None and not llm.config.moe.moe_layers:
         print(f"note: the first {args.num_layers} layer(s) of {args.model} hold no MoE block (dense layers first): "
               "raise --num-layers for the expert phase", flush=True)

@@ -88,11 +88,10 @@ def run(args: argparse.Namespace) -> int:
     max_model_len = args.max_model_len
     if max_model_len is None and args.vram_budget is not None:  # plan for the known prompt, not the model's limit
         known = machine_tokens if machine_tokens is not None else (len(prompt_ids[0]) if prompt_ids is not None else None)
-        if known is not None:  # capped at the model's limit: a longer request gets the limit's own message later
-            from writescope.engine.model_loader import resolve_config
+        if known is not None:
+            from writescope.engine.model_loader import capped_model_len
 
-            limit = resolve_config(args.model, None, args.synthetic)[0].max_position_embeddings
-            max_model_len = min(limit, known + args.max_new_tokens)
+            max_model_len = capped_model_len(args.model, known + args.max_new_tokens, synthetic=args.synthetic)
     llm = LLM(
         args.model, synthetic=args.synthetic, device=args.device, dtype=args.dtype, seed=args.weight_seed,
         max_model_len=max_model_len, prefill_chunk_tokens=args.prefill_chunk_tokens, progress=not args.quiet, policy=args.policy, window=args.window,
@@ -107,7 +106,7 @@ def run(args: argparse.Namespace) -> int:
         held = llm.load_info.get("device_memory_at_cap")
         if held:
             print(f"device memory when the cap was set: {held['allocated'] / 2**30:.2f} GiB in tensors, "
-                  f"{held['reserved'] / 2**30:.2f} GiB held (plan: {(p.non_expert_weights + p.experts_gpu * p.expert_bytes) / 2**30:.2f} GiB of weights)")
+                  f"{held['reserved'] / 2**30:.2f} GiB held (plan: {p.weights_gpu / 2**30:.2f} GiB of weights)")
     print(f"model: {cfg.architecture} ({cfg.num_layers} layers, {cfg.moe.num_experts} experts, top-{cfg.moe.top_k}), "
           f"{llm.load_info['source']}, {llm.dtype} on {llm.device}, loaded in {llm.load_info['load_s']:.1f} s; "
           f"experts: {'grouped GEMMs' if llm.load_info.get('grouped_experts') else 'one GEMM chain per expert (no grouped GEMM here)'}")

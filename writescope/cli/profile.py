@@ -33,7 +33,7 @@ def run(args: argparse.Namespace) -> int:
     from writescope.bench.breakdown import decode_breakdown
     from writescope.cli.bench import parse_tokens
     from writescope.engine.llm import LLM
-    from writescope.engine.model_loader import resolve_config
+    from writescope.engine.model_loader import capped_model_len
 
     (context,) = parse_tokens(args.context, "--context")
     if args.batch < 1 or args.steps < 1 or args.skip < 0:
@@ -41,8 +41,7 @@ def run(args: argparse.Namespace) -> int:
     llm = LLM(args.model, synthetic=args.synthetic, device=args.device, dtype=args.dtype, progress=not args.quiet,
               policy=args.policy, window=args.window, vram_budget=args.vram_budget, max_batch=args.batch,
               num_layers=args.num_layers,  # the budget plans for the profiled requests, not the model's limit
-              max_model_len=min(resolve_config(args.model, args.num_layers, args.synthetic)[0].max_position_embeddings,
-                                context + 2 + args.skip + args.steps))
+              max_model_len=capped_model_len(args.model, context + 2 + args.skip + args.steps, args.num_layers, args.synthetic))
     g = torch.Generator().manual_seed(0)
     prompts = torch.randint(3, llm.config.vocab_size, (args.batch, context), generator=g).tolist()
     bd = decode_breakdown(llm, prompts, args.steps, args.skip, str(args.trace) if args.trace else None)

@@ -145,9 +145,7 @@ class LLM:
                 b.stream_min_tokens = None  # no room in the budget for streaming slots: host experts stay on the CPU
         if self.vram_plan is not None:
             p = self.vram_plan
-            planned = p.non_expert_weights + p.experts_gpu * p.expert_bytes
-            working = p.kv_gpu + p.pingpong + p.activations + p.stream_slots
-            self.load_info["device_memory_at_cap"] = enforce_budget(self.device, p.budget, planned, working)
+            self.load_info["device_memory_at_cap"] = enforce_budget(self.device, p.budget, p.weights_gpu, p.working_gpu)
         self.seed = seed
         self.step_hook = None  # called after every decode step (profilers; see writescope.bench.breakdown)
         self.r_trace: list[dict] | None = None  # the last generate's r(L) trace (partitioned policies)

@@ -115,3 +115,10 @@ def load_model(
     if device.type == "cuda":
         torch.cuda.synchronize(device)
     return cfg, net, tok, {"source": source, "load_s": time.perf_counter() - t0}
+
+
+def capped_model_len(model: str, tokens: int, num_layers: int | None = None, synthetic: bool = False) -> int:
+    """``tokens`` (what a run's requests reach: prompt + new tokens) capped at the model's
+    ``max_position_embeddings``: the ``max_model_len`` a budget plan is sized for. A request past
+    the limit then gets the engine's own length message instead of one about ``max_model_len``."""
+    return min(resolve_config(model, num_layers, synthetic)[0].max_position_embeddings, tokens)
