@@ -15,7 +15,7 @@ import torch.nn.functional as F
 QUERY_CHUNK = 4096  # queries per SDPA call at most; bounds the [chunk, keys] mask at 4096 x keys bytes
 # Keys wider than FUSED_MAX_DIM (MLA's 576-wide latent) may leave SDPA only its math path, which
 # holds float32 scores [q_heads, chunk, keys], their softmax and the mask (about 14 bytes per
-# score, measured on the CPU's math path): there queries per call are also cut so that stays
+# score: a review's peak-memory measurement of the CPU's math path, script not kept): there queries per call are also cut so that stays
 # under SCORE_BYTES (the H200 1M-token run asked for 1 GiB of scores and overran a 32 GiB budget).
 # Narrower heads with equal key and value widths use the fused kernels, which never hold the
 # scores; narrower keys with values of another width (MLA expanded: 192 / 128) are bounded too

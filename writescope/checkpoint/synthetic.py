@@ -72,7 +72,7 @@ def fill_synthetic(model: torch.nn.Module, seed: int, progress: bool = True) -> 
 
     Parameters in host memory of a model that also has CUDA parameters (routed experts placed on
     the host by a budget) are generated on that GPU and copied down: the values are identical on
-    every device, and the hash generator is slow on a CPU (0.012 GB/s on the 2-core CI machine:
+    every device, and the hash generator is slow on a CPU (0.025 GB/s on the 2-core CI machine, command in benchmarks/results/e2e.md:
     Qwen3-30B-A3B's 27 GB of host experts under a 32 GiB budget would take minutes; a profile of
     that configuration on the H200 did not finish in 150 s, likely for this).
     """

@@ -279,7 +279,7 @@ class InplaceKVCache(KVCache):
 
     def _prefill_writer(self) -> PrefillWriter:
         """The prefill writer, made on first need (pinned staging: 4 x one ping-pong buffer;
-        registering it took about 0.1 s on the H200 host, once per cache)."""
+        pinning it is about 0.06 s at HARDWARE.md's 0.25 s per GiB, once per cache)."""
         if self._writer is None:
             s = self.spec
             self._writer = PrefillWriter(s.pingpong_blocks * s.block_bytes, s.dtype, self.device,
