@@ -12,6 +12,10 @@
 #   bash benchmarks/h200_session.sh 1m-decode  # the same batch's 256 decode steps with its KV filled at random (no prefill)
 #   bash benchmarks/h200_session.sh mla        # DeepSeek-V2-Lite prefill, 2 x 32K, absorbed vs expanded MLA (pick the default)
 #   bash benchmarks/h200_session.sh grid MODEL # full-size decode grid under 32 GiB, random KV fill (issue 6, run 2)
+# Several parts run in one call, one after another: `bash benchmarks/h200_session.sh tests grid:deepseek-v2-lite`.
+# The whole call stops by DEADLINE seconds (default 570, under the device tool's 10 minutes): each part's
+# timeout is cut to what is left, and a part with under 40 s left is skipped. The grid's shape can be narrowed
+# with GRID_BATCH, GRID_CONTEXT, GRID_POLICIES, GRID_STEPS (defaults below); rows are saved as they finish.
 # Results go to $OUT (the device tool's folder) or benchmarks/results/new; copy what you keep into
 # benchmarks/results/ with the command line above.
 set -euo pipefail
@@ -21,58 +25,75 @@ out=${OUT:-benchmarks/results/new}
 mkdir -p "$out"
 export XDG_CACHE_HOME=${XDG_CACHE_HOME:-/tmp/writescope-cache}  # not under $out: only results come back
 git log --oneline -1 2>/dev/null || true
-case "${1:-}" in
-  tests)
-    python3 -m pytest -m gpu -v -p no:cacheprovider tests 2>&1 | tee "$out/gpu_tests_h200.log" | tail -40 ;;
-  split)
-    python3 benchmarks/split_attention.py --shares-list 0,0.25,0.3125,0.375,0.5,1 --out "$out/split_attention_h200" \
-      2>&1 | tee "$out/split_attention_h200.log" | tail -30 ;;
-  experts)
-    python3 benchmarks/experts.py --models qwen3-30b-a3b,deepseek-v2-lite --out "$out/experts_h200" \
-      2>&1 | tee "$out/experts_h200.log" | tail -30 ;;
-  scheduler)
-    python3 -m writescope.cli.main calibrate --model qwen3-30b-a3b --device cuda --quiet | tee "$out/calibrate_h200.log"
-    python3 -m writescope.cli.main bench --model qwen3-30b-a3b --num-layers 2 --batch 16 --context 32k,16k,8k \
-      --policies gpu,cpu,monolithic,writescope --sweep-static 16 --steps 16 --quiet \
-      --output-json "$out/bench_qwen3_h200.json" --plot "$out/bench_qwen3_h200.png" 2>&1 | tee "$out/bench_qwen3_h200.log" | tail -8 ;;
-  profile)
-    for p in writescope gpu; do
-      python3 -m writescope.cli.main profile --model qwen3-30b-a3b --num-layers 4 --batch 16 --context 32k --policy "$p" \
-        --quiet --output-json "$out/profile_qwen3_$p.json" 2>&1 | grep -v USDT | tee "$out/profile_qwen3_$p.log"
-    done ;;
-  prefill)
-    python3 benchmarks/prefill_routing.py --out "$out/prefill_routing_h200" 2>&1 | tee "$out/prefill_routing_h200.log" | tail -8 ;;
-  text)
-    m=${2:?model}
-    timeout 330 python3 -m writescope.cli.main generate --model "$m" --synthetic --device cuda --vram-budget 32GiB \
-      --machine-text 32k --batch 4 --max-new-tokens 256 --ignore-eos --policy writescope --prefill-chunk-tokens 2048 \
-      --output-json "$out/text_${m}_h200.json" 2>&1 | grep -v "synthetic weights:\|calibrate:" | tee "$out/text_${m}_h200.log" | tail -30 ;;
-  breakdown)
-    m=${2:?model}
-    timeout 150 python3 -m writescope.cli.main profile --model "$m" --synthetic --device cuda --vram-budget 32GiB \
-      --batch 4 --context 32k --policy writescope --steps 6 --quiet --output-json "$out/profile_${m}_h200.json" \
-      2>&1 | grep -v USDT | tee "$out/profile_${m}_h200.log" | tail -30 ;;
-  1m)
-    timeout 560 python3 -m writescope.cli.main generate --model deepseek-v2-lite --synthetic --device cuda --vram-budget 32GiB \
-      --machine-text 32k --batch 32 --max-new-tokens 256 --ignore-eos --policy writescope --prefill-chunk-tokens 2048 \
-      --output-json "$out/1m_deepseek-v2-lite_h200.json" 2>&1 | grep -v "^prefill:" | tee "$out/1m_deepseek-v2-lite_h200.log" | tail -40 ;;
-  1m-decode)
-    timeout 570 python3 -m writescope.cli.main bench --model deepseek-v2-lite --synthetic --device cuda --vram-budget 32GiB \
-      --kv-fill random --batch 32 --context 32k --policies writescope --steps 256 --quiet \
-      --output-json "$out/1m_decode_deepseek-v2-lite_h200.json" 2>&1 | tee "$out/1m_decode_deepseek-v2-lite_h200.log" | tail -12 ;;
-  mla)
-    for mode in absorbed expanded; do
-      # same expert placement in both modes (all 1,664 on the GPU at chunk 2048: writescope plan); || true: both run
-      WRITESCOPE_MLA_PREFILL=$mode timeout 200 python3 -m writescope.cli.main generate --model deepseek-v2-lite --synthetic \
-        --device cuda --vram-budget 32GiB --machine-text 32k --batch 2 --max-new-tokens 4 --ignore-eos --policy gpu \
-        --prefill-chunk-tokens 2048 --quiet --output-json "$out/mla_${mode}_h200.json" 2>&1 | tee "$out/mla_${mode}_h200.log" \
-        | grep -E "VRAM budget|prefill|TTFT|peak|error" | sed "s/^/$mode: /" || true
-    done ;;
-  grid)
-    m=${2:?model}
-    timeout 570 python3 -m writescope.cli.main bench --model "$m" --synthetic --device cuda --vram-budget 32GiB --kv-fill random \
-      --batch 4,16 --context 8k,16k,32k --policies gpu,cpu,monolithic,writescope --sweep-static 4 --steps 6 --quiet \
-      --output-json "$out/grid_${m}_h200.json" --plot "$out/grid_${m}_h200.png" 2>&1 | tee "$out/grid_${m}_h200.log" | tail -30 ;;
-  *)
-    echo "usage: $0 tests|split|experts|scheduler|profile|prefill|text MODEL|breakdown MODEL|1m|1m-decode|mla|grid MODEL" >&2; exit 2 ;;
-esac
+start=$(date +%s)
+deadline=${DEADLINE:-570}
+left() { echo $(( deadline - ($(date +%s) - start) )); }
+tmo() { local l=$(( $(left) - 5 )); if (( l < $1 )); then echo "$l"; else echo "$1"; fi; }  # min(default, time left)
+part() {
+  local p=$1 m=$2
+  case "$p" in
+    tests)
+      timeout "$(tmo 240)" python3 -m pytest -m gpu -v -p no:cacheprovider tests 2>&1 | tee "$out/gpu_tests_h200.log" | tail -40 ;;
+    split)
+      python3 benchmarks/split_attention.py --shares-list 0,0.25,0.3125,0.375,0.5,1 --out "$out/split_attention_h200" \
+        2>&1 | tee "$out/split_attention_h200.log" | tail -30 ;;
+    experts)
+      python3 benchmarks/experts.py --models qwen3-30b-a3b,deepseek-v2-lite --out "$out/experts_h200" \
+        2>&1 | tee "$out/experts_h200.log" | tail -30 ;;
+    scheduler)
+      python3 -m writescope.cli.main calibrate --model qwen3-30b-a3b --device cuda --quiet | tee "$out/calibrate_h200.log"
+      python3 -m writescope.cli.main bench --model qwen3-30b-a3b --num-layers 2 --batch 16 --context 32k,16k,8k \
+        --policies gpu,cpu,monolithic,writescope --sweep-static 16 --steps 16 --quiet \
+        --output-json "$out/bench_qwen3_h200.json" --plot "$out/bench_qwen3_h200.png" 2>&1 | tee "$out/bench_qwen3_h200.log" | tail -8 ;;
+    profile)
+      for p in writescope gpu; do
+        python3 -m writescope.cli.main profile --model qwen3-30b-a3b --num-layers 4 --batch 16 --context 32k --policy "$p" \
+          --quiet --output-json "$out/profile_qwen3_$p.json" 2>&1 | grep -v USDT | tee "$out/profile_qwen3_$p.log"
+      done ;;
+    prefill)
+      python3 benchmarks/prefill_routing.py --out "$out/prefill_routing_h200" 2>&1 | tee "$out/prefill_routing_h200.log" | tail -8 ;;
+    text)
+      timeout "$(tmo 330)" python3 -m writescope.cli.main generate --model "$m" --synthetic --device cuda --vram-budget 32GiB \
+        --machine-text 32k --batch 4 --max-new-tokens 256 --ignore-eos --policy writescope --prefill-chunk-tokens 2048 \
+        --output-json "$out/text_${m}_h200.json" 2>&1 | grep -v "synthetic weights:\|calibrate:" | tee "$out/text_${m}_h200.log" | tail -30 ;;
+    breakdown)
+      timeout "$(tmo 150)" python3 -m writescope.cli.main profile --model "$m" --synthetic --device cuda --vram-budget 32GiB \
+        --batch 4 --context 32k --policy writescope --steps 6 --quiet --output-json "$out/profile_${m}_h200.json" \
+        2>&1 | grep -v USDT | tee "$out/profile_${m}_h200.log" | tail -30 ;;
+    1m)
+      timeout "$(tmo 560)" python3 -m writescope.cli.main generate --model deepseek-v2-lite --synthetic --device cuda --vram-budget 32GiB \
+        --machine-text 32k --batch 32 --max-new-tokens 256 --ignore-eos --policy writescope --prefill-chunk-tokens 2048 \
+        --output-json "$out/1m_deepseek-v2-lite_h200.json" 2>&1 | grep -v "^prefill:" | tee "$out/1m_deepseek-v2-lite_h200.log" | tail -40 ;;
+    1m-decode)
+      timeout "$(tmo 570)" python3 -m writescope.cli.main bench --model deepseek-v2-lite --synthetic --device cuda --vram-budget 32GiB \
+        --kv-fill random --batch 32 --context 32k --policies writescope --steps 256 --quiet \
+        --output-json "$out/1m_decode_deepseek-v2-lite_h200.json" 2>&1 | tee "$out/1m_decode_deepseek-v2-lite_h200.log" | tail -12 ;;
+    mla)
+      for mode in absorbed expanded; do
+        # same expert placement in both modes (all 1,664 on the GPU at chunk 2048: writescope plan); || true: both run
+        WRITESCOPE_MLA_PREFILL=$mode timeout "$(tmo 200)" python3 -m writescope.cli.main generate --model deepseek-v2-lite --synthetic \
+          --device cuda --vram-budget 32GiB --machine-text 32k --batch 2 --max-new-tokens 4 --ignore-eos --policy gpu \
+          --prefill-chunk-tokens 2048 --quiet --output-json "$out/mla_${mode}_h200.json" 2>&1 | tee "$out/mla_${mode}_h200.log" \
+          | grep -E "VRAM budget|prefill|TTFT|peak|error" | sed "s/^/$mode: /" || true
+      done ;;
+    grid)
+      timeout "$(tmo 570)" python3 -m writescope.cli.main bench --model "$m" --synthetic --device cuda --vram-budget 32GiB --kv-fill random \
+        --batch "${GRID_BATCH:-4,16}" --context "${GRID_CONTEXT:-8k,16k,32k}" \
+        --policies "${GRID_POLICIES:-gpu,cpu,monolithic,writescope}" --sweep-static "${GRID_SWEEP:-4}" --steps "${GRID_STEPS:-6}" --quiet \
+        --output-json "$out/grid_${m}_h200.json" --plot "$out/grid_${m}_h200.png" 2>&1 | tee "$out/grid_${m}_h200.log" | tail -30 ;;
+    *)
+      echo "usage: $0 PART [PART ...]; PART: tests|split|experts|scheduler|profile|prefill|text:MODEL|breakdown:MODEL|1m|1m-decode|mla|grid:MODEL" >&2; return 2 ;;
+  esac
+}
+(( $# )) || { part usage; exit 2; }
+rc=0
+while (( $# )); do
+  p=${1%%:*}; m=""
+  if [[ $1 == *:* ]]; then m=${1#*:}
+  elif [[ $p == text || $p == breakdown || $p == grid ]]; then shift; m=${1:?"$p needs a model"}; fi
+  shift
+  if (( $(left) < 40 )); then echo "== $p $m: skipped, $(left) s left of DEADLINE=$deadline" >&2; rc=1; continue; fi
+  echo "== $p $m ($(left) s left)"
+  part "$p" "$m" || rc=$?
+done
+exit $rc
