@@ -106,3 +106,34 @@ def test_a_long_reason_does_not_widen_the_table():
     table = format_table([BenchRow(1, 1024, "gpu", decode_tok_s=5.0, tpot_ms=2.0), BenchRow(1, 16384, "gpu", fits=False, reason="x" * 150)])
     head, fit_row = table.splitlines()[:2]
     assert len(fit_row) == len(head) < 120
+
+
+def _row(b, c, policy, tok_s, attn_ms=1.0):
+    from writescope.bench.runner import BenchRow
+
+    return BenchRow(b, c, policy, decode_tok_s=tok_s, attn_ms_per_layer=attn_ms)
+
+
+def test_speedups_are_geometric_means_over_configurations_from_8k():
+    from writescope.bench.report import best_static, format_speedups, speedups
+
+    rows = [
+        _row(4, 2048, "gpu", 1.0), _row(4, 2048, "writescope", 100.0),  # below 8K: left out
+        _row(4, 8192, "gpu", 10.0, 2.0), _row(4, 8192, "cpu", 5.0, 3.0), _row(4, 8192, "static:0.25", 8.0, 2.5),
+        _row(4, 8192, "monolithic", 4.0), _row(4, 8192, "writescope", 20.0),
+        _row(4, 32768, "gpu", 10.0, 4.0), _row(4, 32768, "cpu", 2.0, 5.0), _row(4, 32768, "static:0.5", 40.0, 3.0),
+        _row(4, 32768, "writescope", 10.0),
+        _row(16, 8192, "gpu", 3.0),  # no writescope row: left out
+    ]
+    rows.append(_row(4, 32768, "monolithic", 1.0))
+    rows[-1].fits = False  # a configuration that did not fit is no baseline
+    s = speedups(rows)
+    assert s["gpu"][0] == pytest.approx(((20 / 10) * (10 / 10)) ** 0.5) and s["gpu"][1] == 2
+    assert s["cpu"][0] == pytest.approx(((20 / 5) * (10 / 2)) ** 0.5)
+    assert s["monolithic"] == (pytest.approx(5.0), 1)
+    assert s["best static"][0] == pytest.approx(((20 / 10) * (10 / 40)) ** 0.5)  # gpu counts as static:0
+    assert s["best baseline"][0] == pytest.approx(((20 / 10) * (10 / 40)) ** 0.5)
+    assert "best baseline 0.71x" in format_speedups(rows)
+    assert speedups(rows, min_context=65536) == {} and format_speedups(rows, min_context=65536) == ""
+    best = best_static(rows)  # by attention time; gpu and cpu are the static shares 0 and 1
+    assert best[(4, 8192)].policy == "gpu" and best[(4, 32768)].policy == "static:0.5"

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import math
 from pathlib import Path
 
 from writescope.bench.runner import BenchRow
@@ -30,13 +31,23 @@ def format_table(rows: list[BenchRow]) -> str:
     return "\n".join(out)
 
 
+def static_share(policy: str) -> float | None:
+    """The fixed CPU share of a static placement: ``gpu`` -> 0, ``cpu`` -> 1 (the same placements
+    as ``static:0`` and ``static:1``), ``static:R`` -> R; None for any other policy."""
+    p = policy.strip().lower()
+    if p in ("gpu", "cpu"):
+        return float(p == "cpu")
+    return float(p.split(":", 1)[1]) if p.startswith("static:") else None
+
+
 def best_static(rows: list[BenchRow]) -> dict[tuple[int, int], BenchRow]:
-    """Per (batch, context): the ``static:R`` row with the least decode attention time per layer
-    (the time the share changes; decode tok/s also holds the expert and Python costs of the
-    step, which on the H200 varied by +-15% between runs of the same policy)."""
+    """Per (batch, context): the static row (``gpu``, ``cpu`` or ``static:R``) with the least
+    decode attention time per layer (the time the share changes; decode tok/s also holds the
+    expert and Python costs of the step, which on the H200 varied by +-15% between runs of the
+    same policy)."""
     best: dict[tuple[int, int], BenchRow] = {}
     for r in rows:
-        if r.fits and r.policy.startswith("static:") and r.attn_ms_per_layer > 0:
+        if r.fits and static_share(r.policy) is not None and r.attn_ms_per_layer > 0:
             k = (r.batch, r.context)
             if k not in best or r.attn_ms_per_layer < best[k].attn_ms_per_layer:
                 best[k] = r
@@ -57,6 +68,45 @@ def format_best(rows: list[BenchRow]) -> str:
             dep += f" ({g.attn_ms_per_layer / w.attn_ms_per_layer:.2f}x, {w.decode_tok_s / g.decode_tok_s:.2f}x gpu)"
         lines.append(f"  batch {b} context {c}: best {r.policy} ({r.attn_ms_per_layer:.2f} ms); {dep}")
     return "\n".join(lines)
+
+
+BASELINES = ("gpu", "cpu", "monolithic", "best static", "best baseline")
+
+
+def speedups(rows: list[BenchRow], min_context: int = 8192) -> dict[str, tuple[float, int]]:
+    """Geometric mean over the (batch, context >= ``min_context``) configurations of ``writescope``'s
+    decode tok/s divided by each baseline's: ``gpu``, ``cpu``, ``monolithic``, ``best static``
+    (per configuration the static share, ``gpu`` and ``cpu`` included, with the most decode
+    tok/s) and ``best baseline`` (the most decode tok/s of all of those). The paper's Figure 9
+    compares decode throughput this way. Returns ``{baseline: (geometric mean, configurations)}``
+    for baselines measured beside at least one writescope row."""
+    by = {}
+    for r in rows:
+        if r.fits and r.decode_tok_s > 0 and r.context >= min_context:
+            by.setdefault((r.batch, r.context), []).append(r)
+    ratios: dict[str, list[float]] = {}
+    for cfg_rows in by.values():
+        ws = [r for r in cfg_rows if r.policy == "writescope"]
+        if not ws:
+            continue
+        base = {r.policy: r.decode_tok_s for r in cfg_rows if r.policy in ("gpu", "cpu", "monolithic")}
+        statics = [r.decode_tok_s for r in cfg_rows if static_share(r.policy) is not None]
+        if statics:
+            base["best static"] = max(statics)
+        if base:
+            base["best baseline"] = max(base.values())
+        for name, tok_s in base.items():
+            ratios.setdefault(name, []).append(ws[0].decode_tok_s / tok_s)
+    return {n: (math.exp(sum(map(math.log, ratios[n])) / len(ratios[n])), len(ratios[n])) for n in BASELINES if n in ratios}
+
+
+def format_speedups(rows: list[BenchRow], min_context: int = 8192) -> str:
+    s = speedups(rows, min_context)
+    if not s:
+        return ""
+    n = max(k for _, k in s.values())
+    return (f"writescope decode tok/s over each baseline, geometric mean of {n} configuration(s) with context >= {min_context}: "
+            + ", ".join(f"{name} {g:.2f}x" for name, (g, _) in s.items()))
 
 
 def plot(rows: list[BenchRow], path: Path) -> None:
@@ -91,7 +141,7 @@ def plot(rows: list[BenchRow], path: Path) -> None:
     for b in batches:
         ctx = sorted(c for (bb, c) in best if bb == b)
         if ctx:
-            ax.plot(ctx, [float(best[(b, c)].policy.split(":")[1]) for c in ctx], marker="s", ls="--", label=f"best static, batch {b}")
+            ax.plot(ctx, [static_share(best[(b, c)].policy) for c in ctx], marker="s", ls="--", label=f"best static, batch {b}")
         dep = sorted((r.context, r.r_deployed) for r in rows if r.batch == b and r.policy == "writescope" and r.fits and r.r_deployed is not None)
         if dep:
             ax.plot([p[0] for p in dep], [p[1] for p in dep], marker="o", label=f"writescope r, batch {b}")

@@ -14,8 +14,8 @@ q/k/v, expert intermediates and the grouped GEMMs' gathered inputs and outputs, 
 attention mask of 4096 x (context + max_new) bytes and the batch's float32 logits. For keys
 wider than SDPA's fused kernels take (MLA), also the bound on the math path's scores, softmax and
 mask (``writescope.attention.reference.SCORE_BYTES``) and float32 copies of one sequence's keys
-(two) and values; with ``WRITESCOPE_MLA_PREFILL=expanded`` instead one sequence's per-head keys
-and values and the same bound. A fixed ``RESERVE`` covers the allocator's fragmentation.
+(two) and values with ``WRITESCOPE_MLA_PREFILL=absorbed``; with ``expanded`` (the default) instead one
+sequence's per-head keys and values and the same bound. A fixed ``RESERVE`` covers the allocator's fragmentation.
 """
 
 from __future__ import annotations

@@ -53,7 +53,7 @@ def parse_tokens(text: str, flag: str = "token count") -> list[int]:
 
 
 def run(args: argparse.Namespace) -> int:
-    from writescope.bench.report import format_best, format_table, plot
+    from writescope.bench.report import format_best, format_speedups, format_table, plot, speedups
     from writescope.bench.runner import BenchConfig, run_grid
     from writescope.engine.llm import LLM
     from writescope.engine.model_loader import capped_model_len
@@ -100,6 +100,7 @@ def run(args: argparse.Namespace) -> int:
             doc = {"model": args.model, "num_layers": llm.config.num_layers, "device": str(llm.device), "dtype": str(llm.dtype),
                    "args": {k: str(v) for k, v in vars(args).items() if k != "run"},
                    "roofline": None if roofline is None else vars(roofline), "complete": len(rows) == cfg_size,
+                   "speedups_geomean_8k": {k: {"geomean": g, "configurations": n} for k, (g, n) in speedups(rows).items()},
                    "rows": [r.to_dict() for r in rows]}
             tmp = args.output_json.with_name(args.output_json.name + ".tmp")
             tmp.write_text(json.dumps(doc, indent=1))
@@ -116,6 +117,9 @@ def run(args: argparse.Namespace) -> int:
     best = format_best(rows)
     if best:
         print("\n" + best)
+    gains = format_speedups(rows)
+    if gains:
+        print(gains)
     if args.output_json:
         print(f"wrote {args.output_json}")
     if args.plot:

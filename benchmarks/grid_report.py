@@ -1,0 +1,38 @@
+"""Re-read saved ``writescope bench --output-json`` grids: print each one's table, best static share
+and geometric-mean speedups, and redraw its plot (to apply a newer report to rows already measured;
+nothing is re-run).
+
+Run (repository root):
+    PYTHONPATH=. python3 benchmarks/grid_report.py benchmarks/results/grid_deepseek-v2-lite_h200.json --plot
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+from pathlib import Path
+
+from writescope.bench.report import format_best, format_speedups, format_table, plot
+from writescope.bench.runner import BenchRow
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+    ap.add_argument("grids", type=Path, nargs="+", help="JSON files written by `writescope bench --output-json`")
+    ap.add_argument("--plot", action="store_true", help="write GRID.png beside each GRID.json")
+    args = ap.parse_args()
+    for path in args.grids:
+        doc = json.loads(path.read_text())
+        rows = [BenchRow(**r) for r in doc["rows"]]
+        print(f"== {path} ({doc['model']}, {doc['num_layers']} layers, {doc['device']}; complete: {doc.get('complete')})")
+        print(format_table(rows))
+        for text in (format_best(rows), format_speedups(rows)):
+            if text:
+                print(text)
+        if args.plot:
+            plot(rows, path.with_suffix(".png"))
+            print(f"wrote {path.with_suffix('.png')}")
+
+
+if __name__ == "__main__":
+    main()
