@@ -97,31 +97,35 @@ def main() -> None:
                     block.stream_min_tokens = MIN_TOKENS if path == "grouped" else None
                     if path != "loop" and not block.pack() and (on_device > 0 or path != "grouped" or device.type != "cuda"):
                         continue  # no grouped GEMM here; with every expert on the host, "grouped" still streams (CUDA)
-                    with torch.no_grad():
-                        sec = timed(lambda: block(x), device, args.repeats)
-                    dev_active = sum(1 for e in active if e < on_device)
-                    host_active = len(active) - dev_active
-                    row = {"model": name, "tokens": T, "fraction_on_device": frac, "path": path, "ms": sec * 1e3,
-                           "active_experts": len(active), "active_on_device": dev_active, "active_on_host": host_active,
-                           "active_weight_bytes": len(active) * expert_bytes}
-                    if hbm and host_active == 0:
-                        bound = dev_active * expert_bytes / (hbm * 1e9)
-                        row.update(hbm_gbs=hbm, gbs=dev_active * expert_bytes / sec / 1e9, frac_of_bound=bound / sec)
-                    if dev_active == 0:
-                        row["cpu_weight_gbs"] = host_active * expert_bytes / sec / 1e9
-                    rows.append(row)
-                    print(json.dumps({k: round(v, 3) if isinstance(v, float) else v for k, v in row.items()}), flush=True)
+                    # host experts computed on the CPU: parallel single-threaded tasks (the default) and the
+                    # reference loop, side by side
+                    for host_mode in ("parallel", "serial") if on_device < E else ("-",):
+                        block.host_parallel = host_mode != "serial"
+                        with torch.no_grad():
+                            sec = timed(lambda: block(x), device, args.repeats)
+                        dev_active = sum(1 for e in active if e < on_device)
+                        host_active = len(active) - dev_active
+                        row = {"model": name, "tokens": T, "fraction_on_device": frac, "path": path, "host_experts": host_mode,
+                               "ms": sec * 1e3, "active_experts": len(active), "active_on_device": dev_active,
+                               "active_on_host": host_active, "active_weight_bytes": len(active) * expert_bytes}
+                        if hbm and host_active == 0:
+                            bound = dev_active * expert_bytes / (hbm * 1e9)
+                            row.update(hbm_gbs=hbm, gbs=dev_active * expert_bytes / sec / 1e9, frac_of_bound=bound / sec)
+                        if dev_active == 0:
+                            row["cpu_weight_gbs"] = host_active * expert_bytes / sec / 1e9
+                        rows.append(row)
+                        print(json.dumps({k: round(v, 3) if isinstance(v, float) else v for k, v in row.items()}), flush=True)
         if device.type == "cuda":
             torch.cuda.empty_cache()
     args.out.parent.mkdir(parents=True, exist_ok=True)
     args.out.with_suffix(".json").write_text(json.dumps({"device": str(device), "dtype": str(dtype), "hbm_copy_gbs": hbm, "rows": rows}, indent=1))
-    lines = ["| model | tokens | on device | path | ms | active experts (device/host) | GB/s | % of HBM bound | CPU weight GB/s |",
-             "|---|---|---|---|---|---|---|---|---|"]
+    lines = ["| model | tokens | on device | path | host experts | ms | active experts (device/host) | GB/s | % of HBM bound | CPU weight GB/s |",
+             "|---|---|---|---|---|---|---|---|---|---|"]
     def f(r, key, scale=1.0, fmt=".0f"):
         return "-" if key not in r else format(scale * r[key], fmt)
 
     for r in rows:
-        lines.append(f"| {r['model']} | {r['tokens']} | {r['fraction_on_device']:g} | {r['path']} | {r['ms']:.2f} | "
+        lines.append(f"| {r['model']} | {r['tokens']} | {r['fraction_on_device']:g} | {r['path']} | {r['host_experts']} | {r['ms']:.2f} | "
                      f"{r['active_on_device']}/{r['active_on_host']} | {f(r, 'gbs')} | {f(r, 'frac_of_bound', 100)} | "
                      f"{f(r, 'cpu_weight_gbs', fmt='.1f')} |")
     table = "\n".join(lines)

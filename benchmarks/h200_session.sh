@@ -12,6 +12,9 @@
 #   bash benchmarks/h200_session.sh 1m-decode  # the same batch's 256 decode steps with its KV filled at random (no prefill)
 #   bash benchmarks/h200_session.sh mla        # DeepSeek-V2-Lite prefill, 2 x 32K, absorbed vs expanded MLA (pick the default)
 #   bash benchmarks/h200_session.sh grid MODEL # full-size decode grid under 32 GiB, random KV fill (issue 6, run 2)
+#   bash benchmarks/h200_session.sh prefill-e2e MODEL  # whole-model prefill of 2K prompts, batch 1-32, routing vs one region (run 3)
+#   bash benchmarks/h200_session.sh consistency  # DSV2 without a budget, 4 x 8K machine text: every policy vs resident, logits (run 6)
+#   bash benchmarks/h200_session.sh peer       # DSV2 checkpoint written from the GPU, transformers' offloaded cache vs writescope (run 5)
 # Several parts run in one call, one after another: `bash benchmarks/h200_session.sh tests grid:deepseek-v2-lite`.
 # The whole call stops by DEADLINE seconds (default 570, under the device tool's 10 minutes): each part's
 # timeout is cut to what is left, and a part with under 40 s left is skipped. The grid's shape can be narrowed
@@ -53,7 +56,7 @@ part() {
     prefill)
       python3 benchmarks/prefill_routing.py --out "$out/prefill_routing_h200" 2>&1 | tee "$out/prefill_routing_h200.log" | tail -8 ;;
     text)
-      timeout "$(tmo 330)" python3 -m writescope.cli.main generate --model "$m" --synthetic --device cuda --vram-budget 32GiB \
+      timeout "$(tmo 560)" python3 -m writescope.cli.main generate --model "$m" --synthetic --device cuda --vram-budget 32GiB \
         --machine-text 32k --batch 4 --max-new-tokens 256 --ignore-eos --policy writescope --prefill-chunk-tokens 2048 \
         --output-json "$out/text_${m}_h200.json" 2>&1 | grep -v "synthetic weights:\|calibrate:" | tee "$out/text_${m}_h200.log" | tail -30 ;;
     breakdown)
@@ -81,8 +84,22 @@ part() {
         --batch "${GRID_BATCH:-4,16}" --context "${GRID_CONTEXT:-8k,16k,32k}" \
         --policies "${GRID_POLICIES:-gpu,cpu,monolithic,writescope}" --sweep-static "${GRID_SWEEP:-4}" --steps "${GRID_STEPS:-6}" --quiet \
         --output-json "$out/grid_${m}_h200.json" --plot "$out/grid_${m}_h200.png" 2>&1 | tee "$out/grid_${m}_h200.log" | tail -30 ;;
+    prefill-e2e)
+      timeout "$(tmo 400)" python3 -m writescope.cli.main bench --model "$m" --synthetic --device cuda --vram-budget 32GiB \
+        --batch 1,8,32 --context 2k --policies gpu,cpu,writescope --steps 1 --quiet \
+        --output-json "$out/prefill_e2e_${m}_h200.json" 2>&1 | tee "$out/prefill_e2e_${m}_h200.log" | tail -12 ;;
+    consistency)
+      timeout "$(tmo 400)" python3 benchmarks/policy_consistency.py --model deepseek-v2-lite --device cuda \
+        --policies resident,gpu,cpu,static:0.5,writescope,monolithic:0.5 --batch 4 --machine-text 8192 --max-new-tokens 32 \
+        --out "$out/consistency_deepseek-v2-lite_h200.json" 2>&1 | tee "$out/consistency_deepseek-v2-lite_h200.log" | tail -14 ;;
+    peer)
+      ckpt=/tmp/writescope-dsv2  # not under $out: 31 GB
+      [[ -e $ckpt/config.json ]] || timeout "$(tmo 200)" python3 -m writescope.cli.main make-checkpoint --preset deepseek-v2-lite \
+        --out "$ckpt" --device cuda --quiet
+      timeout "$(tmo 500)" python3 benchmarks/peer_transformers.py --checkpoint "$ckpt" --contexts "${PEER_CONTEXTS:-8k}" --batch 4 \
+        --out "$out/peer_transformers_h200" 2>&1 | tee "$out/peer_transformers_h200.log" | tail -12 ;;
     *)
-      echo "usage: $0 PART [PART ...]; PART: tests|split|experts|scheduler|profile|prefill|text:MODEL|breakdown:MODEL|1m|1m-decode|mla|grid:MODEL" >&2; return 2 ;;
+      echo "usage: $0 PART [PART ...]; PART: tests|split|experts|scheduler|profile|prefill|text:MODEL|breakdown:MODEL|1m|1m-decode|mla|grid:MODEL|prefill-e2e:MODEL|consistency|peer" >&2; return 2 ;;
   esac
 }
 (( $# )) || { part usage; exit 2; }
@@ -90,7 +107,7 @@ rc=0
 while (( $# )); do
   p=${1%%:*}; m=""
   if [[ $1 == *:* ]]; then m=${1#*:}
-  elif [[ $p == text || $p == breakdown || $p == grid ]]; then shift; m=${1:?"$p needs a model"}; fi
+  elif [[ $p == text || $p == breakdown || $p == grid || $p == prefill-e2e ]]; then shift; m=${1:?"$p needs a model"}; fi
   shift
   if (( $(left) < 40 )); then echo "== $p $m: skipped, $(left) s left of DEADLINE=$deadline" >&2; rc=1; continue; fi
   echo "== $p $m ($(left) s left)"

@@ -101,3 +101,18 @@ def test_synthetic_activations_are_finite_and_non_degenerate(name):
     entropy = -(probs * probs.clamp_min(1e-30).log()).sum(-1)  # nats, [64]
     assert torch.isfinite(logits).all()
     assert (entropy > 0.5).all() and (entropy < 0.99 * torch.log(torch.tensor(float(cfg.vocab_size)))).all(), entropy
+
+
+@pytest.mark.skipif(torch.cuda.is_available(), reason="checks the refusal on a machine without CUDA")
+def test_make_checkpoint_on_a_missing_gpu_fails_before_writing(tmp_path, capsys):
+    out = tmp_path / "ckpt"
+    assert main(["make-checkpoint", "--preset", "tiny-qwen3-moe", "--out", str(out), "--device", "cuda", "--quiet"]) == 2
+    assert "no CUDA GPU" in capsys.readouterr().err and not out.exists()
+
+
+@pytest.mark.gpu
+def test_make_checkpoint_on_cuda_writes_the_cpu_values(tmp_path):
+    for device in ("cpu", "cuda"):
+        assert main(["make-checkpoint", "--preset", "tiny-deepseek-v2", "--out", str(tmp_path / device), "--device", device, "--quiet"]) == 0
+    a, b = load_ours(tmp_path / "cpu", torch.bfloat16).state_dict(), load_ours(tmp_path / "cuda", torch.bfloat16).state_dict()
+    assert a.keys() == b.keys() and all(torch.equal(a[k], b[k]) for k in a)

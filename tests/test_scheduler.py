@@ -15,7 +15,7 @@ from writescope.kvcache.inplace import InplaceKVCache
 from writescope.kvcache.spec import PartitionSpec, Roofline
 from writescope.scheduler.calibrate import calibrate, load, load_or_calibrate, save, shape_key
 from writescope.scheduler.policies import COMPUTE, LOAD, parse_policy
-from writescope.scheduler.roofline import A_FLOOR, OnlineEstimate, WriteScopePolicy, roofline_share
+from writescope.scheduler.roofline import A_FLOOR, OnlineEstimate, WriteScopePolicy, roofline_share, split_pays
 
 
 # ------------------------------------------------------------------ r(L)
@@ -92,6 +92,27 @@ def test_policy_tracks_a_with_a_floor():
     for _ in range(20):
         pol.observe(0.0, 10_000, batch=4)  # faster than the fixed cost: floored
     assert pol.a.value == pytest.approx(A_FLOOR * 1e-9, rel=0.05)
+
+
+def test_a_split_must_beat_streaming_alone():
+    # 16 x 16K tokens, DSV2 as calibrated on the H200 (A 68 ns, B 21.6 ns, C_cpu 5.6 ms, C_gpu 3.05 ms):
+    # the paper's r(L) is 0.131 and predicts 8.0 ms against 8.7 ms for r = 0
+    L, paper = 16 * 16384, dict(a=68e-9, b=21.6e-9, c_cpu=5.6e-3, c_gpu=3.05e-3)
+    r = roofline_share(L, **paper)
+    assert r == pytest.approx(0.131, abs=0.002)
+    assert WriteScopePolicy(Roofline(**paper)).cpu_share(L) == r  # no stand-alone calibration: the paper's share
+    # streaming alone measured 7.56 ms (21.2 ns/token + 2.0 ms); a split adds 1.8 ms: keep r = 0
+    alone = Roofline(**paper, b_alone=21.2e-9, c_gpu_alone=2.0e-3, c_split=1.8e-3)
+    assert not split_pays(L, r, alone.a, alone)
+    assert WriteScopePolicy(alone).cpu_share(L) == 0.0
+    # a split that adds nothing and streaming alone no faster than the contended side: the share stands
+    free = Roofline(**paper, b_alone=paper["b"], c_gpu_alone=paper["c_gpu"], c_split=0.0)
+    assert split_pays(L, r, free.a, free) and WriteScopePolicy(free).cpu_share(L) == r
+    assert split_pays(L, 0.0, free.a, alone)  # r = 0 is no split
+    # r = 1 (all on the CPU) is compared with streaming alone too
+    cheap_cpu = Roofline(a=1e-12, b=1e-6, c_gpu=1e-3, b_alone=1e-6, c_gpu_alone=0.0, c_split=0.0)
+    assert WriteScopePolicy(cheap_cpu).cpu_share(1000) == 1.0
+    assert not split_pays(1000, 1.0, 1e-3, cheap_cpu)  # the CPU 1000x slower than streaming
 
 
 # ------------------------------------------------------------------ routing with feedback
@@ -182,6 +203,10 @@ def test_calibration_measures_stores_and_reloads(tmp_path, monkeypatch):
     want = [(2 * 16 * math.floor(r_ * L / 16 + 0.5), 2 * (L - 16 * math.floor(r_ * L / 16 + 0.5))) for r_ in (0.25, 0.5) for L in (64, 128, 256)]
     assert [(c[0], g[0]) for c, g in zip(detail["points"]["cpu"], detail["points"]["gpu"])] == want
     assert detail["shares"] == [0.25, 0.5] and detail["contexts"] == [64, 128, 256]
+    # streaming alone (share 0) at each context, and the split's cost beyond its slower side
+    assert [t for t, _ in detail["points"]["alone"]] == [2 * L for L in (64, 128, 256)]
+    assert all(s > 0 for _, s in detail["points"]["alone"]) and len(detail["points"]["split_overhead"]) == 6
+    assert r.b_alone > 0 and r.c_gpu_alone >= 0 and r.c_split >= 0
     with pytest.raises(ValueError, match="both sides"):
         calibrate(layout, 4, torch.float32, dev, window=16, batch=2, contexts=(64, 128), steps=1, progress=False, shares=(0.0,))
     with pytest.raises(ValueError, match="lower --batch"):
@@ -192,6 +217,11 @@ def test_calibration_measures_stores_and_reloads(tmp_path, monkeypatch):
     assert load(dev, shape) == r
     assert json.loads(path.read_text())  # valid JSON
     assert load_or_calibrate(layout, 4, torch.float32, dev, window=16, progress=False) == r  # no re-measure
+    old = json.loads(path.read_text())  # an entry stored before the split check is measured again
+    for key in ("b_alone", "c_gpu_alone", "c_split"):
+        del old[next(iter(old))][shape][key]
+    path.write_text(json.dumps(old))
+    assert load(dev, shape) is None
 
 
 def test_calibrate_cli(tmp_path, monkeypatch, capsys):

@@ -21,7 +21,7 @@ def add_parser(sub) -> None:
 def run(args: argparse.Namespace) -> int:
     from writescope.engine.model_loader import parse_dtype, resolve_config, resolve_device
     from writescope.scheduler import calibrate as cal
-    from writescope.scheduler.roofline import roofline_share
+    from writescope.scheduler.roofline import WriteScopePolicy, roofline_share
 
     if args.window < 1 or args.batch < 1 or (args.cpu_threads is not None and args.cpu_threads < 1):
         raise ValueError(f"--window, --batch and --cpu-threads must be >= 1, got {args.window}, {args.batch}, {args.cpu_threads}")
@@ -40,7 +40,15 @@ def run(args: argparse.Namespace) -> int:
     print(f"  A (CPU, compute region)     {r.a * 1e9:10.3f} ns/token  = {tok_bytes / r.a / 1e9:6.1f} GB/s")
     print(f"  B (GPU, load region)        {r.b * 1e9:10.3f} ns/token  = {tok_bytes / r.b / 1e9:6.1f} GB/s")
     print(f"  C_cpu, C_gpu (fixed/step)   {r.c_cpu * 1e3:.3f} ms, {r.c_gpu * 1e3:.3f} ms")
-    print("  r(L) for a batch of %d:" % args.batch, "  ".join(
-        f"{L // 1024}K {roofline_share(L * args.batch, r.a, r.b, r.c_cpu, r.c_gpu):.3f}" for L in (2048, 8192, 32768, 131072)))
+    print(f"  B alone (no CPU part)       {r.b_alone * 1e9:10.3f} ns/token  = {tok_bytes / r.b_alone / 1e9:6.1f} GB/s, "
+          f"C_gpu alone {r.c_gpu_alone * 1e3:.3f} ms")
+    print(f"  C_split (split step beyond its slower side) {r.c_split * 1e3:.3f} ms")
+    policy = WriteScopePolicy(r)
+    policy.expect_batch(args.batch)
+    contexts = (2048, 8192, 32768, 131072)
+    print("  r(L) for a batch of %d (paper eq. 2):" % args.batch, "  ".join(
+        f"{L // 1024}K {roofline_share(L * args.batch, r.a, r.b, r.c_cpu, r.c_gpu):.3f}" for L in contexts))
+    print("  deployed (0 where a split is predicted no faster than streaming alone):",
+          "  ".join(f"{L // 1024}K {policy.cpu_share(L):.3f}" for L in contexts))
     return 0
 

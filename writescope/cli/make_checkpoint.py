@@ -14,6 +14,8 @@ def add_parser(sub) -> None:
     p.add_argument("--seed", type=int, default=0)
     p.add_argument("--dtype", default="bf16", help="bf16 (default), fp16 or fp32")
     p.add_argument("--max-shard-gib", type=float, default=4.0, help="largest safetensors shard (GiB)")
+    p.add_argument("--device", default="cpu",
+                   help="where the seeded values are generated: cpu (default) or cuda (the same values, far faster for full-size presets)")
     p.add_argument("--quiet", action="store_true")
     p.set_defaults(run=run)
 
@@ -26,13 +28,14 @@ def run(args: argparse.Namespace) -> int:
     from writescope.checkpoint.synthetic import synthetic_tensors
     from writescope.checkpoint.tokenizer import synthetic_tokenizer
     from writescope.checkpoint.writer import checkpoint_bytes, write_checkpoint
-    from writescope.engine.model_loader import parse_dtype
+    from writescope.engine.model_loader import parse_dtype, resolve_device
     from writescope.models import LAYER_BUILDERS
     from writescope.models.causal_lm import CausalLM
     from writescope.presets import preset_config
 
     cfg = preset_config(args.preset)
     dtype = parse_dtype(args.dtype, torch.device("cpu"))
+    device = resolve_device(args.device)
     with torch.device("meta"):
         shapes = {k: tuple(v.shape) for k, v in CausalLM(cfg, LAYER_BUILDERS[cfg.model_type]).state_dict().items()}
     if cfg.tie_word_embeddings:
@@ -45,7 +48,7 @@ def run(args: argparse.Namespace) -> int:
     t0 = time.perf_counter()
     tok = synthetic_tokenizer(cfg.vocab_size)
     write_checkpoint(
-        args.out, cfg, synthetic_tensors(shapes, args.seed, dtype, "cpu"), len(shapes), dtype, tok,
+        args.out, cfg, synthetic_tensors(shapes, args.seed, dtype, device), len(shapes), dtype, tok,
         max_shard_bytes=int(args.max_shard_gib * 2**30), progress=not args.quiet,
     )
     print(f"wrote {args.out}: {len(shapes)} tensors, {need / 1e6:,.1f} MB {args.dtype}, tokenizer of {tok.vocab_size} tokens, "

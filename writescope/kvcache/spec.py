@@ -21,12 +21,23 @@ DEFAULT_PINGPONG_BYTES = 64 * 2**20  # bytes per ping-pong buffer
 
 @dataclass(frozen=True)
 class Roofline:
-    """Inputs of r(L) (docs/DESIGN.md section 5): A, B in seconds per token; C_cpu, C_gpu in seconds."""
+    """Inputs of r(L) (docs/DESIGN.md section 5): A, B in seconds per token; C_cpu, C_gpu in seconds.
+
+    The split check (optional; None or 0 leaves the paper's r(L) as it is): ``b_alone`` and
+    ``c_gpu_alone`` give the wall time of a step that streams everything with no CPU part,
+    ``b_alone * L + c_gpu_alone`` (seconds per token, seconds), and ``c_split`` the seconds a split
+    step takes beyond the slower of its two sides (handing q to the CPU, waiting for it, moving its
+    partial, the merge). :class:`~writescope.scheduler.roofline.WriteScopePolicy` keeps r = 0 where
+    the split step is predicted no faster than streaming alone.
+    """
 
     a: float
     b: float
     c_cpu: float = 0.0
     c_gpu: float = 0.0
+    b_alone: float | None = None
+    c_gpu_alone: float | None = None
+    c_split: float = 0.0
 
 
 @dataclass(frozen=True)

@@ -13,6 +13,7 @@ from writescope.config import MoEConfig
 from writescope.engine.threads import intra_op_threads
 from writescope.layers.mlp import GatedMLP
 from writescope.moe.grouped import PackedExperts, grouped_mm_supported
+from writescope.moe.host import run_host_experts
 from writescope.moe.streaming import MIN_TOKENS, run_streamed
 from writescope.moe.router import route
 
@@ -35,7 +36,8 @@ class SparseMoeBlock(nn.Module):
         self.host_experts: frozenset[int] = frozenset()
         self.packed: PackedExperts | None = None  # device experts for the grouped path (see pack)
         self.grouped = True  # use the grouped path where torch supports it (False: the loop, the reference)
-        self.host_threads: int | None = None  # intra-op threads for the host experts (None: torch's count)
+        self.host_threads: int | None = None  # threads for the host experts (None: torch's count)
+        self.host_parallel = False  # True: host experts as single-threaded tasks on a pool (writescope.moe.host, unmeasured on the H200)
         self.host_pack: PackedExperts | None = None  # host experts packed (pinned with CUDA), for streaming
         self.stream_min_tokens: int | None = MIN_TOKENS  # stream a host expert with this many tokens (None: never)
 
@@ -138,11 +140,19 @@ class SparseMoeBlock(nn.Module):
                 run_streamed(self.host_pack, streamed, [token_of[starts[e] : starts[e + 1]] for e in streamed],
                              [w_sorted[starts[e] : starts[e + 1]] for e in streamed], x, out)
         if host:
-            ys, off = [], 0
-            with record_function("moe.host_experts"), intra_op_threads(self.host_threads or torch.get_num_threads()):
-                for e in host:
-                    n = counts[e]
-                    ys.append(self.experts[e](x_host[off : off + n]) * w_host[off : off + n, None])
-                    off += n
-            out.index_add_(0, host_tok, torch.cat(ys).to(x.device))
+            threads = self.host_threads or torch.get_num_threads()
+            bounds = [0]
+            for e in host:
+                bounds.append(bounds[-1] + counts[e])
+            xs = [x_host[a:b] for a, b in zip(bounds, bounds[1:])]
+            with record_function("moe.host_experts"):
+                if self.host_parallel and self.host_pack is not None:
+                    slot = {e: s for s, e in enumerate(self.host_pack.ids)}
+                    ys = run_host_experts([self.host_pack.w13[slot[e]] for e in host], [self.host_pack.w2[slot[e]] for e in host],
+                                          xs, threads)
+                else:  # the reference: one expert after another, each GEMM on all threads
+                    with intra_op_threads(threads):
+                        ys = [self.experts[e](xe) for e, xe in zip(host, xs)]
+                y = torch.cat(ys) * w_host[:, None]
+            out.index_add_(0, host_tok, y.to(x.device))
         return self._shared(x, out)

@@ -15,6 +15,11 @@ by the DMA and the CPU reads, so each side is slower than alone (a first version
 side alone and put the share too high: the one-layer sweep in benchmarks/results found its best
 at R = 0.25-0.31 at 16K-32K where the uncontended costs said 0.44).
 
+For the split check (:func:`writescope.scheduler.roofline.split_pays`) every step's wall time is
+taken too (synchronised before and after on CUDA): at share 0 (streaming alone, no CPU part) its
+line against the streamed tokens gives B_alone and C_gpu_alone; at the split shares the median of
+wall time minus the slower side's time gives C_split.
+
 Least-squares lines through the medians; slopes floored at 1e-12 s, intercepts at 0. Results are
 stored as JSON in ``$XDG_CACHE_HOME/writescope/calibration.json`` keyed by machine (CPU model,
 cores, torch threads, GPU) and KV shape.
@@ -22,6 +27,7 @@ cores, torch threads, GPU) and KV shape.
 
 from __future__ import annotations
 
+import dataclasses
 import json
 import os
 import platform
@@ -101,22 +107,30 @@ def calibrate(
     if len(fit) < 2:
         raise ValueError(f"calibration needs two contexts that fit host memory; of {contexts} (batch {batch}) only {fit} fit: "
                          "lower --batch")
-    points = {"cpu": [], "gpu": []}
-    bar = tqdm(total=len(shares) * len(fit), desc="calibrate", disable=not progress)
-    for share in shares:
+    points = {"cpu": [], "gpu": [], "alone": [], "split_overhead": []}
+    bar = tqdm(total=(len(shares) + 1) * len(fit), desc="calibrate", disable=not progress)
+    for share in (0.0, *shares):
         for L in fit:
-            cpu, gpu = _measure(layout, q_heads, dtype, device, window, share, batch, L, steps, cpu_threads)
-            points["cpu"].append(cpu)
-            points["gpu"].append(gpu)
+            cpu, gpu, wall, overhead = _measure(layout, q_heads, dtype, device, window, share, batch, L, steps, cpu_threads)
+            if share == 0:
+                points["alone"].append((gpu[0], wall))
+            else:
+                points["cpu"].append(cpu)
+                points["gpu"].append(gpu)
+                points["split_overhead"].append(overhead)
             bar.update()
     bar.close()
     a, c_cpu = _fit(points["cpu"])
     b, c_gpu = _fit(points["gpu"])
-    return Roofline(a, b, c_cpu, c_gpu), {"points": points, "batch": batch, "steps": steps, "contexts": fit, "shares": list(shares)}
+    b_alone, c_gpu_alone = _fit(points["alone"])
+    c_split = max(0.0, statistics.median(points["split_overhead"]))
+    roofline = Roofline(a, b, c_cpu, c_gpu, b_alone, c_gpu_alone, c_split)
+    return roofline, {"points": points, "batch": batch, "steps": steps, "contexts": fit, "shares": list(shares)}
 
 
 def _measure(layout, q_heads, dtype, device, window, share, batch, L, steps, cpu_threads):
-    """``((cpu tokens, median CPU seconds), (load tokens, median GPU seconds))`` for one split."""
+    """For one split: ``((cpu tokens, median CPU seconds), (load tokens, median GPU seconds),
+    median wall seconds of the step, median of wall minus the slower side's seconds)``."""
     spec = PartitionSpec(layout, 1, dtype, window=window)
     cache = InplaceKVCache(spec, StaticPolicy(share), device, cpu_threads)
     g = torch.Generator(device=device).manual_seed(L)
@@ -129,7 +143,7 @@ def _measure(layout, q_heads, dtype, device, window, share, batch, L, steps, cpu
         slots = [cache.allocate(L + steps + 1, prompt_len=L) for _ in range(batch)]
         for s in slots:
             cache.write(s, 0, rnd(L, layout.kv_heads, layout.k_dim), None if layout.shared_kv else rnd(L, layout.kv_heads, layout.v_dim))
-        cpu, gpu = [], []
+        cpu, gpu, wall, over = [], [], [], []
         dec = cache.decoder
         dec.time_gpu = True
         for t in range(steps + 1):
@@ -137,14 +151,26 @@ def _measure(layout, q_heads, dtype, device, window, share, batch, L, steps, cpu
             k = rnd(batch, layout.kv_heads, layout.k_dim)
             v = None if layout.shared_kv else rnd(batch, layout.kv_heads, layout.v_dim)
             fb = ForwardBatch.build(slots, [1] * batch, [cache.seq_len(s) for s in slots], device)
+            _sync(device)
+            t0 = time.perf_counter()
             cache.attend(0, q, k, v, fb, layout.k_dim**-0.5)
+            _sync(device)
+            wall_s = time.perf_counter() - t0
             gpu_s = dec.last_gpu_seconds()
             if t > 0:  # the first step warms up
                 cpu.append((dec.stats.last_cpu_tokens, dec.stats.last_cpu_seconds))
                 gpu.append((dec.stats.last_load_tokens, gpu_s))
-        return (cpu[0][0], statistics.median(x for _, x in cpu)), (gpu[0][0], statistics.median(x for _, x in gpu))
+                wall.append(wall_s)
+                over.append(wall_s - max(dec.stats.last_cpu_seconds, gpu_s))
+        med = statistics.median
+        return (cpu[0][0], med(x for _, x in cpu)), (gpu[0][0], med(x for _, x in gpu)), med(wall), med(over)
     finally:
         cache.close()
+
+
+def _sync(device: torch.device) -> None:
+    if device.type == "cuda":
+        torch.cuda.synchronize(device)
 
 
 def _fit(points: list[tuple[int, float]]) -> tuple[float, float]:
@@ -167,9 +193,10 @@ def load(device: torch.device, shape: str) -> Roofline | None:
     path = store_path()
     try:
         entry = json.loads(path.read_text())[machine_key(device)][shape]
-    except (OSError, ValueError, KeyError):
+        fields = {k: entry[k] for k in ("a", "b", "c_cpu", "c_gpu", "b_alone", "c_gpu_alone", "c_split")}
+    except (OSError, ValueError, KeyError):  # none, or stored before the split check: measure again
         return None
-    return Roofline(entry["a"], entry["b"], entry["c_cpu"], entry["c_gpu"])
+    return Roofline(**fields)
 
 
 def save(device: torch.device, shape: str, roofline: Roofline, detail: dict) -> Path:
@@ -179,8 +206,7 @@ def save(device: torch.device, shape: str, roofline: Roofline, detail: dict) -> 
         doc = json.loads(path.read_text())
     except (OSError, ValueError):
         doc = {}
-    entry = {"a": roofline.a, "b": roofline.b, "c_cpu": roofline.c_cpu, "c_gpu": roofline.c_gpu,
-             "measured_at": time.strftime("%Y-%m-%dT%H:%M:%S"), **detail}
+    entry = {**dataclasses.asdict(roofline), "measured_at": time.strftime("%Y-%m-%dT%H:%M:%S"), **detail}
     doc.setdefault(machine_key(device), {})[shape] = entry
     tmp = path.with_suffix(".tmp")
     tmp.write_text(json.dumps(doc, indent=1))

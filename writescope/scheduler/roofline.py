@@ -11,6 +11,13 @@ and the two sides finish together at
 
 A is re-estimated from every measured CPU step (it drifts with concurrent requests and CPU
 experts); B and the C's come from calibration.
+
+Beyond the paper, a split must pay: a split step also costs C_split beyond its slower side, and
+streaming alone runs at its own, uncontended rate (B_alone, C_gpu_alone; host memory bandwidth is
+not shared with CPU reads then). Where max(T_cpu(r), T_gpu(r)) + C_split >= B_alone L + C_gpu_alone,
+the share is 0 (:func:`split_pays`). Why: on the H200 the whole-model decode grid
+(benchmarks/results/e2e.md) measured every split 1.5-2.5 ms per layer slower than the max of
+its sides, and streaming alone beat every measured split.
 """
 
 from __future__ import annotations
@@ -50,6 +57,19 @@ def roofline_share(L: float, a: float, b: float, c_cpu: float = 0.0, c_gpu: floa
     if L == 0:
         return 1.0 if delta > 0 else 0.0 if delta < 0 else base
     return min(1.0, max(0.0, base + delta / ((a + b) * L)))
+
+
+def split_pays(L: float, r: float, a: float, roofline: Roofline) -> bool:
+    """Whether a step over ``L`` placed tokens with CPU share ``r`` in (0, 1] is predicted faster
+    than streaming all of them with no CPU part (see the module docstring). True when the
+    roofline has no stand-alone calibration (``b_alone`` None): the paper's r(L) then stands.
+    ``a`` is the current estimate of A (seconds per token)."""
+    rf = roofline
+    if rf.b_alone is None or r <= 0:
+        return True
+    split = max(r * a * L + rf.c_cpu, (1 - r) * rf.b * L + rf.c_gpu if r < 1 else 0.0) + rf.c_split
+    alone = rf.b_alone * L + (rf.c_gpu_alone or 0.0)
+    return split < alone
 
 
 @dataclass
@@ -99,8 +119,9 @@ class WriteScopePolicy(PlacementPolicy):
         self.batch = 1
 
     def cpu_share(self, placed_tokens: int) -> float:
-        r = self.roofline
-        return roofline_share(placed_tokens * self.batch, self.a.value, r.b, r.c_cpu, r.c_gpu)
+        rf, L = self.roofline, placed_tokens * self.batch
+        r = roofline_share(L, self.a.value, rf.b, rf.c_cpu, rf.c_gpu)
+        return r if split_pays(L, r, self.a.value, rf) else 0.0
 
     def expect_batch(self, batch: int) -> None:
         self.batch = max(1, batch)
