@@ -1,6 +1,9 @@
 """Expert phase of one MoE block: grouped GEMMs vs the per-expert loop, and the fraction of routed
 experts on the GPU (the rest computed on the CPU, or streamed to the GPU when an expert has at
 least writescope.moe.streaming.MIN_TOKENS tokens), for a decode batch and a long prefill chunk.
+Host experts are also run streamed whatever their tokens ("stream all"), split between streaming
+and the CPU ("stream share": ``SparseMoeBlock.stream_share``), and, where the CPU computes some,
+with the reference loop ("serial") and the opt-in pool of single-threaded tasks ("parallel").
 
 Per configuration: median ms of the block's forward over --repeats runs (synchronised), the
 bytes of the activated experts' weights, and against them
@@ -69,6 +72,8 @@ def main() -> None:
     ap.add_argument("--tokens", default="16,16384", help="token counts: a decode batch, a prefill chunk")
     ap.add_argument("--fractions", default="1,0.75,0.5,0.25,0", help="fractions of routed experts on the device")
     ap.add_argument("--repeats", type=int, default=10)
+    ap.add_argument("--stream-share", type=float, default=0.67,
+                    help="for the 'stream share' path: fraction of the few-token host experts streamed while the CPU computes the rest")
     ap.add_argument("--out", type=Path, required=True, help="writes OUT.json and OUT.md")
     args = ap.parse_args()
     device = resolve_device(args.device)
@@ -90,16 +95,18 @@ def main() -> None:
             for frac in (float(f) for f in args.fractions.split(",")):
                 on_device = int(round(frac * E))
                 block.offload_experts(range(on_device, E))
-                for path in ("grouped", "grouped, no streaming", "loop"):
-                    if path == "grouped, no streaming" and on_device == E:
+                share_path = f"grouped, stream share {args.stream_share:g}"
+                for path in ("grouped", "grouped, no streaming", "grouped, stream all", share_path, "loop"):
+                    if path != "grouped" and path != "loop" and on_device == E:
                         continue  # nothing on the host to stream
                     block.grouped, block.packed = path != "loop", None
-                    block.stream_min_tokens = MIN_TOKENS if path == "grouped" else None
-                    if path != "loop" and not block.pack() and (on_device > 0 or path != "grouped" or device.type != "cuda"):
-                        continue  # no grouped GEMM here; with every expert on the host, "grouped" still streams (CUDA)
-                    # host experts computed on the CPU: parallel single-threaded tasks (the default) and the
-                    # reference loop, side by side
-                    for host_mode in ("parallel", "serial") if on_device < E else ("-",):
+                    block.stream_min_tokens = {"grouped": MIN_TOKENS, share_path: MIN_TOKENS, "grouped, stream all": 1}.get(path)
+                    block.stream_share = args.stream_share if path == share_path else 0.0
+                    if path != "loop" and not block.pack() and (on_device > 0 or path == "grouped, no streaming" or device.type != "cuda"):
+                        continue  # no grouped GEMM here; with every expert on the host, streaming still runs (CUDA)
+                    # host experts computed on the CPU: the reference loop (the default) and the opt-in pool of
+                    # single-threaded tasks, side by side
+                    for host_mode in ("serial", "parallel") if on_device < E and path != "grouped, stream all" else ("-",):
                         block.host_parallel = host_mode != "serial"
                         with torch.no_grad():
                             sec = timed(lambda: block(x), device, args.repeats)

@@ -41,7 +41,8 @@ part() {
       python3 benchmarks/split_attention.py --shares-list 0,0.25,0.3125,0.375,0.5,1 --out "$out/split_attention_h200" \
         2>&1 | tee "$out/split_attention_h200.log" | tail -30 ;;
     experts)
-      python3 benchmarks/experts.py --models qwen3-30b-a3b,deepseek-v2-lite --out "$out/experts_h200" \
+      timeout "$(tmo 400)" python3 benchmarks/experts.py --models qwen3-30b-a3b,deepseek-v2-lite --fractions "${EXPERT_FRACTIONS:-1,0.5,0}" \
+        --out "$out/experts_h200" \
         2>&1 | tee "$out/experts_h200.log" | tail -30 ;;
     scheduler)
       python3 -m writescope.cli.main calibrate --model qwen3-30b-a3b --device cuda --quiet | tee "$out/calibrate_h200.log"

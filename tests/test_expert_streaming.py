@@ -38,6 +38,13 @@ def test_streamed_equals_cpu_and_device(preset, monkeypatch):
         assert streamed and set(streamed[-1]) <= set(range(E // 4, E)) and len(streamed[-1]) > 2 * streaming.SLOTS  # both groups reused
         block.stream_min_tokens = 60  # some streamed, the rest on the CPU
         mixed = block(x)
+        block.stream_min_tokens, block.stream_share = 10**9, 0.5  # none by tokens; half of them by the share
+        streamed.clear()
+        shared = block(x)
+        host_active = {int(e) for e in torch.unique(block_mod.route(x, block.gate.weight, block.cfg, block.deepseek)[1]) if e >= E // 4}
+        assert len(streamed[-1]) == round(0.5 * len(host_active)) > 0 and set(streamed[-1]) < host_active
+        block.stream_share = 0.0
+    torch.testing.assert_close(shared, on_device, rtol=1e-5, atol=1e-5)
     torch.testing.assert_close(on_cpu, on_device, rtol=1e-5, atol=1e-5)
     torch.testing.assert_close(all_streamed, on_device, rtol=1e-5, atol=1e-5)
     torch.testing.assert_close(mixed, on_device, rtol=1e-5, atol=1e-5)

@@ -40,6 +40,9 @@ class SparseMoeBlock(nn.Module):
         self.host_parallel = False  # True: host experts as single-threaded tasks on a pool (writescope.moe.host, unmeasured on the H200)
         self.host_pack: PackedExperts | None = None  # host experts packed (pinned with CUDA), for streaming
         self.stream_min_tokens: int | None = MIN_TOKENS  # stream a host expert with this many tokens (None: never)
+        # of the host experts below that, the fraction (most tokens first) also streamed, while the CPU
+        # computes the rest at the same time (opt-in, unmeasured on the H200; see _split_forward)
+        self.stream_share = 0.0
 
     def offload_experts(self, ids) -> None:
         """Move routed experts ``ids`` to host memory; their tokens are then computed on the CPU
@@ -121,6 +124,13 @@ class SparseMoeBlock(nn.Module):
         ):
             streamed = [e for e in host if counts[e] >= self.stream_min_tokens]
             host = [e for e in host if counts[e] < self.stream_min_tokens]
+            if host and self.stream_share > 0:
+                # decode: each host expert has few tokens, and both paths read its weights once, the
+                # copy over PCIe (55 GB/s) and the CPU's GEMMs (18-28 GB/s measured): split them so
+                # both finish together (stream_share = PCIe rate / both rates)
+                by_tokens = sorted(host, key=lambda e: (-counts[e], e))
+                k = round(self.stream_share * len(by_tokens))
+                streamed, host = streamed + by_tokens[:k], sorted(by_tokens[k:])
         if host:  # the host experts' tokens and routing weights, copied once: [n_host, D], [n_host] on the CPU
             with record_function("moe.tokens_to_host"):
                 host_tok = torch.cat([token_of[starts[e] : starts[e + 1]] for e in host])
