@@ -31,31 +31,31 @@ git log --oneline -1 2>/dev/null || true
 start=$(date +%s)
 deadline=${DEADLINE:-570}
 left() { echo $(( deadline - ($(date +%s) - start) )); }
-tmo() { local l=$(( $(left) - 5 )); if (( l < $1 )); then echo "$l"; else echo "$1"; fi; }  # min(default, time left)
+tmo() { local l=$(( $(left) - 5 )); (( l >= 1 )) || l=1; if (( l < $1 )); then echo "$l"; else echo "$1"; fi; }  # min(default, time left), >= 1
 part() {
-  local p=$1 m=$2
+  local p=$1 m=${2:-}
   case "$p" in
     tests)
       timeout "$(tmo 240)" python3 -m pytest -m gpu -v -p no:cacheprovider tests 2>&1 | tee "$out/gpu_tests_h200.log" | tail -40 ;;
     split)
-      python3 benchmarks/split_attention.py --shares-list 0,0.25,0.3125,0.375,0.5,1 --out "$out/split_attention_h200" \
+      timeout "$(tmo 570)" python3 benchmarks/split_attention.py --shares-list 0,0.25,0.3125,0.375,0.5,1 --out "$out/split_attention_h200" \
         2>&1 | tee "$out/split_attention_h200.log" | tail -30 ;;
     experts)
       timeout "$(tmo 400)" python3 benchmarks/experts.py --models qwen3-30b-a3b,deepseek-v2-lite --fractions "${EXPERT_FRACTIONS:-1,0.5,0}" \
         --out "$out/experts_h200" \
         2>&1 | tee "$out/experts_h200.log" | tail -30 ;;
     scheduler)
-      python3 -m writescope.cli.main calibrate --model qwen3-30b-a3b --device cuda --quiet | tee "$out/calibrate_h200.log"
-      python3 -m writescope.cli.main bench --model qwen3-30b-a3b --num-layers 2 --batch 16 --context 32k,16k,8k \
+      timeout "$(tmo 200)" python3 -m writescope.cli.main calibrate --model qwen3-30b-a3b --device cuda --quiet | tee "$out/calibrate_h200.log"
+      timeout "$(tmo 570)" python3 -m writescope.cli.main bench --model qwen3-30b-a3b --num-layers 2 --batch 16 --context 32k,16k,8k \
         --policies gpu,cpu,monolithic,writescope --sweep-static 16 --steps 16 --quiet \
         --output-json "$out/bench_qwen3_h200.json" --plot "$out/bench_qwen3_h200.png" 2>&1 | tee "$out/bench_qwen3_h200.log" | tail -8 ;;
     profile)
       for p in writescope gpu; do
-        python3 -m writescope.cli.main profile --model qwen3-30b-a3b --num-layers 4 --batch 16 --context 32k --policy "$p" \
+        timeout "$(tmo 280)" python3 -m writescope.cli.main profile --model qwen3-30b-a3b --num-layers 4 --batch 16 --context 32k --policy "$p" \
           --quiet --output-json "$out/profile_qwen3_$p.json" 2>&1 | grep -v USDT | tee "$out/profile_qwen3_$p.log"
       done ;;
     prefill)
-      python3 benchmarks/prefill_routing.py --out "$out/prefill_routing_h200" 2>&1 | tee "$out/prefill_routing_h200.log" | tail -8 ;;
+      timeout "$(tmo 570)" python3 benchmarks/prefill_routing.py --out "$out/prefill_routing_h200" 2>&1 | tee "$out/prefill_routing_h200.log" | tail -8 ;;
     text)
       timeout "$(tmo 560)" python3 -m writescope.cli.main generate --model "$m" --synthetic --device cuda --vram-budget 32GiB \
         --machine-text 32k --batch 4 --max-new-tokens 256 --ignore-eos --policy writescope --prefill-chunk-tokens 2048 \

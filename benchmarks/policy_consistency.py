@@ -41,7 +41,9 @@ def generate_forced(llm, prompts, params, forced=None):
         k = len(steps)
         steps.append(logits.float().cpu())
         got = real(logits, plist, gens)
-        return got if forced is None else [f[k] for f in forced[: len(got)]]
+        if forced is not None and len(got) != len(forced):  # rows would no longer line up with requests
+            raise ValueError("teacher forcing needs every request to run every step: use ignore_eos and one max_tokens")
+        return got if forced is None else [f[k] for f in forced]
 
     engine.sample = sample
     try:

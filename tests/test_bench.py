@@ -137,3 +137,21 @@ def test_speedups_are_geometric_means_over_configurations_from_8k():
     assert speedups(rows, min_context=65536) == {} and format_speedups(rows, min_context=65536) == ""
     best = best_static(rows)  # by attention time; gpu and cpu are the static shares 0 and 1
     assert best[(4, 8192)].policy == "gpu" and best[(4, 32768)].policy == "static:0.5"
+
+
+def test_speedups_count_each_baseline_combine_repeats_and_report_misses():
+    from writescope.bench.report import format_speedups, speedups
+
+    rows = [
+        _row(4, 8192, "gpu", 10.0), _row(4, 8192, "gpu", 30.0), _row(4, 8192, "gpu", 20.0),  # repeats: median 20
+        _row(4, 8192, "writescope", 40.0), _row(4, 8192, "writescope", 20.0),  # median 30
+        _row(4, 16384, "gpu", 10.0), _row(4, 16384, "monolithic", 5.0), _row(4, 16384, "writescope", 10.0),
+        _row(4, 32768, "gpu", 10.0), _row(4, 32768, "writescope", 0.0),
+    ]
+    rows[-1].fits = False  # writescope failed where gpu ran
+    s = speedups(rows)
+    assert s["gpu"] == (pytest.approx(((30 / 20) * (10 / 10)) ** 0.5), 2)
+    assert s["monolithic"] == (pytest.approx(2.0), 1)  # only where it ran
+    assert s["best static"][1] == 2 and s["writescope did not fit"] == (0.0, 1)
+    text = format_speedups(rows)
+    assert "gpu 1.22x (2)" in text and "monolithic 2.00x (1)" in text and "did not fit in 1 configuration" in text

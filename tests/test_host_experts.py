@@ -84,3 +84,21 @@ def test_block_gives_the_same_output_either_way(preset):
         b = block(x)
     assert a.std() > 0
     torch.testing.assert_close(a, b, atol=1e-5, rtol=1e-5)
+
+
+def test_threads_started_later_keep_the_default_count():
+    import threading
+
+    outer = torch.get_num_threads()
+    torch.set_num_threads(2)  # not the pool's 1 (the test session runs on one thread)
+    try:
+        _, w13, w2 = _experts(2, 64, 48, torch.float32)
+        run_host_experts(w13, w2, [torch.randn(1, 64), torch.randn(3, 64)], threads=3)  # a new pool of one-thread workers
+        seen = []
+        # an op first: torch sets a new thread's count when it first runs one
+        t = threading.Thread(target=lambda: seen.append((torch.randn(64, 64) @ torch.randn(64, 64), torch.get_num_threads())[1]))
+        t.start()
+        t.join()
+        assert seen == [2] and torch.get_num_threads() == 2
+    finally:
+        torch.set_num_threads(outer)

@@ -5,6 +5,7 @@ from __future__ import annotations
 import importlib.util
 from pathlib import Path
 
+import pytest
 import torch
 
 from writescope import LLM, SamplingParams
@@ -34,4 +35,6 @@ def test_forced_tokens_give_the_reference_logits_under_every_policy():
         assert cmp["max_abs_logit_diff"] < 1e-4 and cmp["ref_logit_range"] > 1, (policy, cmp)
     top = ref_steps[2][1].topk(2).values
     assert pc.margin(ref_steps, 1, 2) == (top[0] - top[1]).item() >= 0
+    with pytest.raises(ValueError, match="every request to run every step"):  # the second request stops after 2 tokens
+        pc.generate_forced(llm, prompts, [SamplingParams(max_tokens=5, ignore_eos=True), SamplingParams(max_tokens=2, ignore_eos=True)], forced=ref)
     assert pc.engine.sample.__name__ == "sample" and pc.engine.sample.__module__ == "writescope.engine.sampling"  # restored

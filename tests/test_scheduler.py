@@ -109,10 +109,17 @@ def test_a_split_must_beat_streaming_alone():
     free = Roofline(**paper, b_alone=paper["b"], c_gpu_alone=paper["c_gpu"], c_split=0.0)
     assert split_pays(L, r, free.a, free) and WriteScopePolicy(free).cpu_share(L) == r
     assert split_pays(L, 0.0, free.a, alone)  # r = 0 is no split
-    # r = 1 (all on the CPU) is compared with streaming alone too
+    # only C_split decides: without it the split is 1 ms faster than streaming alone
+    near = Roofline(**paper, b_alone=paper["b"], c_gpu_alone=paper["c_gpu"] + 1e-3, c_split=0.0)
+    assert WriteScopePolicy(near).cpu_share(L) == r
+    assert WriteScopePolicy(Roofline(**{**vars(near), "c_split": 2e-3})).cpu_share(L) == 0.0
+    # r = 1: the GPU still attends the D-window, so a step costs at least C_gpu
     cheap_cpu = Roofline(a=1e-12, b=1e-6, c_gpu=1e-3, b_alone=1e-6, c_gpu_alone=0.0, c_split=0.0)
-    assert WriteScopePolicy(cheap_cpu).cpu_share(1000) == 1.0
-    assert not split_pays(1000, 1.0, 1e-3, cheap_cpu)  # the CPU 1000x slower than streaming
+    assert roofline_share(1000, 1e-12, 1e-6, 0.0, 1e-3) == 1.0
+    assert not split_pays(1000, 1.0, 1e-12, cheap_cpu)  # 1 ms (C_gpu) against 1 ms alone: not faster
+    assert WriteScopePolicy(cheap_cpu).cpu_share(1000) == 0.0
+    cheaper = Roofline(**{**vars(cheap_cpu), "c_gpu_alone": 1e-3})  # alone 2 ms: the CPU share pays
+    assert split_pays(1000, 1.0, 1e-12, cheaper) and WriteScopePolicy(cheaper).cpu_share(1000) == 1.0
 
 
 # ------------------------------------------------------------------ routing with feedback
@@ -222,6 +229,22 @@ def test_calibration_measures_stores_and_reloads(tmp_path, monkeypatch):
         del old[next(iter(old))][shape][key]
     path.write_text(json.dumps(old))
     assert load(dev, shape) is None
+
+
+def test_calibration_fits_streaming_alone_and_the_split_cost_from_wall_times(monkeypatch):
+    import writescope.scheduler.calibrate as cal
+
+    def fake(layout, q_heads, dtype, device, window, share, batch, L, steps, cpu_threads):
+        load = int((1 - share) * L)
+        cpu_s, gpu_s = share * L * 4e-9 + 1e-3, load * 2e-9 + 5e-4  # each side's own time
+        if share == 0:
+            return (0, 0.0), (load, gpu_s), load * 1.5e-9 + 2e-4, 0.0  # alone: wall faster than the contended fit
+        return (L - load, cpu_s), (load, gpu_s), max(cpu_s, gpu_s) + 7e-4, 7e-4
+    monkeypatch.setattr(cal, "_measure", fake)
+    r, detail = cal.calibrate(KVLayout(2, 16, 16, False), 4, torch.float32, torch.device("cpu"), contexts=(1000, 2000, 4000), progress=False)
+    assert r.a == pytest.approx(4e-9) and r.b == pytest.approx(2e-9) and r.c_cpu == pytest.approx(1e-3) and r.c_gpu == pytest.approx(5e-4)
+    assert r.b_alone == pytest.approx(1.5e-9) and r.c_gpu_alone == pytest.approx(2e-4)  # from the walls, not the device times
+    assert r.c_split == pytest.approx(7e-4) and detail["points"]["split_overhead"] == [7e-4] * 6
 
 
 def test_calibrate_cli(tmp_path, monkeypatch, capsys):

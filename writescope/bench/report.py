@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import math
+import statistics
 from pathlib import Path
 
 from writescope.bench.runner import BenchRow
@@ -78,35 +79,50 @@ def speedups(rows: list[BenchRow], min_context: int = 8192) -> dict[str, tuple[f
     decode tok/s divided by each baseline's: ``gpu``, ``cpu``, ``monolithic``, ``best static``
     (per configuration the static share, ``gpu`` and ``cpu`` included, with the most decode
     tok/s) and ``best baseline`` (the most decode tok/s of all of those). The paper's Figure 9
-    compares decode throughput this way. Returns ``{baseline: (geometric mean, configurations)}``
-    for baselines measured beside at least one writescope row."""
-    by = {}
+    compares decode throughput this way. Rows repeated for one (batch, context, policy) count as
+    their median. Returns ``{baseline: (geometric mean, configurations it covers)}`` for baselines
+    measured beside at least one writescope row, and ``{"writescope did not fit": (0, n)}`` when
+    writescope failed in n configurations where some baseline ran (those are left out of the means)."""
+    tok: dict[tuple[int, int], dict[str, list[float]]] = {}
+    failed: set[tuple[int, int]] = set()
     for r in rows:
-        if r.fits and r.decode_tok_s > 0 and r.context >= min_context:
-            by.setdefault((r.batch, r.context), []).append(r)
-    ratios: dict[str, list[float]] = {}
-    for cfg_rows in by.values():
-        ws = [r for r in cfg_rows if r.policy == "writescope"]
-        if not ws:
+        if r.context < min_context:
             continue
-        base = {r.policy: r.decode_tok_s for r in cfg_rows if r.policy in ("gpu", "cpu", "monolithic")}
-        statics = [r.decode_tok_s for r in cfg_rows if static_share(r.policy) is not None]
+        if r.fits and r.decode_tok_s > 0:
+            tok.setdefault((r.batch, r.context), {}).setdefault(r.policy, []).append(r.decode_tok_s)
+        elif r.policy == "writescope":
+            failed.add((r.batch, r.context))
+    ratios: dict[str, list[float]] = {}
+    missed = 0
+    for key, by_policy in tok.items():
+        med = {p: statistics.median(v) for p, v in by_policy.items()}
+        base = {p: v for p, v in med.items() if p in ("gpu", "cpu", "monolithic")}
+        statics = [v for p, v in med.items() if static_share(p) is not None]
         if statics:
             base["best static"] = max(statics)
         if base:
             base["best baseline"] = max(base.values())
-        for name, tok_s in base.items():
-            ratios.setdefault(name, []).append(ws[0].decode_tok_s / tok_s)
-    return {n: (math.exp(sum(map(math.log, ratios[n])) / len(ratios[n])), len(ratios[n])) for n in BASELINES if n in ratios}
+        if "writescope" not in med:
+            missed += key in failed and bool(base)
+            continue
+        for name, v in base.items():
+            ratios.setdefault(name, []).append(med["writescope"] / v)
+    out = {n: (math.exp(sum(map(math.log, ratios[n])) / len(ratios[n])), len(ratios[n])) for n in BASELINES if n in ratios}
+    if missed:
+        out["writescope did not fit"] = (0.0, missed)
+    return out
 
 
 def format_speedups(rows: list[BenchRow], min_context: int = 8192) -> str:
     s = speedups(rows, min_context)
     if not s:
         return ""
-    n = max(k for _, k in s.values())
-    return (f"writescope decode tok/s over each baseline, geometric mean of {n} configuration(s) with context >= {min_context}: "
-            + ", ".join(f"{name} {g:.2f}x" for name, (g, _) in s.items()))
+    miss = s.pop("writescope did not fit", None)
+    text = (f"writescope decode tok/s over each baseline, geometric mean over the configurations with context >= {min_context} "
+            "(how many): " + ", ".join(f"{name} {g:.2f}x ({n})" for name, (g, n) in s.items()))
+    if miss:
+        text += f"; writescope did not fit in {miss[1]} configuration(s) where a baseline ran (left out)"
+    return text
 
 
 def plot(rows: list[BenchRow], path: Path) -> None:

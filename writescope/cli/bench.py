@@ -88,6 +88,10 @@ def run(args: argparse.Namespace) -> int:
         print(f"note: the first {args.num_layers} layer(s) of {args.model} hold no MoE block (dense layers first): "
               "raise --num-layers for the expert phase", flush=True)
     roofline = llm.roofline(args.window) if needs_roofline else None
+    if llm.vram_plan is not None:
+        vp = llm.vram_plan
+        print(f"VRAM budget {vp.budget / 2**30:.2f} GiB: {vp.experts_gpu} of {vp.experts_total} routed experts on the device, "
+              f"{vp.experts_total - vp.experts_gpu} in host memory (computed on the CPU in decode)", flush=True)
     cfg = BenchConfig(batches, contexts, grid_policies, args.steps, args.window, args.h2d_gbs, args.cpu_gbs, progress=not args.quiet,
                       kv_fill=args.kv_fill)
     sweep_only = {s for s in sweep if s not in policies}
@@ -100,6 +104,8 @@ def run(args: argparse.Namespace) -> int:
             doc = {"model": args.model, "num_layers": llm.config.num_layers, "device": str(llm.device), "dtype": str(llm.dtype),
                    "args": {k: str(v) for k, v in vars(args).items() if k != "run"},
                    "roofline": None if roofline is None else vars(roofline), "complete": len(rows) == cfg_size,
+                   "vram_plan": None if llm.vram_plan is None else {"budget_bytes": llm.vram_plan.budget, "experts_gpu": llm.vram_plan.experts_gpu,
+                                                                    "experts_total": llm.vram_plan.experts_total},
                    "speedups_geomean_8k": {k: {"geomean": g, "configurations": n} for k, (g, n) in speedups(rows).items()},
                    "rows": [r.to_dict() for r in rows]}
             tmp = args.output_json.with_name(args.output_json.name + ".tmp")

@@ -28,6 +28,7 @@ with 16 threads, is measured by the same benchmark (both paths side by side).
 from __future__ import annotations
 
 import math
+import threading
 from concurrent.futures import ThreadPoolExecutor
 
 import torch
@@ -36,13 +37,25 @@ import torch.nn.functional as F
 MIN_ROWS = 128  # output columns per task at least: smaller GEMVs cost more in call overhead than they read
 
 _pools: dict[int, ThreadPoolExecutor] = {}
+_lock = threading.Lock()
 
 
 def _pool(threads: int) -> ThreadPoolExecutor:
-    """One pool per thread count for the process; each worker runs torch ops on one thread."""
-    if threads not in _pools:
-        _pools[threads] = ThreadPoolExecutor(threads, "writescope-host-experts", initializer=torch.set_num_threads, initargs=(1,))
-    return _pools[threads]
+    """One pool per thread count for the process; each worker runs torch ops on one thread.
+
+    ``torch.set_num_threads`` also sets the count that threads started later begin with, so all
+    workers are started here at once (each waits at a barrier until all have set theirs), and the
+    calling thread's count is set again afterwards, which restores that default."""
+    with _lock:
+        if threads not in _pools:
+            before = torch.get_num_threads()
+            pool = ThreadPoolExecutor(threads, "writescope-host-experts", initializer=torch.set_num_threads, initargs=(1,))
+            barrier = threading.Barrier(threads)
+            for f in [pool.submit(barrier.wait) for _ in range(threads)]:
+                f.result()
+            torch.set_num_threads(before)
+            _pools[threads] = pool
+        return _pools[threads]
 
 
 def _chunks(n: int, parts: int) -> list[tuple[int, int]]:

@@ -15,9 +15,10 @@ experts); B and the C's come from calibration.
 Beyond the paper, a split must pay: a split step also costs C_split beyond its slower side, and
 streaming alone runs at its own, uncontended rate (B_alone, C_gpu_alone; host memory bandwidth is
 not shared with CPU reads then). Where max(T_cpu(r), T_gpu(r)) + C_split >= B_alone L + C_gpu_alone,
-the share is 0 (:func:`split_pays`). Why: on the H200 the whole-model decode grid
-(benchmarks/results/e2e.md) measured every split 1.5-2.5 ms per layer slower than the max of
-its sides, and streaming alone beat every measured split.
+the share is 0 (:func:`split_pays`). Why: in the H200 whole-model decode grid
+(benchmarks/results/e2e.md) streaming alone beat every measured split, and at batch 16 every split
+ran 0.7-4.0 ms per layer slower than the max of its sides as eq. 2 predicts them. C_split is
+calibrated at one batch (16) like the other inputs.
 """
 
 from __future__ import annotations
@@ -67,7 +68,7 @@ def split_pays(L: float, r: float, a: float, roofline: Roofline) -> bool:
     rf = roofline
     if rf.b_alone is None or r <= 0:
         return True
-    split = max(r * a * L + rf.c_cpu, (1 - r) * rf.b * L + rf.c_gpu if r < 1 else 0.0) + rf.c_split
+    split = max(r * a * L + rf.c_cpu, (1 - r) * rf.b * L + rf.c_gpu) + rf.c_split  # at r = 1 the GPU still attends the D-window (C_gpu)
     alone = rf.b_alone * L + (rf.c_gpu_alone or 0.0)
     return split < alone
 
