@@ -76,6 +76,16 @@ def main() -> None:
                     help="for the 'stream share' path: fraction of the few-token host experts streamed while the CPU computes the rest")
     ap.add_argument("--out", type=Path, required=True, help="writes OUT.json and OUT.md")
     args = ap.parse_args()
+    if not 0 < args.stream_share <= 1:
+        ap.error(f"--stream-share must be in (0, 1], got {args.stream_share}")
+    if args.repeats < 1:
+        ap.error(f"--repeats must be >= 1, got {args.repeats}")
+    try:
+        tokens = [int(t) for t in args.tokens.split(",")]
+    except ValueError:
+        ap.error(f"--tokens must be comma-separated integers, got {args.tokens!r}")
+    if min(tokens) < 1:
+        ap.error(f"--tokens must be >= 1, got {args.tokens}")
     device = resolve_device(args.device)
     dtype = parse_dtype(args.dtype, device)
     hbm = copy_gbs(device) if device.type == "cuda" else None
@@ -88,7 +98,7 @@ def main() -> None:
                 p.normal_(0.0, 0.02)
         E, D, I = cfg.moe.num_experts, cfg.hidden_size, cfg.moe.intermediate_size
         expert_bytes = 3 * D * I * dtype.itemsize
-        for T in (int(t) for t in args.tokens.split(",")):
+        for T in tokens:
             x = torch.randn(T, D, device=device, dtype=dtype)
             _, ids = route(x, block.gate.weight, cfg.moe, block.deepseek)
             active = torch.unique(ids).tolist()
@@ -141,4 +151,7 @@ def main() -> None:
 
 
 if __name__ == "__main__":
-    main()
+    try:
+        main()
+    except ValueError as e:  # a bad model name, device or dtype
+        raise SystemExit(f"experts.py: error: {e}") from None

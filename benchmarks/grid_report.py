@@ -35,4 +35,7 @@ def main() -> None:
 
 
 if __name__ == "__main__":
-    main()
+    try:
+        main()
+    except (OSError, ValueError, KeyError) as e:  # a missing file, or not a bench JSON
+        raise SystemExit(f"grid_report.py: error: {type(e).__name__}: {e} (give JSON files written by `writescope bench --output-json`)") from None

@@ -19,6 +19,8 @@
 # The whole call stops by DEADLINE seconds (default 570, under the device tool's 10 minutes): each part's
 # timeout is cut to what is left, and a part with under 40 s left is skipped. The grid's shape can be narrowed
 # with GRID_BATCH, GRID_CONTEXT, GRID_POLICIES, GRID_STEPS (defaults below); rows are saved as they finish.
+# `text` takes TEXT_TOKENS (prompt tokens, default 32k) and TEXT_FLAGS (more generate flags), e.g. for Mixtral
+# (a 32,768-token limit): TEXT_TOKENS=32512 TEXT_FLAGS="--expert-stream-share 1" bash benchmarks/h200_session.sh text:mixtral-8x7b
 # Results go to $OUT (the device tool's folder) or benchmarks/results/new; copy what you keep into
 # benchmarks/results/ with the command line above.
 set -euo pipefail
@@ -58,8 +60,8 @@ part() {
       timeout "$(tmo 570)" python3 benchmarks/prefill_routing.py --out "$out/prefill_routing_h200" 2>&1 | tee "$out/prefill_routing_h200.log" | tail -8 ;;
     text)
       timeout "$(tmo 560)" python3 -m writescope.cli.main generate --model "$m" --synthetic --device cuda --vram-budget 32GiB \
-        --machine-text 32k --batch 4 --max-new-tokens 256 --ignore-eos --policy writescope --prefill-chunk-tokens 2048 \
-        --output-json "$out/text_${m}_h200.json" 2>&1 | grep -v "synthetic weights:\|calibrate:" | tee "$out/text_${m}_h200.log" | tail -30 ;;
+        --machine-text "${TEXT_TOKENS:-32k}" --batch 4 --max-new-tokens 256 --ignore-eos --policy writescope --prefill-chunk-tokens 2048 \
+        ${TEXT_FLAGS:-} --output-json "$out/text_${m}_h200.json" 2>&1 | grep -v "synthetic weights:\|calibrate:" | tee "$out/text_${m}_h200.log" | tail -30 ;;
     breakdown)
       timeout "$(tmo 150)" python3 -m writescope.cli.main profile --model "$m" --synthetic --device cuda --vram-budget 32GiB \
         --batch 4 --context 32k --policy writescope --steps 6 --quiet --output-json "$out/profile_${m}_h200.json" \

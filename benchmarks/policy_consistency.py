@@ -15,7 +15,7 @@ Two runs per policy:
   margin within the logits' difference explains the divergence as rounding.
 
     python benchmarks/policy_consistency.py --model tiny-qwen3-moe --device cpu --policies resident,gpu,cpu \
-        --batch 2 --max-new-tokens 8 --prompt-tokens 300 --out /tmp/consistency.json
+        --batch 2 --max-new-tokens 8 --prompt-tokens 600 --out /tmp/consistency.json
 """
 
 from __future__ import annotations
@@ -30,6 +30,8 @@ import torch
 
 import writescope.engine.llm as engine
 from writescope import LLM, SamplingParams
+from writescope.kvcache.spec import Roofline
+from writescope.scheduler.policies import parse_policy
 
 
 def generate_forced(llm, prompts, params, forced=None):
@@ -82,6 +84,8 @@ def main() -> None:
     p.add_argument("--out", type=Path, default=None)
     p.add_argument("--no-forced", dest="forced", action="store_false", help="skip the teacher-forced logit comparison")
     a = p.parse_args()
+    for pol in a.policies.split(","):  # a bad name fails before the weights are built
+        parse_policy(pol, roofline=Roofline(1.0, 1.0))
     t0 = time.perf_counter()
     llm = LLM(a.model, device=a.device, dtype=a.dtype, progress=False, vram_budget=a.vram_budget, max_batch=a.batch)
     if a.machine_text is not None:
@@ -96,6 +100,10 @@ def main() -> None:
         text = "".join(Path(importlib.import_module(m).__file__).read_text() for m in a.prompt_modules.split(","))
         ids = llm.tokenizer.encode(text)[: a.prompt_tokens]
         prompts = [ids[i:] for i in range(a.batch)]  # ragged: request i drops its first i tokens
+    window = llm.window  # D: set_policy keeps it
+    if max(len(x) for x in prompts) + a.max_new_tokens <= window:
+        print(f"warning: every token stays in the {window}-token D-window, so no policy places any KV elsewhere and all "
+              f"trivially match: use prompts of more than {window - a.max_new_tokens} tokens", flush=True)
     print(f"{a.model} on {llm.device} ({llm.dtype}), built in {time.perf_counter() - t0:.1f} s; "
           f"prompts {[len(x) for x in prompts]} tokens, {a.max_new_tokens} new")
     params = SamplingParams(max_tokens=a.max_new_tokens, ignore_eos=True)
@@ -134,4 +142,7 @@ def main() -> None:
 
 
 if __name__ == "__main__":
-    main()
+    try:
+        main()
+    except ValueError as e:  # a bad policy, size, device or model
+        raise SystemExit(f"policy_consistency.py: error: {e}") from None

@@ -155,3 +155,9 @@ def test_speedups_count_each_baseline_combine_repeats_and_report_misses():
     assert s["best static"][1] == 2 and s["writescope did not fit"] == (0.0, 1)
     text = format_speedups(rows)
     assert "gpu 1.22x (2)" in text and "monolithic 2.00x (1)" in text and "did not fit in 1 configuration" in text
+
+
+def test_a_context_past_the_model_limit_names_bench_s_flags(capsys):
+    assert main(["bench", "--model", "tiny-qwen3-moe", "--batch", "1", "--context", "8k", "--policies", "gpu", "--steps", "1", "--quiet"]) == 0
+    out = capsys.readouterr().out
+    assert "does not fit" in out and "use a shorter --context (bench adds --steps + 1 = 2 tokens)" in out and "lower max_tokens" not in out

@@ -73,6 +73,19 @@ def test_whole_model_with_streamed_experts_gives_the_same_tokens():
         b.offload_experts(range(3, b.cfg.num_experts))
         b.stream_min_tokens = 8  # prefill streams, decode computes on the CPU
     assert [o.token_ids for o in llm.generate(prompt_token_ids=prompts)] == ref
+    for b in _blocks(llm):
+        b.stream_share = 0.5  # decode: half the host experts streamed, the rest on the CPU
+    assert [o.token_ids for o in llm.generate(prompt_token_ids=prompts)] == ref
+
+
+def test_expert_stream_share_reaches_every_block_and_is_checked_first(monkeypatch):
+    import writescope.engine.llm as engine
+
+    llm = LLM("tiny-mixtral", progress=False, expert_stream_share=0.25)
+    assert {b.stream_share for b in _blocks(llm)} == {0.25}
+    monkeypatch.setattr(engine, "load_model", lambda *a, **k: pytest.fail("loaded weights despite a bad share"))
+    with pytest.raises(ValueError, match="expert_stream_share must be in"):
+        LLM("tiny-mixtral", progress=False, expert_stream_share=1.5)
 
 
 @pytest.mark.gpu

@@ -147,7 +147,10 @@ def run_one(llm: LLM, cfg: BenchConfig, batch: int, context: int, policy: str, r
             llm.progress = progress
             llm.__dict__.pop("_prefill", None)
     except (ValueError, RuntimeError, torch.OutOfMemoryError) as e:
-        row.fits, row.reason = False, str(e).split("\n")[0][:300]
+        reason = str(e).split("\n")[0]
+        # the engine's advice names generate's flags; bench's requests are --context + --steps + 1 tokens
+        reason = reason.replace("shorten the prompt, lower max_tokens", f"use a shorter --context (bench adds --steps + 1 = {cfg.steps + 1} tokens)")
+        row.fits, row.reason = False, reason[:300]
         if llm.device.type == "cuda":
             torch.cuda.empty_cache()
         return row

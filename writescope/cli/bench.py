@@ -24,6 +24,7 @@ def add_parser(sub) -> None:
     p.add_argument("--h2d-gbs", type=float, default=55.0, help="host-to-device GB/s for the bound (default: the H200 machine's 55)")
     p.add_argument("--cpu-gbs", type=float, default=86.0, help="host read GB/s for the bound (default: the H200 machine's 86)")
     p.add_argument("--vram-budget", default=None, help="device memory the run may use, e.g. 32GiB")
+    p.add_argument("--expert-stream-share", type=float, default=0.0, metavar="F", help="of the host experts with few tokens, the fraction streamed to the GPU each decode step while the CPU computes the rest, 0-1 (default 0: CPU only; 1: stream all; not yet measured on the H200)")
     p.add_argument("--kv-fill", choices=("prefill", "random"), default="prefill",
                    help="prefill: run the prompts through the model (default); random: write seeded random KV of the model's "
                         "shape through the cache instead (decode grids without the prefill's time; prefill tok/s is then 0)")
@@ -70,6 +71,8 @@ def run(args: argparse.Namespace) -> int:
     for p in policies:
         if p.lower() not in ("writescope", "monolithic"):
             parse_policy(p)  # a bad name fails before the model loads
+    if not 0.0 <= args.expert_stream_share <= 1.0:
+        raise ValueError(f"--expert-stream-share must be in [0, 1], got {args.expert_stream_share}")
     if args.steps < 1:
         raise ValueError(f"--steps must be >= 1, got {args.steps}")
     if args.sweep_static < 0:
@@ -82,6 +85,7 @@ def run(args: argparse.Namespace) -> int:
               # before the weights load (after them a --vram-budget cap leaves no room for it)
               policy="writescope" if needs_roofline else "gpu", window=args.window,
               vram_budget=args.vram_budget, max_batch=max(batches), num_layers=args.num_layers,
+              expert_stream_share=args.expert_stream_share,
               # what the grid's requests reach (the budget plans for it); longer rows report they do not fit
               max_model_len=capped_model_len(args.model, max(contexts) + args.steps + 1, args.num_layers, args.synthetic))
     if args.num_layers is not None and not llm.config.moe.moe_layers:
@@ -118,6 +122,8 @@ def run(args: argparse.Namespace) -> int:
     print(f"\n{args.model} ({n} layer{'s' if n != 1 else ''}, {llm.dtype} on {llm.device}), {args.steps} decode steps per configuration, "
           f"D = {args.window}; {time.perf_counter() - t0:.0f} s in all")
     print(format_table(rows))
+    if llm.device.type == "cpu":
+        print("note: on the CPU the 'GPU' side runs as CPU tensors: these timings and speedups say nothing about a GPU machine")
     if args.kv_fill == "random":
         print("prefill tok/s is 0: --kv-fill random wrote the prompts' KV as random values without running the prompts")
     best = format_best(rows)

@@ -36,7 +36,9 @@ def run(args: argparse.Namespace) -> int:
                               progress=not args.quiet)
     path = cal.save(device, shape, r, detail)
     tok_bytes = layout.bytes_per_token(dtype.itemsize)
-    print(f"done in {time.perf_counter() - t0:.1f} s; stored in {path}")
+    print(f"done in {time.perf_counter() - t0:.1f} s; stored in {path} (the terms: docs/DESIGN.md section 5)")
+    if device.type == "cpu":
+        print("note: on the CPU the 'GPU' side runs as CPU tensors: these figures do not describe a GPU machine")
     print(f"  A (CPU, compute region)     {r.a * 1e9:10.3f} ns/token  = {tok_bytes / r.a / 1e9:6.1f} GB/s")
     print(f"  B (GPU, load region)        {r.b * 1e9:10.3f} ns/token  = {tok_bytes / r.b / 1e9:6.1f} GB/s")
     print(f"  C_cpu, C_gpu (fixed/step)   {r.c_cpu * 1e3:.3f} ms, {r.c_gpu * 1e3:.3f} ms")

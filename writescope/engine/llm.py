@@ -53,6 +53,10 @@ class LLM:
         cpu_threads: threads for CPU attention (default: torch's intra-op thread count, less one
             with CUDA: see :mod:`writescope.engine.threads`).
         expert_threads: threads for the routed experts in host memory (default: torch's count).
+        expert_stream_share: of the host experts with few tokens (decode), the fraction streamed to
+            the device each step while the CPU computes the rest, in [0, 1] (default 0: the CPU
+            computes them all; 1: all streamed). Not measured on the H200 yet
+            (:attr:`writescope.moe.block.SparseMoeBlock.stream_share`).
         vram_budget: bytes (or a size such as ``"32GiB"``) of device memory the run may use.
             The plan (``writescope plan``) for ``max_batch`` sequences of ``max_model_len``
             tokens is checked before any weight is loaded; routed experts that do not fit are
@@ -89,6 +93,7 @@ class LLM:
         max_batch: int = 32,
         num_layers: int | None = None,
         expert_threads: int | None = None,
+        expert_stream_share: float = 0.0,
     ):
         self.device = resolve_device(device)
         self.dtype = parse_dtype(dtype, self.device)
@@ -101,6 +106,8 @@ class LLM:
             raise ValueError(f"cpu_threads must be >= 1, got {cpu_threads}")
         if expert_threads is not None and expert_threads < 1:
             raise ValueError(f"expert_threads must be >= 1, got {expert_threads}")
+        if not 0.0 <= expert_stream_share <= 1.0:
+            raise ValueError(f"expert_stream_share must be in [0, 1], got {expert_stream_share}")
         cfg, _ = resolve_config(model, num_layers, synthetic)
         if cfg.model_type == "deepseek_v2":
             mla_prefill_mode()  # a bad WRITESCOPE_MLA_PREFILL fails here, before the weights load
@@ -141,6 +148,7 @@ class LLM:
         self.expert_threads = expert_threads or default_expert_threads(self.device)
         for b in blocks:
             b.host_threads = self.expert_threads
+            b.stream_share = expert_stream_share
             if self.vram_plan is not None and not self.vram_plan.stream_slots:
                 b.stream_min_tokens = None  # no room in the budget for streaming slots: host experts stay on the CPU
         if self.vram_plan is not None:

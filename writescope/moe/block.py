@@ -129,7 +129,7 @@ class SparseMoeBlock(nn.Module):
                 # copy over PCIe (55 GB/s) and the CPU's GEMMs (18-28 GB/s measured): split them so
                 # both finish together (stream_share = PCIe rate / both rates)
                 by_tokens = sorted(host, key=lambda e: (-counts[e], e))
-                k = round(self.stream_share * len(by_tokens))
+                k = round(min(1.0, self.stream_share) * len(by_tokens))
                 streamed, host = streamed + by_tokens[:k], sorted(by_tokens[k:])
         if host:  # the host experts' tokens and routing weights, copied once: [n_host, D], [n_host] on the CPU
             with record_function("moe.tokens_to_host"):

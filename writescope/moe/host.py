@@ -77,7 +77,7 @@ def run_host_experts(
         threads: tasks run at once (each on one thread); 1 runs them on the calling thread.
 
     Returns:
-        Per expert ``[n_e, D]`` in the weights' dtype.
+        Per expert ``[n_e, D]`` in the weights' dtype (no autograd graph).
     """
     if not xs:
         return []
@@ -86,11 +86,15 @@ def run_host_experts(
     acts = [torch.empty(x.shape[0], inter, dtype=x.dtype) for x in xs]
     ys = [torch.empty(x.shape[0], hidden, dtype=x.dtype) for x in xs]
 
+    # inference only: grad mode is per thread (workers start with it on), and tasks write shared
+    # outputs in place from several threads, which autograd must not record
+    @torch.no_grad()
     def up(e: int, a: int, b: int) -> None:
         g = F.linear(xs[e], w13[e][a:b])
         u = F.linear(xs[e], w13[e][inter + a : inter + b])
         acts[e][:, a:b] = F.silu(g) * u
 
+    @torch.no_grad()
     def down(e: int, a: int, b: int) -> None:
         ys[e][:, a:b] = F.linear(acts[e], w2[e][a:b])
 
