@@ -153,3 +153,28 @@ def test_policies_give_resident_tokens_on_cuda(name):
         tokens[policy] = [o.token_ids for o in llm.generate(prompt_token_ids=prompts, sampling_params=params)]
         assert llm.cache.active_slots == []
     assert all(t == tokens["resident"] for t in tokens.values()), tokens
+
+
+def test_host_hand_offs_do_not_wait_for_the_device():
+    """q to the host and the CPU partial back are issued behind queued device work without the
+    calling thread waiting for it (a waiting copy would drain the queue every layer)."""
+    from writescope.attention.split import SplitDecoder
+
+    spec = PartitionSpec(KVLayout(4, 128, 128, False), 1, torch.bfloat16, window=16)
+    dec = SplitDecoder(spec, torch.device("cuda"))
+    try:
+        q = torch.randn(4, 32, 128, device="cuda", dtype=torch.bfloat16)
+        torch.cuda.synchronize()
+        torch.cuda._sleep(200_000_000)  # about 0.1 s of device time ahead of the copies
+        q_host, ready = dec._to_host(q)
+        assert q_host.is_pinned() and not ready.query()  # returned while the device is still busy
+        ready.synchronize()
+        assert torch.equal(q_host, q.cpu())
+        o = torch.randn(4, 4, 8, 128)
+        torch.cuda._sleep(200_000_000)
+        o_dev = dec._to_device(o)
+        assert not torch.cuda.current_stream().query()  # the copy is queued, not waited for
+        torch.cuda.synchronize()
+        assert torch.equal(o_dev.cpu(), o)
+    finally:
+        dec.close()

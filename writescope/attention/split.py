@@ -1,13 +1,20 @@
 """One decode step of one layer over a partitioned cache (docs/DESIGN.md section 4).
 
 ```
-GPU→CPU   q (small)                                          only if some sequence has compute blocks
-CPU       worker thread: (o_c, lse_c) per sequence over its compute region, in place
+GPU→CPU   q (small, into pinned memory, no host wait)           only if some sequence has compute blocks
+CPU       worker thread: waits for q's copy, then (o_c, lse_c) per sequence over its compute region, in place
 GPU       (o_w, lse_w) over the D-windows, all sequences at once
 GPU       load-region runs: copy stream → ping-pong buffer i; compute stream attends buffer i
           while buffer i+1 is filled (events order reuse)
 GPU       o = merge((o_w, lse_w), (o_l, lse_l), (o_c, lse_c))
 ```
+
+The main thread never waits for the device on the way: q goes to pinned memory with an event
+that only the worker waits for, and the CPU partial comes back through pinned memory without a
+wait, so the main thread issues the window and load-region work, and after the worker is done the
+merge and the rest of the layer, while the device still works through what came before. (A
+blocking copy would drain the device's queue every layer, so it would sit idle while Python
+issues the next kernels, which costs nothing of the kind in a step with no CPU part.)
 
 Without CUDA the same code runs with CPU tensors and no streams (CI).
 """
@@ -124,12 +131,14 @@ class SplitDecoder:
             for sq in seqs:  # the newest compute block may still sit in pinned staging: write it home first
                 sq.drain(layer)
         fut: Future | None = None
-        with record_function("attn.q_to_host"):
-            q_host = (qg.to("cpu") if self.cuda else qg) if cpu_rows else None
+        q_host, q_ready = None, None
+        if cpu_rows:
+            with record_function("attn.q_to_host"):
+                q_host, q_ready = self._to_host(qg)
         if cpu_rows and not self.cpu_inline:
-            fut = self.pool.submit(self._cpu_part, layer, q_host, seqs, cpu_rows, limits, scale)
+            fut = self.pool.submit(self._cpu_part, layer, q_host, seqs, cpu_rows, limits, scale, q_ready)
         try:
-            if self.time_gpu:  # after q went to the host (a sync): the device part only
+            if self.time_gpu:  # after q's copy to the host was issued: the device part only
                 self._gpu_timer = self._start_gpu_timer()
             with record_function("attn.window"):
                 states = [self._window_part(layer, qg, seqs, scale)]
@@ -153,8 +162,8 @@ class SplitDecoder:
             with record_function("attn.wait_cpu"):
                 cpu_state = fut.result() if fut is not None else None
         if cpu_rows:
-            o_c, l_c = cpu_state if cpu_state is not None else self._cpu_part(layer, q_host, seqs, cpu_rows, limits, scale)
-            states.append((o_c.to(self.device), l_c.to(self.device)))
+            o_c, l_c = cpu_state if cpu_state is not None else self._cpu_part(layer, q_host, seqs, cpu_rows, limits, scale, q_ready)
+            states.append((self._to_device(o_c), self._to_device(l_c)))
         with record_function("attn.merge"):
             o, _ = merge_unchecked([st[0] for st in states], [st[1] for st in states])
             return o.view(B, Hq, dv).to(q.dtype)
@@ -164,6 +173,17 @@ class SplitDecoder:
         for the stream's earlier work, so it goes through pinned memory (torch's caching host
         allocator keeps that block until the copy is done)."""
         return t.pin_memory().to(self.device, non_blocking=True) if self.cuda else t
+
+    def _to_host(self, t: torch.Tensor):
+        """``t`` copied to host memory without waiting: ``(host tensor, event)``; the event (None
+        without CUDA) is recorded after the copy, and a reader waits for it before reading."""
+        if not self.cuda:
+            return t, None
+        host = torch.empty(t.shape, dtype=t.dtype, pin_memory=True)
+        host.copy_(t, non_blocking=True)
+        ev = torch.cuda.Event()
+        ev.record(torch.cuda.current_stream(self.device))
+        return host, ev
 
     def _start_gpu_timer(self):
         if not self.cuda:
@@ -295,9 +315,13 @@ class SplitDecoder:
         if fill:
             yield fill
 
-    def _cpu_part(self, layer, q_host, seqs, rows, limits, scale):
+    def _cpu_part(self, layer, q_host, seqs, rows, limits, scale, q_ready=None):
         """Compute-region attention for ``rows`` over their first ``limits[i]`` blocks; others
-        get the empty partial. Runs in the worker thread unless ``cpu_inline``."""
+        get the empty partial. Runs in the worker thread unless ``cpu_inline``. ``q_ready``: the
+        event of q's copy to the host (waited for first, outside the timed part)."""
+        if q_ready is not None:
+            with record_function("attn.wait_q"):
+                q_ready.synchronize()
         with record_function("attn.cpu_part"):
             return self._cpu_part_body(layer, q_host, seqs, rows, limits, scale)
 

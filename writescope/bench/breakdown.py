@@ -5,11 +5,11 @@ The engine marks its parts with ``torch.profiler.record_function``:
 | range | thread | what |
 |---|---|---|
 | ``attn.cpu_part`` | CPU worker | compute-region attention (overlaps the main thread's ranges; taken from the decoder's own timer, as the profiler sees only the main thread) |
-| ``attn.q_to_host`` | main | copying the queries to the host (waits for the layer's GPU work) |
+| ``attn.q_to_host`` | main | issuing the queries' copy to pinned host memory (no wait; the worker waits for it, in ``attn.wait_cpu``) |
 | ``attn.window`` | main | D-window attention on the device |
 | ``attn.load_region`` | main | streaming the load region through the ping-pong buffers + its attention |
 | ``attn.monolithic_prepare`` | main | the monolithic baseline's re-layout into pinned staging |
-| ``attn.wait_cpu`` | main | waiting for the CPU worker |
+| ``attn.wait_cpu`` | main | waiting for the CPU worker (which first waits for the queries' copy: the device's queue up to this layer) |
 | ``attn.merge`` | main | the lse merge of all partials |
 | ``kv.append`` / ``kv.evict`` / ``kv.drain`` | main | D-window writes, window evictions, staged compute blocks written home |
 | ``moe.router`` / ``moe.device_experts`` / ``moe.host_experts`` / ``moe.shared_experts`` | main | expert phase |
