@@ -164,16 +164,19 @@ def test_host_hand_offs_do_not_wait_for_the_device():
     dec = SplitDecoder(spec, torch.device("cuda"))
     try:
         q = torch.randn(4, 32, 128, device="cuda", dtype=torch.bfloat16)
+        o = torch.randn(4, 4, 8, 144)[..., :128]  # strided, as MLA's partial cut from the latent
+        dec._to_host(q)[1].synchronize()  # warm the pinned allocator: no cudaHostAlloc behind the sleeps
+        dec._to_device(o)
         torch.cuda.synchronize()
         torch.cuda._sleep(200_000_000)  # about 0.1 s of device time ahead of the copies
         q_host, ready = dec._to_host(q)
-        assert q_host.is_pinned() and not ready.query()  # returned while the device is still busy
+        stream = torch.cuda.current_stream()
+        assert q_host.is_pinned() and not ready.query() and not stream.query()  # returned while the device is still busy
         ready.synchronize()
         assert torch.equal(q_host, q.cpu())
-        o = torch.randn(4, 4, 8, 128)
         torch.cuda._sleep(200_000_000)
         o_dev = dec._to_device(o)
-        assert not torch.cuda.current_stream().query()  # the copy is queued, not waited for
+        assert not stream.query()  # the copy is queued, not waited for
         torch.cuda.synchronize()
         assert torch.equal(o_dev.cpu(), o)
     finally:

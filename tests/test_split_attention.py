@@ -627,3 +627,32 @@ def test_unknown_prompt_len_plans_from_first_write(make_harness):
     assert [reg for reg, _ in h.seq(slot).homes] == [COMPUTE, COMPUTE, LOAD, LOAD]
     for _ in range(3):
         h.decode([slot])
+
+
+def test_an_error_on_the_device_side_waits_for_the_worker_and_is_the_one_raised(monkeypatch):
+    import time
+
+    layout, D = KVLayout(2, 8, 8, False), 8
+    cache = InplaceKVCache(PartitionSpec(layout, 1, torch.float32, window=D), StaticPolicy(1.0), "cpu")
+    g = torch.Generator().manual_seed(0)
+    slot = cache.allocate(64, prompt_len=40)
+    cache.write(slot, 0, torch.randn(40, 2, 8, generator=g), torch.randn(40, 2, 8, generator=g))
+    dec, finished = cache.decoder, []
+    real = dec._cpu_part_body
+
+    def slow_cpu(*a):
+        time.sleep(0.2)
+        out = real(*a)
+        finished.append(True)
+        return out
+
+    def broken(*a):
+        raise RuntimeError("device side failed")
+
+    monkeypatch.setattr(dec, "_cpu_part_body", slow_cpu)
+    monkeypatch.setattr(dec, "_window_part", broken)
+    fb = ForwardBatch.build([slot], [1], [cache.seq_len(slot)], "cpu")
+    with pytest.raises(RuntimeError, match="device side failed"):
+        cache.attend(0, torch.randn(1, 4, 8), torch.randn(1, 2, 8), torch.randn(1, 2, 8), fb, 0.1)
+    assert finished == [True]  # the worker was done before the error left decode
+    cache.close()

@@ -22,7 +22,7 @@ Without CUDA the same code runs with CPU tensors and no streams (CI).
 from __future__ import annotations
 
 import time
-from concurrent.futures import Future, ThreadPoolExecutor
+from concurrent.futures import Future, ThreadPoolExecutor, wait
 from dataclasses import dataclass
 
 import torch
@@ -158,9 +158,12 @@ class SplitDecoder:
                 ev = torch.cuda.Event()
                 ev.record(self.copy_stream)
                 self._stage_events[layer % 2] = ev
-        finally:  # never leave the worker reading a sequence the caller may free after an error
-            with record_function("attn.wait_cpu"):
-                cpu_state = fut.result() if fut is not None else None
+        except BaseException:  # never leave the worker reading a sequence the caller may free after an error,
+            if fut is not None:  # and report this error, not one the worker may meet as a consequence
+                wait([fut])
+            raise
+        with record_function("attn.wait_cpu"):
+            cpu_state = fut.result() if fut is not None else None
         if cpu_rows:
             o_c, l_c = cpu_state if cpu_state is not None else self._cpu_part(layer, q_host, seqs, cpu_rows, limits, scale, q_ready)
             states.append((self._to_device(o_c), self._to_device(l_c)))
@@ -170,9 +173,15 @@ class SplitDecoder:
 
     def _to_device(self, t: torch.Tensor) -> torch.Tensor:
         """A small host tensor to the device without waiting: from pageable memory a copy waits
-        for the stream's earlier work, so it goes through pinned memory (torch's caching host
-        allocator keeps that block until the copy is done)."""
-        return t.pin_memory().to(self.device, non_blocking=True) if self.cuda else t
+        for the stream's earlier work, so it goes through a contiguous pinned copy (a strided one,
+        such as MLA's partial cut from the 576-wide latent, would be made contiguous in pageable
+        memory by the copy; torch's caching host allocator keeps the pinned block until the copy
+        is done)."""
+        if not self.cuda:
+            return t
+        pinned = torch.empty(t.shape, dtype=t.dtype, pin_memory=True)
+        pinned.copy_(t)
+        return pinned.to(self.device, non_blocking=True)
 
     def _to_host(self, t: torch.Tensor):
         """``t`` copied to host memory without waiting: ``(host tensor, event)``; the event (None
