@@ -80,6 +80,11 @@ class MemoryPlan:
         activations and expert streaming slots."""
         return self.kv_gpu + self.pingpong + self.activations + self.stream_slots
 
+    def placement_line(self) -> str:
+        """One line for the CLI: the budget and where the routed experts go."""
+        return (f"VRAM budget {self.budget / 2**30:.2f} GiB: {self.experts_gpu} of {self.experts_total} routed experts on the device, "
+                f"{self.experts_total - self.experts_gpu} in host memory")
+
     @property
     def expert_weights_host(self) -> int:
         return (self.experts_total - self.experts_gpu) * self.expert_bytes

@@ -93,9 +93,7 @@ def run(args: argparse.Namespace) -> int:
               "raise --num-layers for the expert phase", flush=True)
     roofline = llm.roofline(args.window) if needs_roofline else None
     if llm.vram_plan is not None:
-        vp = llm.vram_plan
-        print(f"VRAM budget {vp.budget / 2**30:.2f} GiB: {vp.experts_gpu} of {vp.experts_total} routed experts on the device, "
-              f"{vp.experts_total - vp.experts_gpu} in host memory (computed on the CPU in decode)", flush=True)
+        print(llm.vram_plan.placement_line() + " (computed on the CPU in decode)", flush=True)
     cfg = BenchConfig(batches, contexts, grid_policies, args.steps, args.window, args.h2d_gbs, args.cpu_gbs, progress=not args.quiet,
                       kv_fill=args.kv_fill)
     sweep_only = {s for s in sweep if s not in policies}

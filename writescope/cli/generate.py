@@ -105,8 +105,7 @@ def run(args: argparse.Namespace) -> int:
     if llm.vram_plan is not None:
         p = llm.vram_plan
         where = "" if llm.device.type == "cuda" else " (the device is the CPU here: the split only shows where they would live)"
-        print(f"VRAM budget {p.budget / 2**30:.2f} GiB: {p.experts_gpu} of {p.experts_total} routed experts on the device, "
-              f"{p.experts_total - p.experts_gpu} in host memory{where} (see `writescope plan`)")
+        print(f"{p.placement_line()}{where} (see `writescope plan`)")
         held = llm.load_info.get("device_memory_at_cap")
         if held:
             print(f"device memory when the cap was set: {held['allocated'] / 2**30:.2f} GiB in tensors, "

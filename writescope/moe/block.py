@@ -151,15 +151,11 @@ class SparseMoeBlock(nn.Module):
                              [w_sorted[starts[e] : starts[e + 1]] for e in streamed], x, out)
         if host:
             threads = self.host_threads or torch.get_num_threads()
-            bounds = [0]
-            for e in host:
-                bounds.append(bounds[-1] + counts[e])
-            xs = [x_host[a:b] for a, b in zip(bounds, bounds[1:])]
+            xs = x_host.split([counts[e] for e in host])
             with record_function("moe.host_experts"):
                 if self.host_parallel and self.host_pack is not None:
-                    slot = {e: s for s, e in enumerate(self.host_pack.ids)}
-                    ys = run_host_experts([self.host_pack.w13[slot[e]] for e in host], [self.host_pack.w2[slot[e]] for e in host],
-                                          xs, threads)
+                    pack, slot = self.host_pack, self.host_pack.index
+                    ys = run_host_experts([pack.w13[slot[e]] for e in host], [pack.w2[slot[e]] for e in host], list(xs), threads)
                 else:  # the reference: one expert after another, each GEMM on all threads
                     with intra_op_threads(threads):
                         ys = [self.experts[e](xe) for e, xe in zip(host, xs)]

@@ -107,6 +107,7 @@ class PackedExperts:
         slot = torch.full((self.num_experts,), len(self.ids), dtype=torch.long)  # host experts: one past the last group
         slot[self.ids] = torch.arange(len(self.ids))
         self.slot_of = slot.to(self.w13.device)
+        self.index = {e: s for s, e in enumerate(self.ids)}  # expert id -> packed slot (host-side lookups)
 
     def __call__(self, x: torch.Tensor, weights: torch.Tensor, ids: torch.Tensor, out: torch.Tensor) -> None:
         """Add the device experts' weighted outputs into ``out``.

@@ -18,8 +18,9 @@ so that there are at least ``threads`` tasks (chunks of at least ``MIN_ROWS`` ro
 
 Opt-in (``SparseMoeBlock.host_parallel``), not the default: whether it pays is not known yet. On
 the 2-core CI machine it is within noise of the loop (Qwen3-30B-A3B block, every expert on the
-host, bf16: 8.4 against 7.6 GB/s of weights at 4 tokens and 8.5 against 7.4 at 16 in one run,
-8.1 against 10.1 and 7.2 against 7.0 in another; ``PYTHONPATH=. python benchmarks/experts.py
+host, bf16, pool against loop: 8.4 against 7.6 GB/s of weights at 4 tokens and 8.5 against 7.4
+at 16 in one run, 8.1 against 10.1 and 7.2 against 7.0 in an earlier one that may have shared the
+two cores with a test run; ``PYTHONPATH=. python benchmarks/experts.py
 --models qwen3-30b-a3b --device cpu --dtype bf16 --tokens 4,16 --fractions 0 --repeats 5 --out
 /tmp/experts_ci``). The H200 host, where the loop reaches only a quarter of the read bandwidth
 with 16 threads, is measured by the same benchmark (both paths side by side).

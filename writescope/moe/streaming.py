@@ -72,7 +72,7 @@ def run_streamed(host_pack, experts: list[int], rows: list[torch.Tensor], weight
     D, I = host_pack.hidden, host_pack.inter
     ws = WeightSlots.for_shape(x.device, x.dtype, D, I)
     host_pack.slots = ws  # the block keeps the slots alive (they go with the last block using them)
-    index = {e: s for s, e in enumerate(host_pack.ids)}
+    index = host_pack.index
     cur = torch.cuda.current_stream(x.device) if ws.cuda else None
     groups = [experts[a : a + ws.slots] for a in range(0, len(experts), ws.slots)]
     # every group's offsets in one small host-to-device copy before the loop, from pinned memory,
