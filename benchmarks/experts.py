@@ -1,9 +1,10 @@
 """Expert phase of one MoE block: grouped GEMMs vs the per-expert loop, and the fraction of routed
 experts on the GPU (the rest computed on the CPU, or streamed to the GPU when an expert has at
 least writescope.moe.streaming.MIN_TOKENS tokens), for a decode batch and a long prefill chunk.
-Host experts are also run streamed whatever their tokens ("stream all"), split between streaming
-and the CPU ("stream share": ``SparseMoeBlock.stream_share``), and, where the CPU computes some,
-with the reference loop ("serial") and the opt-in pool of single-threaded tasks ("parallel").
+Host experts are also run streamed whatever their tokens ("stream all", the decode default on
+CUDA) and split between streaming and the CPU ("stream share": ``SparseMoeBlock.stream_share``).
+(Until 0d63fa9 an opt-in pool of single-threaded CPU tasks was compared too, column "host
+experts" = "parallel" in results/experts_h200_0d63fa9.md; it lost and was removed.)
 
 Per configuration: median ms of the block's forward over --repeats runs (synchronised), the
 bytes of the activated experts' weights, and against them
@@ -114,24 +115,21 @@ def main() -> None:
                     block.stream_share = args.stream_share if path == share_path else 0.0
                     if path != "loop" and not block.pack() and (on_device > 0 or path == "grouped, no streaming" or device.type != "cuda"):
                         continue  # no grouped GEMM here; with every expert on the host, streaming still runs (CUDA)
-                    # host experts computed on the CPU: the reference loop (the default) and the opt-in pool of
-                    # single-threaded tasks, side by side
-                    for host_mode in ("serial", "parallel") if on_device < E and path != "grouped, stream all" else ("-",):
-                        block.host_parallel = host_mode != "serial"
-                        with torch.no_grad():
-                            sec = timed(lambda: block(x), device, args.repeats)
-                        dev_active = sum(1 for e in active if e < on_device)
-                        host_active = len(active) - dev_active
-                        row = {"model": name, "tokens": T, "fraction_on_device": frac, "path": path, "host_experts": host_mode,
-                               "ms": sec * 1e3, "active_experts": len(active), "active_on_device": dev_active,
-                               "active_on_host": host_active, "active_weight_bytes": len(active) * expert_bytes}
-                        if hbm and host_active == 0:
-                            bound = dev_active * expert_bytes / (hbm * 1e9)
-                            row.update(hbm_gbs=hbm, gbs=dev_active * expert_bytes / sec / 1e9, frac_of_bound=bound / sec)
-                        if dev_active == 0:
-                            row["cpu_weight_gbs"] = host_active * expert_bytes / sec / 1e9
-                        rows.append(row)
-                        print(json.dumps({k: round(v, 3) if isinstance(v, float) else v for k, v in row.items()}), flush=True)
+                    host_mode = "cpu" if on_device < E and path != "grouped, stream all" else "-"  # some computed on the CPU
+                    with torch.no_grad():
+                        sec = timed(lambda: block(x), device, args.repeats)
+                    dev_active = sum(1 for e in active if e < on_device)
+                    host_active = len(active) - dev_active
+                    row = {"model": name, "tokens": T, "fraction_on_device": frac, "path": path, "host_experts": host_mode,
+                           "ms": sec * 1e3, "active_experts": len(active), "active_on_device": dev_active,
+                           "active_on_host": host_active, "active_weight_bytes": len(active) * expert_bytes}
+                    if hbm and host_active == 0:
+                        bound = dev_active * expert_bytes / (hbm * 1e9)
+                        row.update(hbm_gbs=hbm, gbs=dev_active * expert_bytes / sec / 1e9, frac_of_bound=bound / sec)
+                    if dev_active == 0:
+                        row["cpu_weight_gbs"] = host_active * expert_bytes / sec / 1e9
+                    rows.append(row)
+                    print(json.dumps({k: round(v, 3) if isinstance(v, float) else v for k, v in row.items()}), flush=True)
         if device.type == "cuda":
             torch.cuda.empty_cache()
     args.out.parent.mkdir(parents=True, exist_ok=True)

@@ -63,7 +63,7 @@ part() {
         --machine-text "${TEXT_TOKENS:-32k}" --batch 4 --max-new-tokens 256 --ignore-eos --policy writescope --prefill-chunk-tokens 2048 \
         ${TEXT_FLAGS:-} --output-json "$out/text_${m}_h200.json" 2>&1 | grep -v "synthetic weights:\|calibrate:" | tee "$out/text_${m}_h200.log" | tail -30 ;;
     breakdown)
-      timeout "$(tmo 150)" python3 -m writescope.cli.main profile --model "$m" --synthetic --device cuda --vram-budget 32GiB \
+      timeout "$(tmo 330)" python3 -m writescope.cli.main profile --model "$m" --synthetic --device cuda --vram-budget 32GiB \
         --batch 4 --context 32k --policy writescope --steps 6 --quiet --output-json "$out/profile_${m}_h200.json" \
         2>&1 | grep -v USDT | tee "$out/profile_${m}_h200.log" | tail -30 ;;
     1m)

@@ -91,33 +91,21 @@ def test_thread_split_is_explicit(monkeypatch):
         assert torch.get_num_threads() == 1
     assert torch.get_num_threads() == n
 
-    seen, tasks = [], []
+    seen = []
 
     @contextmanager
     def spy(k):
         seen.append(k)
         yield
 
-    real = block_mod.run_host_experts
-
-    def spy_tasks(w13, w2, xs, threads):
-        tasks.append(threads)
-        return real(w13, w2, xs, threads)
-
     monkeypatch.setattr(block_mod, "intra_op_threads", spy)
-    monkeypatch.setattr(block_mod, "run_host_experts", spy_tasks)
     llm = LLM("tiny-qwen3-moe", progress=False, expert_threads=1, policy="static:0.5", cpu_threads=2)
     assert llm.expert_threads == 1 and llm.attention_threads == 2 and llm.cache.decoder.cpu_threads == 2
     blocks = [m for m in llm.model.modules() if isinstance(m, SparseMoeBlock)]
     for b in blocks:
         b.offload_experts(range(b.cfg.num_experts))
     llm.generate(prompt_token_ids=[[5, 6, 7, 8]], sampling_params=None)
-    assert seen and set(seen) == {1} and not tasks  # the loop (the default): its GEMMs on that many intra-op threads
-    seen.clear()
-    for b in blocks:
-        b.host_parallel = True  # the opt-in pool of single-threaded tasks, with the threads asked for
-    llm.generate(prompt_token_ids=[[5, 6, 7, 8]], sampling_params=None)
-    assert tasks and set(tasks) == {1} and not seen
+    assert seen and set(seen) == {1}  # the host experts' GEMMs on that many intra-op threads
     with pytest.raises(ValueError, match="expert_threads"):
         LLM("tiny-qwen3-moe", progress=False, expert_threads=0)
 

@@ -83,9 +83,20 @@ def test_expert_stream_share_reaches_every_block_and_is_checked_first(monkeypatc
 
     llm = LLM("tiny-mixtral", progress=False, expert_stream_share=0.25)
     assert {b.stream_share for b in _blocks(llm)} == {0.25}
+    assert llm.host_experts_in_decode() == "a share of 0.25 streamed to the GPU in decode, the rest computed on the CPU"
+    default = LLM("tiny-mixtral", progress=False)
+    assert {b.stream_share for b in _blocks(default)} == {0.0}  # no CUDA: nothing to stream to
+    assert default.host_experts_in_decode() == "computed on the CPU in decode"
+    assert LLM("tiny-mixtral", progress=False, expert_stream_share=1).host_experts_in_decode() == "streamed to the GPU in decode"
     monkeypatch.setattr(engine, "load_model", lambda *a, **k: pytest.fail("loaded weights despite a bad share"))
     with pytest.raises(ValueError, match="expert_stream_share must be in"):
         LLM("tiny-mixtral", progress=False, expert_stream_share=1.5)
+
+
+@pytest.mark.gpu
+def test_decode_streams_every_host_expert_by_default_on_cuda():
+    llm = LLM("tiny-mixtral", device="cuda", dtype="bf16", progress=False)
+    assert {b.stream_share for b in _blocks(llm)} == {1.0}  # benchmarks/results/e2e.md, "Expert phase" (H200, 0d63fa9)
 
 
 @pytest.mark.gpu

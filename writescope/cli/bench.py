@@ -24,7 +24,7 @@ def add_parser(sub) -> None:
     p.add_argument("--h2d-gbs", type=float, default=55.0, help="host-to-device GB/s for the bound (default: the H200 machine's 55)")
     p.add_argument("--cpu-gbs", type=float, default=86.0, help="host read GB/s for the bound (default: the H200 machine's 86)")
     p.add_argument("--vram-budget", default=None, help="device memory the run may use, e.g. 32GiB")
-    p.add_argument("--expert-stream-share", type=float, default=0.0, metavar="F", help="of the host experts with few tokens, the fraction streamed to the GPU each decode step while the CPU computes the rest, 0-1 (default 0: CPU only; 1: stream all; not yet measured on the H200)")
+    p.add_argument("--expert-stream-share", type=float, default=None, metavar="F", help="of the host experts with few tokens, the fraction streamed to the GPU each decode step while the CPU computes the rest, 0-1 (0: CPU only; 1: stream all; default 1 on CUDA, 0 without)")
     p.add_argument("--kv-fill", choices=("prefill", "random"), default="prefill",
                    help="prefill: run the prompts through the model (default); random: write seeded random KV of the model's "
                         "shape through the cache instead (decode grids without the prefill's time; prefill tok/s is then 0)")
@@ -71,7 +71,7 @@ def run(args: argparse.Namespace) -> int:
     for p in policies:
         if p.lower() not in ("writescope", "monolithic"):
             parse_policy(p)  # a bad name fails before the model loads
-    if not 0.0 <= args.expert_stream_share <= 1.0:
+    if args.expert_stream_share is not None and not 0.0 <= args.expert_stream_share <= 1.0:
         raise ValueError(f"--expert-stream-share must be in [0, 1], got {args.expert_stream_share}")
     if args.steps < 1:
         raise ValueError(f"--steps must be >= 1, got {args.steps}")
@@ -93,7 +93,7 @@ def run(args: argparse.Namespace) -> int:
               "raise --num-layers for the expert phase", flush=True)
     roofline = llm.roofline(args.window) if needs_roofline else None
     if llm.vram_plan is not None:
-        print(llm.vram_plan.placement_line() + " (computed on the CPU in decode)", flush=True)
+        print(f"{llm.vram_plan.placement_line()} ({llm.host_experts_in_decode()})", flush=True)
     cfg = BenchConfig(batches, contexts, grid_policies, args.steps, args.window, args.h2d_gbs, args.cpu_gbs, progress=not args.quiet,
                       kv_fill=args.kv_fill)
     sweep_only = {s for s in sweep if s not in policies}
@@ -107,7 +107,8 @@ def run(args: argparse.Namespace) -> int:
                    "args": {k: str(v) for k, v in vars(args).items() if k != "run"},
                    "roofline": None if roofline is None else vars(roofline), "complete": len(rows) == cfg_size,
                    "vram_plan": None if llm.vram_plan is None else {"budget_bytes": llm.vram_plan.budget, "experts_gpu": llm.vram_plan.experts_gpu,
-                                                                    "experts_total": llm.vram_plan.experts_total},
+                                                                    "experts_total": llm.vram_plan.experts_total,
+                                                                    "expert_stream_share": llm.expert_stream_share},
                    "speedups_geomean_8k": {k: {"geomean": g, "configurations": n} for k, (g, n) in speedups(rows).items()},
                    "rows": [r.to_dict() for r in rows]}
             tmp = args.output_json.with_name(args.output_json.name + ".tmp")

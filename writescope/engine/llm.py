@@ -54,8 +54,11 @@ class LLM:
             with CUDA: see :mod:`writescope.engine.threads`).
         expert_threads: threads for the routed experts in host memory (default: torch's count).
         expert_stream_share: of the host experts with few tokens (decode), the fraction streamed to
-            the device each step while the CPU computes the rest, in [0, 1] (default 0: the CPU
-            computes them all; 1: all streamed). Not measured on the H200 yet
+            the device each step while the CPU computes the rest, in [0, 1]; 0: the CPU computes
+            them all; 1: all streamed. Default: 1 on CUDA (on the H200 the expert phase of a
+            16-token step took 1.8-5.3x less time streamed than on the CPU:
+            benchmarks/results/e2e.md, "Expert phase"), 0 without CUDA, where there is nothing
+            to stream to
             (:attr:`writescope.moe.block.SparseMoeBlock.stream_share`).
         vram_budget: bytes (or a size such as ``"32GiB"``) of device memory the run may use.
             The plan (``writescope plan``) for ``max_batch`` sequences of ``max_model_len``
@@ -93,7 +96,7 @@ class LLM:
         max_batch: int = 32,
         num_layers: int | None = None,
         expert_threads: int | None = None,
-        expert_stream_share: float = 0.0,
+        expert_stream_share: float | None = None,
     ):
         self.device = resolve_device(device)
         self.dtype = parse_dtype(dtype, self.device)
@@ -106,6 +109,8 @@ class LLM:
             raise ValueError(f"cpu_threads must be >= 1, got {cpu_threads}")
         if expert_threads is not None and expert_threads < 1:
             raise ValueError(f"expert_threads must be >= 1, got {expert_threads}")
+        if expert_stream_share is None:
+            expert_stream_share = 1.0 if self.device.type == "cuda" else 0.0
         if not 0.0 <= expert_stream_share <= 1.0:
             raise ValueError(f"expert_stream_share must be in [0, 1], got {expert_stream_share}")
         cfg, _ = resolve_config(model, num_layers, synthetic)
@@ -151,6 +156,8 @@ class LLM:
             b.stream_share = expert_stream_share
             if self.vram_plan is not None and not self.vram_plan.stream_slots:
                 b.stream_min_tokens = None  # no room in the budget for streaming slots: host experts stay on the CPU
+        no_slots = self.vram_plan is not None and not self.vram_plan.stream_slots
+        self.expert_stream_share = 0.0 if no_slots else expert_stream_share  # what decode does with host experts
         if self.vram_plan is not None:
             p = self.vram_plan
             self.load_info["device_memory_at_cap"] = enforce_budget(self.device, p.budget, p.weights_gpu, p.working_gpu)
@@ -200,6 +207,15 @@ class LLM:
         self.cache, self.policy, self.window, self.cpu_threads = cache, parsed, window, cpu_threads
         self.attention_threads = cpu_threads or default_attention_threads(self.device)  # what the CPU attention uses
         self.policy_name = "resident" if parsed is None else parsed.name
+
+    def host_experts_in_decode(self) -> str:
+        """Where a decode step computes the routed experts in host memory, in words."""
+        share = self.expert_stream_share
+        if share == 0:
+            return "computed on the CPU in decode"
+        if share == 1:
+            return "streamed to the GPU in decode"
+        return f"a share of {share:g} streamed to the GPU in decode, the rest computed on the CPU"
 
     def roofline(self, window: int = DEFAULT_WINDOW, cpu_threads: int | None = None) -> Roofline:
         """Calibrated A, B, C for this model's KV shape on this machine: stored, or measured now

@@ -13,7 +13,6 @@ from writescope.config import MoEConfig
 from writescope.engine.threads import intra_op_threads
 from writescope.layers.mlp import GatedMLP
 from writescope.moe.grouped import PackedExperts, grouped_mm_supported
-from writescope.moe.host import run_host_experts
 from writescope.moe.streaming import MIN_TOKENS, run_streamed
 from writescope.moe.router import route
 
@@ -37,11 +36,10 @@ class SparseMoeBlock(nn.Module):
         self.packed: PackedExperts | None = None  # device experts for the grouped path (see pack)
         self.grouped = True  # use the grouped path where torch supports it (False: the loop, the reference)
         self.host_threads: int | None = None  # threads for the host experts (None: torch's count)
-        self.host_parallel = False  # True: host experts as single-threaded tasks on a pool (writescope.moe.host, unmeasured on the H200)
         self.host_pack: PackedExperts | None = None  # host experts packed (pinned with CUDA), for streaming
         self.stream_min_tokens: int | None = MIN_TOKENS  # stream a host expert with this many tokens (None: never)
-        # of the host experts below that, the fraction (most tokens first) also streamed, while the CPU
-        # computes the rest at the same time (opt-in, unmeasured on the H200; see _split_forward)
+        # of the host experts below that (decode), the fraction (most tokens first) also streamed while
+        # the CPU computes the rest at the same time; LLM sets 1 on CUDA (benchmarks/results/e2e.md, "Expert phase")
         self.stream_share = 0.0
 
     def offload_experts(self, ids) -> None:
@@ -153,12 +151,8 @@ class SparseMoeBlock(nn.Module):
             threads = self.host_threads or torch.get_num_threads()
             xs = x_host.split([counts[e] for e in host])
             with record_function("moe.host_experts"):
-                if self.host_parallel and self.host_pack is not None:
-                    pack, slot = self.host_pack, self.host_pack.index
-                    ys = run_host_experts([pack.w13[slot[e]] for e in host], [pack.w2[slot[e]] for e in host], list(xs), threads)
-                else:  # the reference: one expert after another, each GEMM on all threads
-                    with intra_op_threads(threads):
-                        ys = [self.experts[e](xe) for e, xe in zip(host, xs)]
+                with intra_op_threads(threads):  # one expert after another, each GEMM on all threads
+                    ys = [self.experts[e](xe) for e, xe in zip(host, xs)]
                 y = torch.cat(ys) * w_host[:, None]
             out.index_add_(0, host_tok, y.to(x.device))
         return self._shared(x, out)

@@ -1,12 +1,14 @@
 """Streaming host experts to the GPU for long prompts (docs/DESIGN.md section 6; issue: budget).
 
-A routed expert in host memory is computed on the CPU during decode (few tokens each). In a
-prefill chunk an expert gets many tokens, and the CPU's GEMMs are far slower than copying the
-weights over: on the H200 machine a bf16 expert GEMM runs at 1.3-1.7 TFLOP/s on 16 cores and the
+A routed expert in host memory gets few tokens in decode, many in a prefill chunk. For many
+tokens the CPU's GEMMs are far slower than copying the weights over: on the H200 machine a bf16 expert GEMM runs at 1.3-1.7 TFLOP/s on 16 cores and the
 pinned host-to-device copy at 55 GB/s (docs/HARDWARE.md). Computing n tokens of an expert with
 D x I weights costs 6 D I n FLOPs; copying the weights costs 6 D I bytes (bf16, three matrices),
 so copying wins from n ~ 1.5e12 / 55e9 ~ 27 tokens. Experts with at least ``min_tokens`` (32)
-assigned tokens are streamed; the rest stay on the CPU.
+assigned tokens are streamed. Of the rest, ``SparseMoeBlock.stream_share`` are streamed too and
+the CPU computes the others: on the H200 the CPU's few-token GEMMs read weights at only 9-27 GB/s,
+so streaming all of them (share 1, the default on CUDA) was 1.8-5.3x faster for a 16-token decode
+batch (benchmarks/results/e2e.md, "Expert phase").
 
 Streamed experts go through ``2 x slots`` device weight slots shared by all layers (double
 buffered: the copy of the next group runs on a copy stream while the current group computes),

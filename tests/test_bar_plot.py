@@ -1,0 +1,47 @@
+"""benchmarks/bar_plot.py: rows pooled from saved JSON files, and the chart drawn from them."""
+
+from __future__ import annotations
+
+import importlib.util
+import json
+from pathlib import Path
+
+import pytest
+
+_spec = importlib.util.spec_from_file_location("bar_plot", Path(__file__).parents[1] / "benchmarks" / "bar_plot.py")
+bp = importlib.util.module_from_spec(_spec)
+_spec.loader.exec_module(bp)
+
+
+def _write(path: Path, rows: list[dict]) -> Path:
+    path.write_text(json.dumps({"rows": rows}))
+    return path
+
+
+def test_rows_are_pooled_across_files_and_rows_without_the_keys_are_left_out(tmp_path):
+    a = _write(tmp_path / "a.json", [{"engine": "x", "context": 8192, "decode_tok_s": 20.0},
+                                     {"engine": "y", "context": 8192, "error": "out of memory"}])
+    b = _write(tmp_path / "b.json", [{"engine": "x", "context": 32768, "decode_tok_s": 12.5}])
+    rows = bp.pooled_rows([a, b], "context", "engine", "decode_tok_s")
+    assert [(r["context"], r["decode_tok_s"]) for r in rows] == [(8192, 20.0), (32768, 12.5)]
+    with pytest.raises(ValueError, match=r"'policy'.*keys are \['context', 'decode_tok_s', 'engine', 'error'\]"):
+        bp.pooled_rows([a, b], "context", "policy", "decode_tok_s")
+
+
+def test_chart_has_one_bar_per_row_with_its_height(tmp_path, monkeypatch):
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    rows = [{"p": "gpu", "batch": 1, "v": 3.0}, {"p": "cpu", "batch": 1, "v": 2.0}, {"p": "gpu", "batch": 8, "v": 5.0}]
+    saved = {}
+    monkeypatch.setattr(plt, "close", lambda fig: saved.setdefault("fig", fig))  # keep the figure to read it back
+    out = tmp_path / "sub" / "chart.png"
+    bp.bar_plot(rows, "batch", "p", "v", out, title="t")
+    assert out.stat().st_size > 1000
+    ax = saved["fig"].axes[0]
+    heights = sorted(round(p.get_height(), 6) for p in ax.patches)
+    assert heights == [2.0, 3.0, 5.0]  # cpu has no batch-8 row: no bar there, none invented
+    assert [t.get_text() for t in ax.get_xticklabels()] == ["1", "8"]
+    assert ax.get_legend_handles_labels()[1] == ["gpu", "cpu"]
