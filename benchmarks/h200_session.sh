@@ -18,9 +18,11 @@
 # Several parts run in one call, one after another: `bash benchmarks/h200_session.sh tests grid:deepseek-v2-lite`.
 # The whole call stops by DEADLINE seconds (default 570, under the device tool's 10 minutes): each part's
 # timeout is cut to what is left, and a part with under 40 s left is skipped. The grid's shape can be narrowed
-# with GRID_BATCH, GRID_CONTEXT, GRID_POLICIES, GRID_STEPS (defaults below); rows are saved as they finish.
+# with GRID_BATCH, GRID_CONTEXT, GRID_POLICIES, GRID_STEPS (defaults below); rows are saved as they finish;
+# GRID_FLAGS adds bench flags and GRID_TAG a suffix to its file names (e.g. GRID_FLAGS="--expert-stream-share 0" GRID_TAG=_cpu_experts).
 # `text` takes TEXT_TOKENS (prompt tokens, default 32k) and TEXT_FLAGS (more generate flags), e.g. for Mixtral
-# (a 32,768-token limit): TEXT_TOKENS=32512 TEXT_FLAGS="--expert-stream-share 1" bash benchmarks/h200_session.sh text:mixtral-8x7b
+# (a 32,768-token limit): TEXT_TOKENS=32512 bash benchmarks/h200_session.sh text:mixtral-8x7b; TEXT_FLAGS="--expert-stream-share 0"
+# has the CPU compute the decode's host experts instead of streaming them (the default on CUDA)
 # Results go to $OUT (the device tool's folder) or benchmarks/results/new; copy what you keep into
 # benchmarks/results/ with the command line above.
 set -euo pipefail
@@ -85,8 +87,8 @@ part() {
     grid)
       timeout "$(tmo 570)" python3 -m writescope.cli.main bench --model "$m" --synthetic --device cuda --vram-budget 32GiB --kv-fill random \
         --batch "${GRID_BATCH:-4,16}" --context "${GRID_CONTEXT:-8k,16k,32k}" \
-        --policies "${GRID_POLICIES:-gpu,cpu,monolithic,writescope}" --sweep-static "${GRID_SWEEP:-4}" --steps "${GRID_STEPS:-6}" --quiet \
-        --output-json "$out/grid_${m}_h200.json" --plot "$out/grid_${m}_h200.png" 2>&1 | tee "$out/grid_${m}_h200.log" | tail -30 ;;
+        --policies "${GRID_POLICIES:-gpu,cpu,monolithic,writescope}" --sweep-static "${GRID_SWEEP:-4}" --steps "${GRID_STEPS:-6}" --quiet ${GRID_FLAGS:-} \
+        --output-json "$out/grid_${m}_h200${GRID_TAG:-}.json" --plot "$out/grid_${m}_h200${GRID_TAG:-}.png" 2>&1 | tee "$out/grid_${m}_h200${GRID_TAG:-}.log" | tail -30 ;;
     prefill-e2e)
       timeout "$(tmo 400)" python3 -m writescope.cli.main bench --model "$m" --synthetic --device cuda --vram-budget 32GiB \
         --batch 1,8,32 --context 2k --policies gpu,cpu,writescope --steps 1 --quiet \

@@ -28,20 +28,24 @@ def test_rows_are_pooled_across_files_and_rows_without_the_keys_are_left_out(tmp
         bp.pooled_rows([a, b], "context", "policy", "decode_tok_s")
 
 
-def test_chart_has_one_bar_per_row_with_its_height(tmp_path, monkeypatch):
+def test_chart_has_one_bar_per_row_in_its_group_with_its_height_and_label(tmp_path, monkeypatch):
     import matplotlib
 
     matplotlib.use("Agg")
     import matplotlib.pyplot as plt
 
-    rows = [{"p": "gpu", "batch": 1, "v": 3.0}, {"p": "cpu", "batch": 1, "v": 2.0}, {"p": "gpu", "batch": 8, "v": 5.0}]
+    rows = [{"p": "gpu", "batch": 1, "v": 3.0}, {"p": "cpu", "batch": 1, "v": 2.0}, {"p": "gpu", "batch": 8, "v": 5.0},
+            {"p": "gpu", "batch": 8, "v": 150.0}]  # a repeated (batch, policy): the last row is drawn
     saved = {}
     monkeypatch.setattr(plt, "close", lambda fig: saved.setdefault("fig", fig))  # keep the figure to read it back
     out = tmp_path / "sub" / "chart.png"
     bp.bar_plot(rows, "batch", "p", "v", out, title="t")
     assert out.stat().st_size > 1000
     ax = saved["fig"].axes[0]
-    heights = sorted(round(p.get_height(), 6) for p in ax.patches)
-    assert heights == [2.0, 3.0, 5.0]  # cpu has no batch-8 row: no bar there, none invented
+    bars = {(round(b.get_x() + b.get_width() / 2, 3), b.get_height(), b.get_facecolor()[:3]) for b in ax.patches}
+    gpu, cpu = (matplotlib.colors.to_rgb(c) for c in ("C0", "C1"))
+    # two series side by side around each group's tick (width 0.4 each); cpu has no batch-8 row: no bar invented
+    assert bars == {(-0.2, 3.0, gpu), (0.8, 150.0, gpu), (0.2, 2.0, cpu)}
     assert [t.get_text() for t in ax.get_xticklabels()] == ["1", "8"]
     assert ax.get_legend_handles_labels()[1] == ["gpu", "cpu"]
+    assert sorted(t.get_text() for t in ax.texts) == ["150", "2.0", "3.0"]

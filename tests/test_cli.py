@@ -74,3 +74,18 @@ def test_profile_and_bench_plan_for_their_contexts(monkeypatch):
                        (["bench", "--context", "64k", "--steps", "4", "--policies", "gpu"], 8192)):  # past tiny's limit: capped
         got = _llm_kwargs(monkeypatch, engine, argv + ["--model", "tiny-qwen3-moe", "--quiet", "--vram-budget", "2GiB"])
         assert got["max_model_len"] == want, argv
+
+
+def test_expert_stream_share_flag_reaches_the_engine_and_defaults_to_the_device_rule(monkeypatch, capsys):
+    """None (the engine's default: 1 on CUDA, 0 without) unless given; out of [0, 1] is refused first."""
+    import writescope
+    import writescope.engine.llm as engine
+
+    runs = ((writescope, ["generate", "--prompt", "hi", "--max-new-tokens", "2"]), (engine, ["bench", "--context", "1k", "--policies", "gpu"]),
+            (engine, ["profile", "--context", "1k"]))
+    for module, argv in runs:
+        argv = argv + ["--model", "tiny-qwen3-moe", "--quiet"]
+        assert _llm_kwargs(monkeypatch, module, argv)["expert_stream_share"] is None, argv
+        assert _llm_kwargs(monkeypatch, module, argv + ["--expert-stream-share", "0"])["expert_stream_share"] == 0.0, argv
+        assert _llm_kwargs(monkeypatch, module, argv + ["--expert-stream-share", "1.5"]) == {}, argv  # refused before loading
+        assert "--expert-stream-share must be in [0, 1], got 1.5" in capsys.readouterr().err

@@ -43,7 +43,12 @@ def test_streamed_equals_cpu_and_device(preset, monkeypatch):
         shared = block(x)
         host_active = {int(e) for e in torch.unique(block_mod.route(x, block.gate.weight, block.cfg, block.deepseek)[1]) if e >= E // 4}
         assert len(streamed[-1]) == round(0.5 * len(host_active)) > 0 and set(streamed[-1]) < host_active
+        block.stream_share = 1.0  # the default on CUDA: every host expert streamed, none left to the CPU
+        streamed.clear()
+        whole = block(x)
+        assert set(streamed[-1]) == host_active
         block.stream_share = 0.0
+    torch.testing.assert_close(whole, on_device, rtol=1e-5, atol=1e-5)
     torch.testing.assert_close(shared, on_device, rtol=1e-5, atol=1e-5)
     torch.testing.assert_close(on_cpu, on_device, rtol=1e-5, atol=1e-5)
     torch.testing.assert_close(all_streamed, on_device, rtol=1e-5, atol=1e-5)
@@ -76,6 +81,9 @@ def test_whole_model_with_streamed_experts_gives_the_same_tokens():
     for b in _blocks(llm):
         b.stream_share = 0.5  # decode: half the host experts streamed, the rest on the CPU
     assert [o.token_ids for o in llm.generate(prompt_token_ids=prompts)] == ref
+    for b in _blocks(llm):
+        b.stream_share = 1.0  # decode: all of them streamed (the default on CUDA)
+    assert [o.token_ids for o in llm.generate(prompt_token_ids=prompts)] == ref
 
 
 def test_expert_stream_share_reaches_every_block_and_is_checked_first(monkeypatch):
@@ -83,14 +91,39 @@ def test_expert_stream_share_reaches_every_block_and_is_checked_first(monkeypatc
 
     llm = LLM("tiny-mixtral", progress=False, expert_stream_share=0.25)
     assert {b.stream_share for b in _blocks(llm)} == {0.25}
-    assert llm.host_experts_in_decode() == "a share of 0.25 streamed to the GPU in decode, the rest computed on the CPU"
-    default = LLM("tiny-mixtral", progress=False)
-    assert {b.stream_share for b in _blocks(default)} == {0.0}  # no CUDA: nothing to stream to
-    assert default.host_experts_in_decode() == "computed on the CPU in decode"
-    assert LLM("tiny-mixtral", progress=False, expert_stream_share=1).host_experts_in_decode() == "streamed to the GPU in decode"
+    assert llm.expert_stream_share is None and llm.host_experts_in_decode() == "no routed experts in host memory"
+    assert {b.stream_share for b in _blocks(LLM("tiny-mixtral", progress=False))} == {0.0}  # no CUDA: nothing to stream to
     monkeypatch.setattr(engine, "load_model", lambda *a, **k: pytest.fail("loaded weights despite a bad share"))
     with pytest.raises(ValueError, match="expert_stream_share must be in"):
         LLM("tiny-mixtral", progress=False, expert_stream_share=1.5)
+
+
+def test_default_share_streams_on_cuda_only():
+    assert streaming.default_stream_share(torch.device("cuda")) == 1.0
+    assert streaming.default_stream_share(torch.device("cpu")) == 0.0
+
+
+def test_reported_share_is_the_one_decode_uses(monkeypatch):
+    from writescope.budget.plan import make_plan
+    from writescope.presets import preset_config
+    from writescope.scheduler.policies import StaticPolicy
+
+    cfg = preset_config("tiny-qwen3-moe")
+    base = make_plan(cfg, torch.float32, 2**40, 2, cfg.max_position_embeddings, 0, StaticPolicy(0.5), 16)
+    budget = base.gpu_min + (base.experts_total // 2 + 8) * base.expert_bytes  # half the experts on the host
+
+    def load(share):
+        return LLM("tiny-qwen3-moe", progress=False, policy="static:0.5", window=16, vram_budget=budget, max_batch=2,
+                   expert_stream_share=share)
+
+    cases = {None: (0.0, "computed on the CPU in decode"), 0.25: (0.25, "a share of 0.25 streamed to the GPU in decode, the rest computed on the CPU"),
+             1: (1.0, "streamed to the GPU in decode")}
+    for share, (want, words) in cases.items():
+        llm = load(share)
+        assert llm.expert_stream_share == want and llm.host_experts_in_decode() == words
+    monkeypatch.setattr(block_mod, "grouped_mm_supported", lambda *a: False)  # no grouped GEMM here: nothing streams
+    llm = load(1)
+    assert llm.expert_stream_share == 0.0 and llm.host_experts_in_decode() == "computed on the CPU in decode"
 
 
 @pytest.mark.gpu

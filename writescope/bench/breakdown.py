@@ -14,6 +14,7 @@ The engine marks its parts with ``torch.profiler.record_function``:
 | ``kv.append`` / ``kv.evict`` / ``kv.drain`` | main | D-window writes, window evictions, staged compute blocks written home |
 | ``moe.router`` / ``moe.device_experts`` / ``moe.host_experts`` / ``moe.shared_experts`` | main | expert phase |
 | ``moe.tokens_to_host`` | main | the host experts' tokens copied to the host (waits for the device) |
+| ``moe.streamed_experts`` | main | host experts whose weights are streamed to the device and computed there |
 
 For each: CPU wall time per step (time spent inside the range on its thread, including waiting
 for the device when the range synchronises) and device time per step (kernels launched inside the
@@ -36,7 +37,7 @@ WORKER_RANGES = ("attn.cpu_part",)
 MAIN_RANGES = (
     "attn.q_to_host", "attn.window", "attn.load_region", "attn.monolithic_prepare", "attn.wait_cpu", "attn.merge",
     "kv.append", "kv.evict", "kv.drain", "moe.router", "moe.tokens_to_host", "moe.device_experts", "moe.host_experts",
-    "moe.shared_experts",
+    "moe.streamed_experts", "moe.shared_experts",
 )
 
 

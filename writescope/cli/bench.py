@@ -7,6 +7,8 @@ import json
 import time
 from pathlib import Path
 
+from writescope.cli.experts import add_stream_share_flag, check_stream_share
+
 
 def add_parser(sub) -> None:
     p = sub.add_parser("bench", help="compare KV placement policies: prefill and decode over a grid")
@@ -24,7 +26,7 @@ def add_parser(sub) -> None:
     p.add_argument("--h2d-gbs", type=float, default=55.0, help="host-to-device GB/s for the bound (default: the H200 machine's 55)")
     p.add_argument("--cpu-gbs", type=float, default=86.0, help="host read GB/s for the bound (default: the H200 machine's 86)")
     p.add_argument("--vram-budget", default=None, help="device memory the run may use, e.g. 32GiB")
-    p.add_argument("--expert-stream-share", type=float, default=None, metavar="F", help="of the host experts with few tokens, the fraction streamed to the GPU each decode step while the CPU computes the rest, 0-1 (0: CPU only; 1: stream all; default 1 on CUDA, 0 without)")
+    add_stream_share_flag(p)
     p.add_argument("--kv-fill", choices=("prefill", "random"), default="prefill",
                    help="prefill: run the prompts through the model (default); random: write seeded random KV of the model's "
                         "shape through the cache instead (decode grids without the prefill's time; prefill tok/s is then 0)")
@@ -71,8 +73,7 @@ def run(args: argparse.Namespace) -> int:
     for p in policies:
         if p.lower() not in ("writescope", "monolithic"):
             parse_policy(p)  # a bad name fails before the model loads
-    if args.expert_stream_share is not None and not 0.0 <= args.expert_stream_share <= 1.0:
-        raise ValueError(f"--expert-stream-share must be in [0, 1], got {args.expert_stream_share}")
+    check_stream_share(args)
     if args.steps < 1:
         raise ValueError(f"--steps must be >= 1, got {args.steps}")
     if args.sweep_static < 0:

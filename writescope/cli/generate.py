@@ -6,6 +6,8 @@ import argparse
 import json
 from pathlib import Path
 
+from writescope.cli.experts import add_stream_share_flag, check_stream_share
+
 
 def add_parser(sub) -> None:
     p = sub.add_parser("generate", help="generate text and print timings")
@@ -38,7 +40,7 @@ def add_parser(sub) -> None:
     p.add_argument("--cpu-threads", type=int, default=None, help="threads for CPU attention (default: all torch threads, less one with CUDA)")
     p.add_argument("--expert-threads", type=int, default=None, help="threads for routed experts in host memory (default: all torch threads)")
     p.add_argument("--vram-budget", default=None, help="device memory the run may use, e.g. 32GiB (routed experts beyond it go to the CPU)")
-    p.add_argument("--expert-stream-share", type=float, default=None, metavar="F", help="of the host experts with few tokens, the fraction streamed to the GPU each decode step while the CPU computes the rest, 0-1 (0: CPU only; 1: stream all; default 1 on CUDA, 0 without)")
+    add_stream_share_flag(p)
     p.add_argument("--output-json", type=Path, help="write token ids, text and metrics per request here")
     p.add_argument("--quiet", action="store_true", help="no progress bars")
     p.set_defaults(run=run)
@@ -71,8 +73,7 @@ def run(args: argparse.Namespace) -> int:
                         ("--cpu-threads", args.cpu_threads), ("--expert-threads", args.expert_threads)):
         if value is not None and value < 1:
             raise ValueError(f"{flag} must be >= 1, got {value}")
-    if args.expert_stream_share is not None and not 0.0 <= args.expert_stream_share <= 1.0:
-        raise ValueError(f"--expert-stream-share must be in [0, 1], got {args.expert_stream_share}")
+    check_stream_share(args)
     if args.output_json is not None and args.output_json.is_dir():
         raise ValueError(f"--output-json {args.output_json} is a directory: give a file path")
     params = [

@@ -6,6 +6,8 @@ import argparse
 import json
 from pathlib import Path
 
+from writescope.cli.experts import add_stream_share_flag, check_stream_share
+
 
 def add_parser(sub) -> None:
     p = sub.add_parser("profile", help="break a decode step down into attention, experts, KV writes and the rest")
@@ -21,6 +23,7 @@ def add_parser(sub) -> None:
     p.add_argument("--device", default="auto")
     p.add_argument("--dtype", default="auto")
     p.add_argument("--vram-budget", default=None, help="device memory the run may use, e.g. 32GiB")
+    add_stream_share_flag(p)
     p.add_argument("--trace", type=Path, help="also write a Chrome trace here")
     p.add_argument("--output-json", type=Path, help="write the breakdown here")
     p.add_argument("--quiet", action="store_true")
@@ -38,9 +41,10 @@ def run(args: argparse.Namespace) -> int:
     (context,) = parse_tokens(args.context, "--context")
     if args.batch < 1 or args.steps < 1 or args.skip < 0:
         raise ValueError(f"--batch and --steps must be >= 1 and --skip >= 0, got {args.batch}, {args.steps}, {args.skip}")
+    check_stream_share(args)
     llm = LLM(args.model, synthetic=args.synthetic, device=args.device, dtype=args.dtype, progress=not args.quiet,
               policy=args.policy, window=args.window, vram_budget=args.vram_budget, max_batch=args.batch,
-              num_layers=args.num_layers,  # the budget plans for the profiled requests, not the model's limit
+              num_layers=args.num_layers, expert_stream_share=args.expert_stream_share,  # the budget plans for the profiled requests, not the model's limit
               max_model_len=capped_model_len(args.model, context + 2 + args.skip + args.steps, args.num_layers, args.synthetic))
     g = torch.Generator().manual_seed(0)
     prompts = torch.randint(3, llm.config.vocab_size, (args.batch, context), generator=g).tolist()
@@ -52,7 +56,8 @@ def run(args: argparse.Namespace) -> int:
     if args.output_json:
         args.output_json.parent.mkdir(parents=True, exist_ok=True)
         args.output_json.write_text(json.dumps({"model": args.model, "num_layers": n, "batch": args.batch, "context": context,
-                                                "policy": llm.policy_name, "step_ms": bd.step_ms, "steps": bd.steps,
+                                                "policy": llm.policy_name, "expert_stream_share": llm.expert_stream_share,
+                                                "step_ms": bd.step_ms, "steps": bd.steps,
                                                 "ranges": {k: {"cpu_ms": c, "device_ms": d} for k, (c, d) in bd.ranges.items()}},
                                                indent=1))
         print(f"wrote {args.output_json}")

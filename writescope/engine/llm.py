@@ -22,6 +22,7 @@ from writescope.kvcache.contiguous import ContiguousKVCache
 from writescope.kvcache.inplace import InplaceKVCache
 from writescope.kvcache.spec import DEFAULT_WINDOW, PartitionSpec, Roofline
 from writescope.moe.block import SparseMoeBlock
+from writescope.moe.streaming import default_stream_share
 from writescope.scheduler.calibrate import load_or_calibrate
 from writescope.scheduler.policies import parse_policy
 
@@ -56,7 +57,7 @@ class LLM:
         expert_stream_share: of the host experts with few tokens (decode), the fraction streamed to
             the device each step while the CPU computes the rest, in [0, 1]; 0: the CPU computes
             them all; 1: all streamed. Default: 1 on CUDA (on the H200 the expert phase of a
-            16-token step took 1.8-5.3x less time streamed than on the CPU:
+            16-token step took 1.7-5.3x less time streamed than on the CPU:
             benchmarks/results/e2e.md, "Expert phase"), 0 without CUDA, where there is nothing
             to stream to
             (:attr:`writescope.moe.block.SparseMoeBlock.stream_share`).
@@ -110,7 +111,7 @@ class LLM:
         if expert_threads is not None and expert_threads < 1:
             raise ValueError(f"expert_threads must be >= 1, got {expert_threads}")
         if expert_stream_share is None:
-            expert_stream_share = 1.0 if self.device.type == "cuda" else 0.0
+            expert_stream_share = default_stream_share(self.device)
         if not 0.0 <= expert_stream_share <= 1.0:
             raise ValueError(f"expert_stream_share must be in [0, 1], got {expert_stream_share}")
         cfg, _ = resolve_config(model, num_layers, synthetic)
@@ -156,8 +157,9 @@ class LLM:
             b.stream_share = expert_stream_share
             if self.vram_plan is not None and not self.vram_plan.stream_slots:
                 b.stream_min_tokens = None  # no room in the budget for streaming slots: host experts stay on the CPU
-        no_slots = self.vram_plan is not None and not self.vram_plan.stream_slots
-        self.expert_stream_share = 0.0 if no_slots else expert_stream_share  # what decode does with host experts
+        # what decode does with host experts: None without any; 0 where a block cannot stream them
+        hosted = [b for b in blocks if b.host_experts]
+        self.expert_stream_share = None if not hosted else expert_stream_share if all(b.streams_host_experts() for b in hosted) else 0.0
         if self.vram_plan is not None:
             p = self.vram_plan
             self.load_info["device_memory_at_cap"] = enforce_budget(self.device, p.budget, p.weights_gpu, p.working_gpu)
@@ -211,6 +213,8 @@ class LLM:
     def host_experts_in_decode(self) -> str:
         """Where a decode step computes the routed experts in host memory, in words."""
         share = self.expert_stream_share
+        if share is None:
+            return "no routed experts in host memory"
         if share == 0:
             return "computed on the CPU in decode"
         if share == 1:

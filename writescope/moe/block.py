@@ -63,6 +63,13 @@ class SparseMoeBlock(nn.Module):
         if was_packed:  # re-pack now: the kept experts are views of the old pack, which is freed once they move
             self.pack()
 
+    def streams_host_experts(self) -> bool:
+        """Whether this block can stream its host experts to its device: it has some, a budget left
+        room for the streaming slots (``stream_min_tokens`` not None), and grouped GEMMs run here."""
+        w = self.gate.weight
+        return bool(self.host_experts) and self.host_pack is not None and self.stream_min_tokens is not None and \
+            grouped_mm_supported(w.device, w.dtype, w.shape[1], self.cfg.intermediate_size)
+
     def _apply(self, fn, recurse=True):
         self.packed = None  # .to(device or dtype) moves the parameters one by one: pack again on the next forward
         return super()._apply(fn, recurse)
@@ -124,7 +131,7 @@ class SparseMoeBlock(nn.Module):
             host = [e for e in host if counts[e] < self.stream_min_tokens]
             if host and self.stream_share > 0:
                 # decode: each host expert has few tokens, and both paths read its weights once, the
-                # copy over PCIe (55 GB/s) and the CPU's GEMMs (18-28 GB/s measured): split them so
+                # copy over PCIe (55 GB/s) and the CPU's GEMMs (9-28 GB/s measured): split them so
                 # both finish together (stream_share = PCIe rate / both rates)
                 by_tokens = sorted(host, key=lambda e: (-counts[e], e))
                 k = round(min(1.0, self.stream_share) * len(by_tokens))

@@ -7,7 +7,7 @@ D x I weights costs 6 D I n FLOPs; copying the weights costs 6 D I bytes (bf16, 
 so copying wins from n ~ 1.5e12 / 55e9 ~ 27 tokens. Experts with at least ``min_tokens`` (32)
 assigned tokens are streamed. Of the rest, ``SparseMoeBlock.stream_share`` are streamed too and
 the CPU computes the others: on the H200 the CPU's few-token GEMMs read weights at only 9-27 GB/s,
-so streaming all of them (share 1, the default on CUDA) was 1.8-5.3x faster for a 16-token decode
+so streaming all of them (share 1, the default on CUDA) was 1.7-5.3x faster for a 16-token decode
 batch (benchmarks/results/e2e.md, "Expert phase").
 
 Streamed experts go through ``2 x slots`` device weight slots shared by all layers (double
@@ -54,6 +54,12 @@ class WeightSlots:
 
     def nbytes(self) -> int:
         return self.w13.numel() * self.w13.element_size() + self.w2.numel() * self.w2.element_size()
+
+
+def default_stream_share(device: torch.device) -> float:
+    """The decode stream share when none is given: 1 (stream every host expert) on CUDA, 0
+    without CUDA, where the "device" is the CPU itself (benchmarks/results/e2e.md, "Expert phase")."""
+    return 1.0 if device.type == "cuda" else 0.0
 
 
 def stream_plan_bytes(hidden: int, inter: int, itemsize: int, slots: int | None = None) -> int:
