@@ -20,6 +20,8 @@
 # timeout is cut to what is left, and a part with under 40 s left is skipped. The grid's shape can be narrowed
 # with GRID_BATCH, GRID_CONTEXT, GRID_POLICIES, GRID_STEPS (defaults below); rows are saved as they finish;
 # GRID_FLAGS adds bench flags and GRID_TAG a suffix to its file names (e.g. GRID_FLAGS="--expert-stream-share 0" GRID_TAG=_cpu_experts).
+# `breakdown` takes BREAKDOWN_BATCH, BREAKDOWN_CONTEXT (Mixtral's limit is 32,768 tokens: use 32000), BREAKDOWN_POLICY,
+# BREAKDOWN_FLAGS (more profile flags) and BREAKDOWN_TAG (a file-name suffix).
 # `text` takes TEXT_TOKENS (prompt tokens, default 32k) and TEXT_FLAGS (more generate flags), e.g. for Mixtral
 # (a 32,768-token limit): TEXT_TOKENS=32512 bash benchmarks/h200_session.sh text:mixtral-8x7b; TEXT_FLAGS="--expert-stream-share 0"
 # has the CPU compute the decode's host experts instead of streaming them (the default on CUDA)
@@ -66,8 +68,9 @@ part() {
         ${TEXT_FLAGS:-} --output-json "$out/text_${m}_h200.json" 2>&1 | grep -v "synthetic weights:\|calibrate:" | tee "$out/text_${m}_h200.log" | tail -30 ;;
     breakdown)
       timeout "$(tmo 330)" python3 -m writescope.cli.main profile --model "$m" --synthetic --device cuda --vram-budget 32GiB \
-        --batch 4 --context 32k --policy writescope --steps 6 --quiet --output-json "$out/profile_${m}_h200.json" \
-        2>&1 | grep -v USDT | tee "$out/profile_${m}_h200.log" | tail -30 ;;
+        --batch "${BREAKDOWN_BATCH:-4}" --context "${BREAKDOWN_CONTEXT:-32k}" --policy "${BREAKDOWN_POLICY:-writescope}" --steps 6 --quiet \
+        ${BREAKDOWN_FLAGS:-} --output-json "$out/profile_${m}_h200${BREAKDOWN_TAG:-}.json" \
+        2>&1 | grep -v USDT | tee "$out/profile_${m}_h200${BREAKDOWN_TAG:-}.log" | tail -30 ;;
     1m)
       timeout "$(tmo 560)" python3 -m writescope.cli.main generate --model deepseek-v2-lite --synthetic --device cuda --vram-budget 32GiB \
         --machine-text 32k --batch 32 --max-new-tokens 256 --ignore-eos --policy writescope --prefill-chunk-tokens 2048 \

@@ -87,5 +87,6 @@ def test_expert_stream_share_flag_reaches_the_engine_and_defaults_to_the_device_
         argv = argv + ["--model", "tiny-qwen3-moe", "--quiet"]
         assert _llm_kwargs(monkeypatch, module, argv)["expert_stream_share"] is None, argv
         assert _llm_kwargs(monkeypatch, module, argv + ["--expert-stream-share", "0"])["expert_stream_share"] == 0.0, argv
-        assert _llm_kwargs(monkeypatch, module, argv + ["--expert-stream-share", "1.5"]) == {}, argv  # refused before loading
-        assert "--expert-stream-share must be in [0, 1], got 1.5" in capsys.readouterr().err
+        for bad in ("1.5", "nan"):
+            assert _llm_kwargs(monkeypatch, module, argv + ["--expert-stream-share", bad]) == {}, argv  # refused before loading
+            assert f"--expert-stream-share must be in [0, 1], got {bad}" in capsys.readouterr().err

@@ -104,26 +104,52 @@ def test_default_share_streams_on_cuda_only():
 
 
 def test_reported_share_is_the_one_decode_uses(monkeypatch):
+    """LLM.expert_stream_share and its words follow what decode does: checked against a spy on
+    the streaming path during generate (a decode batch of 2 tokens: only the share streams)."""
+    import writescope.engine.llm as engine
     from writescope.budget.plan import make_plan
     from writescope.presets import preset_config
     from writescope.scheduler.policies import StaticPolicy
 
     cfg = preset_config("tiny-qwen3-moe")
     base = make_plan(cfg, torch.float32, 2**40, 2, cfg.max_position_embeddings, 0, StaticPolicy(0.5), 16)
-    budget = base.gpu_min + (base.experts_total // 2 + 8) * base.expert_bytes  # half the experts on the host
+    half = base.gpu_min + (base.experts_total // 2 + 8) * base.expert_bytes  # half the experts on the host, with slots
 
-    def load(share):
+    def load(share, budget=half):
         return LLM("tiny-qwen3-moe", progress=False, policy="static:0.5", window=16, vram_budget=budget, max_batch=2,
                    expert_stream_share=share)
 
-    cases = {None: (0.0, "computed on the CPU in decode"), 0.25: (0.25, "a share of 0.25 streamed to the GPU in decode, the rest computed on the CPU"),
-             1: (1.0, "streamed to the GPU in decode")}
+    streamed = []
+    real = block_mod.run_streamed
+    monkeypatch.setattr(block_mod, "run_streamed", lambda pack, experts, *a: (streamed.append(len(experts)), real(pack, experts, *a)))
+
+    def decode_streams(llm) -> bool:
+        streamed.clear()
+        llm.generate(prompt_token_ids=[[5, 6, 7], [8, 9]], sampling_params=None)  # 2-3 tokens: under stream_min_tokens
+        return bool(streamed)
+
+    cases = {None: (0.0, "few-token host experts computed on the CPU in decode"),  # no CUDA: the default is 0
+             0.25: (0.25, "a share of 0.25 of the few-token host experts streamed to the device in decode, the rest computed on the CPU"),
+             1: (1.0, "host experts streamed to the device in decode")}
     for share, (want, words) in cases.items():
         llm = load(share)
         assert llm.expert_stream_share == want and llm.host_experts_in_decode() == words
+        assert decode_streams(llm) == (want > 0), share
+    monkeypatch.setattr(engine, "default_stream_share", lambda device: 0.5)  # the rule is what LLM uses when none is given
+    assert load(None).expert_stream_share == 0.5
+    # every expert on the host and no room for streaming slots: nothing can stream, whatever the share
+    no_slots = load(1, budget=base.gpu_min)
+    assert no_slots.vram_plan.stream_slots == 0 and no_slots.expert_stream_share == 0.0 and not decode_streams(no_slots)
     monkeypatch.setattr(block_mod, "grouped_mm_supported", lambda *a: False)  # no grouped GEMM here: nothing streams
     llm = load(1)
-    assert llm.expert_stream_share == 0.0 and llm.host_experts_in_decode() == "computed on the CPU in decode"
+    assert llm.expert_stream_share == 0.0 and llm.host_experts_in_decode() == "few-token host experts computed on the CPU in decode"
+    assert not decode_streams(llm)
+    # a block with no host experts does not count: the others still stream
+    llm = load(1)
+    monkeypatch.undo()
+    first = _blocks(llm)[0]
+    first.offload_experts([])
+    assert not first.host_experts and llm.expert_stream_share == 1.0
 
 
 @pytest.mark.gpu

@@ -57,7 +57,7 @@ class LLM:
         expert_stream_share: of the host experts with few tokens (decode), the fraction streamed to
             the device each step while the CPU computes the rest, in [0, 1]; 0: the CPU computes
             them all; 1: all streamed. Default: 1 on CUDA (on the H200 the expert phase of a
-            16-token step took 1.7-5.3x less time streamed than on the CPU:
+            16-token step took 1.6-5.3x less time streamed than on the CPU:
             benchmarks/results/e2e.md, "Expert phase"), 0 without CUDA, where there is nothing
             to stream to
             (:attr:`writescope.moe.block.SparseMoeBlock.stream_share`).
@@ -157,9 +157,7 @@ class LLM:
             b.stream_share = expert_stream_share
             if self.vram_plan is not None and not self.vram_plan.stream_slots:
                 b.stream_min_tokens = None  # no room in the budget for streaming slots: host experts stay on the CPU
-        # what decode does with host experts: None without any; 0 where a block cannot stream them
-        hosted = [b for b in blocks if b.host_experts]
-        self.expert_stream_share = None if not hosted else expert_stream_share if all(b.streams_host_experts() for b in hosted) else 0.0
+        self._moe_blocks = blocks
         if self.vram_plan is not None:
             p = self.vram_plan
             self.load_info["device_memory_at_cap"] = enforce_budget(self.device, p.budget, p.weights_gpu, p.working_gpu)
@@ -210,16 +208,32 @@ class LLM:
         self.attention_threads = cpu_threads or default_attention_threads(self.device)  # what the CPU attention uses
         self.policy_name = "resident" if parsed is None else parsed.name
 
+    @property
+    def expert_stream_share(self) -> float | None:
+        """The share of the few-token host experts (fewer than ``stream_min_tokens``) that a decode
+        step streams to the device, read from the MoE blocks as they are now: None when no block
+        has routed experts in host memory; 0.0 when a block that has some cannot stream them (no
+        streaming slots in the budget, or no grouped GEMM here); else the smallest block's
+        ``stream_share`` (all equal unless changed by hand). Experts with more tokens are
+        streamed whatever the share."""
+        hosted = [b for b in self._moe_blocks if b.host_experts]
+        if not hosted:
+            return None
+        if not all(b.streams_host_experts() for b in hosted):
+            return 0.0
+        return min(b.stream_share for b in hosted)
+
     def host_experts_in_decode(self) -> str:
-        """Where a decode step computes the routed experts in host memory, in words."""
+        """Where a decode step computes the routed experts in host memory, in words
+        (see :attr:`expert_stream_share`)."""
         share = self.expert_stream_share
         if share is None:
             return "no routed experts in host memory"
         if share == 0:
-            return "computed on the CPU in decode"
+            return "few-token host experts computed on the CPU in decode"
         if share == 1:
-            return "streamed to the GPU in decode"
-        return f"a share of {share:g} streamed to the GPU in decode, the rest computed on the CPU"
+            return "host experts streamed to the device in decode"
+        return f"a share of {share:g} of the few-token host experts streamed to the device in decode, the rest computed on the CPU"
 
     def roofline(self, window: int = DEFAULT_WINDOW, cpu_threads: int | None = None) -> Roofline:
         """Calibrated A, B, C for this model's KV shape on this machine: stored, or measured now

@@ -67,8 +67,11 @@ class SparseMoeBlock(nn.Module):
         """Whether this block can stream its host experts to its device: it has some, a budget left
         room for the streaming slots (``stream_min_tokens`` not None), and grouped GEMMs run here."""
         w = self.gate.weight
-        return bool(self.host_experts) and self.host_pack is not None and self.stream_min_tokens is not None and \
-            grouped_mm_supported(w.device, w.dtype, w.shape[1], self.cfg.intermediate_size)
+        return bool(self.host_experts) and self._can_stream(w.device, w.dtype, w.shape[1])
+
+    def _can_stream(self, device: torch.device, dtype: torch.dtype, hidden: int) -> bool:
+        return self.stream_min_tokens is not None and self.host_pack is not None and grouped_mm_supported(
+            device, dtype, hidden, self.cfg.intermediate_size)
 
     def _apply(self, fn, recurse=True):
         self.packed = None  # .to(device or dtype) moves the parameters one by one: pack again on the next forward
@@ -124,14 +127,12 @@ class SparseMoeBlock(nn.Module):
             starts.append(starts[-1] + n)
         host = [e for e in self.host_experts if counts[e]]
         streamed = []
-        if host and self.stream_min_tokens is not None and self.host_pack is not None and grouped_mm_supported(
-            x.device, x.dtype, x.shape[1], self.cfg.intermediate_size
-        ):
+        if host and self._can_stream(x.device, x.dtype, x.shape[1]):
             streamed = [e for e in host if counts[e] >= self.stream_min_tokens]
             host = [e for e in host if counts[e] < self.stream_min_tokens]
             if host and self.stream_share > 0:
                 # decode: each host expert has few tokens, and both paths read its weights once, the
-                # copy over PCIe (55 GB/s) and the CPU's GEMMs (9-28 GB/s measured): split them so
+                # copy over PCIe (55 GB/s) and the CPU's GEMMs (9-27 GB/s measured): split them so
                 # both finish together (stream_share = PCIe rate / both rates)
                 by_tokens = sorted(host, key=lambda e: (-counts[e], e))
                 k = round(min(1.0, self.stream_share) * len(by_tokens))

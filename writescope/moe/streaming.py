@@ -7,7 +7,7 @@ D x I weights costs 6 D I n FLOPs; copying the weights costs 6 D I bytes (bf16, 
 so copying wins from n ~ 1.5e12 / 55e9 ~ 27 tokens. Experts with at least ``min_tokens`` (32)
 assigned tokens are streamed. Of the rest, ``SparseMoeBlock.stream_share`` are streamed too and
 the CPU computes the others: on the H200 the CPU's few-token GEMMs read weights at only 9-27 GB/s,
-so streaming all of them (share 1, the default on CUDA) was 1.7-5.3x faster for a 16-token decode
+so streaming all of them (share 1, the default on CUDA) was 1.6-5.3x faster for a 16-token decode
 batch (benchmarks/results/e2e.md, "Expert phase").
 
 Streamed experts go through ``2 x slots`` device weight slots shared by all layers (double
