@@ -21,13 +21,22 @@ def pooled_rows(paths: list[Path], x: str, series: str, y: str) -> list[dict]:
     """Rows of every file that have ``x``, ``series`` and ``y``.
 
     Raises:
-        ValueError: no row of any file has all three keys (names the keys the rows do have).
+        ValueError: a file that is not JSON with a ``rows`` list, or whose ``y`` is not a number
+            (names the file); no row of any file has all three keys (names the keys the rows do have).
     """
     rows, seen = [], set()
     for path in paths:
-        for r in json.loads(path.read_text())["rows"]:
+        try:
+            doc = json.loads(path.read_text())
+        except (OSError, ValueError) as e:
+            raise ValueError(f"{path}: not a readable JSON file ({e})") from None
+        if not isinstance(doc, dict) or not isinstance(doc.get("rows"), list):
+            raise ValueError(f"{path}: no 'rows' list (give a file written by `writescope bench --output-json` or a benchmark script)")
+        for r in doc["rows"]:
             seen.update(r)
             if x in r and series in r and y in r:
+                if not isinstance(r[y], (int, float)):
+                    raise ValueError(f"{path}: --y {y!r} is not a number in its rows (got {r[y]!r}): pick a numeric key")
                 rows.append(r)
     if not rows:
         raise ValueError(f"no row has all of {x!r}, {series!r}, {y!r}; the rows' keys are {sorted(seen)}")
@@ -75,7 +84,7 @@ def main() -> None:
     args = ap.parse_args()
     try:
         rows = pooled_rows(args.files, args.x, args.series, args.y)
-    except (OSError, ValueError, KeyError) as e:
+    except ValueError as e:
         raise SystemExit(f"bar_plot: {e}") from None
     bar_plot(rows, args.x, args.series, args.y, args.out, args.ylabel, args.title)
     print(f"wrote {args.out}")

@@ -26,6 +26,16 @@ def test_rows_are_pooled_across_files_and_rows_without_the_keys_are_left_out(tmp
     assert [(r["context"], r["decode_tok_s"]) for r in rows] == [(8192, 20.0), (32768, 12.5)]
     with pytest.raises(ValueError, match=r"'policy'.*keys are \['context', 'decode_tok_s', 'engine', 'error'\]"):
         bp.pooled_rows([a, b], "context", "policy", "decode_tok_s")
+    with pytest.raises(ValueError, match=r"a.json: --y 'engine' is not a number"):
+        bp.pooled_rows([a, b], "context", "decode_tok_s", "engine")
+    bad = tmp_path / "notes.md"
+    bad.write_text("# not JSON")
+    with pytest.raises(ValueError, match=r"notes.md: not a readable JSON file"):
+        bp.pooled_rows([a, bad], "context", "engine", "decode_tok_s")
+    no_rows = tmp_path / "c.json"
+    no_rows.write_text("{}")
+    with pytest.raises(ValueError, match=r"c.json: no 'rows' list"):
+        bp.pooled_rows([no_rows], "context", "engine", "decode_tok_s")
 
 
 def test_chart_has_one_bar_per_row_in_its_group_with_its_height_and_label(tmp_path, monkeypatch):

@@ -140,9 +140,11 @@ def test_reported_share_is_the_one_decode_uses(monkeypatch):
     # every expert on the host and no room for streaming slots: nothing can stream, whatever the share
     no_slots = load(1, budget=base.gpu_min)
     assert no_slots.vram_plan.stream_slots == 0 and no_slots.expert_stream_share == 0.0 and not decode_streams(no_slots)
+    assert no_slots.host_experts_in_decode() == "few-token host experts computed on the CPU in decode (no room for streaming slots in the budget)"
     monkeypatch.setattr(block_mod, "grouped_mm_supported", lambda *a: False)  # no grouped GEMM here: nothing streams
     llm = load(1)
-    assert llm.expert_stream_share == 0.0 and llm.host_experts_in_decode() == "few-token host experts computed on the CPU in decode"
+    assert llm.expert_stream_share == 0.0
+    assert llm.host_experts_in_decode() == "few-token host experts computed on the CPU in decode (no grouped GEMM for this device and dtype)"
     assert not decode_streams(llm)
     # a block with no host experts does not count: the others still stream
     llm = load(1)

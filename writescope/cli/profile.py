@@ -46,6 +46,8 @@ def run(args: argparse.Namespace) -> int:
               policy=args.policy, window=args.window, vram_budget=args.vram_budget, max_batch=args.batch,
               num_layers=args.num_layers, expert_stream_share=args.expert_stream_share,  # the budget plans for the profiled requests, not the model's limit
               max_model_len=capped_model_len(args.model, context + 2 + args.skip + args.steps, args.num_layers, args.synthetic))
+    if llm.vram_plan is not None:
+        print(f"{llm.vram_plan.placement_line()} ({llm.host_experts_in_decode()})", flush=True)
     g = torch.Generator().manual_seed(0)
     prompts = torch.randint(3, llm.config.vocab_size, (args.batch, context), generator=g).tolist()
     bd = decode_breakdown(llm, prompts, args.steps, args.skip, str(args.trace) if args.trace else None)

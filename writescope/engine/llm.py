@@ -230,7 +230,12 @@ class LLM:
         if share is None:
             return "no routed experts in host memory"
         if share == 0:
-            return "few-token host experts computed on the CPU in decode"
+            asked = min(b.stream_share for b in self._moe_blocks if b.host_experts)
+            why = ""
+            if asked > 0:  # asked for streaming, but a block cannot: say why
+                why = (" (no room for streaming slots in the budget)" if any(b.stream_min_tokens is None for b in self._moe_blocks)
+                       else " (no grouped GEMM for this device and dtype)")
+            return "few-token host experts computed on the CPU in decode" + why
         if share == 1:
             return "host experts streamed to the device in decode"
         return f"a share of {share:g} of the few-token host experts streamed to the device in decode, the rest computed on the CPU"
