@@ -7,6 +7,7 @@ import statistics
 from pathlib import Path
 
 from writescope.bench.runner import BenchRow
+from writescope.scheduler.policies import StaticPolicy, parse_policy
 
 
 def format_table(rows: list[BenchRow]) -> str:
@@ -34,11 +35,13 @@ def format_table(rows: list[BenchRow]) -> str:
 
 def static_share(policy: str) -> float | None:
     """The fixed CPU share of a static placement: ``gpu`` -> 0, ``cpu`` -> 1 (the same placements
-    as ``static:0`` and ``static:1``), ``static:R`` -> R; None for any other policy."""
-    p = policy.strip().lower()
-    if p in ("gpu", "cpu"):
-        return float(p == "cpu")
-    return float(p.split(":", 1)[1]) if p.startswith("static:") else None
+    as ``static:0`` and ``static:1``), ``static:R`` -> R; None for any other policy (as
+    :func:`~writescope.scheduler.policies.parse_policy` reads them)."""
+    try:
+        parsed = parse_policy(policy)
+    except ValueError:  # writescope / monolithic without a roofline, or not a policy
+        return None
+    return parsed.share if isinstance(parsed, StaticPolicy) else None
 
 
 def best_static(rows: list[BenchRow]) -> dict[tuple[int, int], BenchRow]:

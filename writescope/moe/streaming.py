@@ -82,14 +82,15 @@ def run_streamed(host_pack, experts: list[int], rows: list[torch.Tensor], weight
     host_pack.slots = ws  # the block keeps the slots alive (they go with the last block using them)
     index = host_pack.index
     cur = torch.cuda.current_stream(x.device) if ws.cuda else None
-    groups = [experts[a : a + ws.slots] for a in range(0, len(experts), ws.slots)]
+    starts = range(0, len(experts), ws.slots)  # group g is experts[starts[g] : starts[g] + slots]
+    groups = [experts[a : a + ws.slots] for a in starts]
     # every group's offsets in one small host-to-device copy before the loop, from pinned memory,
     # so no copy inside the loop waits for the stream
     ends = []
-    for group in groups:
+    for a in starts:
         run = 0
-        for e in group:
-            run += rows[experts.index(e)].numel()
+        for r in rows[a : a + ws.slots]:
+            run += r.numel()
             ends.append(run)
     offs_all = torch.tensor(ends, dtype=torch.int32)
     offs_all = (offs_all.pin_memory() if ws.cuda else offs_all).to(x.device, non_blocking=True)
@@ -99,12 +100,10 @@ def run_streamed(host_pack, experts: list[int], rows: list[torch.Tensor], weight
         nxt = _issue_copy(ws, host_pack, index, groups[g + 1], (g + 1) % 2, cur) if g + 1 < len(groups) else None
         if ready is not None:
             cur.wait_event(ready)
-        sel = [experts.index(e) for e in group]
-        tok = torch.cat([rows[i] for i in sel])
-        w = torch.cat([weights[i] for i in sel]).to(x.dtype)
-        first = g * ws.slots
-        offs = offs_all[first : first + len(group)]
-        n = len(group)
+        first, n = starts[g], len(group)
+        tok = torch.cat(rows[first : first + n])
+        w = torch.cat(weights[first : first + n]).to(x.dtype)
+        offs = offs_all[first : first + n]
         y = grouped_swiglu(x[tok], ws.w13[b, :n], ws.w2[b, :n], offs, I)
         out.index_add_(0, tok, y.mul_(w[:, None]))
         if ws.cuda:
