@@ -160,8 +160,10 @@ def test_kernel_edge_inputs(use_kernel):
 
 def test_kernel_releases_the_gil(use_kernel):
     """The GPU part is launched from the main thread while the worker runs the CPU part: the
-    kernel must not hold the GIL. A Python thread counting in a loop keeps most of its idle rate
-    while the kernel runs (one kernel thread, so the two do not compete for a core)."""
+    kernel must not hold the GIL. A Python thread counting in a loop keeps a good part of its idle
+    rate while the kernel runs (one kernel thread, so the two need not compete for a core). Holding
+    the GIL, the counter got ~3% of its idle rate. Releasing it, 72-111% on the 2-core dev machine
+    but once 49% in CI (a shared machine), so the bound is 20% and the best of three tries counts."""
     import threading
     import time
 
@@ -176,23 +178,27 @@ def test_kernel_releases_the_gil(use_kernel):
         while not stop.is_set():
             ticks[0] += 1
 
+    ext = kernel._extension()
+    args = (q, [x[0] for x in kv], [x[1] for x in kv], 512, 0.1)
+    fractions = []
     t = threading.Thread(target=spin)
     t.start()
     try:
-        ext = kernel._extension()
-        args = (q, [x[0] for x in kv], [x[1] for x in kv], 512, 0.1)
         with intra_op_threads(1):
             ext.attend(*args)  # warm
-            b0, t0 = ticks[0], time.perf_counter()
-            ext.attend(*args)  # the C++ call alone (holding the GIL, the counter got ~3%)
-            run_s, run_ticks = time.perf_counter() - t0, ticks[0] - b0
-        b1, t1 = ticks[0], time.perf_counter()
-        time.sleep(run_s)
-        idle_s, idle_ticks = time.perf_counter() - t1, ticks[0] - b1
+        for _ in range(3):
+            with intra_op_threads(1):
+                b0, t0 = ticks[0], time.perf_counter()
+                ext.attend(*args)  # the C++ call alone
+                run_s, run_ticks = time.perf_counter() - t0, ticks[0] - b0
+            b1, t1 = ticks[0], time.perf_counter()
+            time.sleep(run_s)
+            idle_s, idle_ticks = time.perf_counter() - t1, ticks[0] - b1
+            fractions.append((run_ticks / run_s) / (idle_ticks / idle_s))
     finally:
         stop.set()
         t.join()
-    assert run_ticks / run_s > 0.5 * idle_ticks / idle_s, (run_ticks, run_s, idle_ticks, idle_s)
+    assert max(fractions) > 0.2, fractions
 
 
 def test_policies_give_resident_tokens_with_the_kernel(use_kernel):
