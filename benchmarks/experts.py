@@ -23,46 +23,28 @@ from __future__ import annotations
 import argparse
 import json
 import statistics
-import time
 from pathlib import Path
 
 import torch
 
 from writescope.engine.model_loader import parse_dtype, resolve_config, resolve_device
+from writescope.engine.timing import synchronized_seconds
 from writescope.moe.block import SparseMoeBlock
 from writescope.moe.router import route
 from writescope.moe.streaming import MIN_TOKENS
-
-
-def sync(device):
-    if device.type == "cuda":
-        torch.cuda.synchronize(device)
 
 
 def copy_gbs(device, nbytes=2**30, repeats=5) -> float:
     """Device-to-device copy bandwidth (read + write bytes per second)."""
     a = torch.empty(nbytes // 2, dtype=torch.bfloat16, device=device).normal_()
     b = torch.empty_like(a)
-    ts = []
-    for _ in range(repeats):
-        sync(device)
-        t0 = time.perf_counter()
-        b.copy_(a)
-        sync(device)
-        ts.append(time.perf_counter() - t0)
+    ts = [synchronized_seconds(lambda: b.copy_(a), device)[1] for _ in range(repeats)]
     return 2 * nbytes / statistics.median(ts) / 1e9
 
 
 def timed(fn, device, repeats) -> float:
     fn()  # warm-up (packing, kernels)
-    ts = []
-    for _ in range(repeats):
-        sync(device)
-        t0 = time.perf_counter()
-        fn()
-        sync(device)
-        ts.append(time.perf_counter() - t0)
-    return statistics.median(ts)
+    return statistics.median(synchronized_seconds(fn, device)[1] for _ in range(repeats))
 
 
 def main() -> None:

@@ -18,7 +18,6 @@ from __future__ import annotations
 import argparse
 import gc
 import json
-import time
 from pathlib import Path
 
 import torch
@@ -26,23 +25,15 @@ import torch
 from writescope import LLM, SamplingParams
 from writescope.cli.bench import parse_tokens
 from writescope.engine.model_loader import parse_dtype, resolve_device
-
-
-def sync(device):
-    if device.type == "cuda":
-        torch.cuda.synchronize(device)
+from writescope.engine.timing import synchronized_seconds
 
 
 def hf_generate_seconds(model, input_ids, new_tokens, cache, device) -> float:
     kw = dict(max_new_tokens=new_tokens, min_new_tokens=new_tokens, do_sample=False)
     if cache != "dynamic":
         kw["cache_implementation"] = cache
-    sync(device)
-    t0 = time.perf_counter()
     with torch.no_grad():
-        model.generate(input_ids, attention_mask=torch.ones_like(input_ids), **kw)
-    sync(device)
-    return time.perf_counter() - t0
+        return synchronized_seconds(lambda: model.generate(input_ids, attention_mask=torch.ones_like(input_ids), **kw), device)[1]
 
 
 def main() -> None:

@@ -18,7 +18,6 @@ work, and generating them is kept out of the timed part.
 
 from __future__ import annotations
 
-import argparse
 import json
 import statistics
 import time
@@ -28,42 +27,33 @@ import torch
 
 from writescope.attention.metadata import ForwardBatch
 from writescope.config import KVLayout
+from writescope.engine.timing import synchronized_seconds
 from writescope.kvcache.inplace import InplaceKVCache
 from writescope.kvcache.spec import PartitionSpec
 from writescope.scheduler.policies import StaticPolicy
+
+from layer_args import layer_parser  # benchmarks/ (the script's folder)
 
 SHARES = (0.0, 0.5, 1.0)
 
 
 def parse_args():
-    p = argparse.ArgumentParser(description=__doc__.split("\n")[0])
-    p.add_argument("--batch", type=int, default=16)
-    p.add_argument("--contexts", default="8192,16384,32768")
+    p = layer_parser(__doc__)
     p.add_argument("--rounds", type=int, default=5, help="timed rounds per (context, share); a first round is warm-up")
-    p.add_argument("--q-heads", type=int, default=32)
-    p.add_argument("--kv-heads", type=int, default=4)
-    p.add_argument("--head-dim", type=int, default=128)
-    p.add_argument("--window", type=int, default=256)
-    p.add_argument("--cpu-threads", type=int, default=15)
     p.add_argument("--out", type=Path, default=None, help="write OUT.json and OUT.md")
     return p.parse_args()
-
-
-def sync(dev):
-    if dev.type == "cuda":
-        torch.cuda.synchronize(dev)
 
 
 def batch_prefill_s(cache: InplaceKVCache, L: int, B: int, qkv, scale: float, dev) -> float:
     """Seconds to prefill B sequences of L tokens into ``cache`` until every write has landed."""
     slots = [cache.allocate(L + 1, prompt_len=L) for _ in range(B)]
-    sync(dev)
-    t0 = time.perf_counter()
-    for s in slots:
-        cache.attend(0, *qkv, ForwardBatch.build([s], [L], [0], dev), scale)
-    cache.flush_writes()
-    sync(dev)
-    dt = time.perf_counter() - t0
+
+    def run():
+        for s in slots:
+            cache.attend(0, *qkv, ForwardBatch.build([s], [L], [0], dev), scale)
+        cache.flush_writes()
+
+    _, dt = synchronized_seconds(run, dev)
     for s in slots:
         cache.free(s)
     return dt

@@ -15,7 +15,6 @@ their raw rates at once (docs/HARDWARE.md: 55 + 86 GB/s on the H200 machine).
 
 from __future__ import annotations
 
-import argparse
 import json
 import statistics
 import time
@@ -25,23 +24,19 @@ import torch
 
 from writescope.attention.metadata import ForwardBatch
 from writescope.config import KVLayout
+from writescope.engine.timing import synchronize, synchronized_seconds
 from writescope.kvcache.inplace import InplaceKVCache
 from writescope.kvcache.spec import PartitionSpec
 from writescope.scheduler.policies import StaticPolicy
 
+from layer_args import layer_parser  # benchmarks/ (the script's folder)
+
 
 def parse_args():
-    p = argparse.ArgumentParser(description=__doc__.split("\n")[0])
-    p.add_argument("--batch", type=int, default=16)
-    p.add_argument("--contexts", default="8192,16384,32768")
+    p = layer_parser(__doc__)
     p.add_argument("--shares", type=int, default=16, help="R in {0, 1/N, ..., 1} (default N = 16)")
-    p.add_argument("--q-heads", type=int, default=32)
-    p.add_argument("--kv-heads", type=int, default=4)
-    p.add_argument("--head-dim", type=int, default=128)
-    p.add_argument("--window", type=int, default=256)
     p.add_argument("--steps", type=int, default=15, help="timed decode steps per configuration")
     p.add_argument("--warmup", type=int, default=3)
-    p.add_argument("--cpu-threads", type=int, default=15)
     p.add_argument("--shares-list", default=None, help="explicit comma-separated R values (overrides --shares)")
     p.add_argument("--cpu-inline", action="store_true", help="CPU attention on the calling thread instead of a worker")
     p.add_argument("--h2d-gbs", type=float, default=55.0, help="pinned host-to-device GB/s (HARDWARE.md)")
@@ -49,11 +44,6 @@ def parse_args():
     p.add_argument("--num-layers-model", type=int, default=48, help="layers of the model, for the GPU-resident fraction")
     p.add_argument("--out", type=Path, default=None, help="write OUT.json, OUT.md and OUT.png")
     return p.parse_args()
-
-
-def sync():
-    if torch.cuda.is_available():
-        torch.cuda.synchronize()
 
 
 def run_config(args, L: int, share: float, dev: torch.device, dtype):
@@ -73,14 +63,10 @@ def run_config(args, L: int, share: float, dev: torch.device, dtype):
         q = torch.randn(L, Hq, d, device=dev, dtype=dtype, generator=g)
         k = torch.randn(L, args.kv_heads, d, device=dev, dtype=dtype, generator=g)
         v = torch.randn(L, args.kv_heads, d, device=dev, dtype=dtype, generator=g)
-        sync()
-        t0 = time.perf_counter()
-        cache.attend(0, q, k, v, ForwardBatch.build([s], [L], [0], dev), scale)
-        sync()
-        prefill_s.append(time.perf_counter() - t0)
+        prefill_s.append(synchronized_seconds(lambda: cache.attend(0, q, k, v, ForwardBatch.build([s], [L], [0], dev), scale), dev)[1])
         del q, k, v
     cache.flush_writes()  # compute-region writes land in the background: the batch's prefill ends when they have
-    sync()
+    synchronize(dev)
     prefill_all_s = time.perf_counter() - t_all
     times = []
     for step in range(n_steps):
@@ -88,12 +74,9 @@ def run_config(args, L: int, share: float, dev: torch.device, dtype):
         k = torch.randn(B, args.kv_heads, d, device=dev, dtype=dtype, generator=g)
         v = torch.randn(B, args.kv_heads, d, device=dev, dtype=dtype, generator=g)
         batch = ForwardBatch.build(slots, [1] * B, [L + step] * B, dev)
-        sync()
-        t0 = time.perf_counter()
-        cache.attend(0, q, k, v, batch, scale)
-        sync()
+        _, dt = synchronized_seconds(lambda: cache.attend(0, q, k, v, batch, scale), dev)
         if step >= args.warmup:
-            times.append(time.perf_counter() - t0)
+            times.append(dt)
     seqs = [cache.sequence(s) for s in slots]
     comp = sum(sq.n_comp[0] for sq in seqs) * args.window
     load = sum(sq.n_load[0] for sq in seqs) * args.window

@@ -28,10 +28,10 @@ import statistics
 import time
 from dataclasses import dataclass
 
-import torch
 from torch.profiler import ProfilerActivity, profile, schedule
 
 from writescope.engine.sampling import SamplingParams
+from writescope.engine.timing import synchronize
 
 WORKER_RANGES = ("attn.cpu_part",)
 MAIN_RANGES = (
@@ -82,8 +82,7 @@ def decode_breakdown(llm, prompt_token_ids: list[list[int]], steps: int = 8, ski
     stats = getattr(getattr(llm.cache, "decoder", None), "stats", None)
 
     def on_step():
-        if cuda:
-            torch.cuda.synchronize(llm.device)
+        synchronize(llm.device)
         stamps.append(time.perf_counter())
         worker.append(stats.cpu_seconds if stats is not None else 0.0)
         prof.step()

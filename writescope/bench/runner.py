@@ -15,7 +15,6 @@ memory) becomes a row with ``fits = False`` and the reason; the grid goes on.
 from __future__ import annotations
 
 import statistics
-import time
 from dataclasses import asdict, dataclass, field
 
 import torch
@@ -23,6 +22,7 @@ from tqdm import tqdm
 
 from writescope.engine.llm import LLM
 from writescope.engine.sampling import SamplingParams
+from writescope.engine.timing import synchronized_seconds
 from writescope.kvcache.inplace import InplaceKVCache
 
 
@@ -75,14 +75,10 @@ class _TimedAttend:
 
     def __call__(self, layer_id, q, k, v, batch, scale, sliding_window=None, prefill_attn=None):
         decode = all(n == 1 for n in batch.query_lens)
-        if decode and self.device.type == "cuda":
-            torch.cuda.synchronize(self.device)
-        t0 = time.perf_counter()
-        out = self.inner(layer_id, q, k, v, batch, scale, sliding_window, prefill_attn)
-        if decode:
-            if self.device.type == "cuda":
-                torch.cuda.synchronize(self.device)
-            self.times.append(time.perf_counter() - t0)
+        if not decode:
+            return self.inner(layer_id, q, k, v, batch, scale, sliding_window, prefill_attn)
+        out, s = synchronized_seconds(lambda: self.inner(layer_id, q, k, v, batch, scale, sliding_window, prefill_attn), self.device)
+        self.times.append(s)
         return out
 
     def remove(self) -> None:

@@ -17,6 +17,7 @@ from writescope.layers.attention import mla_prefill_mode
 from writescope.engine.outputs import RequestMetrics, RequestOutput
 from writescope.engine.sampling import SamplingParams, sample
 from writescope.engine.threads import default_attention_threads, default_expert_threads
+from writescope.engine.timing import synchronize
 from writescope.kvcache.base import KVCache
 from writescope.kvcache.contiguous import ContiguousKVCache
 from writescope.kvcache.inplace import InplaceKVCache
@@ -230,11 +231,10 @@ class LLM:
         if share is None:
             return "no routed experts in host memory"
         if share == 0:
-            asked = min(b.stream_share for b in self._moe_blocks if b.host_experts)
+            hosted = [b for b in self._moe_blocks if b.host_experts]
             why = ""
-            if asked > 0:  # asked for streaming, but a block cannot: say why
-                why = (" (no room for streaming slots in the budget)" if any(b.stream_min_tokens is None for b in self._moe_blocks)
-                       else " (no grouped GEMM for this device and dtype)")
+            if min(b.stream_share for b in hosted) > 0:  # asked for streaming, but a block cannot: say why
+                why = next(f" ({w})" for w in map(SparseMoeBlock.why_not_streamed, hosted) if w is not None)
             return "few-token host experts computed on the CPU in decode" + why
         if share == 1:
             return "host experts streamed to the device in decode"
@@ -343,10 +343,6 @@ class LLM:
             if errors:
                 raise errors[0]
 
-    def _sync(self) -> None:
-        if self.device.type == "cuda":
-            torch.cuda.synchronize(self.device)
-
     def _prefill(self, ids: list[list[int]], slots: list[int]) -> torch.Tensor:
         """Chunked prefill of all prompts; returns last-token logits ``[batch, vocab]``."""
         n_layers, total = self.config.num_layers, sum(map(len, ids))
@@ -385,7 +381,7 @@ class LLM:
                 g = torch.Generator(device=self.device)
                 g.manual_seed(sp.seed if sp.seed is not None else self.seed + i)
                 gens.append(g)
-        self._sync()
+        synchronize(self.device)
         t0 = time.perf_counter()
         logits = self._prefill(ids, slots)
         first = sample(logits, plist, gens)

@@ -66,12 +66,22 @@ class SparseMoeBlock(nn.Module):
     def streams_host_experts(self) -> bool:
         """Whether this block can stream its host experts to its device: it has some, a budget left
         room for the streaming slots (``stream_min_tokens`` not None), and grouped GEMMs run here."""
-        w = self.gate.weight
-        return bool(self.host_experts) and self._can_stream(w.device, w.dtype, w.shape[1])
+        return bool(self.host_experts) and self.why_not_streamed() is None
 
-    def _can_stream(self, device: torch.device, dtype: torch.dtype, hidden: int) -> bool:
-        return self.stream_min_tokens is not None and self.host_pack is not None and grouped_mm_supported(
-            device, dtype, hidden, self.cfg.intermediate_size)
+    def why_not_streamed(self) -> str | None:
+        """Why this block's host experts cannot be streamed to the device its weights are on, in
+        words, or None when they can (see :meth:`streams_host_experts`)."""
+        w = self.gate.weight
+        return self._stream_blocker(w.device, w.dtype, w.shape[1])
+
+    def _stream_blocker(self, device: torch.device, dtype: torch.dtype, hidden: int) -> str | None:
+        if self.stream_min_tokens is None:
+            return "no room for streaming slots in the budget"
+        if self.host_pack is None:
+            return "no routed experts in host memory"
+        if not grouped_mm_supported(device, dtype, hidden, self.cfg.intermediate_size):
+            return "no grouped GEMM for this device and dtype"
+        return None
 
     def _apply(self, fn, recurse=True):
         self.packed = None  # .to(device or dtype) moves the parameters one by one: pack again on the next forward
@@ -127,7 +137,7 @@ class SparseMoeBlock(nn.Module):
             starts.append(starts[-1] + n)
         host = [e for e in self.host_experts if counts[e]]
         streamed = []
-        if host and self._can_stream(x.device, x.dtype, x.shape[1]):
+        if host and self._stream_blocker(x.device, x.dtype, x.shape[1]) is None:
             streamed = [e for e in host if counts[e] >= self.stream_min_tokens]
             host = [e for e in host if counts[e] < self.stream_min_tokens]
             if host and self.stream_share > 0:

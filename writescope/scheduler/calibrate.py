@@ -40,6 +40,7 @@ from tqdm import tqdm
 
 from writescope.attention.metadata import ForwardBatch
 from writescope.config import KVLayout
+from writescope.engine.timing import synchronized_seconds
 from writescope.kvcache.inplace import InplaceKVCache
 from writescope.kvcache.spec import PartitionSpec, Roofline
 from writescope.paths import cache_dir
@@ -151,11 +152,7 @@ def _measure(layout, q_heads, dtype, device, window, share, batch, L, steps, cpu
             k = rnd(batch, layout.kv_heads, layout.k_dim)
             v = None if layout.shared_kv else rnd(batch, layout.kv_heads, layout.v_dim)
             fb = ForwardBatch.build(slots, [1] * batch, [cache.seq_len(s) for s in slots], device)
-            _sync(device)
-            t0 = time.perf_counter()
-            cache.attend(0, q, k, v, fb, layout.k_dim**-0.5)
-            _sync(device)
-            wall_s = time.perf_counter() - t0
+            _, wall_s = synchronized_seconds(lambda: cache.attend(0, q, k, v, fb, layout.k_dim**-0.5), device)
             gpu_s = dec.last_gpu_seconds()
             if t > 0:  # the first step warms up
                 cpu.append((dec.stats.last_cpu_tokens, dec.stats.last_cpu_seconds))
@@ -166,11 +163,6 @@ def _measure(layout, q_heads, dtype, device, window, share, batch, L, steps, cpu
         return (cpu[0][0], med(x for _, x in cpu)), (gpu[0][0], med(x for _, x in gpu)), med(wall), med(over)
     finally:
         cache.close()
-
-
-def _sync(device: torch.device) -> None:
-    if device.type == "cuda":
-        torch.cuda.synchronize(device)
 
 
 def _fit(points: list[tuple[int, float]]) -> tuple[float, float]:
