@@ -30,3 +30,28 @@ def test_breakdown_of_a_step_with_streamed_host_experts():
     assert {"moe.streamed_experts", "moe.device_experts", "attn.window", "attn.cpu_part"} <= set(bd.ranges)
     assert "moe.host_experts" not in bd.ranges  # nothing left to the CPU's expert loop
     assert "moe.streamed_experts" in bd.table()
+
+
+def test_a_range_with_device_work_keeps_its_cpu_time_span_and_busy_time():
+    """With CUDA, key_averages() lists a range twice (a CPU entry and a GPU-side annotation,
+    grouped apart by device_type); each time is read from its own entry, in ms per step."""
+    from types import SimpleNamespace as E
+
+    from torch.autograd import DeviceType
+
+    from writescope.bench.breakdown import Breakdown, RangeTime, range_times
+
+    cpu, cuda = DeviceType.CPU, DeviceType.CUDA
+    events = [
+        E(key="attn.load_region", device_type=cpu, cpu_time_total=6000.0, device_time_total=30000.0),  # busy 30 ms
+        E(key="aten::mm", device_type=cpu, cpu_time_total=9000.0, device_time_total=9000.0),  # not a named range
+        E(key="moe.host_experts", device_type=cpu, cpu_time_total=12000.0, device_time_total=0.0),
+        E(key="attn.load_region", device_type=cuda, cpu_time_total=0.0, device_time_total=45000.0),  # span 45 ms
+    ]
+    ranges = range_times(events, steps=3)
+    assert ranges == {"attn.load_region": RangeTime(2.0, 15.0, 10.0), "moe.host_experts": RangeTime(4.0, 0.0, 0.0)}
+    bd = Breakdown(step_ms=20.0, steps=3, ranges={"attn.cpu_part": RangeTime(7.0), **ranges})
+    assert bd.other_ms == 14.0  # 20 - (2 + 4); the worker's 7 ms overlap the main thread
+    rows = {line.split()[0]: line.split()[1:] for line in bd.table().splitlines()[2:]}
+    assert rows["attn.load_region"] == ["main", "2.000", "10.0%", "15.000", "10.000"]
+    assert rows["attn.cpu_part"][:3] == ["worker", "7.000", "35.0%"] and rows["other"][1:3] == ["main", "14.000"]

@@ -16,10 +16,20 @@ The engine marks its parts with ``torch.profiler.record_function``:
 | ``moe.tokens_to_host`` | main | the host experts' tokens copied to the host (waits for the device) |
 | ``moe.streamed_experts`` | main | host experts whose weights are streamed to the device and computed there |
 
-For each: CPU wall time per step (time spent inside the range on its thread, including waiting
-for the device when the range synchronises) and device time per step (kernels launched inside the
-range). ``other`` is the measured step time minus the main thread's ranges: projections, norms,
-sampling, Python.
+For each, per step: CPU wall time (time spent inside the range on its thread, including waiting
+for the device when the range synchronises); device span (on the GPU, from the first kernel or copy
+the range launched to the end of its last, idle gaps included); device busy time (the sum of those
+kernels' and copies' durations). ``other`` is the measured step time minus the main thread's
+ranges: projections, norms, sampling, Python.
+
+With CUDA, torch's profiler reports a ``record_function`` range twice in ``key_averages()``: a CPU
+entry (its CPU time, and the summed durations of the kernels launched inside) and a GPU-side
+user-annotation entry (its span on the GPU, no CPU time); the two are grouped apart because
+``device_type`` is part of the grouping key (torch/autograd/profiler_util.py, ``get_key``, read
+in torch 2.13; the zeros of the H200 profiles under torch 2.11 match it).
+``range_times`` reads each from its own entry. Breakdowns written before that (code up to
+e3f4873: ``profile_*_h200.json``) kept only the GPU-side entry of a range with device work, so
+their CPU time for it reads 0, and its CPU time went into ``other``.
 """
 
 from __future__ import annotations
@@ -41,24 +51,64 @@ MAIN_RANGES = (
 )
 
 
+@dataclass(frozen=True)
+class RangeTime:
+    """One range's times in ms per step (see the module doc)."""
+
+    cpu_ms: float
+    device_ms: float = 0.0  # span on the GPU
+    device_busy_ms: float = 0.0  # kernels and copies inside it, summed
+
+
 @dataclass
 class Breakdown:
     step_ms: float  # median wall time of a profiled decode step
     steps: int
-    ranges: dict[str, tuple[float, float]]  # name -> (CPU ms per step, device ms per step)
+    ranges: dict[str, RangeTime]
+
+    @property
+    def other_ms(self) -> float:
+        """Step time outside the main thread's named ranges (ms per step, >= 0)."""
+        return max(0.0, self.step_ms - sum(t.cpu_ms for n, t in self.ranges.items() if n not in WORKER_RANGES))
 
     def table(self) -> str:
         """The breakdown as text, ranges by CPU time."""
         lines = [f"decode step {self.step_ms:.2f} ms (median of {self.steps} profiled steps; profiler overhead included)",
-                 f"{'range':24s} {'thread':7s} {'CPU ms/step':>12s} {'% of step':>9s} {'device ms/step':>15s}"]
-        main = 0.0
-        for name, (cpu, dev) in sorted(self.ranges.items(), key=lambda kv: -kv[1][0]):
-            worker = name in WORKER_RANGES
-            main += 0.0 if worker else cpu
-            lines.append(f"{name:24s} {'worker' if worker else 'main':7s} {cpu:12.3f} {100 * cpu / self.step_ms:8.1f}% {dev:15.3f}")
-        other = max(0.0, self.step_ms - main)
-        lines.append(f"{'other (main)':24s} {'main':7s} {other:12.3f} {100 * other / self.step_ms:8.1f}% {'':>15s}")
+                 f"{'range':24s} {'thread':7s} {'CPU ms/step':>12s} {'% of step':>9s} {'device span ms':>15s} {'device busy ms':>15s}"]
+        for name, t in sorted(self.ranges.items(), key=lambda kv: -kv[1].cpu_ms):
+            thread = "worker" if name in WORKER_RANGES else "main"
+            lines.append(f"{name:24s} {thread:7s} {t.cpu_ms:12.3f} {100 * t.cpu_ms / self.step_ms:8.1f}% "
+                         f"{t.device_ms:15.3f} {t.device_busy_ms:15.3f}")
+        other = self.other_ms
+        lines.append(f"{'other (main)':24s} {'main':7s} {other:12.3f} {100 * other / self.step_ms:8.1f}%")
         return "\n".join(lines)
+
+
+def range_times(events, steps: int) -> dict[str, RangeTime]:
+    """Per-step times of the main thread's named ranges from ``profile.key_averages()``.
+
+    Args:
+        events: entries with ``key``, ``device_type`` (``torch.autograd.DeviceType``),
+            ``cpu_time_total`` and ``device_time_total`` (microseconds over all profiled steps).
+        steps: profiled steps to divide by (>= 1).
+
+    A range's CPU entry gives its CPU time and busy device time; its device-side entries (one per
+    device) its span. Entries of other names are ignored.
+    """
+    from torch.autograd import DeviceType
+
+    acc: dict[str, list[float]] = {}
+    for ev in events:
+        if ev.key not in MAIN_RANGES:
+            continue
+        t = acc.setdefault(ev.key, [0.0, 0.0, 0.0])
+        dev = getattr(ev, "device_time_total", 0.0) or 0.0
+        if ev.device_type == DeviceType.CPU:
+            t[0] += ev.cpu_time_total
+            t[2] += dev
+        else:
+            t[1] += dev
+    return {k: RangeTime(c / 1e3 / steps, d / 1e3 / steps, b / 1e3 / steps) for k, (c, d, b) in acc.items()}
 
 
 def decode_breakdown(llm, prompt_token_ids: list[list[int]], steps: int = 8, skip: int = 2, trace: str | None = None) -> Breakdown:
@@ -102,9 +152,6 @@ def decode_breakdown(llm, prompt_token_ids: list[list[int]], steps: int = 8, ski
     step_ms = statistics.median(b - a for a, b in zip(active, active[1:])) * 1e3 if len(active) > 1 else float("nan")
     ranges = {}
     if stats is not None and worker[skip + steps] > worker[skip]:
-        ranges["attn.cpu_part"] = ((worker[skip + steps] - worker[skip]) * 1e3 / steps, 0.0)
-    for ev in prof.key_averages():
-        if ev.key in MAIN_RANGES:
-            dev = getattr(ev, "device_time_total", 0.0) or 0.0
-            ranges[ev.key] = (ev.cpu_time_total / 1e3 / steps, dev / 1e3 / steps)
+        ranges["attn.cpu_part"] = RangeTime((worker[skip + steps] - worker[skip]) * 1e3 / steps)
+    ranges.update(range_times(prof.key_averages(), steps))
     return Breakdown(step_ms, steps, ranges)

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import argparse
+import dataclasses
 import json
 from pathlib import Path
 
@@ -59,8 +60,8 @@ def run(args: argparse.Namespace) -> int:
         args.output_json.parent.mkdir(parents=True, exist_ok=True)
         args.output_json.write_text(json.dumps({"model": args.model, "num_layers": n, "batch": args.batch, "context": context,
                                                 "policy": llm.policy_name, "expert_stream_share": llm.expert_stream_share,
-                                                "step_ms": bd.step_ms, "steps": bd.steps,
-                                                "ranges": {k: {"cpu_ms": c, "device_ms": d} for k, (c, d) in bd.ranges.items()}},
+                                                "step_ms": bd.step_ms, "steps": bd.steps, "other_ms": bd.other_ms,
+                                                "ranges": {k: dataclasses.asdict(t) for k, t in bd.ranges.items()}},
                                                indent=1))
         print(f"wrote {args.output_json}")
     if args.trace:
