@@ -59,3 +59,24 @@ def test_chart_has_one_bar_per_row_in_its_group_with_its_height_and_label(tmp_pa
     assert [t.get_text() for t in ax.get_xticklabels()] == ["1", "8"]
     assert ax.get_legend_handles_labels()[1] == ["gpu", "cpu"]
     assert sorted(t.get_text() for t in ax.texts) == ["150", "2.0", "3.0"]
+
+
+def test_dotted_keys_read_nested_values_and_without_series_each_group_has_one_bar(tmp_path, monkeypatch):
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    a = _write(tmp_path / "a.json", [{"policy": "gpu", "tf": {"max": 0.25}}, {"policy": "cpu", "tf": {"max": 0.5}},
+                                     {"policy": "x", "tf": None}])  # no nested value: left out
+    rows = bp.pooled_rows([a], "policy", None, "tf.max")
+    assert rows == [{"policy": "gpu", "tf.max": 0.25}, {"policy": "cpu", "tf.max": 0.5}]
+    with pytest.raises(ValueError, match=r"no row has all of 'policy', 'tf.min'"):
+        bp.pooled_rows([a], "policy", None, "tf.min")
+    saved = {}
+    monkeypatch.setattr(plt, "close", lambda fig: saved.setdefault("fig", fig))
+    bp.bar_plot(rows, "policy", None, "tf.max", tmp_path / "c.png")
+    ax = saved["fig"].axes[0]
+    assert sorted((round(b.get_x() + b.get_width() / 2, 3), b.get_height()) for b in ax.patches) == [(0.0, 0.25), (1.0, 0.5)]
+    assert ax.get_legend() is None
+    assert [t.get_text() for t in ax.texts] == ["0.25", "0.5"]
