@@ -15,6 +15,8 @@
 #   bash benchmarks/h200_session.sh prefill-e2e MODEL  # whole-model prefill of 2K prompts, batch 1-32, routing vs one region (run 3)
 #   bash benchmarks/h200_session.sh consistency  # DSV2 without a budget, 4 x 8K machine text: every policy vs resident, logits (run 6)
 #   bash benchmarks/h200_session.sh peer       # DSV2 checkpoint written from the GPU, transformers' offloaded cache vs writescope (run 5)
+#   bash benchmarks/h200_session.sh cpu-kernel # CPU attention on the host: flash op vs the C++ kernel (AVX-512, plain), MLA and GQA, 15 threads
+# A grid or calibration with the kernel instead of the flash op: WRITESCOPE_CPU_ATTENTION=kernel (the environment passes through).
 # Several parts run in one call, one after another: `bash benchmarks/h200_session.sh tests grid:deepseek-v2-lite`.
 # The whole call stops by DEADLINE seconds (default 570, under the device tool's 10 minutes): each part's
 # timeout is cut to what is left, and a part with under 40 s left is skipped. The grid's shape can be narrowed
@@ -106,8 +108,13 @@ part() {
         --out "$ckpt" --device cuda --quiet
       timeout "$(tmo 500)" python3 benchmarks/peer_transformers.py --checkpoint "$ckpt" --contexts "${PEER_CONTEXTS:-8k}" --batch 4 \
         --out "$out/peer_transformers_h200" 2>&1 | tee "$out/peer_transformers_h200.log" | tail -12 ;;
+    cpu-kernel)
+      for sh in mla gqa; do
+        timeout "$(tmo 200)" python3 benchmarks/cpu_kernel_vs_flash.py --shape "$sh" --batch 16 --blocks 8,32,64,128 --threads 15 --read-gbs 86 \
+          2>&1 | tee "$out/cpu_kernel_${sh}_h200.log" | tail -8
+      done ;;
     *)
-      echo "usage: $0 PART [PART ...]; PART: tests|split|experts|scheduler|profile|prefill|text:MODEL|breakdown:MODEL|1m|1m-decode|mla|grid:MODEL|prefill-e2e:MODEL|consistency|peer" >&2; return 2 ;;
+      echo "usage: $0 PART [PART ...]; PART: tests|split|experts|scheduler|profile|prefill|text:MODEL|breakdown:MODEL|1m|1m-decode|mla|grid:MODEL|prefill-e2e:MODEL|consistency|peer|cpu-kernel" >&2; return 2 ;;
   esac
 }
 (( $# )) || { part usage; exit 2; }

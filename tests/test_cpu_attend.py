@@ -119,13 +119,18 @@ def use_kernel(monkeypatch):
     monkeypatch.setenv("WRITESCOPE_CPU_ATTENTION", "kernel")
 
 
+@pytest.mark.parametrize("portable", [False, True], ids=["fast", "portable"])
 @pytest.mark.parametrize("chunk", [512, 16])
 @pytest.mark.parametrize("dtype, tol", [(torch.float32, 1e-5), (torch.bfloat16, 2e-2)])
-@pytest.mark.parametrize("shape", ["gqa", "mla"])
-def test_kernel_matches_float64(use_kernel, monkeypatch, chunk, dtype, tol, shape):
-    """One call for the whole ragged batch; GQA (K and V rows) and MLA (V = first dv columns of
-    the latent rows, a strided view)."""
+@pytest.mark.parametrize("shape", ["gqa", "mla", "odd"])
+def test_kernel_matches_float64(use_kernel, monkeypatch, chunk, dtype, tol, shape, portable):
+    """One call for the whole ragged batch; GQA (K and V rows), MLA (V = first dv columns of the
+    latent rows, a strided view) and odd widths and group sizes (vector tails, head blocks of
+    8 + 4 + 1); the AVX-512 path where it was built ("fast") and the plain loops."""
+    if not portable and not kernel.avx512_built():
+        pytest.skip("the kernel was built without its AVX-512 path on this CPU")
     monkeypatch.setattr(kernel, "CHUNK", chunk)
+    monkeypatch.setattr(kernel, "PORTABLE", portable)
     calls = []
     real = kernel._extension().attend
     monkeypatch.setattr(kernel, "_extension", lambda: type("E", (), {"attend": staticmethod(lambda *a: (calls.append(1), real(*a))[1])}))
@@ -133,6 +138,9 @@ def test_kernel_matches_float64(use_kernel, monkeypatch, chunk, dtype, tol, shap
     lengths = [1, 15, 16, 17, 0, 511, 512, 513, 4097]
     if shape == "gqa":
         Hkv, G, dk, dv = 2, 4, 32, 32
+        kv = regions(lengths, Hkv, dk, dtype, gen)
+    elif shape == "odd":
+        Hkv, G, dk, dv = 3, 13, 33, 33
         kv = regions(lengths, Hkv, dk, dtype, gen)
     else:
         Hkv, G, dk, dv = 1, 16, 40, 32

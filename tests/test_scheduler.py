@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import dataclasses
 import json
 import math
 
@@ -230,6 +231,23 @@ def test_calibration_measures_stores_and_reloads(tmp_path, monkeypatch):
         del old[next(iter(old))][shape][key]
     path.write_text(json.dumps(old))
     assert load(dev, shape) is None
+
+
+def test_calibration_is_kept_per_cpu_attention_backend(tmp_path, monkeypatch):
+    """A measured with torch's flash op is not used for the C++ kernel, nor the reverse."""
+    from writescope.attention import cpu_kernel
+
+    monkeypatch.setenv("XDG_CACHE_HOME", str(tmp_path))
+    dev, shape = torch.device("cpu"), "kv test"
+    flash = Roofline(1e-9, 2e-9, 1e-4, 2e-4, 2e-9, 2e-4, 1e-5)
+    save(dev, shape, flash, {})
+    monkeypatch.setattr(cpu_kernel, "kernel_selected", lambda: True)
+    assert load(dev, shape) is None
+    kernel = dataclasses.replace(flash, a=5e-10)
+    save(dev, shape, kernel, {})
+    assert load(dev, shape) == kernel
+    monkeypatch.setattr(cpu_kernel, "kernel_selected", lambda: False)
+    assert load(dev, shape) == flash
 
 
 def test_calibration_fits_streaming_alone_and_the_split_cost_from_wall_times(monkeypatch):

@@ -1,4 +1,4 @@
-"""A CPU decode-attention kernel over the compute region (C++, OpenMP; built on first use).
+"""A CPU decode-attention kernel over the compute region (C++ in cpu_kernel.cpp, OpenMP; built on first use).
 
 Why: torch's CPU flash-attention op is called once per sequence (the compute regions are separate
 allocations), each call a parallel region, and it reached 27-35 GB/s under DMA contention on the
@@ -13,130 +13,36 @@ with unit stride along the last dim (any row and head strides: MLA's V is a view
 of the latent's 576 columns); bf16 or fp32. The
 reference is :func:`writescope.attention.partial.attend_blocks` (plain torch), tested against it.
 
+Two implementations of the per-task work, both exact (float32 accumulation), tested against the
+reference on every build:
+- AVX-512 (built where the compiler targets AVX-512 F/BW/VL, ``-march=native``; the H200 host
+  has it): the scores of up to 16 query heads x 1-4 keys, and the values of up to 16 heads x
+  16-64 columns, each as a block of 16 register accumulators of fused multiply-adds, bf16 widened
+  in registers; the softmax's exp is a vector polynomial (Cody-Waite range reduction, degree-7
+  Taylor, < 6e-9 relative truncation) and the 1 / sum is applied once to the output.
+- plain C++ loops left to the compiler's vectoriser (``PORTABLE``, or a build without AVX-512).
+
 ``kernel_available()`` is False where the extension cannot be built (no C++ compiler); callers
-then use the flash op. Selected with ``WRITESCOPE_CPU_ATTENTION=kernel`` (default: ``flash``):
-exact, but on the 2-core CI machine 1.8-2.7x slower than the flash op (benchmarks/
-cpu_kernel_vs_flash.py, output in benchmarks/results/cpu_kernel_vs_flash_ci.log; the inner loops are plain C++ left to the compiler's vectoriser, no AMX);
-it has not run on the H200 host. Tuning it (AMX or AVX512-BF16 tiles for the two products) is
-what would make one call per batch pay.
+then use the flash op. Selected with ``WRITESCOPE_CPU_ATTENTION=kernel`` (default: ``flash``).
+Measured only on the 2-core development machine (benchmarks/results/cpu_kernel.md): the AVX-512
+path is 3.0-4.5x the plain loops, 1.55-1.76x the flash op for MLA and 0.76-1.50x for GQA. It has
+not run on the H200 host, where the flash op read MLA's latent at 14.3 GB/s (e2e.md); whether it
+beats the flash op there, and so whether the roofline gives the CPU a share, is open. AVX512-BF16
+products (two per lane) or AMX tiles, which that host has, are not used.
 """
 
 from __future__ import annotations
 
 import os
 import warnings
+from pathlib import Path
 
 import torch
 
 CHUNK = 512  # keys per task
+PORTABLE = False  # True: the plain C++ loops even where the AVX-512 path was built (tests compare the two)
 
-_SOURCE = r"""
-#include <torch/extension.h>
-#include <ATen/Parallel.h>
-#include <cmath>
-#include <cstdint>
-#include <cstring>
-#include <vector>
-#include <limits>
-
-// a row of n values as float32 into out (bf16: the 16 high bits of a float32)
-static inline void row_to_float(const float* src, float* out, int64_t n) { std::memcpy(out, src, sizeof(float) * n); }
-static inline void row_to_float(const at::BFloat16* src, float* out, int64_t n) {
-  const uint16_t* s = reinterpret_cast<const uint16_t*>(src);
-  uint32_t* o = reinterpret_cast<uint32_t*>(out);
-  #pragma omp simd
-  for (int64_t c = 0; c < n; ++c) o[c] = static_cast<uint32_t>(s[c]) << 16;
-}
-
-template <typename T>
-static void run(const float* q, int64_t B, int64_t H, int64_t G, int64_t dk, int64_t dv,
-                const std::vector<const T*>& kp, const std::vector<const T*>& vp,
-                const std::vector<int64_t>& khs, const std::vector<int64_t>& vhs,
-                const std::vector<int64_t>& krs, const std::vector<int64_t>& vrs,
-                const std::vector<int64_t>& n, const std::vector<int64_t>& task_seq,
-                const std::vector<int64_t>& task_head, const std::vector<int64_t>& task_start,
-                int64_t chunk, float scale, float* o, float* lse) {
-  const int64_t T_ = (int64_t)task_seq.size();
-  at::parallel_for(0, T_, 1, [&](int64_t t0, int64_t t1) {
-    std::vector<float> s(chunk * G), acc(G * dv), qf(G * dk), kf(dk), vf(dv);
-    for (int64_t t = t0; t < t1; ++t) {
-      const int64_t b = task_seq[t], h = task_head[t], j0 = task_start[t];
-      const int64_t m = std::min(chunk, n[b] - j0);
-      const T* K = kp[b] + h * khs[b] + j0 * krs[b];
-      const T* V = vp[b] + h * vhs[b] + j0 * vrs[b];
-      const float* Q = q + ((b * H + h) * G) * dk;
-      for (int64_t i = 0; i < G * dk; ++i) qf[i] = Q[i] * scale;
-      for (int64_t j = 0; j < m; ++j) {            // scores: each K row read and converted once for the G heads
-        row_to_float(K + j * krs[b], kf.data(), dk);
-        const float* k = kf.data();
-        for (int64_t g = 0; g < G; ++g) {
-          const float* qg = qf.data() + g * dk;
-          float d = 0.f;
-          #pragma omp simd reduction(+:d)
-          for (int64_t c = 0; c < dk; ++c) d += qg[c] * k[c];
-          s[g * chunk + j] = d;
-        }
-      }
-      for (int64_t g = 0; g < G; ++g) {            // softmax per head over the chunk
-        float mx = -std::numeric_limits<float>::infinity();
-        for (int64_t j = 0; j < m; ++j) mx = std::max(mx, s[g * chunk + j]);
-        float sum = 0.f;
-        for (int64_t j = 0; j < m; ++j) { float e = std::exp(s[g * chunk + j] - mx); s[g * chunk + j] = e; sum += e; }
-        lse[t * G + g] = mx + std::log(sum);
-        for (int64_t j = 0; j < m; ++j) s[g * chunk + j] /= sum;
-      }
-      std::fill(acc.begin(), acc.end(), 0.f);
-      for (int64_t j = 0; j < m; ++j) {            // values: each V row read and converted once for the G heads
-        row_to_float(V + j * vrs[b], vf.data(), dv);
-        const float* v = vf.data();
-        for (int64_t g = 0; g < G; ++g) {
-          const float p = s[g * chunk + j];
-          float* a = acc.data() + g * dv;
-          #pragma omp simd
-          for (int64_t c = 0; c < dv; ++c) a[c] += p * v[c];
-        }
-      }
-      std::memcpy(o + t * G * dv, acc.data(), sizeof(float) * G * dv);
-    }
-  });
-}
-
-std::vector<at::Tensor> attend(at::Tensor q, std::vector<at::Tensor> ks, std::vector<at::Tensor> vs, int64_t chunk, double scale) {
-  TORCH_CHECK(!ks.empty() && ks.size() == vs.size() && (int64_t)ks.size() == q.size(0), "one (k, v) per query row, at least one");
-  const int64_t B = q.size(0), H = q.size(1), G = q.size(2), dk = q.size(3);
-  const int64_t dv = vs[0].size(2);
-  for (int64_t b = 0; b < B; ++b) {
-    TORCH_CHECK(ks[b].dim() == 3 && vs[b].dim() == 3 && ks[b].size(0) == H && vs[b].size(0) == H, "k, v must be [Hkv, n, dim]");
-    TORCH_CHECK(ks[b].size(2) == dk && vs[b].size(2) == dv && ks[b].size(1) == vs[b].size(1), "k width must equal q's, v widths equal");
-    TORCH_CHECK(ks[b].scalar_type() == ks[0].scalar_type() && vs[b].scalar_type() == ks[0].scalar_type(), "one dtype for the batch");
-    TORCH_CHECK(ks[b].stride(2) == 1 && vs[b].stride(2) == 1, "rows must have unit stride");
-  }
-  std::vector<int64_t> n(B), khs(B), vhs(B), krs(B), vrs(B), ts, th, tst;
-  for (int64_t b = 0; b < B; ++b) {
-    n[b] = ks[b].size(1); khs[b] = ks[b].stride(0); vhs[b] = vs[b].stride(0); krs[b] = ks[b].stride(1); vrs[b] = vs[b].stride(1);
-    for (int64_t h = 0; h < H; ++h)
-      for (int64_t j = 0; j < n[b]; j += chunk) { ts.push_back(b); th.push_back(h); tst.push_back(j); }
-  }
-  auto qf = q.to(at::kFloat).contiguous();
-  auto o = at::empty({(int64_t)ts.size(), G, dv}, q.options().dtype(at::kFloat));
-  auto lse = at::empty({(int64_t)ts.size(), G}, q.options().dtype(at::kFloat));
-  if (ks[0].scalar_type() == at::kBFloat16) {
-    std::vector<const at::BFloat16*> kp(B), vp(B);
-    for (int64_t b = 0; b < B; ++b) { kp[b] = ks[b].data_ptr<at::BFloat16>(); vp[b] = vs[b].data_ptr<at::BFloat16>(); }
-    run<at::BFloat16>(qf.data_ptr<float>(), B, H, G, dk, dv, kp, vp, khs, vhs, krs, vrs, n, ts, th, tst, chunk, (float)scale, o.data_ptr<float>(), lse.data_ptr<float>());
-  } else {
-    std::vector<const float*> kp(B), vp(B);
-    for (int64_t b = 0; b < B; ++b) { kp[b] = ks[b].data_ptr<float>(); vp[b] = vs[b].data_ptr<float>(); }
-    run<float>(qf.data_ptr<float>(), B, H, G, dk, dv, kp, vp, khs, vhs, krs, vrs, n, ts, th, tst, chunk, (float)scale, o.data_ptr<float>(), lse.data_ptr<float>());
-  }
-  return {o, lse};
-}
-
-PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
-  // the GIL is released: the GPU part of the step is launched from the main thread meanwhile
-  m.def("attend", &attend, "batched CPU decode attention partials", py::call_guard<py::gil_scoped_release>());
-}
-"""
+_SOURCE = Path(__file__).with_name("cpu_kernel.cpp")  # built by torch.utils.cpp_extension.load_inline
 
 _EXT = None
 _FAILED = False
@@ -148,7 +54,7 @@ def _extension():
         try:
             from torch.utils.cpp_extension import load_inline
 
-            _EXT = load_inline("writescope_cpu_attention", cpp_sources=[_SOURCE], extra_cflags=["-O3", "-march=native", "-fopenmp", "-fno-strict-aliasing"],
+            _EXT = load_inline("writescope_cpu_attention", cpp_sources=[_SOURCE.read_text()], extra_cflags=["-O3", "-march=native", "-fopenmp", "-fno-strict-aliasing"],
                                extra_ldflags=["-fopenmp"], verbose=False)
         except Exception as e:  # noqa: BLE001 - no compiler, or the build failed: the flash op is used
             _FAILED = True
@@ -158,6 +64,13 @@ def _extension():
 
 def kernel_available() -> bool:
     return _extension() is not None
+
+
+def avx512_built() -> bool:
+    """The kernel was built with its AVX-512 path (the compiler targets a CPU with AVX-512 F, BW
+    and VL; ``-march=native``). False where the kernel is not available."""
+    ext = _extension()
+    return ext is not None and bool(ext.avx512)
 
 
 def kernel_selected() -> bool:
@@ -194,7 +107,7 @@ def kernel_partials(q: torch.Tensor, kv: list, scale: float) -> dict[int, tuple[
     if not rows:
         return {}
     qs = q[rows]
-    o, lse = _extension().attend(qs, [kv[i][0] for i in rows], [kv[i][1] for i in rows], CHUNK, float(scale))
+    o, lse = _extension().attend(qs, [kv[i][0] for i in rows], [kv[i][1] for i in rows], CHUNK, float(scale), PORTABLE)
     # tasks are ordered (sequence, head, chunk): each sequence's block viewed as [chunk, head, ...]
     H, out, t = q.shape[1], {}, 0
     for i in rows:

@@ -22,7 +22,7 @@ wall time minus the slower side's time gives C_split.
 
 Least-squares lines through the medians; slopes floored at 1e-12 s, intercepts at 0. Results are
 stored as JSON in ``$XDG_CACHE_HOME/writescope/calibration.json`` keyed by machine (CPU model,
-cores, torch threads, GPU) and KV shape.
+cores, torch threads, GPU, the CPU attention backend) and KV shape.
 """
 
 from __future__ import annotations
@@ -38,6 +38,7 @@ from pathlib import Path
 import torch
 from tqdm import tqdm
 
+from writescope.attention import cpu_kernel
 from writescope.attention.metadata import ForwardBatch
 from writescope.config import KVLayout
 from writescope.engine.timing import synchronized_seconds
@@ -53,7 +54,9 @@ HOST_FRACTION = 0.5  # a calibration point may use at most this fraction of the 
 
 
 def machine_key(device: torch.device) -> str:
-    """CPU model, core count, torch threads and GPU name: what A and B depend on."""
+    """CPU model, core count, torch threads, GPU name and, where selected, the CPU attention
+    kernel instead of torch's flash op (``WRITESCOPE_CPU_ATTENTION=kernel``): what A and B
+    depend on. (Keys stored before the kernel was part of it stay valid for the flash op.)"""
     cpu = platform.processor() or platform.machine()
     try:
         with open("/proc/cpuinfo") as f:
@@ -61,7 +64,8 @@ def machine_key(device: torch.device) -> str:
     except OSError:
         pass
     gpu = torch.cuda.get_device_name(device) if device.type == "cuda" else "no-gpu"
-    return f"{cpu}|{os.cpu_count()} cpus|{torch.get_num_threads()} threads|{gpu}"
+    key = f"{cpu}|{os.cpu_count()} cpus|{torch.get_num_threads()} threads|{gpu}"
+    return key + "|cpu attention kernel" if cpu_kernel.kernel_selected() else key
 
 
 def shape_key(layout: KVLayout, q_heads: int, dtype: torch.dtype, window: int) -> str:
