@@ -17,32 +17,46 @@ static inline void row_to_float(const at::BFloat16* src, float* out, int64_t n) 
   for (int64_t c = 0; c < n; ++c) o[c] = static_cast<uint32_t>(s[c]) << 16;
 }
 
+// one call's inputs: q [B, H, G, dk] float32, per sequence b its keys and values in place (row
+// strides krs, vrs; head strides khs, vhs; n[b] keys), and the tasks (sequence, KV head, first key)
 template <typename T>
-static void run(const float* q, int64_t B, int64_t H, int64_t G, int64_t dk, int64_t dv,
-                const std::vector<const T*>& kp, const std::vector<const T*>& vp,
-                const std::vector<int64_t>& khs, const std::vector<int64_t>& vhs,
-                const std::vector<int64_t>& krs, const std::vector<int64_t>& vrs,
-                const std::vector<int64_t>& n, const std::vector<int64_t>& task_seq,
-                const std::vector<int64_t>& task_head, const std::vector<int64_t>& task_start,
-                int64_t chunk, float scale, float* o, float* lse) {
-  const int64_t T_ = (int64_t)task_seq.size();
-  at::parallel_for(0, T_, 1, [&](int64_t t0, int64_t t1) {
+struct Batch {
+  const float* q; int64_t H, G, dk, dv, chunk; float scale;
+  std::vector<const T*> kp, vp;
+  std::vector<int64_t> khs, vhs, krs, vrs, n, task_seq, task_head, task_start;
+  float* o; float* lse;  // [tasks, G, dv], [tasks, G]
+};
+
+// task t: its m keys K and values V (row strides krs, vrs), its G queries times the scale into qf
+template <typename T>
+struct Task { int64_t m, krs, vrs; const T* K; const T* V; };
+template <typename T>
+static Task<T> task(const Batch<T>& a, int64_t t, float* qf) {
+  const int64_t b = a.task_seq[t], h = a.task_head[t], j0 = a.task_start[t];
+  const float* Q = a.q + ((b * a.H + h) * a.G) * a.dk;
+  for (int64_t i = 0; i < a.G * a.dk; ++i) qf[i] = Q[i] * a.scale;
+  return {std::min(a.chunk, a.n[b] - j0), a.krs[b], a.vrs[b], a.kp[b] + h * a.khs[b] + j0 * a.krs[b], a.vp[b] + h * a.vhs[b] + j0 * a.vrs[b]};
+}
+
+template <typename T>
+static void run(const Batch<T>& a) {
+  const int64_t G = a.G, dk = a.dk, dv = a.dv, chunk = a.chunk;
+  float* o = a.o; float* lse = a.lse;
+  at::parallel_for(0, (int64_t)a.task_seq.size(), 1, [&](int64_t t0, int64_t t1) {
     std::vector<float> s(chunk * G), acc(G * dv), qf(G * dk), kf(dk), vf(dv);
     for (int64_t t = t0; t < t1; ++t) {
-      const int64_t b = task_seq[t], h = task_head[t], j0 = task_start[t];
-      const int64_t m = std::min(chunk, n[b] - j0);
-      const T* K = kp[b] + h * khs[b] + j0 * krs[b];
-      const T* V = vp[b] + h * vhs[b] + j0 * vrs[b];
-      const float* Q = q + ((b * H + h) * G) * dk;
-      for (int64_t i = 0; i < G * dk; ++i) qf[i] = Q[i] * scale;
+      const Task<T> k = task(a, t, qf.data());
+      const int64_t m = k.m;
+      const T* K = k.K;
+      const T* V = k.V;
       for (int64_t j = 0; j < m; ++j) {            // scores: each K row read and converted once for the G heads
-        row_to_float(K + j * krs[b], kf.data(), dk);
-        const float* k = kf.data();
+        row_to_float(K + j * k.krs, kf.data(), dk);
+        const float* kr = kf.data();
         for (int64_t g = 0; g < G; ++g) {
           const float* qg = qf.data() + g * dk;
           float d = 0.f;
           #pragma omp simd reduction(+:d)
-          for (int64_t c = 0; c < dk; ++c) d += qg[c] * k[c];
+          for (int64_t c = 0; c < dk; ++c) d += qg[c] * kr[c];
           s[g * chunk + j] = d;
         }
       }
@@ -56,13 +70,13 @@ static void run(const float* q, int64_t B, int64_t H, int64_t G, int64_t dk, int
       }
       std::fill(acc.begin(), acc.end(), 0.f);
       for (int64_t j = 0; j < m; ++j) {            // values: each V row read and converted once for the G heads
-        row_to_float(V + j * vrs[b], vf.data(), dv);
+        row_to_float(V + j * k.vrs, vf.data(), dv);
         const float* v = vf.data();
         for (int64_t g = 0; g < G; ++g) {
           const float p = s[g * chunk + j];
-          float* a = acc.data() + g * dv;
+          float* ag = acc.data() + g * dv;
           #pragma omp simd
-          for (int64_t c = 0; c < dv; ++c) a[c] += p * v[c];
+          for (int64_t c = 0; c < dv; ++c) ag[c] += p * v[c];
         }
       }
       std::memcpy(o + t * G * dv, acc.data(), sizeof(float) * G * dv);
@@ -220,26 +234,17 @@ static void head_blocks(int64_t G, F&& f) {
 }
 
 template <typename T>
-static void run_avx512(const float* q, int64_t B, int64_t H, int64_t G, int64_t dk, int64_t dv,
-                       const std::vector<const T*>& kp, const std::vector<const T*>& vp,
-                       const std::vector<int64_t>& khs, const std::vector<int64_t>& vhs,
-                       const std::vector<int64_t>& krs, const std::vector<int64_t>& vrs,
-                       const std::vector<int64_t>& n, const std::vector<int64_t>& task_seq,
-                       const std::vector<int64_t>& task_head, const std::vector<int64_t>& task_start,
-                       int64_t chunk, float scale, float* o, float* lse) {
-  const int64_t T_ = (int64_t)task_seq.size();
-  at::parallel_for(0, T_, 1, [&](int64_t t0, int64_t t1) {
+static void run_avx512(const Batch<T>& a) {
+  const int64_t G = a.G, dk = a.dk, dv = a.dv, chunk = a.chunk;
+  float* lse = a.lse;
+  at::parallel_for(0, (int64_t)a.task_seq.size(), 1, [&](int64_t t0, int64_t t1) {
     std::vector<float> s(chunk * G), pt(chunk * G), qf(G * dk), inv(G);
     for (int64_t t = t0; t < t1; ++t) {
-      const int64_t b = task_seq[t], h = task_head[t], j0 = task_start[t];
-      const int64_t m = std::min(chunk, n[b] - j0);
-      const T* K = kp[b] + h * khs[b] + j0 * krs[b];
-      const T* V = vp[b] + h * vhs[b] + j0 * vrs[b];
-      const float* Q = q + ((b * H + h) * G) * dk;
-      for (int64_t i = 0; i < G * dk; ++i) qf[i] = Q[i] * scale;
-      const T* Vp = V == K && vrs[b] == krs[b] ? nullptr : V;  // values in rows of their own: prefetched by the first head block
+      const Task<T> k = task(a, t, qf.data());
+      const int64_t m = k.m;
+      const T* Vp = k.V == k.K && k.vrs == k.krs ? nullptr : k.V;  // values in rows of their own: prefetched by the first head block
       head_blocks(G, [&](auto gb, int64_t g0) {
-        qk_heads<decltype(gb)::value>(qf.data(), dk, K, krs[b], m, g0, s.data(), chunk, g0 == 0 ? Vp : nullptr, vrs[b], dv);
+        qk_heads<decltype(gb)::value>(qf.data(), dk, k.K, k.krs, m, g0, s.data(), chunk, g0 == 0 ? Vp : nullptr, k.vrs, dv);
       });
       for (int64_t g = 0; g < G; ++g) {            // softmax per head over the chunk (unnormalised; 1 / sum applied to o)
         float* sg = s.data() + g * chunk;
@@ -258,12 +263,33 @@ static void run_avx512(const float* q, int64_t B, int64_t H, int64_t G, int64_t 
         inv[g] = 1.f / sum;
         for (int64_t j = 0; j < m; ++j) pt[j * G + g] = sg[j];
       }
-      float* out = o + t * G * dv;
-      head_blocks(G, [&](auto gb, int64_t g0) { pv_heads<decltype(gb)::value>(pt.data(), G, V, vrs[b], m, dv, g0, inv.data(), out); });
+      float* out = a.o + t * G * dv;
+      head_blocks(G, [&](auto gb, int64_t g0) { pv_heads<decltype(gb)::value>(pt.data(), G, k.V, k.vrs, m, dv, g0, inv.data(), out); });
     }
   });
 }
 #endif
+
+// the batch's tasks in order (sequence, KV head, chunk), then the AVX-512 path or the plain loops
+template <typename T>
+static void dispatch(const at::Tensor& q, const std::vector<at::Tensor>& ks, const std::vector<at::Tensor>& vs, int64_t chunk,
+                     float scale, bool portable, at::Tensor& o, at::Tensor& lse) {
+  const int64_t B = q.size(0);
+  Batch<T> a{q.data_ptr<float>(), q.size(1), q.size(2), q.size(3), vs[0].size(2), chunk, scale};
+  for (int64_t b = 0; b < B; ++b) {
+    a.kp.push_back(ks[b].data_ptr<T>()); a.vp.push_back(vs[b].data_ptr<T>());
+    a.n.push_back(ks[b].size(1)); a.khs.push_back(ks[b].stride(0)); a.vhs.push_back(vs[b].stride(0));
+    a.krs.push_back(ks[b].stride(1)); a.vrs.push_back(vs[b].stride(1));
+    for (int64_t h = 0; h < a.H; ++h)
+      for (int64_t j = 0; j < a.n[b]; j += chunk) { a.task_seq.push_back(b); a.task_head.push_back(h); a.task_start.push_back(j); }
+  }
+  a.o = o.data_ptr<float>();
+  a.lse = lse.data_ptr<float>();
+#ifdef WRITESCOPE_AVX512
+  if (!portable) return run_avx512(a);
+#endif
+  run(a);
+}
 
 std::vector<at::Tensor> attend(at::Tensor q, std::vector<at::Tensor> ks, std::vector<at::Tensor> vs, int64_t chunk, double scale, bool portable) {
   TORCH_CHECK(!ks.empty() && ks.size() == vs.size() && (int64_t)ks.size() == q.size(0), "one (k, v) per query row, at least one");
@@ -275,36 +301,15 @@ std::vector<at::Tensor> attend(at::Tensor q, std::vector<at::Tensor> ks, std::ve
     TORCH_CHECK(ks[b].scalar_type() == ks[0].scalar_type() && vs[b].scalar_type() == ks[0].scalar_type(), "one dtype for the batch");
     TORCH_CHECK(ks[b].stride(2) == 1 && vs[b].stride(2) == 1, "rows must have unit stride");
   }
-  std::vector<int64_t> n(B), khs(B), vhs(B), krs(B), vrs(B), ts, th, tst;
-  for (int64_t b = 0; b < B; ++b) {
-    n[b] = ks[b].size(1); khs[b] = ks[b].stride(0); vhs[b] = vs[b].stride(0); krs[b] = ks[b].stride(1); vrs[b] = vs[b].stride(1);
-    for (int64_t h = 0; h < H; ++h)
-      for (int64_t j = 0; j < n[b]; j += chunk) { ts.push_back(b); th.push_back(h); tst.push_back(j); }
-  }
   auto qf = q.to(at::kFloat).contiguous();
-  auto o = at::empty({(int64_t)ts.size(), G, dv}, q.options().dtype(at::kFloat));
-  auto lse = at::empty({(int64_t)ts.size(), G}, q.options().dtype(at::kFloat));
-  if (ks[0].scalar_type() == at::kBFloat16) {
-    std::vector<const at::BFloat16*> kp(B), vp(B);
-    for (int64_t b = 0; b < B; ++b) { kp[b] = ks[b].data_ptr<at::BFloat16>(); vp[b] = vs[b].data_ptr<at::BFloat16>(); }
-#ifdef WRITESCOPE_AVX512
-    if (!portable) {
-      run_avx512<at::BFloat16>(qf.data_ptr<float>(), B, H, G, dk, dv, kp, vp, khs, vhs, krs, vrs, n, ts, th, tst, chunk, (float)scale, o.data_ptr<float>(), lse.data_ptr<float>());
-      return {o, lse};
-    }
-#endif
-    run<at::BFloat16>(qf.data_ptr<float>(), B, H, G, dk, dv, kp, vp, khs, vhs, krs, vrs, n, ts, th, tst, chunk, (float)scale, o.data_ptr<float>(), lse.data_ptr<float>());
-  } else {
-    std::vector<const float*> kp(B), vp(B);
-    for (int64_t b = 0; b < B; ++b) { kp[b] = ks[b].data_ptr<float>(); vp[b] = vs[b].data_ptr<float>(); }
-#ifdef WRITESCOPE_AVX512
-    if (!portable) {
-      run_avx512<float>(qf.data_ptr<float>(), B, H, G, dk, dv, kp, vp, khs, vhs, krs, vrs, n, ts, th, tst, chunk, (float)scale, o.data_ptr<float>(), lse.data_ptr<float>());
-      return {o, lse};
-    }
-#endif
-    run<float>(qf.data_ptr<float>(), B, H, G, dk, dv, kp, vp, khs, vhs, krs, vrs, n, ts, th, tst, chunk, (float)scale, o.data_ptr<float>(), lse.data_ptr<float>());
-  }
+  int64_t tasks = 0;
+  for (int64_t b = 0; b < B; ++b) tasks += H * ((ks[b].size(1) + chunk - 1) / chunk);
+  auto o = at::empty({tasks, G, dv}, q.options().dtype(at::kFloat));
+  auto lse = at::empty({tasks, G}, q.options().dtype(at::kFloat));
+  if (ks[0].scalar_type() == at::kBFloat16)
+    dispatch<at::BFloat16>(qf, ks, vs, chunk, (float)scale, portable, o, lse);
+  else
+    dispatch<float>(qf, ks, vs, chunk, (float)scale, portable, o, lse);
   return {o, lse};
 }
 
