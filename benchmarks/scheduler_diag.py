@@ -2,11 +2,11 @@
 number of compute blocks (Qwen3-30B-A3B shape, 2 layers, batch 16, 16K; needs CUDA).
 Run: PYTHONPATH=. python3 benchmarks/scheduler_diag.py  (results: benchmarks/results/scheduler.md)"""
 import statistics
-import time
 
 import torch
 
 from writescope import LLM, SamplingParams
+from writescope.engine.timing import synchronized_seconds
 llm = LLM("qwen3-30b-a3b", num_layers=2, progress=False, policy="gpu")
 rf = llm.roofline(256)
 print(rf)
@@ -19,9 +19,7 @@ for pol in ["static:0.3125", "writescope", "static:0.328125", "writescope", "sta
     inner = dec.decode
     rec = []
     def wrapped(*a, **k):
-        torch.cuda.synchronize(); t0 = time.perf_counter()
-        out = inner(*a, **k)
-        torch.cuda.synchronize(); dt = time.perf_counter() - t0
+        out, dt = synchronized_seconds(lambda: inner(*a, **k), llm.device)
         rec.append((dt, dec.stats.last_cpu_seconds, dec.last_gpu_seconds()))
         if len(rec) == 1:
             sq = a[2][0]

@@ -166,6 +166,23 @@ def test_kernel_edge_inputs(use_kernel):
     assert kernel.usable(q, [kv[0], None])
 
 
+@pytest.mark.parametrize("portable", [False, True], ids=["fast", "portable"])
+def test_kernel_propagates_nan_and_refuses_a_zero_chunk(use_kernel, portable):
+    """A NaN key makes its chunk's partial NaN, as in torch's softmax (the fast path's exp once
+    turned it into e^-87, hiding it); a chunk of 0 keys is an error, not a division by zero."""
+    if not portable and not kernel.avx512_built():
+        pytest.skip("the kernel was built without its AVX-512 path on this CPU")
+    gen = torch.Generator().manual_seed(3)
+    (k, v), = regions([40], 1, 16, torch.float32, gen)
+    k[0, 5, 3] = float("nan")
+    q = torch.randn(1, 1, 4, 16, generator=gen)
+    o, lse = kernel._extension().attend(q, [k], [v], 16, 0.25, portable)
+    assert torch.isnan(o[0]).all() and torch.isnan(lse[0]).all()  # chunk 0 holds the NaN key
+    assert torch.isfinite(o[1:]).all() and torch.isfinite(lse[1:]).all()  # the other chunks do not
+    with pytest.raises(RuntimeError, match="chunk must be >= 1"):
+        kernel._extension().attend(q, [k], [v], 0, 0.25, portable)
+
+
 def test_kernel_releases_the_gil(use_kernel):
     """The GPU part is launched from the main thread while the worker runs the CPU part: the
     kernel must not hold the GIL. A Python thread counting in a loop keeps a good part of its idle

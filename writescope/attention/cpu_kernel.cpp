@@ -101,7 +101,7 @@ static inline __m512 load16(const at::BFloat16* p, __mmask16 m) {  // bf16 -> fp
 // e^x for x <= 0 (scores minus their max): x = n ln2 + r, |r| <= ln2 / 2 (Cody-Waite split of ln2),
 // e^r by its degree-7 Taylor polynomial (truncation < 6e-9 relative), times 2^n by scalef
 static inline __m512 exp512(__m512 x) {
-  x = _mm512_max_ps(x, _mm512_set1_ps(-87.0f));
+  x = _mm512_max_ps(_mm512_set1_ps(-87.0f), x);  // a NaN stays NaN (max returns its second operand); e^-87 is still a normal float
   const __m512 n = _mm512_roundscale_ps(_mm512_mul_ps(x, _mm512_set1_ps(1.44269504088896341f)), _MM_FROUND_TO_NEAREST_INT | _MM_FROUND_NO_EXC);
   __m512 r = _mm512_fnmadd_ps(n, _mm512_set1_ps(0.693359375f), x);
   r = _mm512_fnmadd_ps(n, _mm512_set1_ps(-2.12194440e-4f), r);
@@ -146,8 +146,8 @@ static inline void qk_block(const float* qf, int64_t dk, const T* K, int64_t krs
     #pragma GCC unroll 8
     for (int jb = 0; jb < JB; ++jb) kv[jb] = load16(K + (j + jb) * krs + c, m);
     #pragma GCC unroll 8
-    for (int jb = 0; jb < JB; ++jb)  // the keys two blocks ahead (past the chunk's end: a harmless hint)
-      _mm_prefetch(reinterpret_cast<const char*>(K + (j + 2 * JB + jb) * krs + c), _MM_HINT_T0);
+    for (int jb = 0; jb < JB; ++jb)  // the keys two blocks ahead (past the chunk's end: a hint, never a fault; the address as an integer)
+      _mm_prefetch(reinterpret_cast<const char*>(reinterpret_cast<uintptr_t>(K) + ((j + 2 * JB + jb) * krs + c) * sizeof(T)), _MM_HINT_T0);
     #pragma GCC unroll 16
     for (int gb = 0; gb < GB; ++gb) {
       const __m512 qv = _mm512_maskz_loadu_ps(m, qf + (g0 + gb) * dk + c);
@@ -199,7 +199,7 @@ static inline void pv_block(const float* pt, int64_t G, const T* V, int64_t vrs,
       _mm512_mask_storeu_ps(o + (g0 + gb) * dv + c0 + 16 * cb, mk[cb], _mm512_mul_ps(acc[gb][cb], _mm512_set1_ps(inv[g0 + gb])));
 }
 
-// heads g0 .. g0 + GB of one task: scores, then (after the softmax) values, with 16-24
+// heads g0 .. g0 + GB of one task: scores, then (after the softmax) values, with 8-24
 // accumulators: 8 heads x 3 keys (or 3 x 16 columns), 4 x 6, 2 x 8, 1 x 8. On the 2-core
 // development machine 8 x 3 ran 1.8-2.0x (scores) and 1.4-1.8x (values) faster than 16 heads x 1, which
 // loads every head's query for each key (benchmarks/results/cpu_kernel.md)
@@ -293,6 +293,7 @@ static void dispatch(const at::Tensor& q, const std::vector<at::Tensor>& ks, con
 
 std::vector<at::Tensor> attend(at::Tensor q, std::vector<at::Tensor> ks, std::vector<at::Tensor> vs, int64_t chunk, double scale, bool portable) {
   TORCH_CHECK(!ks.empty() && ks.size() == vs.size() && (int64_t)ks.size() == q.size(0), "one (k, v) per query row, at least one");
+  TORCH_CHECK(chunk >= 1, "chunk must be >= 1 key, got ", chunk);
   const int64_t B = q.size(0), H = q.size(1), G = q.size(2), dk = q.size(3);
   const int64_t dv = vs[0].size(2);
   for (int64_t b = 0; b < B; ++b) {

@@ -16,16 +16,17 @@ reference is :func:`writescope.attention.partial.attend_blocks` (plain torch), t
 Two implementations of the per-task work, both exact (float32 accumulation), tested against the
 reference on every build:
 - AVX-512 (built where the compiler targets AVX-512 F/BW/VL, ``-march=native``; the H200 host
-  has it): the scores of up to 16 query heads x 1-4 keys, and the values of up to 16 heads x
-  16-64 columns, each as a block of 16 register accumulators of fused multiply-adds, bf16 widened
-  in registers; the softmax's exp is a vector polynomial (Cody-Waite range reduction, degree-7
-  Taylor, < 6e-9 relative truncation) and the 1 / sum is applied once to the output.
+  has it): the scores of 8 query heads x 3 keys at a time (fewer heads: 4 x 6, 2 x 8, 1 x 8), and
+  the values of 8 heads x 48 columns (4 x 96, 2 x 128, 1 x 128), each block a set of 8-24 register
+  accumulators of fused multiply-adds, bf16 widened in registers; the softmax's exp is a vector
+  polynomial (Cody-Waite range reduction, degree-7 Taylor, < 6e-9 relative truncation; exponents
+  below -87 count as -87, NaN stays NaN) and the 1 / sum is applied once to the output.
 - plain C++ loops left to the compiler's vectoriser (``PORTABLE``, or a build without AVX-512).
 
 ``kernel_available()`` is False where the extension cannot be built (no C++ compiler); callers
 then use the flash op. Selected with ``WRITESCOPE_CPU_ATTENTION=kernel`` (default: ``flash``).
 Measured only on the 2-core development machine (benchmarks/results/cpu_kernel.md): the AVX-512
-path is 3.0-4.5x the plain loops, 1.55-1.76x the flash op for MLA and 0.76-1.50x for GQA. It has
+path is 3.0-4.5x the plain loops from 4,352 keys, about 1.5x the flash op for MLA (1.2-1.8x over repeated runs) and 0.76-1.50x for GQA. It has
 not run on the H200 host, where the flash op read MLA's latent at 14.3 GB/s (e2e.md); whether it
 beats the flash op there, and so whether the roofline gives the CPU a share, is open. AVX512-BF16
 products (two per lane) or AMX tiles, which that host has, are not used.

@@ -11,6 +11,7 @@ from writescope.checkpoint.loader import load_weights
 from writescope.checkpoint.synthetic import fill_synthetic
 from writescope.checkpoint.tokenizer import Tokenizer, synthetic_tokenizer
 from writescope.config import ModelConfig
+from writescope.engine.timing import synchronize
 from writescope.models import build_model
 from writescope.models.causal_lm import CausalLM
 from writescope.presets import PRESETS, preset_config
@@ -112,8 +113,7 @@ def load_model(
         tok = Tokenizer.from_file(ckpt / "tokenizer.json")
     else:
         tok = synthetic_tokenizer(cfg.vocab_size)
-    if device.type == "cuda":
-        torch.cuda.synchronize(device)
+    synchronize(device)
     return cfg, net, tok, {"source": source, "load_s": time.perf_counter() - t0}
 
 
