@@ -60,7 +60,7 @@ def pooled_rows(paths: list[Path], x: str, series: str | None, y: str) -> list[d
                 raise ValueError(f"{path}: --y {y!r} is not a number in its rows (got {row[y]!r}): pick a numeric key")
             rows.append(row)
     if not rows:
-        raise ValueError(f"no row has all of {', '.join(map(repr, keys))}; the rows' keys are {sorted(seen)}")
+        raise ValueError(f"no row has all of {', '.join(map(repr, keys))}; the rows' keys are {sorted(seen)} (a.b reads a nested value)")
     return rows
 
 

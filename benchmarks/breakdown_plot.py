@@ -86,8 +86,11 @@ def main() -> None:
     for f in args.files:
         try:
             doc = json.loads(f.read_text())
-            parts(doc)
         except (OSError, ValueError) as e:
+            raise SystemExit(f"breakdown_plot: {f}: not a readable JSON file ({e}); give the --output-json of `writescope profile`") from None
+        try:
+            parts(doc)
+        except ValueError as e:
             raise SystemExit(f"breakdown_plot: {f}: {e}") from None
         docs.append((f"{doc.get('model', f.stem)}, batch {doc.get('batch')} x {doc.get('context')}, {doc.get('policy')}", doc))
     plot(docs, args.out)

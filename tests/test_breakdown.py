@@ -54,4 +54,7 @@ def test_a_range_with_device_work_keeps_its_cpu_time_span_and_busy_time():
     assert bd.other_ms == 14.0  # 20 - (2 + 4); the worker's 7 ms overlap the main thread
     rows = {line.split()[0]: line.split()[1:] for line in bd.table().splitlines()[2:]}
     assert rows["attn.load_region"] == ["main", "2.000", "10.0%", "15.000", "10.000"]
-    assert rows["attn.cpu_part"][:3] == ["worker", "7.000", "35.0%"] and rows["other"][1:3] == ["main", "14.000"]
+    assert rows["attn.cpu_part"] == ["worker", "7.000", "(35.0%)", "0.000", "0.000"]  # overlaps: in brackets
+    assert rows["other"][1:4] == ["main", "14.000", "70.0%"] and rows["device"][0] == "span:"
+    cpu_only = Breakdown(step_ms=20.0, steps=3, ranges=ranges, device_timed=False).table()
+    assert "device" not in cpu_only and cpu_only.splitlines()[2].split() == ["moe.host_experts", "main", "4.000", "20.0%"]

@@ -166,6 +166,21 @@ def test_kernel_edge_inputs(use_kernel):
     assert kernel.usable(q, [kv[0], None])
 
 
+def test_cpu_attention_is_checked_and_named_before_the_weights_load(monkeypatch):
+    from writescope import LLM
+
+    monkeypatch.setenv("WRITESCOPE_CPU_ATTENTION", "kernal")
+    with pytest.raises(ValueError, match=r"WRITESCOPE_CPU_ATTENTION='kernal': use 'flash' .* or 'kernel'"):
+        LLM("tiny-qwen3-moe", progress=False, policy="static:0.5")
+    monkeypatch.setenv("WRITESCOPE_CPU_ATTENTION", "flash")
+    assert kernel.prepare(progress=False) == "torch's flash op"
+
+
+def test_prepare_builds_and_names_the_kernel(use_kernel):
+    want = "C++ kernel (AVX-512)" if kernel.avx512_built() else "C++ kernel (plain loops, no AVX-512 here)"
+    assert kernel.prepare(progress=False) == want
+
+
 @pytest.mark.parametrize("portable", [False, True], ids=["fast", "portable"])
 def test_kernel_propagates_nan_and_refuses_a_zero_chunk(use_kernel, portable):
     """A NaN key makes its chunk's partial NaN, as in torch's softmax (the fast path's exp once

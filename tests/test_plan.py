@@ -72,8 +72,12 @@ def test_budget_below_the_minimum_is_refused_with_the_minimum():
     cfg = preset_config("qwen3-30b-a3b")
     plan = make_plan(cfg, torch.bfloat16, 3 * GiB, 4, 8192, 256, StaticPolicy(0.5))
     assert plan.experts_gpu == 0
-    with pytest.raises(ValueError, match=rf"below the minimum of {plan.gpu_min / GiB:.3f} GiB"):
+    with pytest.raises(ValueError, match=rf"below the minimum of {plan.gpu_min / GiB:.3f} GiB") as e:
         plan.check()
+    assert "partitioned --policy" not in str(e.value)  # it already is one
+    resident = make_plan(cfg, torch.bfloat16, 3 * GiB, 4, 8192, 256, None)
+    with pytest.raises(ValueError, match=r"or use a partitioned --policy \(KV in host memory\)"):
+        resident.check()
 
 
 def test_resident_puts_all_kv_on_the_gpu():

@@ -35,6 +35,8 @@ products (two per lane) or AMX tiles, which that host has, are not used.
 from __future__ import annotations
 
 import os
+import sys
+import time
 import warnings
 from pathlib import Path
 
@@ -77,6 +79,29 @@ def avx512_built() -> bool:
 def kernel_selected() -> bool:
     """``WRITESCOPE_CPU_ATTENTION=kernel`` and the kernel builds."""
     return os.environ.get("WRITESCOPE_CPU_ATTENTION", "flash").lower() == "kernel" and kernel_available()
+
+
+def prepare(progress: bool = True) -> str:
+    """Check ``WRITESCOPE_CPU_ATTENTION`` and build the kernel now if it is selected (about 45 s
+    the first time on a machine, then cached by torch), so the build is not timed as part of a
+    decode step. Returns the CPU attention in use, in words.
+
+    Raises:
+        ValueError: ``WRITESCOPE_CPU_ATTENTION`` is neither ``flash`` nor ``kernel`` (names it).
+    """
+    value = os.environ.get("WRITESCOPE_CPU_ATTENTION", "flash")
+    if value.lower() not in ("flash", "kernel"):
+        raise ValueError(f"WRITESCOPE_CPU_ATTENTION={value!r}: use 'flash' (torch's op, the default) or 'kernel' (the C++ kernel)")
+    if value.lower() == "flash":
+        return "torch's flash op"
+    if progress and _EXT is None and not _FAILED:
+        print("CPU attention: building the C++ kernel (once per machine, about a minute) ...", file=sys.stderr, flush=True)
+    t0 = time.perf_counter()
+    if not kernel_available():
+        return "torch's flash op (the C++ kernel could not be built; see the warning)"
+    if progress and time.perf_counter() - t0 > 1.0:
+        print(f"CPU attention: C++ kernel ready in {time.perf_counter() - t0:.1f} s", file=sys.stderr, flush=True)
+    return f"C++ kernel ({'AVX-512' if avx512_built() else 'plain loops, no AVX-512 here'})"
 
 
 def usable(q: torch.Tensor, kv: list) -> bool:

@@ -65,6 +65,7 @@ class Breakdown:
     step_ms: float  # median wall time of a profiled decode step
     steps: int
     ranges: dict[str, RangeTime]
+    device_timed: bool = True  # device columns measured (CUDA); without CUDA the table leaves them out
 
     @property
     def other_ms(self) -> float:
@@ -72,15 +73,20 @@ class Breakdown:
         return max(0.0, self.step_ms - sum(t.cpu_ms for n, t in self.ranges.items() if n not in WORKER_RANGES))
 
     def table(self) -> str:
-        """The breakdown as text, ranges by CPU time."""
+        """The breakdown as text, ranges by CPU time. The main thread's rows and ``other`` add up
+        to the step; the worker's row (in brackets) overlaps them."""
+        dev = f" {'device span ms':>15s} {'device busy ms':>15s}" if self.device_timed else ""
         lines = [f"decode step {self.step_ms:.2f} ms (median of {self.steps} profiled steps; profiler overhead included)",
-                 f"{'range':24s} {'thread':7s} {'CPU ms/step':>12s} {'% of step':>9s} {'device span ms':>15s} {'device busy ms':>15s}"]
+                 f"{'range':24s} {'thread':7s} {'CPU ms/step':>12s} {'% of step':>10s}{dev}"]
         for name, t in sorted(self.ranges.items(), key=lambda kv: -kv[1].cpu_ms):
-            thread = "worker" if name in WORKER_RANGES else "main"
-            lines.append(f"{name:24s} {thread:7s} {t.cpu_ms:12.3f} {100 * t.cpu_ms / self.step_ms:8.1f}% "
-                         f"{t.device_ms:15.3f} {t.device_busy_ms:15.3f}")
+            worker = name in WORKER_RANGES
+            pct = f"{100 * t.cpu_ms / self.step_ms:.1f}%"
+            cols = f" {t.device_ms:15.3f} {t.device_busy_ms:15.3f}" if self.device_timed else ""
+            lines.append(f"{name:24s} {'worker' if worker else 'main':7s} {t.cpu_ms:12.3f} {f'({pct})' if worker else pct:>10s}{cols}")
         other = self.other_ms
-        lines.append(f"{'other (main)':24s} {'main':7s} {other:12.3f} {100 * other / self.step_ms:8.1f}%")
+        lines.append(f"{'other (main)':24s} {'main':7s} {other:12.3f} {f'{100 * other / self.step_ms:.1f}%':>10s}")
+        if self.device_timed:
+            lines.append("device span: first to last GPU work launched in the range, idle gaps included; busy: that work's durations summed")
         return "\n".join(lines)
 
 
@@ -154,4 +160,4 @@ def decode_breakdown(llm, prompt_token_ids: list[list[int]], steps: int = 8, ski
     if stats is not None and worker[skip + steps] > worker[skip]:
         ranges["attn.cpu_part"] = RangeTime((worker[skip + steps] - worker[skip]) * 1e3 / steps)
     ranges.update(range_times(prof.key_averages(), steps))
-    return Breakdown(step_ms, steps, ranges)
+    return Breakdown(step_ms, steps, ranges, device_timed=cuda)

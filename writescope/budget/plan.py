@@ -100,7 +100,8 @@ class MemoryPlan:
                 f"a GPU budget of {self.budget / GiB:.3f} GiB is below the minimum of {self.gpu_min / GiB:.3f} GiB "
                 f"(non-expert weights {self.non_expert_weights / GiB:.2f} + KV on the GPU {self.kv_gpu / GiB:.2f} + ping-pong "
                 f"{self.pingpong / GiB:.2f} + activations {self.activations / GiB:.2f} + reserve {self.reserve / GiB:.2f}): "
-                "raise --vram-budget, lower the batch or the context (generate: --max-model-len), or use a partitioned --policy"
+                "raise --vram-budget, lower the batch or the context (generate: --max-model-len)"
+                + (", or use a partitioned --policy (KV in host memory)" if self.kv_host == 0 else "")
             )
         if self.host_free is not None and self.host_total > 0.9 * self.host_free:
             raise ValueError(

@@ -50,7 +50,7 @@ def parse_tokens(text: str, flag: str = "token count") -> list[int]:
         except ValueError:
             raise ValueError(f"{flag} {part!r} is not a token count: use e.g. 2k,8k or 2048") from None
         if n < 1:
-            raise ValueError(f"{flag} must be >= 1 token, got {part!r}")
+            raise ValueError(f"{flag} must be >= 1, got {part!r}")
         out.append(n)
     return out
 

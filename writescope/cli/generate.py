@@ -127,7 +127,7 @@ def run(args: argparse.Namespace) -> int:
     for o in outs:
         print(f"\n--- request {o.request_id}: {o.metrics.prompt_tokens} prompt tokens -> {o.metrics.output_tokens} new ({o.finish_reason})")
         print(o.text)
-    print("\n" + format_timings(outs, llm.policy_name))
+    print("\n" + format_timings(outs, llm.policy_name, llm.cpu_attention))
     if llm.r_trace:
         print(format_r_trace(llm.r_trace))
     if args.output_json:
@@ -151,7 +151,7 @@ def format_r_trace(trace: list[dict], lines: int = 8) -> str:
     return "r(L) trace (mean placed tokens per sequence L)\n" + "\n".join(rows)
 
 
-def format_timings(outs, policy: str = "resident") -> str:
+def format_timings(outs, policy: str = "resident", cpu_attention: str | None = None) -> str:
     m = outs[0].metrics
     tpots = sorted(o.metrics.tpot_s for o in outs)
     rows = [
@@ -159,11 +159,13 @@ def format_timings(outs, policy: str = "resident") -> str:
         ("prompt tokens (total)", f"{sum(o.metrics.prompt_tokens for o in outs)}"),
         ("prefill", f"{m.prefill_tok_s:,.0f} tok/s"),
         ("TTFT", f"{m.ttft_s * 1e3:,.1f} ms"),
-        ("TPOT (median)", f"{tpots[len(tpots) // 2] * 1e3:,.2f} ms"),
+        ("TPOT (median over requests of each one's mean)" if len(outs) > 1 else "TPOT (mean)", f"{tpots[len(tpots) // 2] * 1e3:,.2f} ms"),
         ("decode", f"{m.decode_tok_s:,.1f} tok/s"),
         ("peak memory", f"{m.peak_memory_bytes / 2**30:,.2f} GiB"),
         ("KV policy", policy),
     ]
+    if cpu_attention is not None and policy not in ("resident", "gpu"):  # only these never attend on the CPU
+        rows.append(("CPU attention", cpu_attention))
     if outs[0].kv_placement is not None:
         tot = {k: sum(o.kv_placement[k] for o in outs) for k in outs[0].kv_placement}
         n = max(1, sum(tot.values()))

@@ -9,6 +9,7 @@ from typing import Sequence
 import torch
 from tqdm import tqdm
 
+from writescope.attention import cpu_kernel
 from writescope.attention.metadata import ForwardBatch
 from writescope.budget.apply import enforce_budget, host_experts, place_experts
 from writescope.budget.plan import make_plan, parse_size
@@ -118,6 +119,8 @@ class LLM:
         cfg, _ = resolve_config(model, num_layers, synthetic)
         if cfg.model_type == "deepseek_v2":
             mla_prefill_mode()  # a bad WRITESCOPE_MLA_PREFILL fails here, before the weights load
+        # a bad WRITESCOPE_CPU_ATTENTION fails here too; the kernel, if selected, is built before calibration and timing
+        self.cpu_attention = cpu_kernel.prepare(progress)
         limit = cfg.max_position_embeddings
         if max_model_len is not None and not 1 <= max_model_len <= limit:
             raise ValueError(f"max_model_len {max_model_len} must be in [1, {limit}] (the model's max_position_embeddings)")
