@@ -202,8 +202,9 @@ def test_kernel_releases_the_gil(use_kernel):
     """The GPU part is launched from the main thread while the worker runs the CPU part: the
     kernel must not hold the GIL. A Python thread counting in a loop keeps a good part of its idle
     rate while the kernel runs (one kernel thread, so the two need not compete for a core). Holding
-    the GIL, the counter got ~3% of its idle rate. Releasing it, 72-111% on the 2-core dev machine
-    but once 49% in CI (a shared machine), so the bound is 20% and the best of three tries counts."""
+    the GIL, the counter got ~3% of its idle rate (an earlier session's check); releasing it, once
+    only 49% in CI (a shared machine: `issues ci`, e3f4873), so the bound is 20% and the best of
+    three tries counts."""
     import threading
     import time
 

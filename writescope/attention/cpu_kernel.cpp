@@ -200,9 +200,9 @@ static inline void pv_block(const float* pt, int64_t G, const T* V, int64_t vrs,
 }
 
 // heads g0 .. g0 + GB of one task: scores, then (after the softmax) values, with 8-24
-// accumulators: 8 heads x 3 keys (or 3 x 16 columns), 4 x 6, 2 x 8, 1 x 8. On the 2-core
-// development machine 8 x 3 ran 1.8-2.0x (scores) and 1.4-1.8x (values) faster than 16 heads x 1, which
-// loads every head's query for each key (benchmarks/results/cpu_kernel.md)
+// accumulators: 8 heads x 3 keys (or 3 x 16 columns), 4 x 6, 2 x 8, 1 x 8. Chosen over 16 heads x 1
+// (which loads every head's query for each key) by trying the shapes on the 2-core development
+// machine (benchmarks/results/cpu_kernel.md)
 template <int GB>
 constexpr int inner_block() { return GB >= 8 ? 3 : GB >= 4 ? 6 : 8; }
 template <int GB, typename T>
