@@ -15,8 +15,10 @@
 #   bash benchmarks/h200_session.sh prefill-e2e MODEL  # whole-model prefill of 2K prompts, batch 1-32, routing vs one region (run 3)
 #   bash benchmarks/h200_session.sh consistency  # DSV2 without a budget, 4 x 8K machine text: every policy vs resident, logits (run 6)
 #   bash benchmarks/h200_session.sh peer       # DSV2 checkpoint written from the GPU, transformers' offloaded cache vs writescope (run 5)
-#   bash benchmarks/h200_session.sh cpu-kernel # CPU attention on the host: flash op vs the C++ kernel (AVX-512, plain), MLA and GQA, 15 threads
-# A grid or calibration with the kernel instead of the flash op: WRITESCOPE_CPU_ATTENTION=kernel (the environment passes through).
+#   bash benchmarks/h200_session.sh amx        # the AMX-marked tests (the C++ kernels' AMX paths on the host's Xeon)
+#   bash benchmarks/h200_session.sh cpu-attention  # CPU attention at full scale: the kernel's paths, the flash op, a plain read; under a H2D copy
+#   bash benchmarks/h200_session.sh calibrate MODEL  # writescope calibrate for MODEL's KV shape (A, B, C, r(L) at 2K-128K, batch 16)
+# A grid or calibration with torch's flash op instead of the C++ kernel: WRITESCOPE_CPU_ATTENTION=flash (the environment passes through).
 # Several parts run in one call, one after another: `bash benchmarks/h200_session.sh tests grid:deepseek-v2-lite`.
 # The whole call stops by DEADLINE seconds (default 570, under the device tool's 10 minutes): each part's
 # timeout is cut to what is left, and a part with under 40 s left is skipped. The grid's shape can be narrowed
@@ -44,7 +46,13 @@ part() {
   local p=$1 m=${2:-}
   case "$p" in
     tests)
-      timeout "$(tmo 240)" python3 -m pytest -m gpu -v -p no:cacheprovider tests 2>&1 | tee "$out/gpu_tests_h200.log" | tail -40 ;;
+      timeout "$(tmo 300)" python3 -m pytest -m "gpu or amx" -v -p no:cacheprovider tests 2>&1 | tee "$out/gpu_tests_h200.log" | tail -40 ;;
+    amx)
+      timeout "$(tmo 200)" python3 -m pytest -m amx -v -p no:cacheprovider tests 2>&1 | tee "$out/amx_tests_h200.log" | tail -30 ;;
+    cpu-attention)
+      timeout "$(tmo 300)" python3 benchmarks/cpu_attention.py --out "$out/cpu_attention_h200" 2>&1 | tee "$out/cpu_attention_h200.log" | tail -24 ;;
+    calibrate)
+      timeout "$(tmo 120)" python3 -m writescope.cli.main calibrate --model "$m" --device cuda --quiet 2>&1 | tee "$out/calibrate_${m}_h200.log" ;;
     split)
       timeout "$(tmo 570)" python3 benchmarks/split_attention.py --shares-list 0,0.25,0.3125,0.375,0.5,1 --out "$out/split_attention_h200" \
         2>&1 | tee "$out/split_attention_h200.log" | tail -30 ;;
@@ -108,13 +116,8 @@ part() {
         --out "$ckpt" --device cuda --quiet
       timeout "$(tmo 500)" python3 benchmarks/peer_transformers.py --checkpoint "$ckpt" --contexts "${PEER_CONTEXTS:-8k}" --batch 4 \
         --out "$out/peer_transformers_h200" 2>&1 | tee "$out/peer_transformers_h200.log" | tail -12 ;;
-    cpu-kernel)
-      for sh in mla gqa; do
-        timeout "$(tmo 200)" python3 benchmarks/cpu_kernel_vs_flash.py --shape "$sh" --batch 16 --blocks 8,32,64,128 --threads 15 --read-gbs 86 \
-          2>&1 | tee "$out/cpu_kernel_${sh}_h200.log" | tail -8
-      done ;;
     *)
-      echo "usage: $0 PART [PART ...]; PART: tests|split|experts|scheduler|profile|prefill|text:MODEL|breakdown:MODEL|1m|1m-decode|mla|grid:MODEL|prefill-e2e:MODEL|consistency|peer|cpu-kernel" >&2; return 2 ;;
+      echo "usage: $0 PART [PART ...]; PART: tests|split|experts|scheduler|profile|prefill|text:MODEL|breakdown:MODEL|1m|1m-decode|mla|grid:MODEL|prefill-e2e:MODEL|consistency|peer|amx|cpu-attention|calibrate:MODEL" >&2; return 2 ;;
   esac
 }
 (( $# )) || { part usage; exit 2; }
@@ -122,7 +125,7 @@ rc=0
 while (( $# )); do
   p=${1%%:*}; m=""
   if [[ $1 == *:* ]]; then m=${1#*:}
-  elif [[ $p == text || $p == breakdown || $p == grid || $p == prefill-e2e ]]; then shift; m=${1:?"$p needs a model"}; fi
+  elif [[ $p == text || $p == breakdown || $p == grid || $p == prefill-e2e || $p == calibrate ]]; then shift; m=${1:?"$p needs a model"}; fi
   shift
   if (( $(left) < 40 )); then echo "== $p $m: skipped, $(left) s left of DEADLINE=$deadline" >&2; rc=1; continue; fi
   echo "== $p $m ($(left) s left)"

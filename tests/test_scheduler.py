@@ -234,19 +234,27 @@ def test_calibration_measures_stores_and_reloads(tmp_path, monkeypatch):
 
 
 def test_calibration_is_kept_per_cpu_attention_backend(tmp_path, monkeypatch):
-    """A measured with torch's flash op is not used for the C++ kernel, nor the reverse."""
+    """A measured with torch's flash op is not used for the C++ kernel, nor the reverse, nor one
+    kernel path's for another's."""
     from writescope.attention import cpu_kernel
 
+    if not cpu_kernel.kernel_available():
+        pytest.skip("no C++ compiler for the CPU attention kernel")
     monkeypatch.setenv("XDG_CACHE_HOME", str(tmp_path))
+    monkeypatch.setenv("WRITESCOPE_CPU_ATTENTION", "flash")
     dev, shape = torch.device("cpu"), "kv test"
     flash = Roofline(1e-9, 2e-9, 1e-4, 2e-4, 2e-9, 2e-4, 1e-5)
     save(dev, shape, flash, {})
-    monkeypatch.setattr(cpu_kernel, "kernel_selected", lambda: True)
+    monkeypatch.setenv("WRITESCOPE_CPU_ATTENTION", "kernel")
+    monkeypatch.setenv("WRITESCOPE_CPU_ISA", "portable")
     assert load(dev, shape) is None
     kernel = dataclasses.replace(flash, a=5e-10)
     save(dev, shape, kernel, {})
     assert load(dev, shape) == kernel
-    monkeypatch.setattr(cpu_kernel, "kernel_selected", lambda: False)
+    if cpu_kernel.best_path() != "portable":
+        monkeypatch.delenv("WRITESCOPE_CPU_ISA")  # the best path: another key
+        assert load(dev, shape) is None
+    monkeypatch.setenv("WRITESCOPE_CPU_ATTENTION", "flash")
     assert load(dev, shape) == flash
 
 

@@ -1,326 +1,460 @@
 // The CPU decode-attention kernel (writescope/attention/cpu_kernel.py builds and documents it).
+//
+// One call attends a whole decode batch over the compute region, in place. Work plan:
+//   segment   (sequence, KV head, group of <= 16 of its query heads): n keys
+//   key space the segments' keys end to end, W keys in all, cut into T equal ranges, one per thread
+//   portion   a thread's part of one segment: attended in chunks of `chunk` keys with an online
+//             softmax (running max m, sum l, unnormalised output acc), written to slot t + s
+//             (distinct for every (thread, segment) that meet: both run in key order)
+//   merge     per segment, its portions' (acc, m, l) by log-sum-exp into (o, lse)
+// Each chunk: scores s = K q (ISA), softmax (AVX-512 or scalar), p V (ISA), acc = alpha acc + p V.
 #include <torch/extension.h>
-#include <ATen/Parallel.h>
+#include <omp.h>
+#include <cpuid.h>
+#include <sys/syscall.h>
+#include <unistd.h>
+#include <algorithm>
+#include <optional>
+#include <chrono>
 #include <cmath>
 #include <cstdint>
+#include <cstdlib>
 #include <cstring>
-#include <vector>
 #include <limits>
-#include <type_traits>
+#include <string>
+#include <thread>
+#include <vector>
 
-// a row of n values as float32 into out (bf16: the 16 high bits of a float32)
-static inline void row_to_float(const float* src, float* out, int64_t n) { std::memcpy(out, src, sizeof(float) * n); }
-static inline void row_to_float(const at::BFloat16* src, float* out, int64_t n) {
-  const uint16_t* s = reinterpret_cast<const uint16_t*>(src);
-  uint32_t* o = reinterpret_cast<uint32_t*>(out);
-  #pragma omp simd
-  for (int64_t c = 0; c < n; ++c) o[c] = static_cast<uint32_t>(s[c]) << 16;
+#include "cpu_kernel_avx512.h"
+#include "cpu_kernel_amx.h"
+
+namespace ws {
+
+// AMX_EMULATED: the AMX path with tiles emulated in C++ (tests only: checks its layouts without AMX)
+enum Isa : int64_t { PORTABLE = 0, AVX512BF16 = 1, AMX = 2, AMX_EMULATED = 3 };
+static const char* isa_name(int64_t i) {
+  return i == AMX_EMULATED ? "amx-emulated" : i == AMX ? "amx" : i == AVX512BF16 ? "avx512bf16" : "portable";
+}
+constexpr float NEG_INF = -std::numeric_limits<float>::infinity();
+
+// ---------------------------------------------------------------- what this CPU and OS allow
+static uint64_t xcr0() {
+  uint32_t a, d;
+  __asm__ volatile("xgetbv" : "=a"(a), "=d"(d) : "c"(0));
+  return (uint64_t(d) << 32) | a;
+}
+static bool cpu_avx512bf16() {
+  unsigned a, b, c, d;
+  if (!__get_cpuid_count(7, 0, &a, &b, &c, &d)) return false;
+  const bool f = (b >> 16) & 1, dq = (b >> 17) & 1, bw = (b >> 30) & 1, vl = (b >> 31) & 1;
+  if (!(f && dq && bw && vl)) return false;
+  unsigned a1, b1, c1, d1;
+  if (!__get_cpuid_count(7, 1, &a1, &b1, &c1, &d1) || !((a1 >> 5) & 1)) return false;
+  if (!__get_cpuid(1, &a, &b, &c, &d) || !((c >> 27) & 1)) return false;  // OSXSAVE
+  return (xcr0() & 0xE6) == 0xE6;  // the OS saves the AVX-512 state
+}
+// AMX-BF16 and AMX-TILE flags, and the kernel's permission to use tile data (arch_prctl
+// ARCH_REQ_XCOMP_PERM for XTILEDATA, asked once per process; refused on kernels before 5.16)
+static bool cpu_amx() {
+  static const bool ok = [] {
+    if (!cpu_avx512bf16()) return false;
+    unsigned a, b, c, d;
+    if (!__get_cpuid_count(7, 0, &a, &b, &c, &d) || !((d >> 22) & 1) || !((d >> 24) & 1)) return false;
+    if (syscall(SYS_arch_prctl, 0x1023 /* ARCH_REQ_XCOMP_PERM */, 18 /* XTILEDATA */) != 0) return false;
+    return (xcr0() & 0x60000) == 0x60000;
+  }();
+  return ok;
+}
+static int64_t best_isa() { return cpu_amx() ? AMX : cpu_avx512bf16() ? AVX512BF16 : PORTABLE; }
+
+// The path for these inputs: the requested one (-1: the best this CPU has), lowered where the
+// inputs need it (AMX: bf16, dk % 32 == 0, dv % 16 == 0; AVX512-BF16: bf16)
+static int64_t choose(int64_t req, bool bf16, int64_t dk, int64_t dv) {
+  int64_t isa = req < 0 ? best_isa() : req;
+  TORCH_CHECK(isa >= 0 && isa <= AMX_EMULATED, "unknown CPU attention path ", isa);
+  const int64_t need = isa == AMX_EMULATED ? AVX512BF16 : isa;
+  TORCH_CHECK(need <= best_isa(), "CPU attention path '", isa_name(isa), "' was asked for (WRITESCOPE_CPU_ISA) but this CPU or OS offers at most '",
+              isa_name(best_isa()), "'");
+  if ((isa == AMX || isa == AMX_EMULATED) && !(bf16 && dk % 32 == 0 && dv % 16 == 0)) isa = AVX512BF16;
+  if (isa == AVX512BF16 && !bf16) isa = PORTABLE;
+  return isa;
 }
 
-// one call's inputs: q [B, H, G, dk] float32, per sequence b its keys and values in place (row
-// strides krs, vrs; head strides khs, vhs; n[b] keys), and the tasks (sequence, KV head, first key)
-template <typename T>
-struct Batch {
-  const float* q; int64_t H, G, dk, dv, chunk; float scale;
-  std::vector<const T*> kp, vp;
-  std::vector<int64_t> khs, vhs, krs, vrs, n, task_seq, task_head, task_start;
-  float* o; float* lse;  // [tasks, G, dv], [tasks, G]
+// ---------------------------------------------------------------- per-thread scratch
+template <typename E>
+struct Buf {
+  E* p = nullptr;
+  size_t n = 0;
+  E* get(size_t want) {
+    if (want > n) {
+      std::free(p);
+      p = static_cast<E*>(std::aligned_alloc(64, (want * sizeof(E) + 63) / 64 * 64));
+      TORCH_CHECK(p != nullptr, "CPU attention: out of memory for ", want * sizeof(E), " bytes of scratch");
+      n = want;
+    }
+    return p;
+  }
+  ~Buf() { std::free(p); }
+};
+struct Scratch {
+  Buf<float> s, oc;
+  Buf<uint16_t> q, pa, vb, kt;
+};
+static Scratch& scratch() {
+  static thread_local Scratch w;
+  return w;
+}
+
+// ---------------------------------------------------------------- the plan of one call
+struct Plan {
+  int64_t H, G, dk, dv, chunk, isa;
+  float scale;
+  bool bf16;
+  const float* q;  // [B, H, G, dk] fp32
+  std::vector<const char*> k, v;
+  std::vector<int64_t> khs, krs, vhs, vrs;  // per listed sequence, in elements
+  std::vector<int64_t> seg_i, seg_b, seg_h, seg_g0, seg_gn, cum;  // cum: [S + 1]
+  float *acc, *mpart, *lpart;  // slots [T + S, 16, dv], [T + S, 16], [T + S, 16]
+  float *o, *lse;              // [B, H, G, dv], [B, H, G]
 };
 
-// task t: its m keys K and values V (row strides krs, vrs), its G queries times the scale into qf
+static inline float bf16_to_float(uint16_t x) {
+  const uint32_t u = uint32_t(x) << 16;
+  float f;
+  std::memcpy(&f, &u, 4);
+  return f;
+}
+static inline float load_f(const float* p, int64_t i) { return p[i]; }
+static inline float load_f(const uint16_t* p, int64_t i) { return bf16_to_float(p[i]); }
+
+// ---------------------------------------------------------------- the portable path (fp32 arithmetic)
 template <typename T>
-struct Task { int64_t m, krs, vrs; const T* K; const T* V; };
-template <typename T>
-static Task<T> task(const Batch<T>& a, int64_t t, float* qf) {
-  const int64_t b = a.task_seq[t], h = a.task_head[t], j0 = a.task_start[t];
-  const float* Q = a.q + ((b * a.H + h) * a.G) * a.dk;
-  for (int64_t i = 0; i < a.G * a.dk; ++i) qf[i] = Q[i] * a.scale;
-  return {std::min(a.chunk, a.n[b] - j0), a.krs[b], a.vrs[b], a.kp[b] + h * a.khs[b] + j0 * a.krs[b], a.vp[b] + h * a.vhs[b] + j0 * a.vrs[b]};
-}
-
-template <typename T>
-static void run(const Batch<T>& a) {
-  const int64_t G = a.G, dk = a.dk, dv = a.dv, chunk = a.chunk;
-  float* o = a.o; float* lse = a.lse;
-  at::parallel_for(0, (int64_t)a.task_seq.size(), 1, [&](int64_t t0, int64_t t1) {
-    std::vector<float> s(chunk * G), acc(G * dv), qf(G * dk), kf(dk), vf(dv);
-    for (int64_t t = t0; t < t1; ++t) {
-      const Task<T> k = task(a, t, qf.data());
-      const int64_t m = k.m;
-      const T* K = k.K;
-      const T* V = k.V;
-      for (int64_t j = 0; j < m; ++j) {            // scores: each K row read and converted once for the G heads
-        row_to_float(K + j * k.krs, kf.data(), dk);
-        const float* kr = kf.data();
-        for (int64_t g = 0; g < G; ++g) {
-          const float* qg = qf.data() + g * dk;
-          float d = 0.f;
-          #pragma omp simd reduction(+:d)
-          for (int64_t c = 0; c < dk; ++c) d += qg[c] * kr[c];
-          s[g * chunk + j] = d;
-        }
-      }
-      for (int64_t g = 0; g < G; ++g) {            // softmax per head over the chunk
-        float mx = -std::numeric_limits<float>::infinity();
-        for (int64_t j = 0; j < m; ++j) mx = std::max(mx, s[g * chunk + j]);
-        float sum = 0.f;
-        for (int64_t j = 0; j < m; ++j) { float e = std::exp(s[g * chunk + j] - mx); s[g * chunk + j] = e; sum += e; }
-        lse[t * G + g] = mx + std::log(sum);
-        for (int64_t j = 0; j < m; ++j) s[g * chunk + j] /= sum;
-      }
-      std::fill(acc.begin(), acc.end(), 0.f);
-      for (int64_t j = 0; j < m; ++j) {            // values: each V row read and converted once for the G heads
-        row_to_float(V + j * k.vrs, vf.data(), dv);
-        const float* v = vf.data();
-        for (int64_t g = 0; g < G; ++g) {
-          const float p = s[g * chunk + j];
-          float* ag = acc.data() + g * dv;
-          #pragma omp simd
-          for (int64_t c = 0; c < dv; ++c) ag[c] += p * v[c];
-        }
-      }
-      std::memcpy(o + t * G * dv, acc.data(), sizeof(float) * G * dv);
-    }
-  });
-}
-
-#if defined(__AVX512F__) && defined(__AVX512BW__) && defined(__AVX512VL__)
-#include <immintrin.h>
-#define WRITESCOPE_AVX512 1
-
-// the AVX-512 path: the two products as register-blocked outer products (fp32 FMAs), a vector exp
-static inline __mmask16 tail_mask(int64_t left) {
-  return left >= 16 ? (__mmask16)0xFFFF : left <= 0 ? (__mmask16)0 : (__mmask16)((1u << left) - 1u);
-}
-static inline __m512 load16(const float* p, __mmask16 m) { return _mm512_maskz_loadu_ps(m, p); }
-static inline __m512 load16(const at::BFloat16* p, __mmask16 m) {  // bf16 -> fp32: the 16 high bits
-  const __m256i h = _mm256_maskz_loadu_epi16(m, reinterpret_cast<const void*>(p));
-  return _mm512_castsi512_ps(_mm512_slli_epi32(_mm512_cvtepu16_epi32(h), 16));
-}
-
-// e^x for x <= 0 (scores minus their max): x = n ln2 + r, |r| <= ln2 / 2 (Cody-Waite split of ln2),
-// e^r by its degree-7 Taylor polynomial (truncation < 6e-9 relative), times 2^n by scalef
-static inline __m512 exp512(__m512 x) {
-  x = _mm512_max_ps(_mm512_set1_ps(-87.0f), x);  // a NaN stays NaN (max returns its second operand); e^-87 is still a normal float
-  const __m512 n = _mm512_roundscale_ps(_mm512_mul_ps(x, _mm512_set1_ps(1.44269504088896341f)), _MM_FROUND_TO_NEAREST_INT | _MM_FROUND_NO_EXC);
-  __m512 r = _mm512_fnmadd_ps(n, _mm512_set1_ps(0.693359375f), x);
-  r = _mm512_fnmadd_ps(n, _mm512_set1_ps(-2.12194440e-4f), r);
-  __m512 p = _mm512_set1_ps(1.f / 5040.f);
-  p = _mm512_fmadd_ps(p, r, _mm512_set1_ps(1.f / 720.f));
-  p = _mm512_fmadd_ps(p, r, _mm512_set1_ps(1.f / 120.f));
-  p = _mm512_fmadd_ps(p, r, _mm512_set1_ps(1.f / 24.f));
-  p = _mm512_fmadd_ps(p, r, _mm512_set1_ps(1.f / 6.f));
-  p = _mm512_fmadd_ps(p, r, _mm512_set1_ps(0.5f));
-  p = _mm512_fmadd_ps(p, r, _mm512_set1_ps(1.f));
-  p = _mm512_fmadd_ps(p, r, _mm512_set1_ps(1.f));
-  return _mm512_scalef_ps(p, n);
-}
-
-// r[i] = the sum of v[i]'s 16 lanes, for 16 vectors at once (45 shuffles and adds, against ~128
-// for 16 separate reductions): pairs of vectors, then quads, then across the 128-bit lanes
-static inline __m512 reduce16(const __m512* v) {
-  __m512 t[8], u[4];
-  for (int i = 0; i < 8; ++i)  // per 128-bit lane: [a0+a2, b0+b2, a1+a3, b1+b3]
-    t[i] = _mm512_add_ps(_mm512_unpacklo_ps(v[2 * i], v[2 * i + 1]), _mm512_unpackhi_ps(v[2 * i], v[2 * i + 1]));
-  for (int i = 0; i < 4; ++i) {  // per lane: one partial of each of v[4i .. 4i + 3]
-    const __m512d x = _mm512_castps_pd(t[2 * i]), y = _mm512_castps_pd(t[2 * i + 1]);
-    u[i] = _mm512_add_ps(_mm512_castpd_ps(_mm512_unpacklo_pd(x, y)), _mm512_castpd_ps(_mm512_unpackhi_pd(x, y)));
-  }
-  const __m512 w0 = _mm512_add_ps(_mm512_shuffle_f32x4(u[0], u[1], 0x44), _mm512_shuffle_f32x4(u[0], u[1], 0xEE));
-  const __m512 w1 = _mm512_add_ps(_mm512_shuffle_f32x4(u[2], u[3], 0x44), _mm512_shuffle_f32x4(u[2], u[3], 0xEE));
-  return _mm512_add_ps(_mm512_shuffle_f32x4(w0, w1, 0x88), _mm512_shuffle_f32x4(w0, w1, 0xDD));
-}
-
-// scores of GB heads (from g0) x JB keys (from j): s[g * chunk + j] = q_g . k_j (16-wide
-// multiply-adds along the key's columns, each accumulator reduced at the end)
-template <int GB, int JB, typename T>
-static inline void qk_block(const float* qf, int64_t dk, const T* K, int64_t krs, int64_t j, int64_t g0, float* s, int64_t chunk) {
-  __m512 acc[GB][JB];
-  #pragma GCC unroll 16
-  for (int gb = 0; gb < GB; ++gb)
-    #pragma GCC unroll 8
-    for (int jb = 0; jb < JB; ++jb) acc[gb][jb] = _mm512_setzero_ps();
-  for (int64_t c = 0; c < dk; c += 16) {
-    const __mmask16 m = tail_mask(dk - c);
-    __m512 kv[JB];
-    #pragma GCC unroll 8
-    for (int jb = 0; jb < JB; ++jb) kv[jb] = load16(K + (j + jb) * krs + c, m);
-    #pragma GCC unroll 8
-    for (int jb = 0; jb < JB; ++jb)  // the keys two blocks ahead (past the chunk's end: a hint, never a fault; the address as an integer)
-      _mm_prefetch(reinterpret_cast<const char*>(reinterpret_cast<uintptr_t>(K) + ((j + 2 * JB + jb) * krs + c) * sizeof(T)), _MM_HINT_T0);
-    #pragma GCC unroll 16
-    for (int gb = 0; gb < GB; ++gb) {
-      const __m512 qv = _mm512_maskz_loadu_ps(m, qf + (g0 + gb) * dk + c);
-      #pragma GCC unroll 8
-      for (int jb = 0; jb < JB; ++jb) acc[gb][jb] = _mm512_fmadd_ps(qv, kv[jb], acc[gb][jb]);
-    }
-  }
-  constexpr int N = GB * JB, N16 = N / 16 * 16;  // reduced 16 at a time, the rest one by one
-  alignas(64) float r[N];
-  const __m512* a = &acc[0][0];
-  #pragma GCC unroll 2
-  for (int i = 0; i < N16; i += 16) _mm512_store_ps(r + i, reduce16(a + i));
-  #pragma GCC unroll 16
-  for (int i = N16; i < N; ++i) r[i] = _mm512_reduce_add_ps(a[i]);
-  #pragma GCC unroll 8
-  for (int gb = 0; gb < GB; ++gb)
-    #pragma GCC unroll 8
-    for (int jb = 0; jb < JB; ++jb) s[(g0 + gb) * chunk + j + jb] = r[gb * JB + jb];
-}
-
-// o[g, c0 : c0 + 16 CB] = inv[g] * sum_j p[j, g] v_j[c0 : ...] for GB heads from g0 (pt: [m, G])
-template <int GB, int CB, typename T>
-static inline void pv_block(const float* pt, int64_t G, const T* V, int64_t vrs, int64_t m, int64_t dv, int64_t c0, int64_t g0,
-                            const float* inv, float* o) {
-  __m512 acc[GB][CB];
-  __mmask16 mk[CB];
-  #pragma GCC unroll 8
-  for (int cb = 0; cb < CB; ++cb) mk[cb] = tail_mask(dv - c0 - 16 * cb);
-  #pragma GCC unroll 16
-  for (int gb = 0; gb < GB; ++gb)
-    #pragma GCC unroll 8
-    for (int cb = 0; cb < CB; ++cb) acc[gb][cb] = _mm512_setzero_ps();
+static void scores_portable(const float* q, int64_t gn, int64_t dk, const T* K, int64_t krs, int64_t m, float* s, float* row) {
+  std::memset(s, 0, sizeof(float) * 16 * m);
   for (int64_t j = 0; j < m; ++j) {
-    __m512 vv[CB];
-    #pragma GCC unroll 8
-    for (int cb = 0; cb < CB; ++cb) vv[cb] = load16(V + j * vrs + c0 + 16 * cb, mk[cb]);
-    const float* p = pt + j * G + g0;
-    #pragma GCC unroll 16
-    for (int gb = 0; gb < GB; ++gb) {
-      const __m512 pb = _mm512_set1_ps(p[gb]);
-      #pragma GCC unroll 8
-      for (int cb = 0; cb < CB; ++cb) acc[gb][cb] = _mm512_fmadd_ps(pb, vv[cb], acc[gb][cb]);
+    for (int64_t c = 0; c < dk; ++c) row[c] = load_f(K + j * krs, c);
+    for (int64_t g = 0; g < gn; ++g) {
+      float d = 0.f;
+      const float* qg = q + g * dk;
+#pragma omp simd reduction(+ : d)
+      for (int64_t c = 0; c < dk; ++c) d += qg[c] * row[c];
+      s[16 * j + g] = d;
     }
   }
-  #pragma GCC unroll 16
-  for (int gb = 0; gb < GB; ++gb)
-    #pragma GCC unroll 8
-    for (int cb = 0; cb < CB; ++cb)
-      _mm512_mask_storeu_ps(o + (g0 + gb) * dv + c0 + 16 * cb, mk[cb], _mm512_mul_ps(acc[gb][cb], _mm512_set1_ps(inv[g0 + gb])));
 }
-
-// heads g0 .. g0 + GB of one task: scores, then (after the softmax) values, with 8-24
-// accumulators: 8 heads x 3 keys (or 3 x 16 columns), 4 x 6, 2 x 8, 1 x 8. Chosen over 16 heads x 1
-// (which loads every head's query for each key) by trying the shapes on the 2-core development
-// machine (benchmarks/results/cpu_kernel.md)
-template <int GB>
-constexpr int inner_block() { return GB >= 8 ? 3 : GB >= 4 ? 6 : 8; }
-template <int GB, typename T>
-static void qk_heads(const float* qf, int64_t dk, const T* K, int64_t krs, int64_t m, int64_t g0, float* s, int64_t chunk,
-                     const T* V, int64_t vrs, int64_t dv) {
-  constexpr int JB = inner_block<GB>();
-  int64_t j = 0;
-  for (; j + JB <= m; j += JB) {
-    qk_block<GB, JB>(qf, dk, K, krs, j, g0, s, chunk);
-    if (V != nullptr)  // values in rows of their own (not MLA's latent): into the cache for the value pass
-      for (int jb = 0; jb < JB; ++jb)
-        for (int64_t c = 0; c < dv; c += 64 / (int64_t)sizeof(T)) _mm_prefetch(reinterpret_cast<const char*>(V + (j + jb) * vrs + c), _MM_HINT_T1);
+static void softmax_portable(float* s, int64_t m, int64_t gn, float scale, float* mrun, float* lrun, float* alpha) {
+  for (int64_t g = 0; g < gn; ++g) {
+    float mx = NEG_INF;
+    for (int64_t j = 0; j < m; ++j) {
+      const float x = s[16 * j + g] * scale;
+      s[16 * j + g] = x;
+      if (x > mx) mx = x;  // a NaN score is skipped here and makes its p NaN below
+    }
+    const float mnew = std::max(mrun[g], mx), sub = mnew == NEG_INF ? 0.f : mnew;
+    float sum = 0.f;
+    for (int64_t j = 0; j < m; ++j) {
+      const float p = std::exp(s[16 * j + g] - sub);
+      s[16 * j + g] = p;
+      sum += p;
+    }
+    alpha[g] = std::exp(mrun[g] - sub);
+    lrun[g] = lrun[g] * alpha[g] + sum;
+    mrun[g] = mnew;
   }
-  for (; j < m; ++j) qk_block<GB, 1>(qf, dk, K, krs, j, g0, s, chunk);
 }
-template <int GB, typename T>
-static void pv_heads(const float* pt, int64_t G, const T* V, int64_t vrs, int64_t m, int64_t dv, int64_t g0, const float* inv, float* o) {
-  constexpr int CB = inner_block<GB>();
-  for (int64_t c0 = 0; c0 < dv; c0 += 16 * CB) pv_block<GB, CB>(pt, G, V, vrs, m, dv, c0, g0, inv, o);
-}
-// G heads in blocks of 8, 4, 2, 1
-template <typename F>
-static void head_blocks(int64_t G, F&& f) {
-  int64_t g0 = 0;
-  for (; g0 + 8 <= G; g0 += 8) f(std::integral_constant<int, 8>{}, g0);
-  if (g0 + 4 <= G) { f(std::integral_constant<int, 4>{}, g0); g0 += 4; }
-  if (g0 + 2 <= G) { f(std::integral_constant<int, 2>{}, g0); g0 += 2; }
-  if (g0 + 1 <= G) { f(std::integral_constant<int, 1>{}, g0); g0 += 1; }
+template <typename T>
+static void values_portable(const float* s, const T* V, int64_t vrs, int64_t m, int64_t dv, int64_t gn, float* oc, float* row) {
+  std::memset(oc, 0, sizeof(float) * 16 * dv);
+  for (int64_t j = 0; j < m; ++j) {
+    for (int64_t c = 0; c < dv; ++c) row[c] = load_f(V + j * vrs, c);
+    for (int64_t g = 0; g < gn; ++g) {
+      const float p = s[16 * j + g];
+      float* og = oc + g * dv;
+#pragma omp simd
+      for (int64_t c = 0; c < dv; ++c) og[c] += p * row[c];
+    }
+  }
 }
 
-template <typename T>
-static void run_avx512(const Batch<T>& a) {
-  const int64_t G = a.G, dk = a.dk, dv = a.dv, chunk = a.chunk;
-  float* lse = a.lse;
-  at::parallel_for(0, (int64_t)a.task_seq.size(), 1, [&](int64_t t0, int64_t t1) {
-    std::vector<float> s(chunk * G), pt(chunk * G), qf(G * dk), inv(G);
-    for (int64_t t = t0; t < t1; ++t) {
-      const Task<T> k = task(a, t, qf.data());
-      const int64_t m = k.m;
-      const T* Vp = k.V == k.K && k.vrs == k.krs ? nullptr : k.V;  // values in rows of their own: prefetched by the first head block
-      head_blocks(G, [&](auto gb, int64_t g0) {
-        qk_heads<decltype(gb)::value>(qf.data(), dk, k.K, k.krs, m, g0, s.data(), chunk, g0 == 0 ? Vp : nullptr, k.vrs, dv);
-      });
-      for (int64_t g = 0; g < G; ++g) {            // softmax per head over the chunk (unnormalised; 1 / sum applied to o)
-        float* sg = s.data() + g * chunk;
-        float mx = -std::numeric_limits<float>::infinity();
-        for (int64_t j = 0; j < m; ++j) mx = std::max(mx, sg[j]);
-        const __m512 vmx = _mm512_set1_ps(mx);
-        __m512 vsum = _mm512_setzero_ps();
-        for (int64_t j = 0; j < m; j += 16) {
-          const __mmask16 mk = tail_mask(m - j);
-          const __m512 e = _mm512_maskz_mov_ps(mk, exp512(_mm512_sub_ps(_mm512_maskz_loadu_ps(mk, sg + j), vmx)));
-          _mm512_mask_storeu_ps(sg + j, mk, e);
-          vsum = _mm512_add_ps(vsum, e);
-        }
-        const float sum = _mm512_reduce_add_ps(vsum);
-        lse[t * G + g] = mx + std::log(sum);
-        inv[g] = 1.f / sum;
-        for (int64_t j = 0; j < m; ++j) pt[j * G + g] = sg[j];
+// ---------------------------------------------------------------- one portion
+// keys [j0, j1) of segment sg into slot `slot`: acc [16, dv] (rows < gn), m, l
+static void portion(const Plan& P, int64_t sg, int64_t j0, int64_t j1, int64_t slot, Scratch& w) {
+  const int64_t i = P.seg_i[sg], b = P.seg_b[sg], h = P.seg_h[sg], g0 = P.seg_g0[sg], gn = P.seg_gn[sg];
+  const int64_t dk = P.dk, dv = P.dv, CH = P.chunk, es = P.bf16 ? 2 : 4;
+  const int64_t dkp = (dk + 31) / 32 * 32, cap = (CH + 63) / 64 * 64;
+  const float* q = P.q + ((b * P.H + h) * P.G + g0) * dk;
+  float* acc = P.acc + slot * 16 * dv;
+  float* mrun = P.mpart + slot * 16;
+  float* lrun = P.lpart + slot * 16;
+  alignas(64) float alpha[16];
+  for (int g = 0; g < 16; ++g) { mrun[g] = NEG_INF; lrun[g] = 0.f; }
+  float* s = w.s.get(cap * 16);
+  float* oc = w.oc.get(16 * dv + std::max(dk, dv));  // + one converted row for the portable path
+  float* row = oc + 16 * dv;
+  uint16_t* qb = w.q.get(16 * dkp);
+  uint16_t* pa = w.pa.get(cap / 32 * 512);
+  uint16_t* vb = w.vb.get(cap / 32 * ((dv + 15) / 16) * 512);
+  uint16_t* kt = w.kt.get(16 * dkp);
+  if (P.isa == AMX) {
+    amx::pack_q(q, gn, dk, qb);
+  } else if (P.isa == AMX_EMULATED) {
+    amx_emu::pack_q(q, gn, dk, qb);
+  } else if (P.isa == AVX512BF16) {
+    std::memset(qb, 0, sizeof(uint16_t) * 16 * dkp);
+    for (int64_t g = 0; g < gn; ++g)
+      for (int64_t c = 0; c < dk; ++c) qb[g * dkp + c] = c10::BFloat16(q[g * dk + c]).x;  // round to nearest even
+  }
+  const char* kbase = P.k[i] + h * P.khs[i] * es;
+  const char* vbase = P.v[i] + h * P.vhs[i] * es;
+  const bool own_v = !(P.v[i] == P.k[i] && P.vrs[i] == P.krs[i] && P.vhs[i] == P.khs[i]);  // MLA: V is K's first dv columns
+  for (int64_t c0 = j0; c0 < j1; c0 += CH) {
+    const int64_t m = std::min(CH, j1 - c0);
+    const char* K = kbase + c0 * P.krs[i] * es;
+    const char* V = vbase + c0 * P.vrs[i] * es;
+    if (P.isa == PORTABLE) {
+      if (P.bf16) scores_portable(q, gn, dk, reinterpret_cast<const uint16_t*>(K), P.krs[i], m, s, row);
+      else scores_portable(q, gn, dk, reinterpret_cast<const float*>(K), P.krs[i], m, s, row);
+      softmax_portable(s, m, gn, P.scale, mrun, lrun, alpha);
+      if (P.bf16) values_portable(s, reinterpret_cast<const uint16_t*>(V), P.vrs[i], m, dv, gn, oc, row);
+      else values_portable(s, reinterpret_cast<const float*>(V), P.vrs[i], m, dv, gn, oc, row);
+    } else {
+      const uint16_t* Kb = reinterpret_cast<const uint16_t*>(K);
+      const uint16_t* Vb = reinterpret_cast<const uint16_t*>(V);
+      if (P.isa == AMX) amx::scores(qb, Kb, P.krs[i], m, dk, s, kt, own_v ? Vb : nullptr, P.vrs[i], dv);
+      else if (P.isa == AMX_EMULATED) amx_emu::scores(qb, Kb, P.krs[i], m, dk, s, kt, own_v ? Vb : nullptr, P.vrs[i], dv);
+      else avx::scores(qb, dkp, gn, Kb, P.krs[i], m, dk, s);
+      avx::softmax(s, m, gn, P.scale, mrun, lrun, alpha);
+      avx::pack_p(s, m, pa);
+      avx::pack_v(Vb, P.vrs[i], m, dv, vb);
+      if (P.isa == AMX) amx::values(pa, vb, m, dv, oc);
+      else if (P.isa == AMX_EMULATED) amx_emu::values(pa, vb, m, dv, oc);
+      else avx::values(pa, vb, m, dv, gn, oc);
+    }
+    for (int64_t g = 0; g < gn; ++g) {
+      float* ag = acc + g * dv;
+      const float* og = oc + g * dv;
+      const float a = alpha[g];
+      if (c0 == j0) std::memcpy(ag, og, sizeof(float) * dv);
+      else {
+#pragma omp simd
+        for (int64_t c = 0; c < dv; ++c) ag[c] = ag[c] * a + og[c];
       }
-      float* out = a.o + t * G * dv;
-      head_blocks(G, [&](auto gb, int64_t g0) { pv_heads<decltype(gb)::value>(pt.data(), G, k.V, k.vrs, m, dv, g0, inv.data(), out); });
     }
-  });
-}
-#endif
-
-// the batch's tasks in order (sequence, KV head, chunk), then the AVX-512 path or the plain loops
-template <typename T>
-static void dispatch(const at::Tensor& q, const std::vector<at::Tensor>& ks, const std::vector<at::Tensor>& vs, int64_t chunk,
-                     float scale, bool portable, at::Tensor& o, at::Tensor& lse) {
-  const int64_t B = q.size(0);
-  Batch<T> a{q.data_ptr<float>(), q.size(1), q.size(2), q.size(3), vs[0].size(2), chunk, scale};
-  for (int64_t b = 0; b < B; ++b) {
-    a.kp.push_back(ks[b].data_ptr<T>()); a.vp.push_back(vs[b].data_ptr<T>());
-    a.n.push_back(ks[b].size(1)); a.khs.push_back(ks[b].stride(0)); a.vhs.push_back(vs[b].stride(0));
-    a.krs.push_back(ks[b].stride(1)); a.vrs.push_back(vs[b].stride(1));
-    for (int64_t h = 0; h < a.H; ++h)
-      for (int64_t j = 0; j < a.n[b]; j += chunk) { a.task_seq.push_back(b); a.task_head.push_back(h); a.task_start.push_back(j); }
   }
-  a.o = o.data_ptr<float>();
-  a.lse = lse.data_ptr<float>();
-#ifdef WRITESCOPE_AVX512
-  if (!portable) return run_avx512(a);
-#endif
-  run(a);
 }
 
-std::vector<at::Tensor> attend(at::Tensor q, std::vector<at::Tensor> ks, std::vector<at::Tensor> vs, int64_t chunk, double scale, bool portable) {
-  TORCH_CHECK(!ks.empty() && ks.size() == vs.size() && (int64_t)ks.size() == q.size(0), "one (k, v) per query row, at least one");
+// segment sg's portions (slots t + sg for the threads t whose ranges meet it) into (o, lse)
+static void merge(const Plan& P, int64_t sg, const std::vector<int64_t>& starts) {
+  const int64_t b = P.seg_b[sg], h = P.seg_h[sg], g0 = P.seg_g0[sg], gn = P.seg_gn[sg], dv = P.dv;
+  float* o = P.o + ((b * P.H + h) * P.G + g0) * dv;
+  float* lse = P.lse + (b * P.H + h) * P.G + g0;
+  const int64_t a = P.cum[sg], e = P.cum[sg + 1];
+  std::vector<int64_t> slots;
+  if (e > a) {
+    int64_t t = std::upper_bound(starts.begin(), starts.end(), a) - starts.begin() - 1;
+    for (; t + 1 < (int64_t)starts.size() && starts[t] < e; ++t)
+      if (starts[t + 1] > starts[t]) slots.push_back(t + sg);
+  }
+  for (int64_t g = 0; g < gn; ++g) {
+    float M = NEG_INF;
+    for (int64_t sl : slots) M = std::max(M, P.mpart[sl * 16 + g]);
+    const float sub = M == NEG_INF ? 0.f : M;
+    float L = 0.f;
+    for (int64_t sl : slots) L += std::exp(P.mpart[sl * 16 + g] - sub) * P.lpart[sl * 16 + g];
+    float* og = o + g * dv;
+    if (L == 0.f) {  // no keys, or every score -inf: the empty partial
+      std::fill(og, og + dv, 0.f);
+      lse[g] = NEG_INF;
+      continue;
+    }
+    std::fill(og, og + dv, 0.f);
+    for (int64_t sl : slots) {
+      const float wgt = std::exp(P.mpart[sl * 16 + g] - sub) / L;
+      const float* ag = P.acc + (sl * 16 + g) * dv;
+#pragma omp simd
+      for (int64_t c = 0; c < dv; ++c) og[c] += wgt * ag[c];
+    }
+    lse[g] = sub + std::log(L);
+  }
+}
+
+static void thread_work(const Plan& P, int64_t t, const std::vector<int64_t>& starts) {
+  const int64_t a = starts[t], e = starts[t + 1], S = (int64_t)P.seg_b.size();
+  if (a >= e) return;
+  Scratch& w = scratch();
+  if (P.isa == AMX) amx::configure();
+  int64_t sg = std::upper_bound(P.cum.begin(), P.cum.end(), a) - P.cum.begin() - 1;
+  for (; sg < S && P.cum[sg] < e; ++sg) {
+    const int64_t j0 = std::max(a, P.cum[sg]) - P.cum[sg], j1 = std::min(e, P.cum[sg + 1]) - P.cum[sg];
+    if (j0 < j1) portion(P, sg, j0, j1, t + sg, w);
+  }
+  if (P.isa == AMX) amx::release();
+}
+
+// caller-thread buffers for the slots, reused across calls (no page faults in a decode step)
+static float* slot_buffer(size_t floats) {
+  static thread_local Buf<float> b;
+  return b.get(floats);
+}
+
+}  // namespace ws
+
+using namespace ws;
+
+// q [B, H, G, dk]; for the listed rows `rows[i]`, keys ks[i] [H, n_i, dk] and values vs[i] [H, n_i, dv]
+// (unit last stride, any head and row strides); other rows get the empty partial (0, -inf).
+// Returns o [B, H, G, dv] fp32 and lse [B, H, G] fp32 (natural log), into out_o / out_lse if given.
+std::vector<at::Tensor> attend(at::Tensor q, std::vector<at::Tensor> ks, std::vector<at::Tensor> vs, std::vector<int64_t> rows,
+                               int64_t chunk, double scale, int64_t isa, int64_t threads, std::optional<at::Tensor> out_o,
+                               std::optional<at::Tensor> out_lse) {
+  TORCH_CHECK(q.dim() == 4, "q must be [B, kv_heads, group, dk], got ", q.sizes());
+  TORCH_CHECK(ks.size() == vs.size() && ks.size() == rows.size(), "one (k, v) per listed row");
   TORCH_CHECK(chunk >= 1, "chunk must be >= 1 key, got ", chunk);
   const int64_t B = q.size(0), H = q.size(1), G = q.size(2), dk = q.size(3);
-  const int64_t dv = vs[0].size(2);
-  for (int64_t b = 0; b < B; ++b) {
-    TORCH_CHECK(ks[b].dim() == 3 && vs[b].dim() == 3 && ks[b].size(0) == H && vs[b].size(0) == H, "k, v must be [Hkv, n, dim]");
-    TORCH_CHECK(ks[b].size(2) == dk && vs[b].size(2) == dv && ks[b].size(1) == vs[b].size(1), "k width must equal q's, v widths equal");
-    TORCH_CHECK(ks[b].scalar_type() == ks[0].scalar_type() && vs[b].scalar_type() == ks[0].scalar_type(), "one dtype for the batch");
-    TORCH_CHECK(ks[b].stride(2) == 1 && vs[b].stride(2) == 1, "rows must have unit stride");
+  const int64_t dv = vs.empty() ? dk : vs[0].size(2);
+  const bool bf16 = !ks.empty() && ks[0].scalar_type() == at::kBFloat16;
+  for (size_t i = 0; i < ks.size(); ++i) {
+    TORCH_CHECK(rows[i] >= 0 && rows[i] < B, "row ", rows[i], " outside the batch of ", B);
+    TORCH_CHECK(ks[i].dim() == 3 && vs[i].dim() == 3 && ks[i].size(0) == H && vs[i].size(0) == H, "k, v must be [kv_heads, n, dim]");
+    TORCH_CHECK(ks[i].size(2) == dk && vs[i].size(2) == dv && ks[i].size(1) == vs[i].size(1), "k width must equal q's, v widths equal");
+    TORCH_CHECK(ks[i].scalar_type() == ks[0].scalar_type() && vs[i].scalar_type() == ks[0].scalar_type(), "one dtype for the batch");
+    TORCH_CHECK(ks[i].scalar_type() == at::kBFloat16 || ks[i].scalar_type() == at::kFloat, "keys must be bf16 or fp32");
+    TORCH_CHECK(ks[i].stride(2) == 1 && vs[i].stride(2) == 1, "rows must have unit stride");
   }
   auto qf = q.to(at::kFloat).contiguous();
-  int64_t tasks = 0;
-  for (int64_t b = 0; b < B; ++b) tasks += H * ((ks[b].size(1) + chunk - 1) / chunk);
-  auto o = at::empty({tasks, G, dv}, q.options().dtype(at::kFloat));
-  auto lse = at::empty({tasks, G}, q.options().dtype(at::kFloat));
-  if (ks[0].scalar_type() == at::kBFloat16)
-    dispatch<at::BFloat16>(qf, ks, vs, chunk, (float)scale, portable, o, lse);
-  else
-    dispatch<float>(qf, ks, vs, chunk, (float)scale, portable, o, lse);
+  auto fopt = q.options().dtype(at::kFloat);
+  at::Tensor o = out_o.has_value() ? *out_o : at::empty({B, H, G, dv}, fopt);
+  at::Tensor lse = out_lse.has_value() ? *out_lse : at::empty({B, H, G}, fopt);
+  TORCH_CHECK(o.is_contiguous() && o.scalar_type() == at::kFloat && o.sizes() == at::IntArrayRef({B, H, G, dv}), "out_o must be contiguous fp32 [B, H, G, dv]");
+  TORCH_CHECK(lse.is_contiguous() && lse.scalar_type() == at::kFloat && lse.sizes() == at::IntArrayRef({B, H, G}), "out_lse must be contiguous fp32 [B, H, G]");
+  Plan P;
+  P.H = H; P.G = G; P.dk = dk; P.dv = dv; P.chunk = chunk; P.scale = (float)scale; P.bf16 = bf16;
+  P.isa = choose(isa, bf16, dk, dv);
+  P.q = qf.data_ptr<float>();
+  P.o = o.data_ptr<float>();
+  P.lse = lse.data_ptr<float>();
+  std::vector<char> listed(B, 0);
+  P.cum.push_back(0);
+  for (size_t i = 0; i < ks.size(); ++i) {
+    listed[rows[i]] = 1;
+    P.k.push_back(static_cast<const char*>(ks[i].data_ptr()));
+    P.v.push_back(static_cast<const char*>(vs[i].data_ptr()));
+    P.khs.push_back(ks[i].stride(0)); P.krs.push_back(ks[i].stride(1));
+    P.vhs.push_back(vs[i].stride(0)); P.vrs.push_back(vs[i].stride(1));
+    for (int64_t h = 0; h < H; ++h)
+      for (int64_t g0 = 0; g0 < G; g0 += 16) {
+        P.seg_i.push_back(i); P.seg_b.push_back(rows[i]); P.seg_h.push_back(h);
+        P.seg_g0.push_back(g0); P.seg_gn.push_back(std::min<int64_t>(16, G - g0));
+        P.cum.push_back(P.cum.back() + ks[i].size(1));
+      }
+  }
+  for (int64_t b = 0; b < B; ++b)
+    if (!listed[b]) {
+      o[b].zero_();
+      lse[b].fill_(NEG_INF);
+    }
+  const int64_t S = (int64_t)P.seg_b.size(), W = P.cum.back();
+  const int64_t T = std::max<int64_t>(1, std::min<int64_t>(threads, W / 64));
+  float* slots = slot_buffer((size_t)(T + S) * 16 * (dv + 2));
+  P.acc = slots;
+  P.mpart = slots + (T + S) * 16 * dv;
+  P.lpart = P.mpart + (T + S) * 16;
+  std::vector<int64_t> starts(T + 1);
+  std::string error;
+#pragma omp parallel num_threads(T)
+  {
+    const int64_t n = omp_get_num_threads(), t = omp_get_thread_num();
+#pragma omp single
+    {
+      starts.assign(n + 1, 0);
+      for (int64_t u = 0; u <= n; ++u) starts[u] = W * u / n;
+    }
+    try {
+      thread_work(P, t, starts);
+    } catch (const std::exception& ex) {
+#pragma omp critical
+      error = ex.what();
+    }
+#pragma omp barrier
+#pragma omp for schedule(static)
+    for (int64_t sg = 0; sg < S; ++sg) merge(P, sg, starts);
+  }
+  TORCH_CHECK(error.empty(), "CPU attention failed: ", error);
   return {o, lse};
+}
+
+// The read rate of the same bytes (benchmarks/cpu_attention.py): every byte of the given
+// contiguous tensors read once by `threads` threads (equal shares, 64-byte loads, four independent
+// accumulators), XOR-folded into a checksum that is returned so the loads cannot be dropped.
+#pragma GCC push_options
+#pragma GCC target("avx512f")
+static uint64_t fold_avx512(const char* p, int64_t n) {
+  __m512i a0 = _mm512_setzero_si512(), a1 = a0, a2 = a0, a3 = a0;
+  int64_t i = 0;
+  for (; i + 256 <= n; i += 256) {
+    a0 = _mm512_xor_si512(a0, _mm512_loadu_si512(p + i));
+    a1 = _mm512_xor_si512(a1, _mm512_loadu_si512(p + i + 64));
+    a2 = _mm512_xor_si512(a2, _mm512_loadu_si512(p + i + 128));
+    a3 = _mm512_xor_si512(a3, _mm512_loadu_si512(p + i + 192));
+  }
+  alignas(64) uint64_t w[8];
+  _mm512_store_si512(w, _mm512_xor_si512(_mm512_xor_si512(a0, a1), _mm512_xor_si512(a2, a3)));
+  uint64_t x = w[0] ^ w[1] ^ w[2] ^ w[3] ^ w[4] ^ w[5] ^ w[6] ^ w[7];
+  for (; i < n; ++i) x ^= uint64_t(uint8_t(p[i])) << (8 * (i % 8));
+  return x;
+}
+#pragma GCC pop_options
+static uint64_t fold_plain(const char* p, int64_t n) {
+  uint64_t x = 0;
+  for (int64_t i = 0; i < n; ++i) x ^= uint64_t(uint8_t(p[i])) << (8 * (i % 8));
+  return x;
+}
+
+int64_t read_probe(std::vector<at::Tensor> ts, int64_t threads) {
+  std::vector<const char*> base;
+  std::vector<int64_t> cum{0};
+  for (auto& t : ts) {
+    TORCH_CHECK(t.is_contiguous(), "read_probe reads contiguous tensors");
+    base.push_back(static_cast<const char*>(t.data_ptr()));
+    cum.push_back(cum.back() + t.numel() * t.element_size());
+  }
+  const int64_t total = cum.back(), T = std::max<int64_t>(1, threads);
+  const bool wide = ws::cpu_avx512bf16();
+  uint64_t x = 0;
+#pragma omp parallel num_threads(T) reduction(^ : x)
+  {
+    const int64_t n = omp_get_num_threads(), t = omp_get_thread_num();
+    const int64_t a = total * t / n, e = total * (t + 1) / n;
+    for (size_t i = 0; i < base.size(); ++i) {
+      const int64_t lo = std::max(a, cum[i]), hi = std::min(e, cum[i + 1]);
+      if (lo < hi) x ^= wide ? fold_avx512(base[i] + lo - cum[i], hi - lo) : fold_plain(base[i] + lo - cum[i], hi - lo);
+    }
+  }
+  return int64_t(x);
+}
+
+int64_t path_for(int64_t isa, bool bf16, int64_t dk, int64_t dv) { return choose(isa, bf16, dk, dv); }
+int64_t best() { return best_isa(); }
+
+// A test hook with attend's binding: returns once flag[0] != 0 (True) or after timeout_s
+// (False). With the GIL released, as attend's binding does, a Python thread can set the flag.
+bool wait_for_flag(at::Tensor flag, double timeout_s) {
+  volatile int32_t* f = flag.data_ptr<int32_t>();
+  const auto end = std::chrono::steady_clock::now() + std::chrono::duration<double>(timeout_s);
+  while (*f == 0)
+    if (std::chrono::steady_clock::now() > end) return false;
+    else std::this_thread::yield();
+  return true;
 }
 
 PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
   // the GIL is released: the GPU part of the step is launched from the main thread meanwhile
-  m.def("attend", &attend, "batched CPU decode attention partials", py::arg("q"), py::arg("ks"), py::arg("vs"), py::arg("chunk"),
-        py::arg("scale"), py::arg("portable") = false, py::call_guard<py::gil_scoped_release>());
-#ifdef WRITESCOPE_AVX512
-  m.attr("avx512") = true;
-#else
-  m.attr("avx512") = false;
-#endif
+  m.def("attend", &attend, "batched CPU decode attention", py::arg("q"), py::arg("ks"), py::arg("vs"), py::arg("rows"), py::arg("chunk"),
+        py::arg("scale"), py::arg("isa") = -1, py::arg("threads") = 1, py::arg("out_o") = py::none(), py::arg("out_lse") = py::none(),
+        py::call_guard<py::gil_scoped_release>());
+  m.def("wait_for_flag", &wait_for_flag, "test hook: the GIL is released as in attend", py::call_guard<py::gil_scoped_release>());
+  m.def("path_for", &path_for, "the path attend takes for these inputs (0 portable, 1 avx512bf16, 2 amx, 3 amx-emulated)");
+  m.def("best", &best, "the best path this CPU and OS offer");
+  m.def("read_probe", &read_probe, "read every byte of the tensors once (a rate probe); returns a checksum", py::arg("ts"), py::arg("threads"),
+        py::call_guard<py::gil_scoped_release>());
 }

@@ -1,39 +1,38 @@
-"""A CPU decode-attention kernel over the compute region (C++ in cpu_kernel.cpp, OpenMP; built on first use).
+"""The CPU decode-attention kernel over the compute region (C++: cpu_kernel.cpp and its two
+headers; OpenMP; built on first use and cached by torch).
 
-Why: torch's CPU flash-attention op is called once per sequence (the compute regions are separate
-allocations), each call a parallel region, and it reached 27-35 GB/s under DMA contention on the
-H200 host against 86 GB/s of read bandwidth (benchmarks/results/scheduler.md). This kernel attends
-a whole batch in one parallel region: tasks are (sequence, KV head, chunk of ``CHUNK`` keys), each
-reading its K rows once (scores of the G query heads sharing the KV head), then its V rows once,
-in float32; it writes one partial (o, lse) per task, merged by lse afterwards (exact, as the
-other partials; docs/DESIGN.md section 4).
+One call attends a whole decode batch where its keys lie (no copy, no re-layout) and returns the
+merged partial of every sequence: ``(o [B, kv_heads, G, dv], lse [B, kv_heads, G])`` in float32,
+natural-log lse, empty sequences (0, -inf), NaN kept (docs/DESIGN.md section 4's conventions).
 
-Inputs are the compute region's per-head rows in place: K ``[Hkv, n, dk]`` and V ``[Hkv, n, dv]``
-with unit stride along the last dim (any row and head strides: MLA's V is a view of the first 512
-of the latent's 576 columns); bf16 or fp32. The
-reference is :func:`writescope.attention.partial.attend_blocks` (plain torch), tested against it.
+Work plan (split-K, even over threads whatever the lengths): every (sequence, KV head, group of
+<= 16 query heads) is a segment of n keys; the segments' keys, end to end, are cut into one equal
+range per thread; a thread attends its part of each segment in chunks of ``CHUNK`` keys with an
+online softmax, and the parts of a segment are merged by log-sum-exp at the end of the call. MLA
+(DeepSeek-V2): V is a view of the first 512 of the latent's 576 columns, so a chunk's latent is read
+from memory once, as keys, and again from the cache as values. GQA: one pass over a KV head's keys
+and values serves all of its query heads.
 
-Two implementations of the per-task work, both exact (float32 accumulation), tested against the
-reference on every build:
-- AVX-512 (built where the compiler targets AVX-512 F/BW/VL, ``-march=native``; the H200 host
-  has it): the scores of 8 query heads x 3 keys at a time (fewer heads: 4 x 6, 2 x 8, 1 x 8), and
-  the values of 8 heads x 48 columns (4 x 96, 2 x 128, 1 x 128), each block a set of 8-24 register
-  accumulators of fused multiply-adds, bf16 widened in registers; the softmax's exp is a vector
-  polynomial (Cody-Waite range reduction, degree-7 Taylor, < 6e-9 relative truncation; exponents
-  below -87 count as -87, NaN stays NaN) and the 1 / sum is applied once to the output.
-- plain C++ loops left to the compiler's vectoriser (``PORTABLE``, or a build without AVX-512).
+Three paths, chosen at run time from the CPU's flags (``WRITESCOPE_CPU_ISA`` forces one):
+- ``amx``: AMX-BF16 tiles (Intel Sapphire Rapids and later; the H200 host). Scores as K Q^T with
+  the keys as the A tile read in place (16 keys x 32 columns), values as P V with V re-packed per
+  chunk into bf16 key pairs (in cache). Needs bf16 KV, dk % 32 == 0, dv % 16 == 0 (else
+  ``avx512bf16``). The tile permission is asked once per process (arch_prctl ARCH_REQ_XCOMP_PERM);
+  if refused, the path is not offered.
+- ``avx512bf16``: AVX512-BF16 dot products (``vdpbf16ps``) for both products (AMD Zen 4, the CI
+  machines; Intel from Cooper Lake). Needs bf16 KV (else ``portable``).
+- ``portable``: plain C++ loops in float32 (any x86-64 CPU, fp32 KV).
+The bf16 paths round the queries and the softmax weights p to bf16 (as GPU flash attention
+rounds p) and accumulate in float32; the softmax runs in float32 with the lse in float32.
 
-``kernel_available()`` is False where the extension cannot be built (no C++ compiler); callers
-then use the flash op. Selected with ``WRITESCOPE_CPU_ATTENTION=kernel`` (default: ``flash``).
-Measured only on the 2-core development machine (benchmarks/results/cpu_kernel.md): the AVX-512
-path is 3.0-4.5x the plain loops from 4,352 keys, about 1.5x the flash op for MLA (1.2-1.8x over repeated runs) and 0.76-1.50x for GQA. It has
-not run on the H200 host, where the flash op read MLA's latent at 14.3 GB/s (e2e.md); whether it
-beats the flash op there, and so whether the roofline gives the CPU a share, is open. AVX512-BF16
-products (two per lane) or AMX tiles, which that host has, are not used.
+``WRITESCOPE_CPU_ATTENTION``: ``kernel`` (the default where it builds) or ``flash`` (torch's
+``_scaled_dot_product_flash_attention_for_cpu``, one call per sequence; see partial.py).
+Measured rates: benchmarks/results/cpu_attention.md.
 """
 
 from __future__ import annotations
 
+import hashlib
 import os
 import sys
 import time
@@ -42,13 +41,21 @@ from pathlib import Path
 
 import torch
 
-CHUNK = 512  # keys per task
-PORTABLE = False  # True: the plain C++ loops even where the AVX-512 path was built (tests compare the two)
+CHUNK = 256  # keys per chunk of a portion (its scores, p and packed values stay in L1/L2)
+PATHS = ("portable", "avx512bf16", "amx", "amx-emulated")  # index = the extension's path number; the last is for tests
 
-_SOURCE = Path(__file__).with_name("cpu_kernel.cpp")  # built by torch.utils.cpp_extension.load_inline
+_DIR = Path(__file__).parent
+_SOURCES = ("cpu_kernel.cpp", "cpu_kernel_avx512.h", "cpu_kernel_amx.h", "cpu_kernel_amx_tiles.h")
 
 _EXT = None
 _FAILED = False
+
+
+def _source() -> str:
+    """cpu_kernel.cpp, with a digest of all four files: torch rebuilds when the source text
+    changes, and the headers are found through the include path, so their digest must be in it."""
+    digest = hashlib.sha256(b"".join((_DIR / name).read_bytes() for name in _SOURCES)).hexdigest()
+    return (_DIR / _SOURCES[0]).read_text() + f"\n// sources digest {digest}\n"
 
 
 def _extension():
@@ -57,11 +64,11 @@ def _extension():
         try:
             from torch.utils.cpp_extension import load_inline
 
-            _EXT = load_inline("writescope_cpu_attention", cpp_sources=[_SOURCE.read_text()], extra_cflags=["-O3", "-march=native", "-fopenmp", "-fno-strict-aliasing"],
-                               extra_ldflags=["-fopenmp"], verbose=False)
+            _EXT = load_inline("writescope_cpu_attention_v2", cpp_sources=[_source()], extra_include_paths=[str(_DIR)],
+                               extra_cflags=["-O3", "-march=native", "-fopenmp"], extra_ldflags=["-fopenmp"], verbose=False)
         except Exception as e:  # noqa: BLE001 - no compiler, or the build failed: the flash op is used
             _FAILED = True
-            warnings.warn(f"the CPU attention kernel could not be built ({str(e)[:200]}); using torch's flash op", stacklevel=2)
+            warnings.warn(f"the CPU attention kernel could not be built ({str(e)[:300]}); using torch's flash op", stacklevel=2)
     return _EXT
 
 
@@ -69,31 +76,73 @@ def kernel_available() -> bool:
     return _extension() is not None
 
 
-def avx512_built() -> bool:
-    """The kernel was built with its AVX-512 path (the compiler targets a CPU with AVX-512 F, BW
-    and VL; ``-march=native``). False where the kernel is not available."""
+def best_path() -> str:
+    """The fastest path this CPU and OS offer (``amx``, ``avx512bf16`` or ``portable``).
+
+    Raises:
+        RuntimeError: the kernel could not be built.
+    """
     ext = _extension()
-    return ext is not None and bool(ext.avx512)
+    if ext is None:
+        raise RuntimeError("the CPU attention kernel could not be built (see the warning)")
+    return PATHS[ext.best()]
+
+
+def requested_path() -> int:
+    """``WRITESCOPE_CPU_ISA`` as the extension's path number (-1: auto, the best offered).
+
+    Raises:
+        ValueError: an unknown value (names it and the choices).
+    """
+    value = os.environ.get("WRITESCOPE_CPU_ISA", "auto").strip().lower()
+    if value == "auto":
+        return -1
+    if value not in PATHS:
+        raise ValueError(f"WRITESCOPE_CPU_ISA={value!r}: use auto (the default), amx, avx512bf16 or portable")
+    return PATHS.index(value)
+
+
+def path_for(dtype: torch.dtype, dk: int, dv: int) -> str:
+    """The path :func:`attend` takes for keys of this dtype and widths, given ``WRITESCOPE_CPU_ISA``.
+
+    Raises:
+        ValueError: ``WRITESCOPE_CPU_ISA`` unknown; RuntimeError: it names a path this CPU lacks.
+    """
+    return PATHS[_extension().path_for(requested_path(), dtype == torch.bfloat16, dk, dv)]
 
 
 def kernel_selected() -> bool:
-    """``WRITESCOPE_CPU_ATTENTION=kernel`` and the kernel builds."""
-    return os.environ.get("WRITESCOPE_CPU_ATTENTION", "flash").lower() == "kernel" and kernel_available()
+    """``WRITESCOPE_CPU_ATTENTION`` is ``kernel`` (the default) and the kernel builds."""
+    return os.environ.get("WRITESCOPE_CPU_ATTENTION", "kernel").lower() == "kernel" and kernel_available()
+
+
+def backend_key() -> str:
+    """What the CPU side's calibration depends on: ``"flash"`` or ``"kernel <path>"`` (the path
+    ``WRITESCOPE_CPU_ISA`` asks for, else the best this CPU offers)."""
+    if not kernel_selected():
+        return "flash"
+    req = requested_path()
+    return f"kernel {PATHS[req] if req >= 0 else best_path()}"
 
 
 def prepare(progress: bool = True) -> str:
-    """Check ``WRITESCOPE_CPU_ATTENTION`` and build the kernel now if it is selected (about 45 s
-    the first time on a machine, then cached by torch), so the build is not timed as part of a
-    decode step. Returns the CPU attention in use, in words.
+    """Check ``WRITESCOPE_CPU_ATTENTION`` and ``WRITESCOPE_CPU_ISA`` and build the kernel now
+    (about a minute the first time on a machine, then cached by torch), so the build is neither
+    timed as part of a decode step nor met after the weights load. Returns the CPU attention in
+    use, in words.
 
     Raises:
-        ValueError: ``WRITESCOPE_CPU_ATTENTION`` is neither ``flash`` nor ``kernel`` (names it).
+        ValueError: either variable has an unknown value, or ``WRITESCOPE_CPU_ISA`` names a path
+            this CPU lacks (names it and what the CPU offers).
     """
-    value = os.environ.get("WRITESCOPE_CPU_ATTENTION", "flash")
+    value = os.environ.get("WRITESCOPE_CPU_ATTENTION", "kernel")
     if value.lower() not in ("flash", "kernel"):
-        raise ValueError(f"WRITESCOPE_CPU_ATTENTION={value!r}: use 'flash' (torch's op, the default) or 'kernel' (the C++ kernel)")
+        raise ValueError(f"WRITESCOPE_CPU_ATTENTION={value!r}: use 'kernel' (the C++ kernel, the default) or 'flash' (torch's op)")
     if value.lower() == "flash":
         return "torch's flash op"
+    req = requested_path()
+    if req == PATHS.index("amx-emulated"):
+        raise ValueError("WRITESCOPE_CPU_ISA=amx-emulated is a test path (AMX tiles emulated, slow): use auto, amx, avx512bf16 or portable")
     if progress and _EXT is None and not _FAILED:
         print("CPU attention: building the C++ kernel (once per machine, about a minute) ...", file=sys.stderr, flush=True)
     t0 = time.perf_counter()
@@ -101,7 +150,10 @@ def prepare(progress: bool = True) -> str:
         return "torch's flash op (the C++ kernel could not be built; see the warning)"
     if progress and time.perf_counter() - t0 > 1.0:
         print(f"CPU attention: C++ kernel ready in {time.perf_counter() - t0:.1f} s", file=sys.stderr, flush=True)
-    return f"C++ kernel ({'AVX-512' if avx512_built() else 'plain loops, no AVX-512 here'})"
+    best = best_path()
+    if req > PATHS.index(best):
+        raise ValueError(f"WRITESCOPE_CPU_ISA={PATHS[req]}: this CPU offers at most {best}; unset it or choose a lower path")
+    return f"C++ kernel ({PATHS[req] if req >= 0 else best})"
 
 
 def usable(q: torch.Tensor, kv: list) -> bool:
@@ -112,32 +164,40 @@ def usable(q: torch.Tensor, kv: list) -> bool:
     dtypes = {t.dtype for x in kv if x is not None for t in x}
     if len(dtypes) != 1 or dtypes.pop() not in (torch.float32, torch.bfloat16):
         return False  # (no keys at all: nothing for the kernel to do either)
+    widths = {x[1].shape[-1] for x in kv if x is not None}
+    if len(widths) != 1:
+        return False
     for x in kv:
         if x is None:
             continue
         k, v = x
-        if k.shape[-1] != q.shape[-1] or k.stride(-1) != 1 or v.stride(-1) != 1:
+        if k.shape[-1] != q.shape[-1] or k.stride(-1) != 1 or v.stride(-1) != 1 or k.shape[:2] != v.shape[:2] or k.shape[0] != q.shape[1]:
             return False
     return True
 
 
-def kernel_partials(q: torch.Tensor, kv: list, scale: float) -> dict[int, tuple[torch.Tensor, torch.Tensor]]:
-    """Partials per non-empty sequence i: ``{i: (o [c_i, Hkv, G, dv], lse [c_i, Hkv, G])}``
-    float32, one row per chunk of ``CHUNK`` keys (c_i = ceil(n_i / CHUNK)). All sequences in one
-    call and one parallel region.
+def attend(q: torch.Tensor, kv: list, scale: float, out: tuple[torch.Tensor, torch.Tensor] | None = None,
+           threads: int | None = None) -> tuple[torch.Tensor, torch.Tensor]:
+    """Decode attention of the batch over keys that stay where they are in host memory.
 
     Args:
-        q: ``[B, Hkv, G, dk]``; kv: per sequence ``(k [Hkv, n, dk], v [Hkv, n, dv])`` or None.
+        q: ``[B, kv_heads, G, dk]`` bf16 or fp32, on the CPU.
+        kv: per sequence ``(k [kv_heads, n, dk], v [kv_heads, n, dv])`` views with unit last
+            stride (any head and row strides; MLA: ``v = k[..., :dv]``), or None (no keys).
+        scale: softmax scale.
+        out: optional ``(o [B, kv_heads, G, dv], lse [B, kv_heads, G])`` contiguous fp32 tensors
+            (pinned ones, say) to write into.
+        threads: threads of the call (default: torch's intra-op count on the calling thread).
+
+    Returns:
+        ``(o, lse)`` float32; empty sequences (0, -inf).
+
+    Raises:
+        RuntimeError: inputs the kernel cannot take (check :func:`usable` first) or a forced path
+            this CPU lacks.
     """
-    rows = [i for i, x in enumerate(kv) if x is not None]
-    if not rows:
-        return {}
-    qs = q[rows]
-    o, lse = _extension().attend(qs, [kv[i][0] for i in rows], [kv[i][1] for i in rows], CHUNK, float(scale), PORTABLE)
-    # tasks are ordered (sequence, head, chunk): each sequence's block viewed as [chunk, head, ...]
-    H, out, t = q.shape[1], {}, 0
-    for i in rows:
-        c = -(-kv[i][0].shape[1] // CHUNK)
-        out[i] = (o[t : t + H * c].view(H, c, *o.shape[1:]).transpose(0, 1), lse[t : t + H * c].view(H, c, lse.shape[1]).transpose(0, 1))
-        t += H * c
-    return out
+    rows = [i for i, x in enumerate(kv) if x is not None and x[0].shape[1] > 0]
+    ks = [kv[i][0] for i in rows]
+    vs = [kv[i][1] for i in rows]
+    o, lse = out if out is not None else (None, None)
+    return tuple(_extension().attend(q, ks, vs, rows, CHUNK, float(scale), requested_path(), threads or torch.get_num_threads(), o, lse))

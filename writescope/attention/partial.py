@@ -123,14 +123,12 @@ def cpu_attend(
     shapes use :func:`attend_blocks` in chunks of ``FALLBACK_CHUNK`` keys.
     """
     B, Hkv, G, _ = q.shape
-    if cpu_kernel.kernel_selected() and cpu_kernel.usable(q, kv):  # one call for the batch (WRITESCOPE_CPU_ATTENTION=kernel)
-        got = cpu_kernel.kernel_partials(q, kv, scale)
-        parts, tails, width_v = [got.get(i) for i in range(B)], {}, dv
-    else:
-        kv = [None if x is None else _latent_as_values(*x) for x in kv]
-        width_v = max([x[1].shape[-1] for x in kv if x is not None] or [dv])
-        parts = [None if x is None else _cpu_partials(q[i], x[0], x[1], scale) for i, x in enumerate(kv)]
-        tails = dict(_cpu_tails(q, kv, scale))
+    if cpu_kernel.kernel_selected() and cpu_kernel.usable(q, kv):  # one call for the batch, merged (the default backend)
+        return cpu_kernel.attend(q, kv, scale)
+    kv = [None if x is None else _latent_as_values(*x) for x in kv]
+    width_v = max([x[1].shape[-1] for x in kv if x is not None] or [dv])
+    parts = [None if x is None else _cpu_partials(q[i], x[0], x[1], scale) for i, x in enumerate(kv)]
+    tails = dict(_cpu_tails(q, kv, scale))
     counts = [(0 if p is None else p[0].shape[0]) + (i in tails) for i, p in enumerate(parts)]
     acc = torch.promote_types(q.dtype, torch.float32)
     width = max(counts + [1])

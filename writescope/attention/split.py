@@ -2,7 +2,8 @@
 
 ```
 GPU→CPU   q (small, into pinned memory, no host wait)           only if some sequence has compute blocks
-CPU       worker thread: waits for q's copy, then (o_c, lse_c) per sequence over its compute region, in place
+CPU       worker thread: waits for q's copy, then (o_c, lse_c) of every sequence over its compute region, in
+          place, by one call of the C++ kernel (attention/cpu_kernel.py) into pinned memory
 GPU       (o_w, lse_w) over the D-windows, all sequences at once
 GPU       load-region runs: copy stream → ping-pong buffer i; compute stream attends buffer i
           while buffer i+1 is filled (events order reuse)
@@ -28,6 +29,7 @@ from dataclasses import dataclass
 import torch
 from torch.profiler import record_function
 
+from writescope.attention import cpu_kernel
 from writescope.attention.merge import merge_segments, merge_unchecked
 from writescope.attention.partial import attend_blocks, block_partials, cpu_attend
 from writescope.engine.threads import default_attention_threads, intra_op_threads
@@ -179,6 +181,8 @@ class SplitDecoder:
         is done)."""
         if not self.cuda:
             return t
+        if t.is_contiguous() and t.is_pinned():  # the C++ kernel wrote it into pinned memory already
+            return t.to(self.device, non_blocking=True)
         pinned = torch.empty(t.shape, dtype=t.dtype, pin_memory=True)
         pinned.copy_(t)
         return pinned.to(self.device, non_blocking=True)
@@ -343,7 +347,12 @@ class SplitDecoder:
             k, v = seqs[i].compute_kv(layer)
             kv[i] = (k[:, : n[i]], v[:, : n[i]])
             tokens += n[i]
-        if self.cpu_inline:  # the worker sets its thread count once; here, for this call only
+        if cpu_kernel.kernel_selected() and cpu_kernel.usable(q_host, kv):
+            # one call for the batch, merged, written straight into pinned memory for the copy to the GPU
+            B, Hkv, G, _ = q_host.shape
+            out = (torch.empty(B, Hkv, G, self.spec.layout.v_dim, pin_memory=self.cuda), torch.empty(B, Hkv, G, pin_memory=self.cuda))
+            o, lse = cpu_kernel.attend(q_host, kv, scale, out=out, threads=self.cpu_threads)
+        elif self.cpu_inline:  # the worker sets its thread count once; here, for this call only
             with intra_op_threads(self.cpu_threads):
                 o, lse = cpu_attend(q_host, kv, scale, self.spec.layout.v_dim)
         else:

@@ -54,9 +54,9 @@ HOST_FRACTION = 0.5  # a calibration point may use at most this fraction of the 
 
 
 def machine_key(device: torch.device) -> str:
-    """CPU model, core count, torch threads, GPU name and, where selected, the CPU attention
-    kernel instead of torch's flash op (``WRITESCOPE_CPU_ATTENTION=kernel``): what A and B
-    depend on. (Keys stored before the kernel was part of it stay valid for the flash op.)"""
+    """CPU model, core count, torch threads, GPU name and, where selected (the default), the CPU
+    attention kernel and its path instead of torch's flash op (``WRITESCOPE_CPU_ATTENTION``):
+    what A and B depend on. (Keys stored before the kernel was part of it stay valid for the flash op.)"""
     cpu = platform.processor() or platform.machine()
     try:
         with open("/proc/cpuinfo") as f:
@@ -65,7 +65,8 @@ def machine_key(device: torch.device) -> str:
         pass
     gpu = torch.cuda.get_device_name(device) if device.type == "cuda" else "no-gpu"
     key = f"{cpu}|{os.cpu_count()} cpus|{torch.get_num_threads()} threads|{gpu}"
-    return key + "|cpu attention kernel" if cpu_kernel.kernel_selected() else key
+    backend = cpu_kernel.backend_key()
+    return key if backend == "flash" else f"{key}|cpu attention {backend}"
 
 
 def shape_key(layout: KVLayout, q_heads: int, dtype: torch.dtype, window: int) -> str:

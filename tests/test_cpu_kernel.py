@@ -1,0 +1,259 @@
+"""The CPU decode-attention kernel (writescope/attention/cpu_kernel.py) against float64 attention.
+
+Paths: ``portable`` everywhere; ``avx512bf16`` and ``amx-emulated`` (the AMX path's code with
+tiles emulated in C++: its layouts) where the CPU has AVX512-BF16 (CI); ``amx`` only on a CPU with
+AMX-BF16 (marked ``amx``: run on the GPU machine's host with ``-m amx``).
+
+Tolerances, per sequence: relative-norm error of o <= 2e-3 for the bf16 paths (they round q and the
+softmax weights p to bf16 and accumulate in fp32; torch's own bf16 CPU flash op errs 2.2e-3 on such
+inputs, its output being bf16), 1e-5 for fp32 inputs on the portable path; lse within 1e-4 + 1e-6 relative.
+"""
+
+from __future__ import annotations
+
+import threading
+
+import pytest
+import torch
+
+kernel = pytest.importorskip("writescope.attention.cpu_kernel")
+
+LENGTHS = [1, 15, 16, 17, 0, 255, 256, 257, 4097]
+
+
+def _has_amx_flag() -> bool:
+    try:
+        with open("/proc/cpuinfo") as f:
+            return any("amx_bf16" in ln for ln in f if ln.startswith("flags"))
+    except OSError:
+        return False
+
+
+@pytest.fixture(params=["portable", "avx512bf16", "amx-emulated", pytest.param("amx", marks=pytest.mark.amx)])
+def path(request, monkeypatch):
+    if not kernel.kernel_available():
+        pytest.skip("no C++ compiler for the CPU attention kernel")
+    p = request.param
+    best = kernel.best_path()
+    if p == "amx" and not _has_amx_flag():
+        pytest.skip("no AMX-BF16 on this CPU")
+    if p == "amx":  # the CPU has it: the kernel must offer it (the tile permission granted)
+        assert best == "amx", f"the CPU has AMX-BF16 but the kernel offers only {best}"
+    if p in ("avx512bf16", "amx-emulated") and best == "portable":
+        pytest.skip("no AVX512-BF16 on this CPU")
+    monkeypatch.setenv("WRITESCOPE_CPU_ISA", p)
+    return p
+
+
+def reference(q, kv, scale, dv):
+    """(o [B, H, G, dv], lse [B, H, G]) in float64; rows without keys (0, -inf)."""
+    B, H, G, _ = q.shape
+    o = torch.zeros(B, H, G, dv, dtype=torch.float64)
+    lse = torch.full((B, H, G), float("-inf"), dtype=torch.float64)
+    for i, x in enumerate(kv):
+        if x is None or x[0].shape[1] == 0:
+            continue
+        s = torch.einsum("hgd,hnd->hgn", q[i].double(), x[0].double()) * scale
+        lse[i] = torch.logsumexp(s, -1)
+        o[i] = torch.einsum("hgn,hnd->hgd", torch.softmax(s, -1), x[1].double())
+    return o, lse
+
+
+def make(lengths, H, G, dk, dv, mla, dtype, gen):
+    """A ragged batch laid out as the compute region: per-head rows with spare capacity (so the
+    views have row and head strides of their own); MLA: V is the first dv columns of the latent."""
+    kv = []
+    for n in lengths:
+        if n == 0:
+            kv.append(None)
+        elif mla:
+            lat = torch.randn(H, n + 5, dk, generator=gen).to(dtype)[:, :n]
+            kv.append((lat, lat[..., :dv]))
+        else:
+            reg = torch.randn(2, H, n + 7, dk, generator=gen).to(dtype)
+            kv.append((reg[0, :, :n], reg[1, :, :n, :dv]))
+    q = torch.randn(len(lengths), H, G, dk, generator=gen).to(dtype)
+    return q, kv
+
+
+def check(o, lse, q, kv, scale, dv, tol):
+    ro, rl = reference(q, kv, scale, dv)
+    assert o.shape == ro.shape and o.dtype == torch.float32 and lse.dtype == torch.float32
+    for i, x in enumerate(kv):
+        if x is None or x[0].shape[1] == 0:
+            assert torch.all(o[i] == 0) and torch.all(lse[i] == float("-inf")), f"row {i}: not the empty partial"
+            continue
+        err = ((o[i].double() - ro[i]).norm() / ro[i].norm()).item()
+        assert err <= tol, f"row {i} ({x[0].shape[1]} keys): relative error {err:.2e} > {tol:g}"
+        torch.testing.assert_close(lse[i].double(), rl[i], rtol=1e-6, atol=1e-4)
+
+
+# (kv_heads, group, dk, dv, mla): DeepSeek-V2-Lite's latent, GQA groups 1, 3, 4, 8 (Qwen3's
+# shape), more than 16 heads per KV head (two head groups), and widths the AMX path cannot take
+SHAPES = {
+    "mla": (1, 16, 576, 512, True),
+    "qwen3": (4, 8, 128, 128, False),
+    "g1": (2, 1, 64, 64, False),
+    "g3": (2, 3, 64, 32, False),
+    "g4": (2, 4, 32, 32, False),
+    "g17": (1, 17, 64, 48, False),
+    "odd": (3, 5, 40, 24, False),
+    "tiny-mla": (1, 4, 40, 32, True),
+}
+
+
+@pytest.mark.parametrize("shape", list(SHAPES))
+def test_matches_float64(path, shape):
+    H, G, dk, dv, mla = SHAPES[shape]
+    dtype = torch.float32 if path == "portable" else torch.bfloat16
+    gen = torch.Generator().manual_seed(hash(shape) % 1000)
+    q, kv = make(LENGTHS, H, G, dk, dv, mla, dtype, gen)
+    want = {"amx": "amx", "amx-emulated": "amx-emulated"}.get(path, path)
+    if path.startswith("amx") and (dk % 32 or dv % 16):
+        want = "avx512bf16"  # lowered: the tiles need dk % 32 == 0 and dv % 16 == 0
+    assert kernel.path_for(dtype, dk, dv) == want
+    for threads in (1, 3):
+        o, lse = kernel.attend(q, kv, dk**-0.5, threads=threads)
+        check(o, lse, q, kv, dk**-0.5, dv, 1e-5 if dtype == torch.float32 else 2e-3)
+
+
+def test_bf16_on_the_portable_path(monkeypatch):
+    if not kernel.kernel_available():
+        pytest.skip("no C++ compiler")
+    monkeypatch.setenv("WRITESCOPE_CPU_ISA", "portable")
+    gen = torch.Generator().manual_seed(1)
+    q, kv = make([1, 17, 300], 2, 4, 64, 64, False, torch.bfloat16, gen)
+    o, lse = kernel.attend(q, kv, 0.125, threads=2)
+    check(o, lse, q, kv, 0.125, 64, 1e-5)  # fp32 arithmetic on bf16 values: exact up to fp32 rounding
+
+
+@pytest.mark.parametrize("chunk", [1, 16, 33, 4096])
+def test_chunks_and_thread_splits(path, chunk, monkeypatch):
+    """Portions that start and end anywhere: chunk sizes that do not divide the lengths, and
+    thread counts that cut segments into several parts (all merged by lse)."""
+    monkeypatch.setattr(kernel, "CHUNK", chunk)
+    H, G, dk, dv, mla = SHAPES["mla" if path != "portable" else "g4"]
+    dtype = torch.float32 if path == "portable" else torch.bfloat16
+    gen = torch.Generator().manual_seed(chunk)
+    q, kv = make([0, 70, 1, 129, 0], H, G, dk, dv, mla, dtype, gen)
+    for threads in (1, 2, 5, 64):
+        o, lse = kernel.attend(q, kv, dk**-0.5, threads=threads)
+        check(o, lse, q, kv, dk**-0.5, dv, 1e-5 if dtype == torch.float32 else 2e-3)
+
+
+def test_one_dominant_key(path):
+    """A key whose score is far above the rest: the output is that key's value (the softmax is
+    one-hot), with no overflow in the exponentials."""
+    dtype = torch.float32 if path == "portable" else torch.bfloat16
+    gen = torch.Generator().manual_seed(2)
+    q, kv = make([300, 40], 2, 8, 64, 64, False, dtype, gen)
+    q[0] = q[0].abs()
+    kv[0][0][:, 123] = 30.0  # q . k ~ 30 * sum |q| >> any other score
+    o, lse = kernel.attend(q, kv, 1.0, threads=2)
+    check(o, lse, q, kv, 1.0, 64, 1e-5 if dtype == torch.float32 else 2e-3)
+    torch.testing.assert_close(o[0], kv[0][1][:, 123:124].float().expand(2, 8, 64), rtol=2e-3, atol=2e-3)
+
+
+def test_nan_and_inf(path):
+    """A NaN key makes its sequence's output and lse NaN (as torch's softmax) and no other's; a
+    key whose score is -inf weighs nothing; a sequence whose every score is -inf gives the empty
+    partial (0, -inf), the merge's convention for 'no keys' (docs/DESIGN.md section 4)."""
+    dtype = torch.float32 if path == "portable" else torch.bfloat16
+    gen = torch.Generator().manual_seed(3)
+    q, kv = make([300, 300, 50, 20], 1, 16, 64, 64, False, dtype, gen)
+    kv[0][0][0, 200, 5] = float("nan")
+    q[1:, ..., 0] = q[1:, ..., 0].abs() + 0.5
+    kv[1][0][0, 7, 0] = float("-inf")  # score -inf for every head
+    kv[2][0][0, :, 0] = float("-inf")
+    o, lse = kernel.attend(q, kv, 0.125, threads=3)
+    assert torch.isnan(o[0]).all() and torch.isnan(lse[0]).all()
+    keep = [i for i in range(300) if i != 7]
+    ro, rl = reference(q[1:2], [(kv[1][0][:, keep], kv[1][1][:, keep])], 0.125, 64)
+    assert ((o[1].double() - ro[0]).norm() / ro[0].norm()) <= (1e-5 if dtype == torch.float32 else 2e-3)
+    torch.testing.assert_close(lse[1].double(), rl[0], rtol=1e-6, atol=1e-4)
+    assert torch.all(o[2] == 0) and torch.all(lse[2] == float("-inf"))
+    check(o[3:], lse[3:], q[3:], kv[3:], 0.125, 64, 1e-5 if dtype == torch.float32 else 2e-3)
+
+
+def test_writes_into_given_buffers(path):
+    dtype = torch.float32 if path == "portable" else torch.bfloat16
+    gen = torch.Generator().manual_seed(4)
+    q, kv = make([33, 0, 64], 1, 16, 576, 512, True, dtype, gen)
+    o = torch.full((3, 1, 16, 512), float("nan"))
+    lse = torch.full((3, 1, 16), float("nan"))
+    got = kernel.attend(q, kv, 0.05, out=(o, lse), threads=2)
+    assert got[0].data_ptr() == o.data_ptr() and got[1].data_ptr() == lse.data_ptr()
+    check(o, lse, q, kv, 0.05, 512, 1e-5 if dtype == torch.float32 else 2e-3)
+
+
+def test_bad_inputs_are_named():
+    if not kernel.kernel_available():
+        pytest.skip("no C++ compiler")
+    ext = kernel._extension()
+    q = torch.randn(2, 1, 4, 16)
+    k = torch.randn(1, 5, 16)
+    with pytest.raises(RuntimeError, match="k width must equal q's"):
+        ext.attend(q, [torch.randn(1, 5, 8)], [k], [0], 16, 1.0, -1, 1, None, None)
+    with pytest.raises(RuntimeError, match="one dtype for the batch"):
+        ext.attend(q, [k, k.bfloat16()], [k, k.bfloat16()], [0, 1], 16, 1.0, -1, 1, None, None)
+    with pytest.raises(RuntimeError, match="chunk must be >= 1"):
+        ext.attend(q, [k], [k], [0], 0, 1.0, -1, 1, None, None)
+    with pytest.raises(RuntimeError, match="row 5 outside the batch of 2"):
+        ext.attend(q, [k], [k], [5], 16, 1.0, -1, 1, None, None)
+    with pytest.raises(RuntimeError, match="out_o must be contiguous fp32"):
+        ext.attend(q, [k], [k], [0], 16, 1.0, -1, 1, torch.empty(2, 1, 4, 8), None)
+    assert not kernel.usable(q, [(torch.randn(1, 5, 16), torch.randn(1, 5, 8)), (k, k)])  # two value widths
+    assert kernel.usable(q, [(k, k), None])
+
+
+def test_paths_are_checked_and_named(monkeypatch):
+    if not kernel.kernel_available():
+        pytest.skip("no C++ compiler")
+    monkeypatch.setenv("WRITESCOPE_CPU_ISA", "avx1024")
+    with pytest.raises(ValueError, match=r"WRITESCOPE_CPU_ISA='avx1024': use auto"):
+        kernel.prepare(progress=False)
+    monkeypatch.setenv("WRITESCOPE_CPU_ISA", "amx-emulated")
+    with pytest.raises(ValueError, match="a test path"):
+        kernel.prepare(progress=False)
+    if kernel.best_path() != "amx":  # asking for more than the CPU has is refused, naming what it has
+        monkeypatch.setenv("WRITESCOPE_CPU_ISA", "amx")
+        with pytest.raises(ValueError, match=f"offers at most {kernel.best_path()}"):
+            kernel.prepare(progress=False)
+        with pytest.raises(RuntimeError, match="was asked for"):
+            kernel.attend(torch.randn(1, 1, 2, 32).bfloat16(), [(torch.randn(1, 3, 32).bfloat16(),) * 2], 1.0)
+    monkeypatch.setenv("WRITESCOPE_CPU_ISA", "portable")
+    assert kernel.prepare(progress=False) == "C++ kernel (portable)"
+    monkeypatch.delenv("WRITESCOPE_CPU_ISA")
+    assert kernel.prepare(progress=False) == f"C++ kernel ({kernel.best_path()})"
+
+
+def test_the_binding_releases_the_gil():
+    """attend is bound with the GIL released (the GPU part of a step is launched from the main
+    thread meanwhile). Checked without timing: the test hook ``wait_for_flag`` has the same
+    binding and returns only once this thread, which needs the GIL, has set the flag."""
+    if not kernel.kernel_available():
+        pytest.skip("no C++ compiler")
+    flag = torch.zeros(1, dtype=torch.int32)
+    got = []
+    t = threading.Thread(target=lambda: got.append(kernel._extension().wait_for_flag(flag, 60.0)))
+    t.start()
+    flag[0] = 1  # needs the GIL: with it held by the waiting call this line would wait the 60 s out
+    t.join()
+    assert got == [True]
+
+
+@pytest.mark.parametrize("model", ["tiny-qwen3-moe", "tiny-deepseek-v2"])
+def test_policies_give_resident_tokens(path, model):
+    """Every partitioned policy with this path gives resident's greedy tokens (the tiny presets'
+    widths take the AVX512-BF16 path where AMX cannot: dk 16 and 40)."""
+    from writescope import LLM, SamplingParams
+
+    if path == "amx-emulated":
+        pytest.skip("the tiny presets' widths do not take the AMX path")
+    llm = LLM(model, progress=False)
+    prompts = [list(range(3, 3 + n)) for n in (300, 17, 129)]
+    params = SamplingParams(max_tokens=12, ignore_eos=True)
+    ref = [o.token_ids for o in llm.generate(prompt_token_ids=prompts, sampling_params=params)]
+    for pol in ("cpu", "static:0.5"):
+        llm.set_policy(pol, window=16)
+        assert [o.token_ids for o in llm.generate(prompt_token_ids=prompts, sampling_params=params)] == ref, pol
