@@ -111,7 +111,13 @@ def main() -> None:
     ap.add_argument("--cases", default="mla:16x32k,mla:32x32k,gqa:16x32k", help="SHAPE:BATCHxCONTEXT, comma-separated")
     ap.add_argument("--threads", type=int, default=max(1, torch.get_num_threads() - 1), help="kernel threads (default: all but one)")
     ap.add_argument("--repeats", type=int, default=10)
-    ap.add_argument("--chunks", default="128,256,512", help="CHUNK values tried on the best path of the first case")
+    ap.add_argument("--chunks", default="128,256", help="CHUNK values tried with each tuning on the best path")
+    ap.add_argument("--tunings", default="2,4,6,1,5", help="tuning flags tried on the best path (cpu_kernel.cpp, Tuning: 1 each chunk "
+                    "read in address order first, 2 software prefetch in the AMX scores, 4 values product on V's rows in place)")
+    ap.add_argument("--ablations", default="64,128,256,512", help="stages left out, one at a time, added to the default tuning and "
+                    "PV_DIRECT's (64 scores, 128 softmax, 256 packing V, 512 values): their time differences place the time "
+                    "(the outputs are then wrong)")
+    ap.add_argument("--also-threads", type=int, default=8, help="the default variant again with this many threads (0: not)")
     ap.add_argument("--no-flash", action="store_true", help="leave torch's flash op out (it is slow at full scale)")
     ap.add_argument("--out", default=None, help="path prefix: writes PREFIX.json and PREFIX.md")
     a = ap.parse_args()
@@ -143,15 +149,32 @@ def main() -> None:
         name = f"{shape} {batch}x{n // 1024}K"
         print(f"{name}: {nbytes / 1e9:.2f} GB of KV; plain read {read_gbs:.1f} GB/s", flush=True)
         base = {"case": name, "shape": shape, "batch": batch, "context": n, "bytes": nbytes, "read_gbs": read_gbs, "threads": a.threads}
+        default_tuning = ext.set_tuning(0)
+        ext.set_tuning(default_tuning)
         for path in paths + ([] if a.no_flash else ["flash"]):
-            for chunk in ([int(c) for c in a.chunks.split(",")] if ci == 0 and path == best else [cpu_kernel.CHUNK]):
-                old, cpu_kernel.CHUNK = cpu_kernel.CHUNK, chunk
+            sweep = path == best
+            variants = [(c, t, a.threads) for t in (map(int, a.tunings.split(",")) if sweep else [default_tuning])
+                        for c in ([int(c) for c in a.chunks.split(",")] if sweep else [cpu_kernel.CHUNK])]
+            if sweep:
+                variants += [(cpu_kernel.CHUNK, base | int(x), a.threads) for base in (default_tuning, 4 | default_tuning)
+                             for x in a.ablations.split(",") if x]
+                if a.also_threads:
+                    variants.append((cpu_kernel.CHUNK, default_tuning, a.also_threads))
+            for chunk, tuning, threads in variants:
+                old = cpu_kernel.CHUNK
+                cpu_kernel.CHUNK = chunk
+                ext.set_tuning(tuning)
+                torch.set_num_threads(threads)
                 med, lo, hi = timed(run_path(path, q, kv, dk**-0.5), a.repeats)
                 cpu_kernel.CHUNK = old
-                label = path if path == "flash" else f"{path} (chunk {chunk})"
+                ext.set_tuning(default_tuning)
+                torch.set_num_threads(a.threads)
+                label = path if path == "flash" else f"{path} (chunk {chunk}, tuning {tuning}{'' if threads == a.threads else f', {threads} threads'})"
+                if tuning >= 64:
+                    label += " [ablation]"
                 rows.append({**base, "backend": label, "ms": med * 1e3, "min_ms": lo * 1e3, "max_ms": hi * 1e3,
                              "gbs": nbytes / med / 1e9, "of_read": nbytes / med / 1e9 / read_gbs})
-                print(f"  {label:26s} {med * 1e3:8.2f} ms [{lo * 1e3:.2f}-{hi * 1e3:.2f}]  {nbytes / med / 1e9:6.1f} GB/s  "
+                print(f"  {label:50s} {med * 1e3:8.2f} ms [{lo * 1e3:.2f}-{hi * 1e3:.2f}]  {nbytes / med / 1e9:6.1f} GB/s  "
                       f"{nbytes / med / 1e9 / read_gbs:5.0%} of read", flush=True)
         if torch.cuda.is_available():  # the same call while the link carries a copy of the same size
             with Copier(nbytes) as cp:
@@ -160,7 +183,7 @@ def main() -> None:
             rows.append({**base, "backend": f"{best}, during a host-to-GPU copy", "ms": med * 1e3, "min_ms": lo * 1e3, "max_ms": hi * 1e3,
                          "gbs": nbytes / med / 1e9, "of_read": nbytes / med / 1e9 / read_gbs, "read_during_copy_gbs": nbytes / read_c[0] / 1e9,
                          "copy_gbs": cp.gbs()})
-            print(f"  {best + ', during H2D copy':26s} {med * 1e3:8.2f} ms [{lo * 1e3:.2f}-{hi * 1e3:.2f}]  {nbytes / med / 1e9:6.1f} GB/s  "
+            print(f"  {best + ', during H2D copy':50s} {med * 1e3:8.2f} ms [{lo * 1e3:.2f}-{hi * 1e3:.2f}]  {nbytes / med / 1e9:6.1f} GB/s  "
                   f"(plain read during copy {nbytes / read_c[0] / 1e9:.1f} GB/s; copy {cp.gbs():.1f} GB/s)", flush=True)
         del regs, kv
     # the fixed cost of one call: 16 sequences of one 256-token block

@@ -18,6 +18,8 @@
 #   bash benchmarks/h200_session.sh amx        # the AMX-marked tests (the C++ kernels' AMX paths on the host's Xeon)
 #   bash benchmarks/h200_session.sh cpu-attention  # CPU attention at full scale: the kernel's paths, the flash op, a plain read; under a H2D copy
 #   bash benchmarks/h200_session.sh calibrate MODEL  # writescope calibrate for MODEL's KV shape (A, B, C, r(L) at 2K-128K, batch 16)
+#   bash benchmarks/h200_session.sh tpot MODEL # full-size MODEL under 32 GiB, machine text, TPOT of each policy one after another
+#     (TPOT_BATCH 16, TPOT_CONTEXT 32k, TPOT_NEW 24 new tokens, TPOT_POLICIES gpu,writescope, TPOT_TAG a file-name suffix)
 # A grid or calibration with torch's flash op instead of the C++ kernel: WRITESCOPE_CPU_ATTENTION=flash (the environment passes through).
 # Several parts run in one call, one after another: `bash benchmarks/h200_session.sh tests grid:deepseek-v2-lite`.
 # The whole call stops by DEADLINE seconds (default 570, under the device tool's 10 minutes): each part's
@@ -51,6 +53,14 @@ part() {
       timeout "$(tmo 200)" python3 -m pytest -m amx -v -p no:cacheprovider tests 2>&1 | tee "$out/amx_tests_h200.log" | tail -30 ;;
     cpu-attention)
       timeout "$(tmo 300)" python3 benchmarks/cpu_attention.py --out "$out/cpu_attention_h200" 2>&1 | tee "$out/cpu_attention_h200.log" | tail -24 ;;
+    tpot)
+      for pol in ${TPOT_POLICIES:-gpu writescope}; do
+        local f="$out/tpot_${m}_${TPOT_BATCH:-16}x${TPOT_CONTEXT:-32k}_${pol/:/_}${TPOT_TAG:-}"
+        timeout "$(tmo 300)" python3 -m writescope.cli.main generate --model "$m" --synthetic --device cuda --vram-budget 32GiB \
+          --machine-text "${TPOT_CONTEXT:-32k}" --batch "${TPOT_BATCH:-16}" --max-new-tokens "${TPOT_NEW:-24}" --ignore-eos --policy "$pol" \
+          --prefill-chunk-tokens 4096 --quiet --output-json "$f.json" > "$f.log" 2>&1 || echo "$pol: exit $?"
+        grep -E "TPOT|decode|r\(L\)|CPU attention|placement|VRAM" "$f.log" | sed "s/^/$pol: /" | head -8
+      done ;;
     calibrate)
       timeout "$(tmo 120)" python3 -m writescope.cli.main calibrate --model "$m" --device cuda --quiet 2>&1 | tee "$out/calibrate_${m}_h200.log" ;;
     split)
@@ -117,7 +127,7 @@ part() {
       timeout "$(tmo 500)" python3 benchmarks/peer_transformers.py --checkpoint "$ckpt" --contexts "${PEER_CONTEXTS:-8k}" --batch 4 \
         --out "$out/peer_transformers_h200" 2>&1 | tee "$out/peer_transformers_h200.log" | tail -12 ;;
     *)
-      echo "usage: $0 PART [PART ...]; PART: tests|split|experts|scheduler|profile|prefill|text:MODEL|breakdown:MODEL|1m|1m-decode|mla|grid:MODEL|prefill-e2e:MODEL|consistency|peer|amx|cpu-attention|calibrate:MODEL" >&2; return 2 ;;
+      echo "usage: $0 PART [PART ...]; PART: tests|split|experts|scheduler|profile|prefill|text:MODEL|breakdown:MODEL|1m|1m-decode|mla|grid:MODEL|prefill-e2e:MODEL|consistency|peer|amx|cpu-attention|calibrate:MODEL|tpot:MODEL" >&2; return 2 ;;
   esac
 }
 (( $# )) || { part usage; exit 2; }
@@ -125,7 +135,7 @@ rc=0
 while (( $# )); do
   p=${1%%:*}; m=""
   if [[ $1 == *:* ]]; then m=${1#*:}
-  elif [[ $p == text || $p == breakdown || $p == grid || $p == prefill-e2e || $p == calibrate ]]; then shift; m=${1:?"$p needs a model"}; fi
+  elif [[ $p == text || $p == breakdown || $p == grid || $p == prefill-e2e || $p == calibrate || $p == tpot ]]; then shift; m=${1:?"$p needs a model"}; fi
   shift
   if (( $(left) < 40 )); then echo "== $p $m: skipped, $(left) s left of DEADLINE=$deadline" >&2; rc=1; continue; fi
   echo "== $p $m ($(left) s left)"

@@ -127,18 +127,28 @@ def test_bf16_on_the_portable_path(monkeypatch):
     check(o, lse, q, kv, 0.125, 64, 1e-5)  # fp32 arithmetic on bf16 values: exact up to fp32 rounding
 
 
+@pytest.fixture(params=[1, 2, 3, 4, 6], ids=["linear-first", "qk-prefetch", "both", "pv-direct", "pv-direct-prefetch"])
+def tuning(request):
+    """The bf16 paths' orders of work within a chunk (cpu_kernel.cpp, Tuning), each exact."""
+    ext = kernel._extension()
+    old = ext.set_tuning(request.param)
+    yield request.param
+    ext.set_tuning(old)
+
+
 @pytest.mark.parametrize("chunk", [1, 16, 33, 4096])
-def test_chunks_and_thread_splits(path, chunk, monkeypatch):
+def test_chunks_and_thread_splits(path, chunk, tuning, monkeypatch):
     """Portions that start and end anywhere: chunk sizes that do not divide the lengths, and
-    thread counts that cut segments into several parts (all merged by lse)."""
+    thread counts that cut segments into several parts (all merged by lse); MLA and GQA."""
     monkeypatch.setattr(kernel, "CHUNK", chunk)
-    H, G, dk, dv, mla = SHAPES["mla" if path != "portable" else "g4"]
     dtype = torch.float32 if path == "portable" else torch.bfloat16
-    gen = torch.Generator().manual_seed(chunk)
-    q, kv = make([0, 70, 1, 129, 0], H, G, dk, dv, mla, dtype, gen)
-    for threads in (1, 2, 5, 64):
-        o, lse = kernel.attend(q, kv, dk**-0.5, threads=threads)
-        check(o, lse, q, kv, dk**-0.5, dv, 1e-5 if dtype == torch.float32 else 2e-3)
+    for shape in ("mla", "qwen3"):
+        H, G, dk, dv, mla = SHAPES[shape]
+        gen = torch.Generator().manual_seed(chunk)
+        q, kv = make([0, 70, 1, 129, 0], H, G, dk, dv, mla, dtype, gen)
+        for threads in (1, 2, 5, 64):
+            o, lse = kernel.attend(q, kv, dk**-0.5, threads=threads)
+            check(o, lse, q, kv, dk**-0.5, dv, 1e-5 if dtype == torch.float32 else 2e-3)
 
 
 def test_one_dominant_key(path):
@@ -243,17 +253,53 @@ def test_the_binding_releases_the_gil():
 
 
 @pytest.mark.parametrize("model", ["tiny-qwen3-moe", "tiny-deepseek-v2"])
-def test_policies_give_resident_tokens(path, model):
-    """Every partitioned policy with this path gives resident's greedy tokens (the tiny presets'
-    widths take the AVX512-BF16 path where AMX cannot: dk 16 and 40)."""
+def test_policies_give_resident_tokens(model, monkeypatch):
+    """fp32 (the portable path): every partitioned policy gives resident's greedy tokens."""
     from writescope import LLM, SamplingParams
 
-    if path == "amx-emulated":
-        pytest.skip("the tiny presets' widths do not take the AMX path")
-    llm = LLM(model, progress=False)
+    if not kernel.kernel_available():
+        pytest.skip("no C++ compiler")
+    monkeypatch.setenv("WRITESCOPE_CPU_ATTENTION", "kernel")
+    llm = LLM(model, device="cpu", dtype="fp32", progress=False)
     prompts = [list(range(3, 3 + n)) for n in (300, 17, 129)]
     params = SamplingParams(max_tokens=12, ignore_eos=True)
     ref = [o.token_ids for o in llm.generate(prompt_token_ids=prompts, sampling_params=params)]
     for pol in ("cpu", "static:0.5"):
         llm.set_policy(pol, window=16)
         assert [o.token_ids for o in llm.generate(prompt_token_ids=prompts, sampling_params=params)] == ref, pol
+
+
+def _policy_consistency():
+    import importlib.util
+    from pathlib import Path
+
+    spec = importlib.util.spec_from_file_location("policy_consistency", Path(__file__).parents[1] / "benchmarks" / "policy_consistency.py")
+    mod = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(mod)
+    return mod
+
+
+@pytest.mark.parametrize("model", ["tiny-qwen3-moe", "tiny-deepseek-v2"])
+def test_bf16_policy_logits_within_bf16_rounding(path, model):
+    """bf16: greedy tokens of random-weight models part at near-ties, so the logits are compared,
+    teacher-forced on resident's tokens: the ``cpu`` policy (all spilled KV attended by this
+    path) stays within twice what bf16 itself does to resident's logits (bf16 against fp32, the
+    same seeded weights, the same tokens)."""
+    from writescope import LLM, SamplingParams
+
+    if path in ("amx", "amx-emulated"):
+        pytest.skip("the tiny presets' widths (dk 16 and 40) do not take the AMX path")
+    pc = _policy_consistency()
+    prompts = [list(range(3, 3 + n)) for n in (300, 17, 129)]
+    params = SamplingParams(max_tokens=8, ignore_eos=True)
+    llm32 = LLM(model, device="cpu", dtype="fp32", progress=False)
+    ref_outs, _ = pc.generate_forced(llm32, prompts, params)
+    forced = [o.token_ids for o in ref_outs]
+    _, steps32 = pc.generate_forced(llm32, prompts, params, forced=forced)
+    llm = LLM(model, device="cpu", dtype="bf16", progress=False)
+    _, res16 = pc.generate_forced(llm, prompts, params, forced=forced)
+    floor = pc.compare_logits(res16, steps32)["max_abs_logit_diff"]
+    llm.set_policy("cpu", window=16)
+    _, cpu16 = pc.generate_forced(llm, prompts, params, forced=forced)
+    got = pc.compare_logits(cpu16, res16)["max_abs_logit_diff"]
+    assert 0 < got <= 2 * floor, (got, floor)  # (0 would mean the CPU attention did not run)

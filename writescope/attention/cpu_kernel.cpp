@@ -14,6 +14,7 @@
 #include <sys/syscall.h>
 #include <unistd.h>
 #include <algorithm>
+#include <atomic>
 #include <optional>
 #include <chrono>
 #include <cmath>
@@ -67,6 +68,20 @@ static bool cpu_amx() {
 }
 static int64_t best_isa() { return cpu_amx() ? AMX : cpu_avx512bf16() ? AVX512BF16 : PORTABLE; }
 
+// Tuning of the bf16 paths, for benchmarks/cpu_attention.py to compare in one run (set_tuning):
+//   LINEAR_FIRST  each chunk is first read in address order (V packed, the rest of K touched), so the
+//                 hardware prefetcher streams it, then the products run from L2
+//   QK_PREFETCH   software prefetch (into L2) of the next 64 keys during the AMX scores
+//   PV_DIRECT     AMX values product on V's rows where they lie (no re-packing into key pairs; two
+//                 products per tile, even and odd columns; needs dv % 32 == 0)
+// and, to time a chunk's stages by leaving one out (the results are then wrong; benchmarks only):
+//   SKIP_SCORES, SKIP_SOFTMAX (softmax and the packing of p), SKIP_PACK_V, SKIP_VALUES.
+// Default QK_PREFETCH: measured on the H200 host, benchmarks/results/cpu_attention.md.
+enum Tuning : int64_t { LINEAR_FIRST = 1, QK_PREFETCH = 2, PV_DIRECT = 4, SKIP_SCORES = 64, SKIP_SOFTMAX = 128, SKIP_PACK_V = 256,
+                        SKIP_VALUES = 512 };
+static std::atomic<int64_t> g_tuning{QK_PREFETCH};
+static std::atomic<uint64_t> g_sink{0};
+
 // The path for these inputs: the requested one (-1: the best this CPU has), lowered where the
 // inputs need it (AMX: bf16, dk % 32 == 0, dv % 16 == 0; AVX512-BF16: bf16)
 static int64_t choose(int64_t req, bool bf16, int64_t dk, int64_t dv) {
@@ -98,7 +113,7 @@ struct Buf {
 };
 struct Scratch {
   Buf<float> s, oc;
-  Buf<uint16_t> q, pa, vb, kt;
+  Buf<uint16_t> q, pa, vb, kt, vt;
 };
 static Scratch& scratch() {
   static thread_local Scratch w;
@@ -107,9 +122,9 @@ static Scratch& scratch() {
 
 // ---------------------------------------------------------------- the plan of one call
 struct Plan {
-  int64_t H, G, dk, dv, chunk, isa;
+  int64_t H, G, dk, dv, chunk, isa, tuning;
   float scale;
-  bool bf16;
+  bool bf16, permuted;  // permuted: acc's columns in PV_DIRECT's order (merge restores them)
   const float* q;  // [B, H, G, dk] fp32
   std::vector<const char*> k, v;
   std::vector<int64_t> khs, krs, vhs, vrs;  // per listed sequence, in elements
@@ -187,14 +202,16 @@ static void portion(const Plan& P, int64_t sg, int64_t j0, int64_t j1, int64_t s
   float* mrun = P.mpart + slot * 16;
   float* lrun = P.lpart + slot * 16;
   alignas(64) float alpha[16];
+  for (int g = 0; g < 16; ++g) alpha[g] = 1.f;  // (set by the softmax; only SKIP_SOFTMAX timings leave it so)
   for (int g = 0; g < 16; ++g) { mrun[g] = NEG_INF; lrun[g] = 0.f; }
   float* s = w.s.get(cap * 16);
   float* oc = w.oc.get(16 * dv + std::max(dk, dv));  // + one converted row for the portable path
   float* row = oc + 16 * dv;
   uint16_t* qb = w.q.get(16 * dkp);
-  uint16_t* pa = w.pa.get(cap / 32 * 512);
+  uint16_t* pa = w.pa.get(cap / 16 * 1024);  // [steps, 16, 32], or PV_DIRECT's [steps16, 2, 16, 32]
   uint16_t* vb = w.vb.get(cap / 32 * ((dv + 15) / 16) * 512);
   uint16_t* kt = w.kt.get(16 * dkp);
+  uint16_t* vt = w.vt.get(16 * dv);
   if (P.isa == AMX) {
     amx::pack_q(q, gn, dk, qb);
   } else if (P.isa == AMX_EMULATED) {
@@ -207,6 +224,8 @@ static void portion(const Plan& P, int64_t sg, int64_t j0, int64_t j1, int64_t s
   const char* kbase = P.k[i] + h * P.khs[i] * es;
   const char* vbase = P.v[i] + h * P.vhs[i] * es;
   const bool own_v = !(P.v[i] == P.k[i] && P.vrs[i] == P.krs[i] && P.vhs[i] == P.khs[i]);  // MLA: V is K's first dv columns
+  const int64_t tuning = P.tuning;
+  uint64_t sink = 0;
   for (int64_t c0 = j0; c0 < j1; c0 += CH) {
     const int64_t m = std::min(CH, j1 - c0);
     const char* K = kbase + c0 * P.krs[i] * es;
@@ -220,15 +239,33 @@ static void portion(const Plan& P, int64_t sg, int64_t j0, int64_t j1, int64_t s
     } else {
       const uint16_t* Kb = reinterpret_cast<const uint16_t*>(K);
       const uint16_t* Vb = reinterpret_cast<const uint16_t*>(V);
-      if (P.isa == AMX) amx::scores(qb, Kb, P.krs[i], m, dk, s, kt, own_v ? Vb : nullptr, P.vrs[i], dv);
-      else if (P.isa == AMX_EMULATED) amx_emu::scores(qb, Kb, P.krs[i], m, dk, s, kt, own_v ? Vb : nullptr, P.vrs[i], dv);
-      else avx::scores(qb, dkp, gn, Kb, P.krs[i], m, dk, s);
-      avx::softmax(s, m, gn, P.scale, mrun, lrun, alpha);
-      avx::pack_p(s, m, pa);
-      avx::pack_v(Vb, P.vrs[i], m, dv, vb);
-      if (P.isa == AMX) amx::values(pa, vb, m, dv, oc);
-      else if (P.isa == AMX_EMULATED) amx_emu::values(pa, vb, m, dv, oc);
-      else avx::values(pa, vb, m, dv, gn, oc);
+      const bool amx = P.isa == AMX || P.isa == AMX_EMULATED, direct = P.permuted;
+      const bool linear = tuning & LINEAR_FIRST;
+      const uint16_t* Vpf = (tuning & QK_PREFETCH) && own_v ? Vb : nullptr;
+      if (linear) {  // read the chunk once in address order: V into vb, then what of K the packing did not read
+        if (!direct && !(tuning & SKIP_PACK_V)) avx::pack_v(Vb, P.vrs[i], m, dv, vb);
+        sink ^= own_v || direct ? avx::touch(Kb, P.krs[i], m, 0, dk) : avx::touch(Kb, P.krs[i], m, dv, dk);
+        if (own_v && direct) sink ^= avx::touch(Vb, P.vrs[i], m, 0, dv);
+      }
+      if (!(tuning & SKIP_SCORES)) {
+        if (P.isa == AMX) amx::scores(qb, Kb, P.krs[i], m, dk, s, kt, Vpf, P.vrs[i], dv, tuning & QK_PREFETCH);
+        else if (P.isa == AMX_EMULATED) amx_emu::scores(qb, Kb, P.krs[i], m, dk, s, kt, Vpf, P.vrs[i], dv, tuning & QK_PREFETCH);
+        else avx::scores(qb, dkp, gn, Kb, P.krs[i], m, dk, s);
+      }
+      if (!(tuning & SKIP_SOFTMAX)) {
+        avx::softmax(s, m, gn, P.scale, mrun, lrun, alpha);
+        if (direct) avx::pack_p_spread(s, m, pa);
+        else avx::pack_p(s, m, pa);
+      }
+      if (!linear && !direct && !(tuning & SKIP_PACK_V)) avx::pack_v(Vb, P.vrs[i], m, dv, vb);
+      if (!(tuning & SKIP_VALUES)) {
+        if (direct && P.isa == AMX) amx::values_direct(pa, Vb, P.vrs[i], m, dv, vt, oc);
+        else if (direct) amx_emu::values_direct(pa, Vb, P.vrs[i], m, dv, vt, oc);
+        else if (P.isa == AMX) amx::values(pa, vb, m, dv, oc);
+        else if (P.isa == AMX_EMULATED) amx_emu::values(pa, vb, m, dv, oc);
+        else avx::values(pa, vb, m, dv, gn, oc);
+      }
+      (void)amx;
     }
     for (int64_t g = 0; g < gn; ++g) {
       float* ag = acc + g * dv;
@@ -241,6 +278,7 @@ static void portion(const Plan& P, int64_t sg, int64_t j0, int64_t j1, int64_t s
       }
     }
   }
+  g_sink.fetch_xor(sink, std::memory_order_relaxed);  // the touched bytes' fold: the loads must happen
 }
 
 // segment sg's portions (slots t + sg for the threads t whose ranges meet it) into (o, lse)
@@ -273,6 +311,13 @@ static void merge(const Plan& P, int64_t sg, const std::vector<int64_t>& starts)
       const float* ag = P.acc + (sl * 16 + g) * dv;
 #pragma omp simd
       for (int64_t c = 0; c < dv; ++c) og[c] += wgt * ag[c];
+    }
+    if (P.permuted) {  // each group of 32 columns as [16 even | 16 odd] -> in order
+      float tmp[32];
+      for (int64_t c0 = 0; c0 < dv; c0 += 32) {
+        std::memcpy(tmp, og + c0, sizeof(tmp));
+        for (int n = 0; n < 16; ++n) { og[c0 + 2 * n] = tmp[n]; og[c0 + 2 * n + 1] = tmp[16 + n]; }
+      }
     }
     lse[g] = sub + std::log(L);
   }
@@ -330,6 +375,8 @@ std::vector<at::Tensor> attend(at::Tensor q, std::vector<at::Tensor> ks, std::ve
   Plan P;
   P.H = H; P.G = G; P.dk = dk; P.dv = dv; P.chunk = chunk; P.scale = (float)scale; P.bf16 = bf16;
   P.isa = choose(isa, bf16, dk, dv);
+  P.tuning = g_tuning.load(std::memory_order_relaxed);
+  P.permuted = (P.isa == AMX || P.isa == AMX_EMULATED) && (P.tuning & PV_DIRECT) && dv % 32 == 0;
   P.q = qf.data_ptr<float>();
   P.o = o.data_ptr<float>();
   P.lse = lse.data_ptr<float>();
@@ -434,6 +481,7 @@ int64_t read_probe(std::vector<at::Tensor> ts, int64_t threads) {
 }
 
 int64_t path_for(int64_t isa, bool bf16, int64_t dk, int64_t dv) { return choose(isa, bf16, dk, dv); }
+int64_t set_tuning(int64_t flags) { return ws::g_tuning.exchange(flags); }
 int64_t best() { return best_isa(); }
 
 // A test hook with attend's binding: returns once flag[0] != 0 (True) or after timeout_s
@@ -455,6 +503,7 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
   m.def("wait_for_flag", &wait_for_flag, "test hook: the GIL is released as in attend", py::call_guard<py::gil_scoped_release>());
   m.def("path_for", &path_for, "the path attend takes for these inputs (0 portable, 1 avx512bf16, 2 amx, 3 amx-emulated)");
   m.def("best", &best, "the best path this CPU and OS offer");
+  m.def("set_tuning", &set_tuning, "benchmarks: set the bf16 paths' tuning flags (cpu_kernel.cpp, Tuning); returns the old");
   m.def("read_probe", &read_probe, "read every byte of the tensors once (a rate probe); returns a checksum", py::arg("ts"), py::arg("threads"),
         py::call_guard<py::gil_scoped_release>());
 }

@@ -116,6 +116,60 @@ static void pack_v(const uint16_t* V, int64_t vrs, int64_t m, int64_t dv, uint16
     }
 }
 
+// t[i] = column i of the 16 x 16 dword matrix whose rows are r[0..15] (in place: 64 shuffles)
+static inline void transpose16(__m512i* r) {
+  __m512i t[16];
+  for (int i = 0; i < 8; ++i) {
+    t[2 * i] = _mm512_unpacklo_epi32(r[2 * i], r[2 * i + 1]);
+    t[2 * i + 1] = _mm512_unpackhi_epi32(r[2 * i], r[2 * i + 1]);
+  }
+  for (int i = 0; i < 4; ++i) {  // r[4i + k], 128-bit lane L: rows 4i .. 4i + 3 at column 4L + k
+    r[4 * i] = _mm512_unpacklo_epi64(t[4 * i], t[4 * i + 2]);
+    r[4 * i + 1] = _mm512_unpackhi_epi64(t[4 * i], t[4 * i + 2]);
+    r[4 * i + 2] = _mm512_unpacklo_epi64(t[4 * i + 1], t[4 * i + 3]);
+    r[4 * i + 3] = _mm512_unpackhi_epi64(t[4 * i + 1], t[4 * i + 3]);
+  }
+  for (int k = 0; k < 4; ++k) {
+    const __m512i a = _mm512_shuffle_i32x4(r[k], r[4 + k], 0x88), b = _mm512_shuffle_i32x4(r[k], r[4 + k], 0xDD);
+    const __m512i c = _mm512_shuffle_i32x4(r[8 + k], r[12 + k], 0x88), d = _mm512_shuffle_i32x4(r[8 + k], r[12 + k], 0xDD);
+    t[k] = _mm512_shuffle_i32x4(a, c, 0x88);
+    t[8 + k] = _mm512_shuffle_i32x4(a, c, 0xDD);
+    t[4 + k] = _mm512_shuffle_i32x4(b, d, 0x88);
+    t[12 + k] = _mm512_shuffle_i32x4(b, d, 0xDD);
+  }
+  for (int i = 0; i < 16; ++i) r[i] = t[i];
+}
+
+// p [m, 16] fp32 -> pe [steps16, 2, 16, 32] bf16 for the values product that reads V rows as they
+// lie (cpu_kernel_amx_tiles.h, values_direct): per 16 keys two A tiles, row h = head h, word 2r =
+// p of key r in the even tile and word 2r + 1 in the odd one, the other words zero
+static void pack_p_spread(const float* s, int64_t m, uint16_t* pe) {
+  const int64_t steps = (m + 15) / 16;
+  __m512i r[16];
+  for (int64_t k = 0; k < steps; ++k) {
+    for (int j = 0; j < 16; ++j) {
+      const int64_t key = 16 * k + j;
+      r[j] = key < m ? _mm512_cvtepu16_epi32((__m256i)_mm512_cvtneps_pbh(_mm512_loadu_ps(s + 16 * key))) : _mm512_setzero_si512();
+    }
+    transpose16(r);  // r[h]: dword j = p of key j for head h (low half)
+    for (int h = 0; h < 16; ++h) {
+      _mm512_storeu_si512(pe + k * 1024 + h * 32, r[h]);
+      _mm512_storeu_si512(pe + k * 1024 + 512 + h * 32, _mm512_slli_epi32(r[h], 16));
+    }
+  }
+}
+
+// Every byte of columns [c0, c1) of m rows (row stride rs elements) loaded once, in address order,
+// XOR-folded into the return value (the caller keeps it so the loads stay): the rows come into
+// L1/L2 by a linear read that the hardware prefetcher follows, before the tile loads, which walk
+// the rows 16 at a time across their columns, read them
+static uint64_t touch(const uint16_t* X, int64_t rs, int64_t m, int64_t c0, int64_t c1) {
+  __m512i acc = _mm512_setzero_si512();
+  for (int64_t j = 0; j < m; ++j)
+    for (int64_t c = c0; c < c1; c += 32) acc = _mm512_xor_si512(acc, _mm512_maskz_loadu_epi16(mask32(c1 - c), X + j * rs + c));
+  return (uint64_t)_mm512_reduce_or_epi64(acc);
+}
+
 // ---------------------------------------------------------------- AVX512-BF16 products
 // r[i] = the sum of v[i]'s 16 lanes, for 16 vectors at once (pairs, then quads, then across the
 // 128-bit lanes: 45 shuffles and adds against ~128 for 16 separate reductions)
