@@ -4,9 +4,11 @@ Paths: ``portable`` everywhere; ``avx512bf16`` and ``amx-emulated`` (the AMX pat
 tiles emulated in C++: its layouts) where the CPU has AVX512-BF16 (CI); ``amx`` only on a CPU with
 AMX-BF16 (marked ``amx``: run on the GPU machine's host with ``-m amx``).
 
-Tolerances, per sequence: relative-norm error of o <= 2e-3 for the bf16 paths (they round q and the
-softmax weights p to bf16 and accumulate in fp32; torch's own bf16 CPU flash op errs 2.2e-3 on such
-inputs, its output being bf16), 1e-5 for fp32 inputs on the portable path; lse within 1e-4 + 1e-6 relative.
+Tolerances, per sequence: relative-norm error of o <= 4e-3 for the bf16 paths, about twice what
+torch's own bf16 CPU flash op errs on such inputs (2.2e-3, its output being bf16; the paths here
+round q and the softmax weights p to bf16 and accumulate in fp32: at most 1.84e-3 over this file's
+cases, one query head over 257 keys); 1e-5 for fp32 inputs on the portable path; lse within 1e-4
++ 1e-6 relative.
 """
 
 from __future__ import annotations
@@ -114,7 +116,7 @@ def test_matches_float64(path, shape):
     assert kernel.path_for(dtype, dk, dv) == want
     for threads in (1, 3):
         o, lse = kernel.attend(q, kv, dk**-0.5, threads=threads)
-        check(o, lse, q, kv, dk**-0.5, dv, 1e-5 if dtype == torch.float32 else 2e-3)
+        check(o, lse, q, kv, dk**-0.5, dv, 1e-5 if dtype == torch.float32 else 4e-3)
 
 
 def test_bf16_on_the_portable_path(monkeypatch):
@@ -148,7 +150,7 @@ def test_chunks_and_thread_splits(path, chunk, tuning, monkeypatch):
         q, kv = make([0, 70, 1, 129, 0], H, G, dk, dv, mla, dtype, gen)
         for threads in (1, 2, 5, 64):
             o, lse = kernel.attend(q, kv, dk**-0.5, threads=threads)
-            check(o, lse, q, kv, dk**-0.5, dv, 1e-5 if dtype == torch.float32 else 2e-3)
+            check(o, lse, q, kv, dk**-0.5, dv, 1e-5 if dtype == torch.float32 else 4e-3)
 
 
 def test_one_dominant_key(path):
@@ -160,7 +162,7 @@ def test_one_dominant_key(path):
     q[0] = q[0].abs()
     kv[0][0][:, 123] = 30.0  # q . k ~ 30 * sum |q| >> any other score
     o, lse = kernel.attend(q, kv, 1.0, threads=2)
-    check(o, lse, q, kv, 1.0, 64, 1e-5 if dtype == torch.float32 else 2e-3)
+    check(o, lse, q, kv, 1.0, 64, 1e-5 if dtype == torch.float32 else 4e-3)
     torch.testing.assert_close(o[0], kv[0][1][:, 123:124].float().expand(2, 8, 64), rtol=2e-3, atol=2e-3)
 
 
@@ -179,10 +181,10 @@ def test_nan_and_inf(path):
     assert torch.isnan(o[0]).all() and torch.isnan(lse[0]).all()
     keep = [i for i in range(300) if i != 7]
     ro, rl = reference(q[1:2], [(kv[1][0][:, keep], kv[1][1][:, keep])], 0.125, 64)
-    assert ((o[1].double() - ro[0]).norm() / ro[0].norm()) <= (1e-5 if dtype == torch.float32 else 2e-3)
+    assert ((o[1].double() - ro[0]).norm() / ro[0].norm()) <= (1e-5 if dtype == torch.float32 else 4e-3)
     torch.testing.assert_close(lse[1].double(), rl[0], rtol=1e-6, atol=1e-4)
     assert torch.all(o[2] == 0) and torch.all(lse[2] == float("-inf"))
-    check(o[3:], lse[3:], q[3:], kv[3:], 0.125, 64, 1e-5 if dtype == torch.float32 else 2e-3)
+    check(o[3:], lse[3:], q[3:], kv[3:], 0.125, 64, 1e-5 if dtype == torch.float32 else 4e-3)
 
 
 def test_writes_into_given_buffers(path):
@@ -193,7 +195,7 @@ def test_writes_into_given_buffers(path):
     lse = torch.full((3, 1, 16), float("nan"))
     got = kernel.attend(q, kv, 0.05, out=(o, lse), threads=2)
     assert got[0].data_ptr() == o.data_ptr() and got[1].data_ptr() == lse.data_ptr()
-    check(o, lse, q, kv, 0.05, 512, 1e-5 if dtype == torch.float32 else 2e-3)
+    check(o, lse, q, kv, 0.05, 512, 1e-5 if dtype == torch.float32 else 4e-3)
 
 
 def test_bad_inputs_are_named():

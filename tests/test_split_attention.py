@@ -630,8 +630,10 @@ def test_unknown_prompt_len_plans_from_first_write(make_harness):
 
 
 def test_an_error_on_the_device_side_waits_for_the_worker_and_is_the_one_raised(monkeypatch):
+    """The thread-pool path (WRITESCOPE_CPU_WORKER=python); the native worker's: test_cpu_worker.py."""
     import time
 
+    monkeypatch.setenv("WRITESCOPE_CPU_WORKER", "python")
     layout, D = KVLayout(2, 8, 8, False), 8
     cache = InplaceKVCache(PartitionSpec(layout, 1, torch.float32, window=D), StaticPolicy(1.0), "cpu")
     g = torch.Generator().manual_seed(0)

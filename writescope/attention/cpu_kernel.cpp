@@ -24,6 +24,7 @@
 #include <limits>
 #include <string>
 #include <thread>
+#include <tuple>
 #include <vector>
 
 #include "cpu_kernel_avx512.h"
@@ -336,28 +337,48 @@ static void thread_work(const Plan& P, int64_t t, const std::vector<int64_t>& st
   if (P.isa == AMX) amx::release();
 }
 
-// caller-thread buffers for the slots, reused across calls (no page faults in a decode step)
+// caller-thread buffers for the slots and q, reused across calls (no page faults in a decode step)
 static float* slot_buffer(size_t floats) {
   static thread_local Buf<float> b;
   return b.get(floats);
 }
+static float* q_buffer(size_t floats) {
+  static thread_local Buf<float> b;
+  return b.get(floats);
+}
 
-}  // namespace ws
-
-using namespace ws;
+// One call's inputs as plain pointers (filled by describe(); the worker holds it with no tensors)
+struct SeqDesc {
+  const char* k;
+  const char* v;
+  int64_t n, khs, krs, vhs, vrs, row;  // strides in elements; row: the sequence's q row
+};
+struct Request {
+  const void* q;  // [B, H, G, dk] contiguous, bf16 or fp32
+  bool q_bf16, bf16;
+  int64_t B, H, G, dk, dv, chunk, isa, threads;
+  float scale;
+  std::vector<SeqDesc> seqs;
+  float *o, *lse;  // [B, H, G, dv], [B, H, G] contiguous fp32
+};
 
 // q [B, H, G, dk]; for the listed rows `rows[i]`, keys ks[i] [H, n_i, dk] and values vs[i] [H, n_i, dv]
-// (unit last stride, any head and row strides); other rows get the empty partial (0, -inf).
-// Returns o [B, H, G, dv] fp32 and lse [B, H, G] fp32 (natural log), into out_o / out_lse if given.
-std::vector<at::Tensor> attend(at::Tensor q, std::vector<at::Tensor> ks, std::vector<at::Tensor> vs, std::vector<int64_t> rows,
-                               int64_t chunk, double scale, int64_t isa, int64_t threads, std::optional<at::Tensor> out_o,
-                               std::optional<at::Tensor> out_lse) {
+// (unit last stride, any head and row strides); the outputs o, lse. Checks every shape and dtype.
+static Request describe(const at::Tensor& q, const std::vector<at::Tensor>& ks, const std::vector<at::Tensor>& vs,
+                        const std::vector<int64_t>& rows, int64_t chunk, double scale, int64_t isa, int64_t threads, const at::Tensor& o,
+                        const at::Tensor& lse) {
   TORCH_CHECK(q.dim() == 4, "q must be [B, kv_heads, group, dk], got ", q.sizes());
+  TORCH_CHECK(q.is_contiguous() && (q.scalar_type() == at::kBFloat16 || q.scalar_type() == at::kFloat), "q must be contiguous bf16 or fp32");
   TORCH_CHECK(ks.size() == vs.size() && ks.size() == rows.size(), "one (k, v) per listed row");
   TORCH_CHECK(chunk >= 1, "chunk must be >= 1 key, got ", chunk);
   const int64_t B = q.size(0), H = q.size(1), G = q.size(2), dk = q.size(3);
   const int64_t dv = vs.empty() ? dk : vs[0].size(2);
-  const bool bf16 = !ks.empty() && ks[0].scalar_type() == at::kBFloat16;
+  Request r;
+  r.q = q.data_ptr();
+  r.q_bf16 = q.scalar_type() == at::kBFloat16;
+  r.bf16 = !ks.empty() && ks[0].scalar_type() == at::kBFloat16;
+  r.B = B; r.H = H; r.G = G; r.dk = dk; r.dv = dv; r.chunk = chunk; r.threads = std::max<int64_t>(1, threads); r.scale = (float)scale;
+  r.isa = choose(isa, r.bf16, dk, dv);
   for (size_t i = 0; i < ks.size(); ++i) {
     TORCH_CHECK(rows[i] >= 0 && rows[i] < B, "row ", rows[i], " outside the batch of ", B);
     TORCH_CHECK(ks[i].dim() == 3 && vs[i].dim() == 3 && ks[i].size(0) == H && vs[i].size(0) == H, "k, v must be [kv_heads, n, dim]");
@@ -365,43 +386,57 @@ std::vector<at::Tensor> attend(at::Tensor q, std::vector<at::Tensor> ks, std::ve
     TORCH_CHECK(ks[i].scalar_type() == ks[0].scalar_type() && vs[i].scalar_type() == ks[0].scalar_type(), "one dtype for the batch");
     TORCH_CHECK(ks[i].scalar_type() == at::kBFloat16 || ks[i].scalar_type() == at::kFloat, "keys must be bf16 or fp32");
     TORCH_CHECK(ks[i].stride(2) == 1 && vs[i].stride(2) == 1, "rows must have unit stride");
+    r.seqs.push_back({static_cast<const char*>(ks[i].data_ptr()), static_cast<const char*>(vs[i].data_ptr()), ks[i].size(1), ks[i].stride(0),
+                      ks[i].stride(1), vs[i].stride(0), vs[i].stride(1), rows[i]});
   }
-  auto qf = q.to(at::kFloat).contiguous();
-  auto fopt = q.options().dtype(at::kFloat);
-  at::Tensor o = out_o.has_value() ? *out_o : at::empty({B, H, G, dv}, fopt);
-  at::Tensor lse = out_lse.has_value() ? *out_lse : at::empty({B, H, G}, fopt);
   TORCH_CHECK(o.is_contiguous() && o.scalar_type() == at::kFloat && o.sizes() == at::IntArrayRef({B, H, G, dv}), "out_o must be contiguous fp32 [B, H, G, dv]");
   TORCH_CHECK(lse.is_contiguous() && lse.scalar_type() == at::kFloat && lse.sizes() == at::IntArrayRef({B, H, G}), "out_lse must be contiguous fp32 [B, H, G]");
+  r.o = o.data_ptr<float>();
+  r.lse = lse.data_ptr<float>();
+  return r;
+}
+
+// Runs one request on r.threads threads (OpenMP, the calling thread included). Returns the keys
+// attended (sum over listed sequences of n). Throws std::runtime_error if a thread failed.
+static int64_t run_request(const Request& r) {
+  const int64_t B = r.B, H = r.H, G = r.G, dk = r.dk, dv = r.dv;
   Plan P;
-  P.H = H; P.G = G; P.dk = dk; P.dv = dv; P.chunk = chunk; P.scale = (float)scale; P.bf16 = bf16;
-  P.isa = choose(isa, bf16, dk, dv);
+  P.H = H; P.G = G; P.dk = dk; P.dv = dv; P.chunk = r.chunk; P.scale = r.scale; P.bf16 = r.bf16; P.isa = r.isa;
   P.tuning = g_tuning.load(std::memory_order_relaxed);
   P.permuted = (P.isa == AMX || P.isa == AMX_EMULATED) && (P.tuning & PV_DIRECT) && dv % 32 == 0;
-  P.q = qf.data_ptr<float>();
-  P.o = o.data_ptr<float>();
-  P.lse = lse.data_ptr<float>();
+  if (r.q_bf16) {  // q in fp32 for the packings (exact)
+    float* qf = q_buffer(B * H * G * dk);
+    const uint16_t* qb = static_cast<const uint16_t*>(r.q);
+    for (int64_t i = 0; i < B * H * G * dk; ++i) qf[i] = bf16_to_float(qb[i]);
+    P.q = qf;
+  } else {
+    P.q = static_cast<const float*>(r.q);
+  }
+  P.o = r.o;
+  P.lse = r.lse;
   std::vector<char> listed(B, 0);
+  int64_t keys = 0;
   P.cum.push_back(0);
-  for (size_t i = 0; i < ks.size(); ++i) {
-    listed[rows[i]] = 1;
-    P.k.push_back(static_cast<const char*>(ks[i].data_ptr()));
-    P.v.push_back(static_cast<const char*>(vs[i].data_ptr()));
-    P.khs.push_back(ks[i].stride(0)); P.krs.push_back(ks[i].stride(1));
-    P.vhs.push_back(vs[i].stride(0)); P.vrs.push_back(vs[i].stride(1));
+  for (size_t i = 0; i < r.seqs.size(); ++i) {
+    const SeqDesc& x = r.seqs[i];
+    listed[x.row] = 1;
+    keys += x.n;
+    P.k.push_back(x.k); P.v.push_back(x.v);
+    P.khs.push_back(x.khs); P.krs.push_back(x.krs); P.vhs.push_back(x.vhs); P.vrs.push_back(x.vrs);
     for (int64_t h = 0; h < H; ++h)
       for (int64_t g0 = 0; g0 < G; g0 += 16) {
-        P.seg_i.push_back(i); P.seg_b.push_back(rows[i]); P.seg_h.push_back(h);
+        P.seg_i.push_back(i); P.seg_b.push_back(x.row); P.seg_h.push_back(h);
         P.seg_g0.push_back(g0); P.seg_gn.push_back(std::min<int64_t>(16, G - g0));
-        P.cum.push_back(P.cum.back() + ks[i].size(1));
+        P.cum.push_back(P.cum.back() + x.n);
       }
   }
   for (int64_t b = 0; b < B; ++b)
     if (!listed[b]) {
-      o[b].zero_();
-      lse[b].fill_(NEG_INF);
+      std::fill(r.o + b * H * G * dv, r.o + (b + 1) * H * G * dv, 0.f);
+      std::fill(r.lse + b * H * G, r.lse + (b + 1) * H * G, NEG_INF);
     }
   const int64_t S = (int64_t)P.seg_b.size(), W = P.cum.back();
-  const int64_t T = std::max<int64_t>(1, std::min<int64_t>(threads, W / 64));
+  const int64_t T = std::max<int64_t>(1, std::min<int64_t>(r.threads, W / 64));
   float* slots = slot_buffer((size_t)(T + S) * 16 * (dv + 2));
   P.acc = slots;
   P.mpart = slots + (T + S) * 16 * dv;
@@ -426,7 +461,29 @@ std::vector<at::Tensor> attend(at::Tensor q, std::vector<at::Tensor> ks, std::ve
 #pragma omp for schedule(static)
     for (int64_t sg = 0; sg < S; ++sg) merge(P, sg, starts);
   }
-  TORCH_CHECK(error.empty(), "CPU attention failed: ", error);
+  if (!error.empty()) throw std::runtime_error("CPU attention failed: " + error);
+  return keys;
+}
+
+}  // namespace ws
+
+#include "cpu_worker.h"
+
+using namespace ws;
+
+// Returns o [B, H, G, dv] fp32 and lse [B, H, G] fp32 (natural log), into out_o / out_lse if given;
+// rows not listed get the empty partial (0, -inf).
+std::vector<at::Tensor> attend(at::Tensor q, std::vector<at::Tensor> ks, std::vector<at::Tensor> vs, std::vector<int64_t> rows,
+                               int64_t chunk, double scale, int64_t isa, int64_t threads, std::optional<at::Tensor> out_o,
+                               std::optional<at::Tensor> out_lse) {
+  if (q.dim() == 4 && !q.is_contiguous()) q = q.contiguous();
+  const int64_t dv = vs.empty() ? (q.dim() == 4 ? q.size(3) : 0) : vs[0].size(2);
+  auto fopt = q.options().dtype(at::kFloat);
+  at::Tensor o = out_o.has_value() ? *out_o : at::empty({q.size(0), q.size(1), q.size(2), dv}, fopt);
+  at::Tensor lse = out_lse.has_value() ? *out_lse : at::empty({q.size(0), q.size(1), q.size(2)}, fopt);
+  if (q.dim() == 4 && q.scalar_type() != at::kBFloat16 && q.scalar_type() != at::kFloat) q = q.to(at::kFloat);
+  const Request r = describe(q, ks, vs, rows, chunk, scale, isa, threads, o, lse);
+  run_request(r);
   return {o, lse};
 }
 
@@ -495,7 +552,33 @@ bool wait_for_flag(at::Tensor flag, double timeout_s) {
   return true;
 }
 
+static int32_t* flag_ptr(const at::Tensor& flags, int64_t index) {
+  TORCH_CHECK(flags.scalar_type() == at::kInt && flags.is_contiguous() && flags.dim() == 1, "flags must be a contiguous int32 vector");
+  TORCH_CHECK(index >= 0 && index < flags.numel(), "flag index ", index, " outside ", flags.numel(), " flags");
+  TORCH_CHECK(flags.device().is_cpu(), "flags must be in host memory");
+  return flags.data_ptr<int32_t>() + index;
+}
+
 PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
+  py::class_<Worker>(m, "Worker")
+      .def(py::init<int64_t>(), py::arg("threads"))
+      .def("submit",
+           [](Worker& w, at::Tensor q, std::vector<at::Tensor> ks, std::vector<at::Tensor> vs, std::vector<int64_t> rows, int64_t chunk,
+              double scale, int64_t isa, at::Tensor out_o, at::Tensor out_lse, at::Tensor flags, int64_t ready_index, int32_t ready_value,
+              int64_t done_index, int32_t done_value) {
+             // the caller keeps q, the keys, values and outputs alive until the done flag reaches done_value
+             Request r = describe(q, ks, vs, rows, chunk, scale, isa, w.threads(), out_o, out_lse);
+             w.submit(std::move(r), flag_ptr(flags, ready_index), ready_value, flag_ptr(flags, done_index), done_value);
+           },
+           "queue one layer's CPU attention (returns at once)", py::arg("q"), py::arg("ks"), py::arg("vs"), py::arg("rows"), py::arg("chunk"),
+           py::arg("scale"), py::arg("isa"), py::arg("out_o"), py::arg("out_lse"), py::arg("flags"), py::arg("ready_index"),
+           py::arg("ready_value"), py::arg("done_index"), py::arg("done_value"))
+      .def("close", &Worker::close, py::call_guard<py::gil_scoped_release>())
+      .def("take_error", &Worker::take_error)
+      .def("stats", &Worker::stats)
+      .def_property_readonly("threads", &Worker::threads);
+  m.def("wait_flag", [](at::Tensor flags, int64_t index, int32_t value, double timeout_s) { return wait_flag(flag_ptr(flags, index), value, timeout_s); },
+        "wait (GIL released) until flags[index] reaches value; False after timeout_s", py::call_guard<py::gil_scoped_release>());
   // the GIL is released: the GPU part of the step is launched from the main thread meanwhile
   m.def("attend", &attend, "batched CPU decode attention", py::arg("q"), py::arg("ks"), py::arg("vs"), py::arg("rows"), py::arg("chunk"),
         py::arg("scale"), py::arg("isa") = -1, py::arg("threads") = 1, py::arg("out_o") = py::none(), py::arg("out_lse") = py::none(),

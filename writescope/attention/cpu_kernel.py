@@ -45,7 +45,7 @@ CHUNK = 256  # keys per chunk of a portion (its scores, p and packed values stay
 PATHS = ("portable", "avx512bf16", "amx", "amx-emulated")  # index = the extension's path number; the last is for tests
 
 _DIR = Path(__file__).parent
-_SOURCES = ("cpu_kernel.cpp", "cpu_kernel_avx512.h", "cpu_kernel_amx.h", "cpu_kernel_amx_tiles.h")
+_SOURCES = ("cpu_kernel.cpp", "cpu_kernel_avx512.h", "cpu_kernel_amx.h", "cpu_kernel_amx_tiles.h", "cpu_worker.h")
 
 _EXT = None
 _FAILED = False

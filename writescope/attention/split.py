@@ -22,6 +22,7 @@ Without CUDA the same code runs with CPU tensors and no streams (CI).
 
 from __future__ import annotations
 
+import os
 import time
 from concurrent.futures import Future, ThreadPoolExecutor, wait
 from dataclasses import dataclass
@@ -54,6 +55,19 @@ class SplitStats:
     last_load_tokens: int = 0  # load-region (and prepared) tokens streamed by the last decode call
 
 
+def _native_wanted() -> bool:
+    """``WRITESCOPE_CPU_WORKER``: ``native`` (the default: the C++ worker, cpu_worker.py) or
+    ``python`` (a Python thread pool calling the kernel; the main thread waits for its result).
+
+    Raises:
+        ValueError: another value (names it).
+    """
+    value = os.environ.get("WRITESCOPE_CPU_WORKER", "native").strip().lower()
+    if value not in ("native", "python"):
+        raise ValueError(f"WRITESCOPE_CPU_WORKER={value!r}: use 'native' (the default) or 'python'")
+    return value == "native"
+
+
 class SplitDecoder:
     """Runs :meth:`decode` for one layer of a batch of :class:`~writescope.kvcache.sequence.SequenceKV`.
 
@@ -72,7 +86,10 @@ class SplitDecoder:
         self.cpu_threads = cpu_threads or default_attention_threads(device)
         # the worker sets its own intra-op thread count (OpenMP settings are per thread)
         self.pool = ThreadPoolExecutor(1, "writescope-cpu-attn", initializer=torch.set_num_threads, initargs=(self.cpu_threads,))
-        self.stats = SplitStats()
+        self._stats = SplitStats()
+        self.worker = None  # the native worker (cpu_worker.py), made on first use; None: the thread pool
+        self._native = _native_wanted() and not cpu_inline
+        self._py_cpu = (0.0, 0)  # CPU seconds and tokens of the thread-pool path (the worker counts its own)
         self._buffers: list[torch.Tensor] = []
         self._stage: list[torch.Tensor | None] = [None, None]  # monolithic prepare buffers (pinned)
         self._stage_events: list[object | None] = [None, None]
@@ -83,7 +100,23 @@ class SplitDecoder:
         if self.cuda:
             self.copy_stream = torch.cuda.Stream(device)
 
+    @property
+    def stats(self) -> SplitStats:
+        """Running totals; ``last_cpu_seconds`` / ``last_cpu_tokens``: the last CPU part finished
+        and not yet reported (with the native worker a layer's CPU part may still run when
+        :meth:`decode` returns: it is reported by a later read), else 0."""
+        if self.worker is not None:
+            got = self.worker.poll_stats()
+            if got is not None:
+                self._stats.last_cpu_seconds, self._stats.last_cpu_tokens = got
+            _, secs, keys = self.worker.totals()
+            self._stats.cpu_seconds, self._stats.cpu_tokens = self._py_cpu[0] + secs, self._py_cpu[1] + keys
+        return self._stats
+
     def close(self) -> None:
+        if self.worker is not None:
+            worker, self.worker = self.worker, None
+            worker.close()
         self.pool.shutdown(wait=True)
         if self.cuda:
             torch.cuda.synchronize(self.device)
@@ -124,8 +157,8 @@ class SplitDecoder:
         B, Hq, dk = q.shape
         Hkv, dv = s.layout.kv_heads, s.layout.v_dim
         qg = q.view(B, Hkv, Hq // Hkv, dk)
-        self.stats.layer_steps += 1
-        self.stats.last_cpu_seconds, self.stats.last_cpu_tokens = 0.0, 0
+        self._stats.layer_steps += 1
+        self._stats.last_cpu_seconds, self._stats.last_cpu_tokens = 0.0, 0
         self._gpu_timer_done = False
         limits = [sq.n_comp[layer] if cpu_blocks is None else cpu_blocks[i] for i, sq in enumerate(seqs)]
         cpu_rows = [i for i in range(B) if limits[i] > 0]
@@ -133,11 +166,14 @@ class SplitDecoder:
             for sq in seqs:  # the newest compute block may still sit in pinned staging: write it home first
                 sq.drain(layer)
         fut: Future | None = None
-        q_host, q_ready = None, None
-        if cpu_rows:
+        q_host, q_ready, job = None, None, None
+        if cpu_rows and self._use_worker(qg):
+            with record_function("attn.q_to_host"):
+                job = self._submit(layer, qg, seqs, cpu_rows, limits, scale)
+        elif cpu_rows:
             with record_function("attn.q_to_host"):
                 q_host, q_ready = self._to_host(qg)
-        if cpu_rows and not self.cpu_inline:
+        if cpu_rows and job is None and not self.cpu_inline:
             fut = self.pool.submit(self._cpu_part, layer, q_host, seqs, cpu_rows, limits, scale, q_ready)
         try:
             if self.time_gpu:  # after q's copy to the host was issued: the device part only
@@ -153,7 +189,7 @@ class SplitDecoder:
             if sources:
                 with record_function("attn.load_region"):
                     states.append(self._load_part(qg, sources, scale, evict_stream))
-            self.stats.last_load_tokens = sum(src.shape[0] for _, src in sources) * s.window
+            self._stats.last_load_tokens = sum(src.shape[0] for _, src in sources) * s.window
             if self.time_gpu:
                 self._gpu_timer, self._gpu_timer_done = self._stop_gpu_timer(self._gpu_timer), True
             if prepared and self.cuda:  # the prepare buffer of this layer's parity is reused once these copies are done
@@ -163,10 +199,16 @@ class SplitDecoder:
         except BaseException:  # never leave the worker reading a sequence the caller may free after an error,
             if fut is not None:  # and report this error, not one the worker may meet as a consequence
                 wait([fut])
+            if job is not None:
+                self.worker.wait_host(job[0])
             raise
         with record_function("attn.wait_cpu"):
+            if job is not None:  # on CUDA the stream waits for the worker's done flag, not this thread
+                seq, (o_c, l_c) = job
+                self.worker.consume(seq)
+                states.append((self._to_device(o_c), self._to_device(l_c)))
             cpu_state = fut.result() if fut is not None else None
-        if cpu_rows:
+        if cpu_rows and job is None:
             o_c, l_c = cpu_state if cpu_state is not None else self._cpu_part(layer, q_host, seqs, cpu_rows, limits, scale, q_ready)
             states.append((self._to_device(o_c), self._to_device(l_c)))
         with record_function("attn.merge"):
@@ -248,15 +290,15 @@ class SplitDecoder:
             buf[off : off + nb].copy_(rows.unflatten(2, (nb, D)).permute(2, 0, 1, 3, 4))
             out += [(i, buf[a : min(off + nb, a + s.pingpong_blocks)]) for a in range(off, off + nb, s.pingpong_blocks)]
             off += nb
-        self.stats.prepare_seconds += time.perf_counter() - t0
-        self.stats.prepared_bytes += off * s.block_bytes
+        self._stats.prepare_seconds += time.perf_counter() - t0
+        self._stats.prepared_bytes += off * s.block_bytes
         return out
 
     def _window_part(self, layer, qg, seqs, scale):
         s = self.spec
         win = torch.stack([sq.window[layer] for sq in seqs])  # [B, parts, Hkv, D, dim]
         lens = torch.tensor([sq.win_len[layer] for sq in seqs], dtype=torch.long)
-        self.stats.window_tokens += int(lens.sum())
+        self._stats.window_tokens += int(lens.sum())
         k = win[:, 0].unsqueeze(1)  # [B, 1, Hkv, D, dk]
         v = win[:, 1].unsqueeze(1) if s.parts == 2 else k[..., : s.layout.v_dim]
         return attend_blocks(qg, k, v, scale, self._to_device(lens))
@@ -299,8 +341,8 @@ class SplitDecoder:
                 cur.wait_event(ready)
             else:
                 torch.cat([src for _, src in fill], out=buf)
-            self.stats.streamed_bytes += buf.numel() * buf.element_size()
-            self.stats.streamed_copies += len(fill)
+            self._stats.streamed_bytes += buf.numel() * buf.element_size()
+            self._stats.streamed_copies += len(fill)
             k = buf[:, 0]  # [nb, Hkv, D, dk]
             v = buf[:, 1] if s.parts == 2 else k[..., : s.layout.v_dim]
             o_blk[start : start + total], lse_blk[start : start + total] = block_partials(q_blk[start : start + total], k, v)
@@ -328,6 +370,49 @@ class SplitDecoder:
         if fill:
             yield fill
 
+    def _compute_views(self, layer, seqs, rows, limits):
+        """Per sequence the ``(k, v)`` views of its first ``limits[i]`` compute blocks (None for
+        the others), and the tokens they hold."""
+        kv, tokens = [None] * len(seqs), 0
+        for i in rows:
+            n = limits[i] * self.spec.window
+            k, v = seqs[i].compute_kv(layer)
+            kv[i] = (k[:, :n], v[:, :n])
+            tokens += n
+        return kv, tokens
+
+    def _use_worker(self, qg) -> bool:
+        """The native worker takes this layer (the C++ kernel is selected, bf16 or fp32); made on
+        first use. False where it cannot start (then the thread pool, with a warning)."""
+        if not self._native or not cpu_kernel.kernel_selected() or qg.dtype not in (torch.bfloat16, torch.float32):
+            return False
+        if self.spec.dtype not in (torch.bfloat16, torch.float32):
+            return False
+        if self.worker is None:
+            try:
+                from writescope.attention.cpu_worker import NativeWorker
+
+                self.worker = NativeWorker(self.cpu_threads, self.device)
+            except (ImportError, RuntimeError) as e:
+                import warnings
+
+                warnings.warn(f"native CPU attention worker unavailable ({e}); using the thread pool", stacklevel=3)
+                self._native = False
+                return False
+        return True
+
+    def _submit(self, layer, qg, seqs, rows, limits, scale):
+        """Queue the layer's CPU part on the native worker: q to pinned memory on the current
+        stream (no host wait), the ready flag set behind it, pinned outputs. Returns ``(seq, (o, lse))``."""
+        self.worker.check()
+        kv, _ = self._compute_views(layer, seqs, rows, limits)
+        B, Hkv, G, _ = qg.shape
+        q_host = torch.empty(qg.shape, dtype=qg.dtype, pin_memory=self.cuda)
+        q_host.copy_(qg, non_blocking=self.cuda)
+        out = (torch.empty(B, Hkv, G, self.spec.layout.v_dim, pin_memory=self.cuda), torch.empty(B, Hkv, G, pin_memory=self.cuda))
+        seq = self.worker.submit(q_host, kv, scale, out)
+        return seq, out
+
     def _cpu_part(self, layer, q_host, seqs, rows, limits, scale, q_ready=None):
         """Compute-region attention for ``rows`` over their first ``limits[i]`` blocks; others
         get the empty partial. Runs in the worker thread unless ``cpu_inline``. ``q_ready``: the
@@ -340,13 +425,7 @@ class SplitDecoder:
 
     def _cpu_part_body(self, layer, q_host, seqs, rows, limits, scale):
         t0 = time.perf_counter()
-        kv = [None] * len(seqs)
-        tokens = 0
-        n = [lim * self.spec.window for lim in limits]
-        for i in rows:
-            k, v = seqs[i].compute_kv(layer)
-            kv[i] = (k[:, : n[i]], v[:, : n[i]])
-            tokens += n[i]
+        kv, tokens = self._compute_views(layer, seqs, rows, limits)
         if cpu_kernel.kernel_selected() and cpu_kernel.usable(q_host, kv):
             # one call for the batch, merged, written straight into pinned memory for the copy to the GPU
             B, Hkv, G, _ = q_host.shape
@@ -358,7 +437,8 @@ class SplitDecoder:
         else:
             o, lse = cpu_attend(q_host, kv, scale, self.spec.layout.v_dim)
         dt = time.perf_counter() - t0
-        st = self.stats
+        st = self._stats
+        self._py_cpu = (self._py_cpu[0] + dt, self._py_cpu[1] + tokens)
         st.cpu_seconds += dt
         st.cpu_tokens += tokens
         st.last_cpu_seconds = dt

@@ -12,6 +12,7 @@ from torch.profiler import record_function
 from writescope.config import MoEConfig
 from writescope.engine.threads import intra_op_threads
 from writescope.layers.mlp import GatedMLP
+from writescope.moe import cpu_experts
 from writescope.moe.grouped import PackedExperts, grouped_mm_supported
 from writescope.moe.streaming import MIN_TOKENS, run_streamed
 from writescope.moe.router import route
@@ -36,7 +37,9 @@ class SparseMoeBlock(nn.Module):
         self.packed: PackedExperts | None = None  # device experts for the grouped path (see pack)
         self.grouped = True  # use the grouped path where torch supports it (False: the loop, the reference)
         self.host_threads: int | None = None  # threads for the host experts (None: torch's count)
-        self.host_pack: PackedExperts | None = None  # host experts packed (pinned with CUDA), for streaming
+        self.host_pack: PackedExperts | None = None  # host experts packed (pinned with CUDA), for streaming and the kernel
+        # host experts through the C++ kernel (writescope.moe.cpu_experts) for bf16 where it builds; False: torch's GEMMs
+        self.host_kernel = True
         self.stream_min_tokens: int | None = MIN_TOKENS  # stream a host expert with this many tokens (None: never)
         # of the host experts below that (decode), the fraction (most tokens first) also streamed while
         # the CPU computes the rest at the same time; LLM sets 1 on CUDA (benchmarks/results/e2e.md, "Expert phase")
@@ -60,6 +63,8 @@ class SparseMoeBlock(nn.Module):
         self.host_experts = ids
         if ids:  # one host allocation for all of them (page-locked with CUDA, so they can be streamed)
             self.host_pack = PackedExperts(self.experts, sorted(ids), self.cfg.expert_names, pin=device.type == "cuda")
+            if self.host_kernel and self.host_pack.w13.dtype == torch.bfloat16:
+                cpu_experts.prepare()  # checks WRITESCOPE_EXPERT_ISA and builds the kernel now, not in the first step
         if was_packed:  # re-pack now: the kept experts are views of the old pack, which is freed once they move
             self.pack()
 
@@ -142,8 +147,9 @@ class SparseMoeBlock(nn.Module):
             host = [e for e in host if counts[e] < self.stream_min_tokens]
             if host and self.stream_share > 0:
                 # decode: each host expert has few tokens, and both paths read its weights once, the
-                # copy over PCIe (55 GB/s) and the CPU's GEMMs (9-27 GB/s measured): split them so
-                # both finish together (stream_share = PCIe rate / both rates)
+                # copy over PCIe (55 GB/s) and the CPU (torch's GEMMs 9-27 GB/s measured; the C++
+                # kernel 66-81 GB/s, benchmarks/results/cpu_experts_h200.md): split them so both
+                # finish together (stream_share = PCIe rate / both rates)
                 by_tokens = sorted(host, key=lambda e: (-counts[e], e))
                 k = round(min(1.0, self.stream_share) * len(by_tokens))
                 streamed, host = streamed + by_tokens[:k], sorted(by_tokens[k:])
@@ -151,7 +157,7 @@ class SparseMoeBlock(nn.Module):
             with record_function("moe.tokens_to_host"):
                 host_tok = torch.cat([token_of[starts[e] : starts[e + 1]] for e in host])
                 x_host = x[host_tok].to("cpu")
-                w_host = torch.cat([w_sorted[starts[e] : starts[e + 1]] for e in host]).to("cpu", x.dtype)
+                w_host = torch.cat([w_sorted[starts[e] : starts[e + 1]] for e in host]).to("cpu")  # float32
         with record_function("moe.device_experts"):
             if self.packed is not None:
                 self.packed(x, weights, ids, out)
@@ -166,11 +172,30 @@ class SparseMoeBlock(nn.Module):
                 run_streamed(self.host_pack, streamed, [token_of[starts[e] : starts[e + 1]] for e in streamed],
                              [w_sorted[starts[e] : starts[e + 1]] for e in streamed], x, out)
         if host:
-            threads = self.host_threads or torch.get_num_threads()
-            xs = x_host.split([counts[e] for e in host])
             with record_function("moe.host_experts"):
-                with intra_op_threads(threads):  # one expert after another, each GEMM on all threads
-                    ys = [self.experts[e](xe) for e, xe in zip(host, xs)]
-                y = torch.cat(ys) * w_host[:, None]
+                y = self._host_experts(host, [counts[e] for e in host], x_host, w_host)
             out.index_add_(0, host_tok, y.to(x.device))
         return self._shared(x, out)
+
+    def uses_host_kernel(self, dtype: torch.dtype) -> bool:
+        """Whether host experts of this dtype go through the C++ kernel: ``host_kernel`` on, bf16,
+        the kernel builds, and the host pack holds the experts' current weights."""
+        if not (self.host_kernel and dtype == torch.bfloat16 and self.host_pack is not None and self.host_pack.w13.dtype == dtype):
+            return False
+        e = self.host_pack.ids[0]  # experts given new parameters (a reload) are no longer views of the pack
+        if getattr(self.experts[e], self.cfg.expert_names[0]).weight.data_ptr() != self.host_pack.w13[0].data_ptr():
+            return False
+        return cpu_experts.kernel_available()
+
+    def _host_experts(self, host: list[int], sizes: list[int], x_host: torch.Tensor, w_host: torch.Tensor) -> torch.Tensor:
+        """Host experts ``host`` on their tokens ``x_host`` ``[n, D]`` (``sizes[i]`` rows each, in
+        order) -> ``[n, D]`` weighted by ``w_host`` ``[n]`` float32, on the CPU, x's dtype.
+        One kernel call for all of them (each expert's weights read once), else torch's GEMMs one
+        expert after another (the reference)."""
+        threads = self.host_threads or torch.get_num_threads()
+        if self.uses_host_kernel(x_host.dtype):
+            slots = [self.host_pack.index[e] for e in host]
+            return cpu_experts.host_experts_forward(x_host, sizes, self.host_pack.w13, self.host_pack.w2, slots, w_host, threads)
+        with intra_op_threads(threads):  # each GEMM on all threads
+            ys = [self.experts[e](xe) for e, xe in zip(host, x_host.split(sizes))]
+        return torch.cat(ys) * w_host[:, None].to(x_host.dtype)

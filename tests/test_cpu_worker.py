@@ -1,0 +1,177 @@
+"""The native CPU attention worker (writescope/attention/cpu_worker.py, cpu_worker.h): results,
+order, shutdown and errors on the host; on CUDA (gpu marker) the hand-offs through the stream.
+The worker is also the default CPU part of every split decode step, so every policy test runs it."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+from writescope.attention import cpu_kernel
+from writescope.attention.cpu_worker import NativeWorker
+
+pytestmark = pytest.mark.skipif(not cpu_kernel.kernel_available(), reason="no C++ compiler for the CPU attention kernel")
+
+
+def _batch(lengths, gen, H=1, G=16, dk=64, dv=48):
+    q = torch.randn(len(lengths), H, G, dk, generator=gen).bfloat16()
+    kv = []
+    for n in lengths:
+        if n == 0:
+            kv.append(None)
+            continue
+        lat = torch.randn(H, n + 3, dk, generator=gen).bfloat16()[:, :n]
+        kv.append((lat, lat[..., :dv]))
+    return q, kv
+
+
+def _out(q, dv):
+    B, H, G, _ = q.shape
+    return torch.full((B, H, G, dv), float("nan")), torch.full((B, H, G), float("nan"))
+
+
+def test_jobs_wait_for_their_q_run_in_order_and_equal_the_inline_call():
+    """Jobs queued before their q is 'ready' do not start; once it is, each gives exactly what
+    one inline call gives (same path, same threads), in submission order."""
+    gen = torch.Generator().manual_seed(0)
+    w = NativeWorker(2, torch.device("cpu"))
+    ext = cpu_kernel._extension()
+    try:
+        flags = torch.zeros(2, dtype=torch.int32)
+        jobs = [(*_batch([5, 0, 300], gen), None) for _ in range(3)]
+        outs = []
+        for i, (q, kv, _) in enumerate(jobs):  # the raw binding: the ready flag stays 0 until set below
+            rows = [r for r, x in enumerate(kv) if x is not None]
+            o = _out(q, 48)
+            w._w.submit(q, [kv[r][0] for r in rows], [kv[r][1] for r in rows], rows, cpu_kernel.CHUNK, 0.125, -1, o[0], o[1], flags, 0, i + 1, 1, i + 1)
+            outs.append(o)
+        assert not ext.wait_flag(flags, 1, 1, 0.05) and int(flags[1]) == 0  # nothing ran: no q yet
+        flags[0] = 2  # q of jobs 1 and 2
+        assert ext.wait_flag(flags, 1, 2, 30.0) and int(flags[1]) == 2
+        assert torch.isnan(outs[2][0]).all()  # job 3 still waits
+        flags[0] = 3
+        assert ext.wait_flag(flags, 1, 3, 30.0)
+        for (q, kv, _), (o, lse) in zip(jobs, outs):
+            ro, rl = cpu_kernel.attend(q, kv, 0.125, threads=2)
+            assert torch.equal(o, ro) and torch.equal(lse, rl)
+        jobs_done, secs, keys = w.totals()
+        assert jobs_done == 3 and keys == 3 * 305 and secs > 0
+    finally:
+        w.close()
+
+
+def test_submit_and_consume_through_the_wrapper():
+    gen = torch.Generator().manual_seed(1)
+    w = NativeWorker(3, torch.device("cpu"))
+    try:
+        for _ in range(4):  # one sequence number per job, the outputs as attend's
+            q, kv = _batch([17, 256, 1], gen)
+            out = _out(q, 48)
+            seq = w.submit(q, kv, 0.2, out)
+            w.consume(seq)
+            assert w.done_value() == seq
+            ro, rl = cpu_kernel.attend(q, kv, 0.2, threads=3)
+            assert torch.equal(out[0], ro) and torch.equal(out[1], rl)
+        assert w.poll_stats() is not None and w.poll_stats() is None  # the last job is reported once
+    finally:
+        w.close()
+
+
+def test_bad_inputs_are_refused_at_submit_and_the_worker_goes_on():
+    gen = torch.Generator().manual_seed(2)
+    w = NativeWorker(1, torch.device("cpu"))
+    try:
+        q, kv = _batch([9], gen)
+        with pytest.raises(RuntimeError, match="out_o must be contiguous fp32"):
+            w.submit(q, kv, 0.1, (torch.empty(1, 1, 16, 8), torch.empty(1, 1, 16)))
+        out = _out(q, 48)
+        w.consume(w.submit(q, kv, 0.1, out))
+        assert torch.isfinite(out[0]).all()
+    finally:
+        w.close()
+
+
+def test_close_with_a_job_whose_q_never_came():
+    """Closing does not hang on a job still waiting for its q: the job gives up, sets its done
+    flag and leaves an error that check() raises; a closed worker refuses new jobs."""
+    gen = torch.Generator().manual_seed(3)
+    w = NativeWorker(1, torch.device("cpu"))
+    q, kv = _batch([40], gen)
+    out = _out(q, 48)
+    rows = [0]
+    w._w.submit(q, [kv[0][0]], [kv[0][1]], rows, cpu_kernel.CHUNK, 0.1, -1, out[0], out[1], w.flags, 0, 1, 1, 1)  # ready stays 0
+    w._w.close()
+    assert int(w.flags[1]) == 1
+    with pytest.raises(RuntimeError, match="closed while a job waited for its q"):
+        w.check()
+    with pytest.raises(RuntimeError, match="worker is closed"):
+        w.submit(q, kv, 0.1, out)
+    w.close()  # twice: a no-op
+
+
+def test_a_device_side_error_waits_for_the_native_job(monkeypatch):
+    """An error after the CPU part was queued leaves decode only once the job is done (the
+    caller may free the sequences it reads), and the error raised is that one."""
+    from writescope.attention.metadata import ForwardBatch
+    from writescope.config import KVLayout
+    from writescope.kvcache.inplace import InplaceKVCache
+    from writescope.kvcache.spec import PartitionSpec
+    from writescope.scheduler.policies import StaticPolicy
+
+    monkeypatch.setenv("WRITESCOPE_CPU_WORKER", "native")
+    layout, D = KVLayout(2, 32, 32, False), 8
+    cache = InplaceKVCache(PartitionSpec(layout, 1, torch.bfloat16, window=D), StaticPolicy(1.0), "cpu")
+    g = torch.Generator().manual_seed(0)
+    slot = cache.allocate(64, prompt_len=40)
+    cache.write(slot, 0, torch.randn(40, 2, 32, generator=g).bfloat16(), torch.randn(40, 2, 32, generator=g).bfloat16())
+    dec, waited = cache.decoder, []
+
+    def broken(*a):
+        raise RuntimeError("device side failed")
+
+    monkeypatch.setattr(dec, "_window_part", broken)
+    fb = ForwardBatch.build([slot], [1], [cache.seq_len(slot)], "cpu")
+    with pytest.raises(RuntimeError, match="device side failed"):
+        real = NativeWorker.wait_host
+        monkeypatch.setattr(NativeWorker, "wait_host", lambda self, seq: waited.append(seq) or real(self, seq))
+        cache.attend(0, torch.randn(1, 4, 32).bfloat16(), torch.randn(1, 2, 32).bfloat16(), torch.randn(1, 2, 32).bfloat16(), fb, 0.1)
+    assert waited == [dec.worker.seq] and dec.worker.done_value() == dec.worker.seq
+    cache.close()
+
+
+def test_the_thread_pool_stays_selectable(monkeypatch):
+    from writescope.attention.split import _native_wanted
+
+    monkeypatch.setenv("WRITESCOPE_CPU_WORKER", "python")
+    assert not _native_wanted()
+    monkeypatch.setenv("WRITESCOPE_CPU_WORKER", "rust")
+    with pytest.raises(ValueError, match="WRITESCOPE_CPU_WORKER='rust'"):
+        _native_wanted()
+
+
+@pytest.mark.gpu
+def test_on_cuda_the_stream_hands_q_over_and_waits_without_the_host():
+    """q's copy and the ready flag are issued behind queued device work, the stream waits for the
+    done flag, and the host returns from both at once: the job runs when the device gets there."""
+    gen = torch.Generator().manual_seed(4)
+    w = NativeWorker(4, torch.device("cuda"))
+    try:
+        q, kv = _batch([300, 0, 1000], gen)
+        q_dev = q.cuda()
+        out = (torch.empty(3, 1, 16, 48, pin_memory=True), torch.empty(3, 1, 16, pin_memory=True))
+        torch.cuda.synchronize()
+        torch.cuda._sleep(200_000_000)  # about 0.1 s of device time ahead of the hand-off
+        q_host = torch.empty(q.shape, dtype=q.dtype, pin_memory=True)
+        q_host.copy_(q_dev, non_blocking=True)
+        seq = w.submit(q_host, kv, 0.3, out)
+        w.consume(seq)
+        o_dev = out[0].to("cuda", non_blocking=True)
+        stream = torch.cuda.current_stream()
+        assert not stream.query() and w.done_value() != seq  # returned while the device is busy; the job waits for q
+        torch.cuda.synchronize()
+        assert w.done_value() == seq
+        ro, rl = cpu_kernel.attend(q, kv, 0.3, threads=4)
+        assert torch.equal(o_dev.cpu(), ro) and torch.equal(out[1], rl)
+        w.check()
+    finally:
+        w.close()

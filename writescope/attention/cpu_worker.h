@@ -1,0 +1,149 @@
+// A persistent native worker for the CPU attention (writescope/attention/cpu_worker.py drives it).
+//
+// One std::thread, started once, that never touches Python: jobs (one layer's Request each) are
+// queued by submit() and run in order. A job first waits until its q is in host memory: the int32
+// `ready` flag in pinned memory reaches the job's value (set there by the GPU stream after q's copy,
+// or by the host). It then attends on its OpenMP team (the worker thread and threads - 1 more),
+// writes (o, lse) where the Request says (pinned memory), and sets the int32 `done` flag to the
+// job's value after its outputs (a release store): a GPU stream or a host waits on that flag. Flag
+// values are sequence numbers compared modulo 2^32. A failed job records its error (the first one
+// is kept until taken) and still sets its done flag, so nothing waits forever.
+#pragma once
+#include <immintrin.h>
+#include <chrono>
+#include <condition_variable>
+#include <deque>
+#include <mutex>
+#include <string>
+#include <thread>
+
+namespace ws {
+
+static inline bool reached(const volatile int32_t* flag, int32_t value) { return (int32_t)((uint32_t)*flag - (uint32_t)value) >= 0; }
+
+class Worker {
+ public:
+  explicit Worker(int64_t threads) : threads_(std::max<int64_t>(1, threads)), thread_([this] { loop(); }) {}
+  ~Worker() { close(); }
+  Worker(const Worker&) = delete;
+  Worker& operator=(const Worker&) = delete;
+
+  void submit(Request r, int32_t* ready, int32_t ready_value, int32_t* done, int32_t done_value) {
+    r.threads = threads_;
+    {
+      std::lock_guard<std::mutex> lk(mu_);
+      TORCH_CHECK(!stop_, "the CPU attention worker is closed");
+      jobs_.push_back({std::move(r), ready, ready_value, done, done_value});
+    }
+    cv_.notify_one();
+  }
+
+  // Finishes the queued jobs whose q is (or becomes) ready and stops; a job still waiting for its q
+  // when stopping gives up (its done flag is set, with an error) instead of waiting forever.
+  void close() {
+    {
+      std::lock_guard<std::mutex> lk(mu_);
+      if (stop_) return;
+      stop_ = true;
+    }
+    cv_.notify_one();
+    if (thread_.joinable()) thread_.join();
+  }
+
+  std::string take_error() {
+    std::lock_guard<std::mutex> lk(mu_);
+    std::string e;
+    e.swap(error_);
+    return e;
+  }
+
+  // (jobs done, seconds attending, keys attended, the last job's seconds and keys, its done value)
+  std::tuple<int64_t, double, int64_t, double, int64_t, int32_t> stats() {
+    std::lock_guard<std::mutex> lk(mu_);
+    return {jobs_done_, seconds_, keys_, last_seconds_, last_keys_, last_value_};
+  }
+
+  int64_t threads() const { return threads_; }
+
+ private:
+  struct Job {
+    Request r;
+    volatile int32_t* ready;
+    int32_t ready_value;
+    volatile int32_t* done;
+    int32_t done_value;
+  };
+
+  void fail(const std::string& what) {
+    std::lock_guard<std::mutex> lk(mu_);
+    if (error_.empty()) error_ = what;
+  }
+
+  void loop() {
+    for (;;) {
+      Job j;
+      {
+        std::unique_lock<std::mutex> lk(mu_);
+        cv_.wait(lk, [&] { return stop_ || !jobs_.empty(); });
+        if (jobs_.empty()) return;
+        j = std::move(jobs_.front());
+        jobs_.pop_front();
+      }
+      bool ready = true;
+      for (int64_t spins = 0; !reached(j.ready, j.ready_value); ++spins) {  // q arrives within the layer: spin, then yield
+        if (spins > 4096) {
+          std::lock_guard<std::mutex> lk(mu_);
+          if (stop_ && !reached(j.ready, j.ready_value)) { ready = false; break; }
+        }
+        if (spins > 4096) std::this_thread::yield();
+        else _mm_pause();
+      }
+      const auto t0 = std::chrono::steady_clock::now();
+      int64_t keys = 0;
+      if (!ready) fail("the CPU attention worker was closed while a job waited for its q");
+      else {
+        try {
+          keys = run_request(j.r);
+        } catch (const std::exception& e) {
+          fail(e.what());
+        }
+      }
+      const double dt = std::chrono::duration<double>(std::chrono::steady_clock::now() - t0).count();
+      {
+        std::lock_guard<std::mutex> lk(mu_);
+        jobs_done_ += 1; seconds_ += dt; keys_ += keys; last_seconds_ = dt; last_keys_ = keys; last_value_ = j.done_value;
+      }
+      std::atomic_thread_fence(std::memory_order_release);  // the outputs before the flag
+      *j.done = j.done_value;
+    }
+  }
+
+  const int64_t threads_;
+  std::mutex mu_;
+  std::condition_variable cv_;
+  std::deque<Job> jobs_;
+  bool stop_ = false;
+  std::string error_;
+  int64_t jobs_done_ = 0, keys_ = 0, last_keys_ = 0;
+  double seconds_ = 0.0, last_seconds_ = 0.0;
+  int32_t last_value_ = 0;
+  std::thread thread_;  // last: started once the members above exist
+};
+
+// Host side of a wait: returns once flag reaches value (True) or after timeout_s (False); the GIL is
+// released by the binding.
+static bool wait_flag(const volatile int32_t* flag, int32_t value, double timeout_s) {
+  const auto end = std::chrono::steady_clock::now() + std::chrono::duration<double>(timeout_s);
+  for (int64_t spins = 0; !reached(flag, value); ++spins) {
+    if (spins > 4096) {
+      if (std::chrono::steady_clock::now() > end) return false;
+      std::this_thread::yield();
+    } else {
+      _mm_pause();
+    }
+  }
+  std::atomic_thread_fence(std::memory_order_acquire);
+  return true;
+}
+
+}  // namespace ws

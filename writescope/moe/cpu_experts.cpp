@@ -1,0 +1,341 @@
+// The host-expert kernel (writescope/moe/cpu_experts.py builds and documents it).
+//
+// One call computes every host expert of one MoE layer's step: groups g (one expert, slot s_g
+// in the packed w13 [E, 2I, D] / w2 [E, D, I], m_g consecutive token rows of x [n, D]) give
+// y[rows of g] = rw * down(silu(gate(x)) * up(x)). Work plan, so each weight byte is read once:
+//   pack     the tokens in the layout the path needs (AMX: xb pairs; portable bf16: fp32 rows)
+//   phase 1  units of 16 features of one expert (16 gate + 16 up rows of w13), cut into one equal
+//            range of units per thread: h = silu(g) * u for all the expert's tokens, in bf16
+//   barrier
+//   phase 2  units of 32 output features of one expert (32 rows of w2), likewise: y = rw h W2^T
+#include <torch/extension.h>
+#include <omp.h>
+#include <cpuid.h>
+#include <sys/syscall.h>
+#include <unistd.h>
+#include <algorithm>
+#include <cmath>
+#include <cstdint>
+#include <cstdlib>
+#include <cstring>
+#include <string>
+#include <vector>
+
+#include "cpu_experts_avx512.h"
+#include "cpu_experts_amx.h"
+
+namespace wsmoe {
+
+// AMX_EMULATED: the AMX path with tiles emulated in C++ (tests only: checks its layouts without AMX)
+enum Isa : int64_t { PORTABLE = 0, AVX512BF16 = 1, AMX = 2, AMX_EMULATED = 3 };
+static const char* isa_name(int64_t i) {
+  return i == AMX_EMULATED ? "amx-emulated" : i == AMX ? "amx" : i == AVX512BF16 ? "avx512bf16" : "portable";
+}
+
+// ---------------------------------------------------------------- what this CPU and OS allow
+static uint64_t xcr0() {
+  uint32_t a, d;
+  __asm__ volatile("xgetbv" : "=a"(a), "=d"(d) : "c"(0));
+  return (uint64_t(d) << 32) | a;
+}
+static bool cpu_avx512bf16() {
+  unsigned a, b, c, d;
+  if (!__get_cpuid_count(7, 0, &a, &b, &c, &d)) return false;
+  const bool f = (b >> 16) & 1, dq = (b >> 17) & 1, bw = (b >> 30) & 1, vl = (b >> 31) & 1;
+  if (!(f && dq && bw && vl)) return false;
+  unsigned a1, b1, c1, d1;
+  if (!__get_cpuid_count(7, 1, &a1, &b1, &c1, &d1) || !((a1 >> 5) & 1)) return false;
+  if (!__get_cpuid(1, &a, &b, &c, &d) || !((c >> 27) & 1)) return false;  // OSXSAVE
+  return (xcr0() & 0xE6) == 0xE6;  // the OS saves the AVX-512 state
+}
+// AMX-BF16 and AMX-TILE flags, and permission to use tile data (arch_prctl ARCH_REQ_XCOMP_PERM
+// for XTILEDATA, asked once per process; refused on Linux before 5.16: then no AMX path)
+static bool cpu_amx() {
+  static const bool ok = [] {
+    if (!cpu_avx512bf16()) return false;
+    unsigned a, b, c, d;
+    if (!__get_cpuid_count(7, 0, &a, &b, &c, &d) || !((d >> 22) & 1) || !((d >> 24) & 1)) return false;
+    if (syscall(SYS_arch_prctl, 0x1023 /* ARCH_REQ_XCOMP_PERM */, 18 /* XTILEDATA */) != 0) return false;
+    return (xcr0() & 0x60000) == 0x60000;
+  }();
+  return ok;
+}
+static int64_t best_isa() { return cpu_amx() ? AMX : cpu_avx512bf16() ? AVX512BF16 : PORTABLE; }
+
+// The path for these inputs: the requested one (-1: the best this CPU has), lowered where the
+// inputs need it (AMX: bf16, D % 32 == 0, I % 32 == 0; AVX512-BF16: bf16)
+static int64_t choose(int64_t req, bool bf16, int64_t D, int64_t I) {
+  int64_t isa = req < 0 ? best_isa() : req;
+  TORCH_CHECK(isa >= 0 && isa <= AMX_EMULATED, "unknown host-expert kernel path ", isa);
+  const int64_t need = isa == AMX_EMULATED ? AVX512BF16 : isa;
+  TORCH_CHECK(need <= best_isa(), "host-expert kernel path '", isa_name(isa), "' was asked for (WRITESCOPE_EXPERT_ISA) but this CPU or OS offers at most '",
+              isa_name(best_isa()), "'");
+  if ((isa == AMX || isa == AMX_EMULATED) && !(bf16 && D % 32 == 0 && I % 32 == 0)) isa = AVX512BF16;
+  if (isa == AVX512BF16 && !bf16) isa = PORTABLE;
+  return isa;
+}
+
+// ---------------------------------------------------------------- scratch
+template <typename E>
+struct Buf {
+  E* p = nullptr;
+  size_t n = 0;
+  E* get(size_t want) {
+    if (want > n) {
+      std::free(p);
+      p = static_cast<E*>(std::aligned_alloc(64, (std::max<size_t>(want, 1) * sizeof(E) + 63) / 64 * 64));
+      TORCH_CHECK(p != nullptr, "host-expert kernel: out of memory for ", want * sizeof(E), " bytes of scratch");
+      n = want;
+    }
+    return p;
+  }
+  ~Buf() { std::free(p); }
+};
+struct Caller {  // the calling thread's buffers, reused across calls (no page faults in a decode step)
+  Buf<uint16_t> xb, hb;
+  Buf<float> xf, hf;
+};
+struct Worker {  // each OpenMP thread's
+  Buf<float> a, b, row;
+};
+static Caller& caller() {
+  static thread_local Caller c;
+  return c;
+}
+static Worker& worker() {
+  static thread_local Worker w;
+  return w;
+}
+
+// ---------------------------------------------------------------- the plan of one call
+struct Plan {
+  int64_t D, I, isa;
+  bool bf16;
+  const char *x, *w13, *w2;  // x [n, D] contiguous; w13, w2 with strides below (elements)
+  int64_t e13, r13, e2, r2;  // expert and row strides of w13 and w2
+  std::vector<int64_t> slot, start, count, xoff, hoff;  // per group with tokens (xoff, hoff: AMX)
+  const float* rw;  // [n] routing weights
+  char* y;          // [n, D], x's dtype
+  uint16_t *xb, *hb, *h;  // AMX: xb, hb; AVX512-BF16: h [n, I]
+  float *xf, *hf;         // portable: x in fp32 (bf16 inputs), h [n, I] fp32
+  int64_t units1, units2;  // per group: ceil(I / 16), ceil(D / 32)
+};
+
+static inline float bf16_to_float(uint16_t v) {
+  const uint32_t u = uint32_t(v) << 16;
+  float f;
+  std::memcpy(&f, &u, 4);
+  return f;
+}
+static inline float to_f(float v) { return v; }
+static inline float to_f(uint16_t v) { return bf16_to_float(v); }
+static inline void from_f(float v, float* p) { *p = v; }
+static inline void from_f(float v, uint16_t* p) { *p = c10::BFloat16(v).x; }  // nearest even
+static inline float silu_mul(float g, float u) { return g / (1.f + std::exp(-g)) * u; }
+
+// ---------------------------------------------------------------- the portable path (fp32 arithmetic)
+static float dot(const float* a, const float* b, int64_t K) {
+  float s = 0.f;
+#pragma omp simd reduction(+ : s)
+  for (int64_t c = 0; c < K; ++c) s += a[c] * b[c];
+  return s;
+}
+template <typename T>
+static const float* row_f(const T* r, int64_t K, float* buf) {
+  if constexpr (std::is_same_v<T, float>) return r;
+  for (int64_t c = 0; c < K; ++c) buf[c] = to_f(r[c]);
+  return buf;
+}
+// phase 1 unit: features f0 .. f0 + 15 of one expert, its m tokens xf [m, D] -> hf [m, I]
+// (h rounded to bf16 for bf16 weights, as torch's bf16 expert rounds it)
+template <typename T>
+static void gate_up_portable(const T* W13, int64_t ldw, int64_t D, int64_t I, int64_t f0, const float* xf, int64_t m, float* hf, Worker& w) {
+  const int64_t nr = std::min<int64_t>(16, I - f0);
+  float* g = w.a.get(16 * m);
+  float* u = w.b.get(16 * m);
+  float* row = w.row.get(D);
+  for (int64_t i = 0; i < nr; ++i) {
+    const float* rg = row_f(W13 + (f0 + i) * ldw, D, row);
+    for (int64_t t = 0; t < m; ++t) g[t * 16 + i] = dot(rg, xf + t * D, D);
+    const float* ru = row_f(W13 + (I + f0 + i) * ldw, D, row);
+    for (int64_t t = 0; t < m; ++t) u[t * 16 + i] = dot(ru, xf + t * D, D);
+  }
+  for (int64_t t = 0; t < m; ++t)
+    for (int64_t i = 0; i < nr; ++i) {
+      const float h = silu_mul(g[t * 16 + i], u[t * 16 + i]);
+      hf[t * I + f0 + i] = std::is_same_v<T, float> ? h : bf16_to_float(c10::BFloat16(h).x);
+    }
+}
+// phase 2 unit: output features d0 .. d0 + 31 of one expert for its m tokens -> y rows, times rw
+template <typename T>
+static void down_portable(const T* W2, int64_t ldw, int64_t D, int64_t I, int64_t d0, const float* hf, int64_t m, const float* rw, T* y, Worker& w) {
+  const int64_t nr = std::min<int64_t>(32, D - d0);
+  float* row = w.row.get(I);
+  for (int64_t i = 0; i < nr; ++i) {
+    const float* r = row_f(W2 + (d0 + i) * ldw, I, row);
+    for (int64_t t = 0; t < m; ++t) from_f(rw[t] * dot(r, hf + t * I, I), y + t * D + d0 + i);
+  }
+}
+
+// ---------------------------------------------------------------- one thread's share
+template <typename T>
+static void pack_group(const Plan& P, int64_t g) {
+  const int64_t s = P.start[g], m = P.count[g];
+  const T* x = reinterpret_cast<const T*>(P.x) + s * P.D;
+  if constexpr (std::is_same_v<T, uint16_t>) {
+    if (P.isa == AMX || P.isa == AMX_EMULATED) avx::pack_tokens(x, P.D, m, P.D, P.xb + P.xoff[g]);
+    else if (P.isa == PORTABLE)
+      for (int64_t i = 0; i < m * P.D; ++i) P.xf[s * P.D + i] = bf16_to_float(x[i]);
+  }
+}
+
+template <typename T>
+static void unit1(const Plan& P, int64_t u, Worker& w) {
+  const int64_t g = u / P.units1, f0 = (u % P.units1) * 16, s = P.start[g], m = P.count[g];
+  const T* W13 = reinterpret_cast<const T*>(P.w13) + P.slot[g] * P.e13;
+  if constexpr (std::is_same_v<T, uint16_t>) {
+    if (P.isa == AMX) return amx::gate_up_unit(W13, P.r13, P.D, P.I, f0, P.xb + P.xoff[g], (m + 15) / 16, P.hb + P.hoff[g], w.a.get(1024));
+    if (P.isa == AMX_EMULATED) return amx_emu::gate_up_unit(W13, P.r13, P.D, P.I, f0, P.xb + P.xoff[g], (m + 15) / 16, P.hb + P.hoff[g], w.a.get(1024));
+    if (P.isa == AVX512BF16) {
+      const uint16_t* x = reinterpret_cast<const uint16_t*>(P.x) + s * P.D;
+      return avx::gate_up_unit(W13, P.r13, P.D, P.I, f0, x, P.D, m, P.h + s * P.I, P.I, w.a.get((avx::TC + 4) * 16), w.b.get((avx::TC + 4) * 16));
+    }
+  }
+  const float* xf = std::is_same_v<T, float> ? reinterpret_cast<const float*>(P.x) : P.xf;
+  gate_up_portable(W13, P.r13, P.D, P.I, f0, xf + s * P.D, m, P.hf + s * P.I, w);
+}
+
+template <typename T>
+static void unit2(const Plan& P, int64_t u, Worker& w) {
+  const int64_t g = u / P.units2, d0 = (u % P.units2) * 32, s = P.start[g], m = P.count[g];
+  const T* W2 = reinterpret_cast<const T*>(P.w2) + P.slot[g] * P.e2;
+  T* y = reinterpret_cast<T*>(P.y) + s * P.D;
+  if constexpr (std::is_same_v<T, uint16_t>) {
+    if (P.isa == AMX) return amx::down_unit(W2, P.r2, P.I, d0, P.hb + P.hoff[g], m, P.rw + s, y, P.D, w.a.get(1024));
+    if (P.isa == AMX_EMULATED) return amx_emu::down_unit(W2, P.r2, P.I, d0, P.hb + P.hoff[g], m, P.rw + s, y, P.D, w.a.get(1024));
+    if (P.isa == AVX512BF16) return avx::down_unit(W2, P.r2, P.D, P.I, d0, P.h + s * P.I, P.I, m, P.rw + s, y, P.D, w.a.get((avx::TC + 4) * 32));
+  }
+  down_portable(W2, P.r2, P.D, P.I, d0, P.hf + s * P.I, m, P.rw + s, y, w);
+}
+
+template <typename T>
+static void run(const Plan& P, int64_t threads, std::string& error) {
+  const int64_t G = (int64_t)P.slot.size(), U1 = G * P.units1, U2 = G * P.units2;
+#pragma omp parallel num_threads(threads)
+  {
+    const int64_t n = omp_get_num_threads(), t = omp_get_thread_num();
+    Worker& w = worker();
+    bool ok = true;
+    try {
+      if (P.isa == AMX) amx::configure();
+#pragma omp for schedule(static)
+      for (int64_t g = 0; g < G; ++g) pack_group<T>(P, g);
+      for (int64_t u = U1 * t / n; u < U1 * (t + 1) / n; ++u) unit1<T>(P, u, w);
+    } catch (const std::exception& ex) {
+      ok = false;
+#pragma omp critical
+      error = ex.what();
+    }
+#pragma omp barrier
+    try {
+      if (ok)
+        for (int64_t u = U2 * t / n; u < U2 * (t + 1) / n; ++u) unit2<T>(P, u, w);
+    } catch (const std::exception& ex) {
+#pragma omp critical
+      error = ex.what();
+    }
+    if (P.isa == AMX) amx::release();
+  }
+}
+
+}  // namespace wsmoe
+
+using namespace wsmoe;
+
+// x [n, D] (bf16 or fp32, contiguous); w13 [E, 2I, D], w2 [E, D, I] (x's dtype, unit last stride,
+// any row and expert strides: read in place); group g = counts[g] consecutive rows of x for the
+// expert in slot slots[g]; rw [n] fp32. Returns (y [n, D] in x's dtype, the path that ran).
+std::tuple<at::Tensor, int64_t> forward(at::Tensor x, at::Tensor w13, at::Tensor w2, std::vector<int64_t> slots, std::vector<int64_t> counts,
+                                        at::Tensor rw, int64_t isa, int64_t threads) {
+  TORCH_CHECK(x.dim() == 2 && x.is_contiguous() && x.device().is_cpu(), "x must be a contiguous [n, D] CPU tensor, got ", x.sizes());
+  TORCH_CHECK(x.scalar_type() == at::kBFloat16 || x.scalar_type() == at::kFloat, "x must be bf16 or fp32, got ", x.scalar_type());
+  const int64_t n = x.size(0), D = x.size(1);
+  TORCH_CHECK(w13.dim() == 3 && w2.dim() == 3 && w13.size(0) == w2.size(0), "w13 must be [E, 2I, D] and w2 [E, D, I]");
+  const int64_t E = w13.size(0), I = w13.size(1) / 2;
+  TORCH_CHECK(w13.size(1) == 2 * I && w13.size(2) == D && w2.size(1) == D && w2.size(2) == I, "w13 ", w13.sizes(), " and w2 ", w2.sizes(),
+              " do not match D = ", D);
+  TORCH_CHECK(w13.scalar_type() == x.scalar_type() && w2.scalar_type() == x.scalar_type(), "weights and x must have one dtype");
+  TORCH_CHECK(w13.stride(2) == 1 && w2.stride(2) == 1 && w13.device().is_cpu() && w2.device().is_cpu(), "weight rows must have unit stride, on the CPU");
+  TORCH_CHECK(rw.dim() == 1 && rw.size(0) == n && rw.scalar_type() == at::kFloat && rw.is_contiguous(), "rw must be contiguous fp32 [n]");
+  TORCH_CHECK(slots.size() == counts.size(), "one count per slot");
+  TORCH_CHECK(threads >= 1, "threads must be >= 1, got ", threads);
+  Plan P;
+  P.D = D; P.I = I; P.bf16 = x.scalar_type() == at::kBFloat16;
+  P.isa = choose(isa, P.bf16, D, I);
+  int64_t total = 0, xsz = 0, hsz = 0;
+  for (size_t g = 0; g < slots.size(); ++g) {
+    TORCH_CHECK(slots[g] >= 0 && slots[g] < E, "slot ", slots[g], " outside [0, ", E, ")");
+    TORCH_CHECK(counts[g] >= 0, "count ", counts[g], " < 0");
+    if (counts[g] > 0) {
+      P.slot.push_back(slots[g]); P.start.push_back(total); P.count.push_back(counts[g]);
+      P.xoff.push_back(xsz); P.hoff.push_back(hsz);
+      const int64_t nb = (counts[g] + 15) / 16;
+      xsz += nb * (D / 32) * 512;
+      hsz += nb * (I / 32) * 512;
+    }
+    total += counts[g];
+  }
+  TORCH_CHECK(total == n, "the counts sum to ", total, ", x has ", n, " rows");
+  at::Tensor y = at::empty({n, D}, x.options());
+  if (n == 0 || D == 0) return {y, P.isa};
+  P.x = static_cast<const char*>(x.data_ptr());
+  P.w13 = static_cast<const char*>(w13.data_ptr());
+  P.w2 = static_cast<const char*>(w2.data_ptr());
+  P.e13 = w13.stride(0); P.r13 = w13.stride(1); P.e2 = w2.stride(0); P.r2 = w2.stride(1);
+  P.rw = rw.data_ptr<float>();
+  P.y = static_cast<char*>(y.data_ptr());
+  P.units1 = (I + 15) / 16;
+  P.units2 = (D + 31) / 32;
+  Caller& c = caller();
+  P.xb = P.hb = P.h = nullptr;
+  P.xf = P.hf = nullptr;
+  if (P.isa == AMX || P.isa == AMX_EMULATED) { P.xb = c.xb.get(xsz); P.hb = c.hb.get(hsz); }
+  else if (P.isa == AVX512BF16) P.h = c.hb.get(n * I);
+  else { P.hf = c.hf.get(n * I); if (P.bf16) P.xf = c.xf.get(n * D); }
+  const int64_t T = std::max<int64_t>(1, std::min<int64_t>(threads, (int64_t)P.slot.size() * P.units1));
+  std::string error;
+  if (P.bf16) run<uint16_t>(P, T, error);
+  else run<float>(P, T, error);
+  TORCH_CHECK(error.empty(), "host-expert kernel failed: ", error);
+  return {y, P.isa};
+}
+
+int64_t path_for(int64_t isa, bool bf16, int64_t D, int64_t I) { return choose(isa, bf16, D, I); }
+int64_t best() { return best_isa(); }
+
+// A plain read of t's bytes (64-bit words, xor-folded so it is not optimised away) by `threads`
+// threads in equal ranges: the memory read rate the kernel is compared with. Returns the fold.
+int64_t read_bytes(at::Tensor t, int64_t threads) {
+  TORCH_CHECK(t.is_contiguous() && t.device().is_cpu(), "read_bytes needs a contiguous CPU tensor");
+  const uint64_t* p = static_cast<const uint64_t*>(t.data_ptr());
+  const int64_t words = t.numel() * t.element_size() / 8;
+  uint64_t fold = 0;
+#pragma omp parallel num_threads(std::max<int64_t>(1, threads)) reduction(^ : fold)
+  {
+    const int64_t n = omp_get_num_threads(), i = omp_get_thread_num();
+    uint64_t acc = 0;
+#pragma omp simd reduction(^ : acc)
+    for (int64_t j = words * i / n; j < words * (i + 1) / n; ++j) acc ^= p[j];
+    fold ^= acc;
+  }
+  return (int64_t)fold;
+}
+
+PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
+  // the GIL is released: other Python threads (the GPU side of the step) run meanwhile
+  m.def("forward", &forward, "every host expert of one MoE step", py::arg("x"), py::arg("w13"), py::arg("w2"), py::arg("slots"), py::arg("counts"),
+        py::arg("rw"), py::arg("isa") = -1, py::arg("threads") = 1, py::call_guard<py::gil_scoped_release>());
+  m.def("path_for", &path_for, "the path forward takes for these inputs (0 portable, 1 avx512bf16, 2 amx, 3 amx-emulated)");
+  m.def("best", &best, "the best path this CPU and OS offer");
+  m.def("read_bytes", &read_bytes, "a plain multi-threaded read of a tensor's bytes", py::call_guard<py::gil_scoped_release>());
+}
