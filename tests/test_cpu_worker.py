@@ -160,9 +160,9 @@ def test_on_cuda_the_stream_hands_q_over_and_waits_without_the_host():
         q_dev = q.cuda()
         out = (torch.empty(3, 1, 16, 48, pin_memory=True), torch.empty(3, 1, 16, pin_memory=True))
         w.consume(w.submit(q_dev.cpu().pin_memory(), kv, 0.3, out))  # warm: the flag kernels compile on first use (seconds)
+        q_host = torch.empty(q.shape, dtype=q.dtype, pin_memory=True)  # before the sleep: a fresh cudaHostAlloc waits for the device
         torch.cuda.synchronize()
         torch.cuda._sleep(200_000_000)  # about 0.1 s of device time ahead of the hand-off
-        q_host = torch.empty(q.shape, dtype=q.dtype, pin_memory=True)
         q_host.copy_(q_dev, non_blocking=True)
         seq = w.submit(q_host, kv, 0.3, out)
         w.consume(seq)
