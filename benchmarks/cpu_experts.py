@@ -33,6 +33,8 @@ from writescope.layers.mlp import GatedMLP
 from writescope.moe import cpu_experts
 from writescope.presets import preset_config
 
+from layer_args import token_counts  # benchmarks/ (the script's folder)
+
 DTYPE = torch.bfloat16
 
 
@@ -130,12 +132,7 @@ def main() -> None:
             ap.error(f"--{key} must be >= 1, got {getattr(args, key)}")
     if args.gb <= 0:
         ap.error(f"--gb must be > 0, got {args.gb}")
-    try:
-        tokens = [int(t) for t in args.tokens.split(",")]
-    except ValueError:
-        ap.error(f"--tokens must be comma-separated integers, got {args.tokens!r}")
-    if min(tokens) < 1:
-        ap.error(f"--tokens must be >= 1, got {args.tokens}")
+    tokens = token_counts(ap, args.tokens)
     os.environ.pop(cpu_experts.ENV, None)
     if not cpu_experts.kernel_available():
         raise SystemExit("cpu_experts.py: error: the host-expert kernel could not be built")

@@ -33,6 +33,8 @@ from writescope.moe.block import SparseMoeBlock
 from writescope.moe.router import route
 from writescope.moe.streaming import MIN_TOKENS
 
+from layer_args import token_counts  # benchmarks/ (the script's folder)
+
 
 def copy_gbs(device, nbytes=2**30, repeats=5) -> float:
     """Device-to-device copy bandwidth (read + write bytes per second)."""
@@ -63,12 +65,7 @@ def main() -> None:
         ap.error(f"--stream-share must be in (0, 1], got {args.stream_share}")
     if args.repeats < 1:
         ap.error(f"--repeats must be >= 1, got {args.repeats}")
-    try:
-        tokens = [int(t) for t in args.tokens.split(",")]
-    except ValueError:
-        ap.error(f"--tokens must be comma-separated integers, got {args.tokens!r}")
-    if min(tokens) < 1:
-        ap.error(f"--tokens must be >= 1, got {args.tokens}")
+    tokens = token_counts(ap, args.tokens)
     device = resolve_device(args.device)
     dtype = parse_dtype(args.dtype, device)
     hbm = copy_gbs(device) if device.type == "cuda" else None

@@ -2,6 +2,8 @@
 
 import json
 
+import torch
+
 from writescope.cli.main import main
 
 
@@ -90,3 +92,25 @@ def test_expert_stream_share_flag_reaches_the_engine_and_defaults_to_the_device_
         for bad in ("1.5", "nan"):
             assert _llm_kwargs(monkeypatch, module, argv + ["--expert-stream-share", bad]) == {}, argv  # refused before loading
             assert f"--expert-stream-share must be in [0, 1], got {bad}" in capsys.readouterr().err
+
+
+def test_core_plan_names_the_worker_the_kernel_path_and_the_experts(monkeypatch):
+    """generate's CPU line: who attends (native worker or thread pool, and the kernel's path),
+    what computes the host experts, and who issues the GPU work."""
+    from types import SimpleNamespace
+
+    from writescope.cli.generate import core_plan
+
+    block = SimpleNamespace(host_experts=frozenset({3}), uses_host_kernel=lambda dtype: dtype is torch.bfloat16)
+    llm = SimpleNamespace(attention_threads=15, expert_threads=16, cpu_attention="C++ kernel (amx)", device=torch.device("cuda"),
+                          dtype=torch.bfloat16, _moe_blocks=[block, SimpleNamespace(host_experts=frozenset())])
+    monkeypatch.delenv("WRITESCOPE_CPU_WORKER", raising=False)
+    line = core_plan(llm)
+    assert "attention 15 (the native C++ worker, C++ kernel (amx))" in line
+    assert "16 threads for the host experts the CPU computes (C++ kernel" in line and "main thread issues the GPU work" in line
+    monkeypatch.setenv("WRITESCOPE_CPU_WORKER", "python")
+    llm.dtype, llm._moe_blocks = torch.float32, [block]
+    line = core_plan(llm)
+    assert "a Python thread pool" in line and "torch's GEMMs" in line
+    llm._moe_blocks = []
+    assert "experts: none in host memory" in core_plan(llm)

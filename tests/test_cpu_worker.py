@@ -159,7 +159,7 @@ def test_on_cuda_the_stream_hands_q_over_and_waits_without_the_host():
         q, kv = _batch([300, 0, 1000], gen)
         q_dev = q.cuda()
         out = (torch.empty(3, 1, 16, 48, pin_memory=True), torch.empty(3, 1, 16, pin_memory=True))
-        w.consume(w.submit(q_dev.cpu().pin_memory(), kv, 0.3, out))  # warm: the flag kernels compile on first use (seconds)
+        w.consume(w.submit(q_dev.cpu().pin_memory(), kv, 0.3, out))  # a first job (the kernels were compiled when the worker started)
         q_host = torch.empty(q.shape, dtype=q.dtype, pin_memory=True)  # before the sleep: a fresh cudaHostAlloc waits for the device
         torch.cuda.synchronize()
         torch.cuda._sleep(200_000_000)  # about 0.1 s of device time ahead of the hand-off

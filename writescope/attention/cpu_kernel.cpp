@@ -10,7 +10,6 @@
 // Each chunk: scores s = K q (ISA), softmax (AVX-512 or scalar), p V (ISA), acc = alpha acc + p V.
 #include <torch/extension.h>
 #include <omp.h>
-#include <cpuid.h>
 #include <sys/syscall.h>
 #include <unistd.h>
 #include <algorithm>
@@ -27,47 +26,21 @@
 #include <tuple>
 #include <vector>
 
+#include "cpu_features.h"
+#include "scratch.h"
 #include "cpu_kernel_avx512.h"
 #include "cpu_kernel_amx.h"
 
 namespace ws {
 
-// AMX_EMULATED: the AMX path with tiles emulated in C++ (tests only: checks its layouts without AMX)
-enum Isa : int64_t { PORTABLE = 0, AVX512BF16 = 1, AMX = 2, AMX_EMULATED = 3 };
-static const char* isa_name(int64_t i) {
-  return i == AMX_EMULATED ? "amx-emulated" : i == AMX ? "amx" : i == AVX512BF16 ? "avx512bf16" : "portable";
-}
+using namespace wsnative;  // the paths (Isa), the CPU-flag checks
 constexpr float NEG_INF = -std::numeric_limits<float>::infinity();
 
-// ---------------------------------------------------------------- what this CPU and OS allow
-static uint64_t xcr0() {
-  uint32_t a, d;
-  __asm__ volatile("xgetbv" : "=a"(a), "=d"(d) : "c"(0));
-  return (uint64_t(d) << 32) | a;
+// The path for these inputs: the requested one (-1: the best this CPU has), lowered where the
+// inputs need it (AMX: bf16, dk % 32 == 0, dv % 16 == 0; AVX512-BF16: bf16)
+static int64_t choose(int64_t req, bool bf16, int64_t dk, int64_t dv) {
+  return choose_isa(req, bf16, dk % 32 == 0 && dv % 16 == 0, "WRITESCOPE_CPU_ISA");
 }
-static bool cpu_avx512bf16() {
-  unsigned a, b, c, d;
-  if (!__get_cpuid_count(7, 0, &a, &b, &c, &d)) return false;
-  const bool f = (b >> 16) & 1, dq = (b >> 17) & 1, bw = (b >> 30) & 1, vl = (b >> 31) & 1;
-  if (!(f && dq && bw && vl)) return false;
-  unsigned a1, b1, c1, d1;
-  if (!__get_cpuid_count(7, 1, &a1, &b1, &c1, &d1) || !((a1 >> 5) & 1)) return false;
-  if (!__get_cpuid(1, &a, &b, &c, &d) || !((c >> 27) & 1)) return false;  // OSXSAVE
-  return (xcr0() & 0xE6) == 0xE6;  // the OS saves the AVX-512 state
-}
-// AMX-BF16 and AMX-TILE flags, and the kernel's permission to use tile data (arch_prctl
-// ARCH_REQ_XCOMP_PERM for XTILEDATA, asked once per process; refused on kernels before 5.16)
-static bool cpu_amx() {
-  static const bool ok = [] {
-    if (!cpu_avx512bf16()) return false;
-    unsigned a, b, c, d;
-    if (!__get_cpuid_count(7, 0, &a, &b, &c, &d) || !((d >> 22) & 1) || !((d >> 24) & 1)) return false;
-    if (syscall(SYS_arch_prctl, 0x1023 /* ARCH_REQ_XCOMP_PERM */, 18 /* XTILEDATA */) != 0) return false;
-    return (xcr0() & 0x60000) == 0x60000;
-  }();
-  return ok;
-}
-static int64_t best_isa() { return cpu_amx() ? AMX : cpu_avx512bf16() ? AVX512BF16 : PORTABLE; }
 
 // Tuning of the bf16 paths, for benchmarks/cpu_attention.py to compare in one run (set_tuning):
 //   LINEAR_FIRST  each chunk is first read in address order (V packed, the rest of K touched), so the
@@ -83,35 +56,7 @@ enum Tuning : int64_t { LINEAR_FIRST = 1, QK_PREFETCH = 2, PV_DIRECT = 4, SKIP_S
 static std::atomic<int64_t> g_tuning{QK_PREFETCH};
 static std::atomic<uint64_t> g_sink{0};
 
-// The path for these inputs: the requested one (-1: the best this CPU has), lowered where the
-// inputs need it (AMX: bf16, dk % 32 == 0, dv % 16 == 0; AVX512-BF16: bf16)
-static int64_t choose(int64_t req, bool bf16, int64_t dk, int64_t dv) {
-  int64_t isa = req < 0 ? best_isa() : req;
-  TORCH_CHECK(isa >= 0 && isa <= AMX_EMULATED, "unknown CPU attention path ", isa);
-  const int64_t need = isa == AMX_EMULATED ? AVX512BF16 : isa;
-  TORCH_CHECK(need <= best_isa(), "CPU attention path '", isa_name(isa), "' was asked for (WRITESCOPE_CPU_ISA) but this CPU or OS offers at most '",
-              isa_name(best_isa()), "'");
-  if ((isa == AMX || isa == AMX_EMULATED) && !(bf16 && dk % 32 == 0 && dv % 16 == 0)) isa = AVX512BF16;
-  if (isa == AVX512BF16 && !bf16) isa = PORTABLE;
-  return isa;
-}
-
 // ---------------------------------------------------------------- per-thread scratch
-template <typename E>
-struct Buf {
-  E* p = nullptr;
-  size_t n = 0;
-  E* get(size_t want) {
-    if (want > n) {
-      std::free(p);
-      p = static_cast<E*>(std::aligned_alloc(64, (want * sizeof(E) + 63) / 64 * 64));
-      TORCH_CHECK(p != nullptr, "CPU attention: out of memory for ", want * sizeof(E), " bytes of scratch");
-      n = want;
-    }
-    return p;
-  }
-  ~Buf() { std::free(p); }
-};
 struct Scratch {
   Buf<float> s, oc;
   Buf<uint16_t> q, pa, vb, kt, vt;
@@ -523,7 +468,7 @@ int64_t read_probe(std::vector<at::Tensor> ts, int64_t threads) {
     cum.push_back(cum.back() + t.numel() * t.element_size());
   }
   const int64_t total = cum.back(), T = std::max<int64_t>(1, threads);
-  const bool wide = ws::cpu_avx512bf16();
+  const bool wide = wsnative::cpu_avx512bf16();
   uint64_t x = 0;
 #pragma omp parallel num_threads(T) reduction(^ : x)
   {

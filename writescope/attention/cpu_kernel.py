@@ -32,17 +32,17 @@ Measured rates: benchmarks/results/cpu_attention.md.
 
 from __future__ import annotations
 
-import hashlib
 import os
 import sys
 import time
-import warnings
 from pathlib import Path
 
 import torch
 
+from writescope.native import build
+
 CHUNK = 256  # keys per chunk of a portion (its scores, p and packed values stay in L1/L2)
-PATHS = ("portable", "avx512bf16", "amx", "amx-emulated")  # index = the extension's path number; the last is for tests
+PATHS = build.PATHS  # index = the extension's path number; the last (amx-emulated) is for tests
 
 _DIR = Path(__file__).parent
 _SOURCES = ("cpu_kernel.cpp", "cpu_kernel_avx512.h", "cpu_kernel_amx.h", "cpu_kernel_amx_tiles.h", "cpu_worker.h")
@@ -51,24 +51,11 @@ _EXT = None
 _FAILED = False
 
 
-def _source() -> str:
-    """cpu_kernel.cpp, with a digest of all four files: torch rebuilds when the source text
-    changes, and the headers are found through the include path, so their digest must be in it."""
-    digest = hashlib.sha256(b"".join((_DIR / name).read_bytes() for name in _SOURCES)).hexdigest()
-    return (_DIR / _SOURCES[0]).read_text() + f"\n// sources digest {digest}\n"
-
-
 def _extension():
     global _EXT, _FAILED
     if _EXT is None and not _FAILED:
-        try:
-            from torch.utils.cpp_extension import load_inline
-
-            _EXT = load_inline("writescope_cpu_attention_v2", cpp_sources=[_source()], extra_include_paths=[str(_DIR)],
-                               extra_cflags=["-O3", "-march=native", "-fopenmp"], extra_ldflags=["-fopenmp"], verbose=False)
-        except Exception as e:  # noqa: BLE001 - no compiler, or the build failed: the flash op is used
-            _FAILED = True
-            warnings.warn(f"the CPU attention kernel could not be built ({str(e)[:300]}); using torch's flash op", stacklevel=2)
+        _EXT = build.load("writescope_cpu_attention_v2", _DIR, _SOURCES, "using torch's flash op")
+        _FAILED = _EXT is None
     return _EXT
 
 
@@ -94,12 +81,7 @@ def requested_path() -> int:
     Raises:
         ValueError: an unknown value (names it and the choices).
     """
-    value = os.environ.get("WRITESCOPE_CPU_ISA", "auto").strip().lower()
-    if value == "auto":
-        return -1
-    if value not in PATHS:
-        raise ValueError(f"WRITESCOPE_CPU_ISA={value!r}: use auto (the default), amx, avx512bf16 or portable")
-    return PATHS.index(value)
+    return build.requested_path("WRITESCOPE_CPU_ISA")
 
 
 def path_for(dtype: torch.dtype, dk: int, dv: int) -> str:

@@ -50,6 +50,8 @@ class NativeWorker:
         self._ext, self._w = ext, ext.Worker(threads)
         self.flags = torch.zeros(2, dtype=torch.int32, pin_memory=self.cuda)
         self._flags_dev = self._kernels.device_view(self.flags) if self.cuda else None
+        if self.cuda:
+            self._kernels.warm(self._flags_dev, self._timeout)
         self.seq = 0
         self._inflight: deque = deque()  # (seq, tensors the job reads or writes) until its done flag
         self._reported = 0  # stats: the done value of the last job reported by poll_stats

@@ -21,12 +21,14 @@ import triton.language as tl
 MAX_POLLS = 50_000_000  # each volatile load of host memory crosses PCIe (about 1 us): tens of seconds
 
 
-@triton.jit
+# index, value and max_polls vary call to call: not specialised (Triton would compile a variant for
+# 1, for multiples of 16 and for the rest; seen on the H200: a recompile inside a timed hand-off)
+@triton.jit(do_not_specialize=["index", "value"])
 def _store(flag_ptr, index, value):
     tl.store(flag_ptr + index, value)
 
 
-@triton.jit
+@triton.jit(do_not_specialize=["index", "value", "max_polls"])
 def _wait(flag_ptr, index, value, timeout_ptr, max_polls):
     v = tl.load(flag_ptr + index, volatile=True)
     i = 0
@@ -51,6 +53,15 @@ def device_view(flags: torch.Tensor) -> torch.Tensor:
     if flags.dtype != torch.int32 or not flags.is_pinned() or not flags.is_contiguous():
         raise ValueError(f"flags must be pinned contiguous int32, got {flags.dtype}, pinned={flags.is_pinned()}")
     return torch.as_tensor(_Cai(flags), device="cuda")
+
+
+def warm(flags_dev: torch.Tensor, timeout: torch.Tensor) -> None:
+    """Compile both kernels now (first use compiles them: seconds), not inside a decode step:
+    a store of 0 into ``flags_dev[0]`` and a wait for a value it already has. Call it before
+    any job uses the flags."""
+    store_flag(flags_dev, 0, 0)
+    wait_flag(flags_dev, 0, 0, timeout)
+    torch.cuda.synchronize(flags_dev.device)
 
 
 def store_flag(flags_dev: torch.Tensor, index: int, value: int) -> None:

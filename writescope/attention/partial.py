@@ -8,9 +8,10 @@ Implementations:
 - :func:`attend_blocks`: plain torch in float32 (GPU side: the D-windows; also a reference).
 - :func:`block_partials`: plain torch, one partial per block of a ping-pong buffer holding
   blocks of many sequences.
-- :func:`cpu_attend`: the compute region on the CPU, in place, through torch's CPU
-  flash-attention op (which returns the lse), split along the keys so all threads have work
-  (only the tails shorter than a chunk are copied).
+- :func:`cpu_attend`: the compute region on the CPU, in place: by default the C++ kernel
+  (:mod:`writescope.attention.cpu_kernel`, one call for the batch); with
+  ``WRITESCOPE_CPU_ATTENTION=flash`` torch's CPU flash-attention op (which returns the lse), split
+  along the keys so all threads have work (only the tails shorter than a chunk are copied).
 """
 
 from __future__ import annotations
@@ -107,7 +108,9 @@ def cpu_attend(
     Returns:
         ``(o [B, Hkv, G, dv], lse [B, Hkv, G])`` in float32 (float64 for float64 inputs).
 
-    GQA with equal k/v widths uses torch's ``_scaled_dot_product_flash_attention_for_cpu``.
+    By default (and where :func:`writescope.attention.cpu_kernel.usable`) the C++ kernel attends
+    the whole batch in one call. With ``WRITESCOPE_CPU_ATTENTION=flash``, or inputs it does not
+    take, GQA with equal k/v widths uses torch's ``_scaled_dot_product_flash_attention_for_cpu``.
     That op parallelises over batch x heads only, so each sequence's keys are viewed in place
     as a batch of chunks of exactly ``MIN_CPU_CHUNK`` keys (no copy, one call per sequence);
     the tails (the last ``n mod MIN_CPU_CHUNK`` keys) of all sequences with the same tail length

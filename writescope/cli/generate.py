@@ -9,6 +9,26 @@ from pathlib import Path
 from writescope.cli.experts import add_stream_share_flag, check_stream_share
 
 
+def core_plan(llm) -> str:
+    """The CPU's work in a decode step, in words: who attends the compute region (the native
+    worker's or the thread pool's threads, and the kernel's path), who computes host experts, and
+    the thread that issues the GPU work (docs/DESIGN.md section 10)."""
+    import os
+
+    from writescope.attention.split import _native_wanted
+
+    worker = "the native C++ worker" if _native_wanted() and "C++ kernel" in llm.cpu_attention else "a Python thread pool"
+    issue = "the main thread issues the GPU work and samples" if llm.device.type == "cuda" else "the main thread runs the 'GPU' side too"
+    hosted = [b for b in llm._moe_blocks if b.host_experts]
+    if not hosted:
+        experts = "none in host memory"
+    else:
+        how = "C++ kernel" if hosted[0].uses_host_kernel(llm.dtype) else "torch's GEMMs"
+        experts = f"{llm.expert_threads} threads for the host experts the CPU computes ({how}, WRITESCOPE_EXPERT_ISA={os.environ.get('WRITESCOPE_EXPERT_ISA', 'auto')})"
+    return (f"CPU threads: attention {llm.attention_threads} ({worker}, {llm.cpu_attention}); experts: {experts}; {issue} "
+            "(--cpu-threads, --expert-threads)")
+
+
 def add_parser(sub) -> None:
     p = sub.add_parser("generate", help="generate text and print timings")
     p.add_argument("--model", required=True, help="checkpoint directory or preset name (presets use synthetic weights)")
@@ -114,7 +134,7 @@ def run(args: argparse.Namespace) -> int:
     print(f"model: {cfg.architecture} ({cfg.num_layers} layers, {cfg.moe.num_experts} experts, top-{cfg.moe.top_k}), "
           f"{llm.load_info['source']}, {llm.dtype} on {llm.device}, loaded in {llm.load_info['load_s']:.1f} s; "
           f"experts: {'grouped GEMMs' if llm.load_info.get('grouped_experts') else 'one GEMM chain per expert (no grouped GEMM here)'}")
-    print(f"CPU threads: attention {llm.attention_threads}, host experts {llm.expert_threads} (--cpu-threads, --expert-threads)")
+    print(core_plan(llm))
     if llm.policy is not None and llm.device.type == "cpu":
         print(f"note: policy {llm.policy_name} on the CPU: the 'GPU' side runs as CPU tensors (exact, but no device split)")
     if machine_tokens is not None:

@@ -10,9 +10,6 @@
 //   phase 2  units of 32 output features of one expert (32 rows of w2), likewise: y = rw h W2^T
 #include <torch/extension.h>
 #include <omp.h>
-#include <cpuid.h>
-#include <sys/syscall.h>
-#include <unistd.h>
 #include <algorithm>
 #include <cmath>
 #include <cstdint>
@@ -21,76 +18,22 @@
 #include <string>
 #include <vector>
 
+#include "cpu_features.h"
+#include "scratch.h"
 #include "cpu_experts_avx512.h"
 #include "cpu_experts_amx.h"
 
 namespace wsmoe {
 
-// AMX_EMULATED: the AMX path with tiles emulated in C++ (tests only: checks its layouts without AMX)
-enum Isa : int64_t { PORTABLE = 0, AVX512BF16 = 1, AMX = 2, AMX_EMULATED = 3 };
-static const char* isa_name(int64_t i) {
-  return i == AMX_EMULATED ? "amx-emulated" : i == AMX ? "amx" : i == AVX512BF16 ? "avx512bf16" : "portable";
-}
-
-// ---------------------------------------------------------------- what this CPU and OS allow
-static uint64_t xcr0() {
-  uint32_t a, d;
-  __asm__ volatile("xgetbv" : "=a"(a), "=d"(d) : "c"(0));
-  return (uint64_t(d) << 32) | a;
-}
-static bool cpu_avx512bf16() {
-  unsigned a, b, c, d;
-  if (!__get_cpuid_count(7, 0, &a, &b, &c, &d)) return false;
-  const bool f = (b >> 16) & 1, dq = (b >> 17) & 1, bw = (b >> 30) & 1, vl = (b >> 31) & 1;
-  if (!(f && dq && bw && vl)) return false;
-  unsigned a1, b1, c1, d1;
-  if (!__get_cpuid_count(7, 1, &a1, &b1, &c1, &d1) || !((a1 >> 5) & 1)) return false;
-  if (!__get_cpuid(1, &a, &b, &c, &d) || !((c >> 27) & 1)) return false;  // OSXSAVE
-  return (xcr0() & 0xE6) == 0xE6;  // the OS saves the AVX-512 state
-}
-// AMX-BF16 and AMX-TILE flags, and permission to use tile data (arch_prctl ARCH_REQ_XCOMP_PERM
-// for XTILEDATA, asked once per process; refused on Linux before 5.16: then no AMX path)
-static bool cpu_amx() {
-  static const bool ok = [] {
-    if (!cpu_avx512bf16()) return false;
-    unsigned a, b, c, d;
-    if (!__get_cpuid_count(7, 0, &a, &b, &c, &d) || !((d >> 22) & 1) || !((d >> 24) & 1)) return false;
-    if (syscall(SYS_arch_prctl, 0x1023 /* ARCH_REQ_XCOMP_PERM */, 18 /* XTILEDATA */) != 0) return false;
-    return (xcr0() & 0x60000) == 0x60000;
-  }();
-  return ok;
-}
-static int64_t best_isa() { return cpu_amx() ? AMX : cpu_avx512bf16() ? AVX512BF16 : PORTABLE; }
+using namespace wsnative;  // the paths (Isa), the CPU-flag checks
 
 // The path for these inputs: the requested one (-1: the best this CPU has), lowered where the
 // inputs need it (AMX: bf16, D % 32 == 0, I % 32 == 0; AVX512-BF16: bf16)
 static int64_t choose(int64_t req, bool bf16, int64_t D, int64_t I) {
-  int64_t isa = req < 0 ? best_isa() : req;
-  TORCH_CHECK(isa >= 0 && isa <= AMX_EMULATED, "unknown host-expert kernel path ", isa);
-  const int64_t need = isa == AMX_EMULATED ? AVX512BF16 : isa;
-  TORCH_CHECK(need <= best_isa(), "host-expert kernel path '", isa_name(isa), "' was asked for (WRITESCOPE_EXPERT_ISA) but this CPU or OS offers at most '",
-              isa_name(best_isa()), "'");
-  if ((isa == AMX || isa == AMX_EMULATED) && !(bf16 && D % 32 == 0 && I % 32 == 0)) isa = AVX512BF16;
-  if (isa == AVX512BF16 && !bf16) isa = PORTABLE;
-  return isa;
+  return choose_isa(req, bf16, D % 32 == 0 && I % 32 == 0, "WRITESCOPE_EXPERT_ISA");
 }
 
 // ---------------------------------------------------------------- scratch
-template <typename E>
-struct Buf {
-  E* p = nullptr;
-  size_t n = 0;
-  E* get(size_t want) {
-    if (want > n) {
-      std::free(p);
-      p = static_cast<E*>(std::aligned_alloc(64, (std::max<size_t>(want, 1) * sizeof(E) + 63) / 64 * 64));
-      TORCH_CHECK(p != nullptr, "host-expert kernel: out of memory for ", want * sizeof(E), " bytes of scratch");
-      n = want;
-    }
-    return p;
-  }
-  ~Buf() { std::free(p); }
-};
 struct Caller {  // the calling thread's buffers, reused across calls (no page faults in a decode step)
   Buf<uint16_t> xb, hb;
   Buf<float> xf, hf;

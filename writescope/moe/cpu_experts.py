@@ -26,16 +26,15 @@ Three paths, chosen at run time from the CPU's flags (``WRITESCOPE_EXPERT_ISA`` 
 
 from __future__ import annotations
 
-import hashlib
-import os
 import sys
 import time
-import warnings
 from pathlib import Path
 
 import torch
 
-PATHS = ("portable", "avx512bf16", "amx", "amx-emulated")  # index = the extension's path number; the last is for tests
+from writescope.native import build
+
+PATHS = build.PATHS  # index = the extension's path number; the last (amx-emulated) is for tests
 ENV = "WRITESCOPE_EXPERT_ISA"
 
 _DIR = Path(__file__).parent
@@ -45,24 +44,11 @@ _EXT = None
 _FAILED = False
 
 
-def _source() -> str:
-    """cpu_experts.cpp, with a digest of all four files: torch rebuilds when the source text
-    changes, and the headers are found through the include path, so their digest must be in it."""
-    digest = hashlib.sha256(b"".join((_DIR / name).read_bytes() for name in _SOURCES)).hexdigest()
-    return (_DIR / _SOURCES[0]).read_text() + f"\n// sources digest {digest}\n"
-
-
 def _extension():
     global _EXT, _FAILED
     if _EXT is None and not _FAILED:
-        try:
-            from torch.utils.cpp_extension import load_inline
-
-            _EXT = load_inline("writescope_cpu_experts", cpp_sources=[_source()], extra_include_paths=[str(_DIR)],
-                               extra_cflags=["-O3", "-march=native", "-fopenmp"], extra_ldflags=["-fopenmp"], verbose=False)
-        except Exception as e:  # noqa: BLE001 - no compiler, or the build failed: the torch loop is used
-            _FAILED = True
-            warnings.warn(f"the host-expert kernel could not be built ({str(e)[:300]}); host experts use torch's GEMMs", stacklevel=2)
+        _EXT = build.load("writescope_cpu_experts", _DIR, _SOURCES, "host experts use torch's GEMMs")
+        _FAILED = _EXT is None
     return _EXT
 
 
@@ -93,12 +79,7 @@ def requested_path() -> int:
     Raises:
         ValueError: an unknown value (names it and the choices).
     """
-    value = os.environ.get(ENV, "auto").strip().lower()
-    if value == "auto":
-        return -1
-    if value not in PATHS:
-        raise ValueError(f"{ENV}={value!r}: use auto (the default), amx, avx512bf16 or portable (amx-emulated: tests only)")
-    return PATHS.index(value)
+    return build.requested_path(ENV)
 
 
 def path_for(dtype: torch.dtype, hidden: int, inter: int) -> str:

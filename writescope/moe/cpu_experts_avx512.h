@@ -15,6 +15,8 @@
 #include <cstdint>
 #include <cstring>
 
+#include "avx512_math.h"
+
 #pragma GCC push_options
 #pragma GCC target("avx512f,avx512bw,avx512vl,avx512dq,avx512bf16,fma")
 
@@ -22,27 +24,7 @@ namespace wsmoe::avx {
 
 constexpr int64_t TC = 64;  // tokens per chunk of a unit (their partial results stay in L1)
 
-static inline __mmask16 mask16(int64_t left) { return left >= 16 ? (__mmask16)0xFFFF : left <= 0 ? 0 : (__mmask16)((1u << left) - 1u); }
-static inline __mmask32 mask32(int64_t left) { return left >= 32 ? (__mmask32)0xFFFFFFFFu : left <= 0 ? 0 : (__mmask32)((1u << left) - 1u); }
-
-// e^x: x = n ln2 + r (Cody-Waite), e^r by a degree-7 Taylor polynomial (< 6e-9 relative), times 2^n
-// (scalef: inf past float's range, 0 below -87.3). NaN stays NaN (max returns its second operand).
-static inline __m512 exp512(__m512 x) {
-  const __mmask16 tiny = _mm512_cmp_ps_mask(x, _mm512_set1_ps(-87.3f), _CMP_LT_OQ);
-  x = _mm512_min_ps(_mm512_set1_ps(88.8f), _mm512_max_ps(_mm512_set1_ps(-87.3f), x));
-  const __m512 n = _mm512_roundscale_ps(_mm512_mul_ps(x, _mm512_set1_ps(1.44269504088896341f)), _MM_FROUND_TO_NEAREST_INT | _MM_FROUND_NO_EXC);
-  __m512 r = _mm512_fnmadd_ps(n, _mm512_set1_ps(0.693359375f), x);
-  r = _mm512_fnmadd_ps(n, _mm512_set1_ps(-2.12194440e-4f), r);
-  __m512 p = _mm512_set1_ps(1.f / 5040.f);
-  p = _mm512_fmadd_ps(p, r, _mm512_set1_ps(1.f / 720.f));
-  p = _mm512_fmadd_ps(p, r, _mm512_set1_ps(1.f / 120.f));
-  p = _mm512_fmadd_ps(p, r, _mm512_set1_ps(1.f / 24.f));
-  p = _mm512_fmadd_ps(p, r, _mm512_set1_ps(1.f / 6.f));
-  p = _mm512_fmadd_ps(p, r, _mm512_set1_ps(0.5f));
-  p = _mm512_fmadd_ps(p, r, _mm512_set1_ps(1.f));
-  p = _mm512_fmadd_ps(p, r, _mm512_set1_ps(1.f));
-  return _mm512_maskz_mov_ps((__mmask16)~tiny, _mm512_scalef_ps(p, n));
-}
+using namespace wsnative;  // mask16, mask32, exp512
 
 // silu(g) * u in fp32: g / (1 + e^-g) * u (NaN in, NaN out)
 static inline __m512 swiglu16(__m512 g, __m512 u) {
@@ -92,19 +74,6 @@ static void store_y(const float* c0, const float* c1, int64_t nt, const float* r
 }
 
 // ---------------------------------------------------------------- the AVX512-BF16 path
-// r[i] = the sum of v[i]'s 16 lanes, for 16 vectors at once
-static inline __attribute__((always_inline)) __m512 reduce16(const __m512* v) {
-  __m512 t[8], u[4];
-  for (int i = 0; i < 8; ++i) t[i] = _mm512_add_ps(_mm512_unpacklo_ps(v[2 * i], v[2 * i + 1]), _mm512_unpackhi_ps(v[2 * i], v[2 * i + 1]));
-  for (int i = 0; i < 4; ++i) {
-    const __m512d x = _mm512_castps_pd(t[2 * i]), y = _mm512_castps_pd(t[2 * i + 1]);
-    u[i] = _mm512_add_ps(_mm512_castpd_ps(_mm512_unpacklo_pd(x, y)), _mm512_castpd_ps(_mm512_unpackhi_pd(x, y)));
-  }
-  const __m512 w0 = _mm512_add_ps(_mm512_shuffle_f32x4(u[0], u[1], 0x44), _mm512_shuffle_f32x4(u[0], u[1], 0xEE));
-  const __m512 w1 = _mm512_add_ps(_mm512_shuffle_f32x4(u[2], u[3], 0x44), _mm512_shuffle_f32x4(u[2], u[3], 0xEE));
-  return _mm512_add_ps(_mm512_shuffle_f32x4(w0, w1, 0x88), _mm512_shuffle_f32x4(w0, w1, 0xDD));
-}
-
 // out[j * ldo + i] = w[i] . x[j] over K bf16 (pairs along K, fp32 lanes, reduced at the end),
 // for R rows x TB tokens, R * TB == 16 accumulators. The accumulators are named variables: GCC
 // keeps an array of them in memory inside the loop (a store per product). Accumulator q is row

@@ -1,0 +1,47 @@
+"""Building a native CPU kernel (torch.utils.cpp_extension.load_inline, cached by torch per source
+digest) and reading which of its paths an environment variable asks for."""
+
+from __future__ import annotations
+
+import hashlib
+import os
+import warnings
+from pathlib import Path
+
+NATIVE_DIR = Path(__file__).parent
+SHARED = ("cpu_features.h", "avx512_math.h", "amx.h", "scratch.h")
+PATHS = ("portable", "avx512bf16", "amx", "amx-emulated")  # index = the extensions' path number; the last is for tests
+
+
+def load(name: str, directory: Path, sources: tuple[str, ...], failure: str):
+    """Build (or load from torch's cache) the extension ``name`` from ``directory/sources[0]``,
+    which includes the other sources and this folder's shared headers through the include path.
+    The source text carries a digest of all of them, so a change to any header rebuilds.
+    Compiled with -O3 -march=native -fopenmp. Returns the module, or None with a warning naming
+    ``failure`` (what is used instead) where it does not build (no compiler, say)."""
+    files = [directory / s for s in sources] + [NATIVE_DIR / s for s in SHARED]
+    digest = hashlib.sha256(b"".join(f.read_bytes() for f in files)).hexdigest()
+    source = (directory / sources[0]).read_text() + f"\n// sources digest {digest}\n"
+    try:
+        from torch.utils.cpp_extension import load_inline
+
+        return load_inline(name, cpp_sources=[source], extra_include_paths=[str(directory), str(NATIVE_DIR)],
+                           extra_cflags=["-O3", "-march=native", "-fopenmp"], extra_ldflags=["-fopenmp"], verbose=False)
+    except Exception as e:  # noqa: BLE001 - no compiler, or the build failed
+        warnings.warn(f"{name} could not be built ({str(e)[:300]}); {failure}", stacklevel=3)
+        return None
+
+
+def requested_path(env: str) -> int:
+    """The path the variable ``env`` asks for, as the extensions' path number (-1: ``auto``, the
+    best the CPU offers; ``amx-emulated`` is a test path).
+
+    Raises:
+        ValueError: an unknown value (names it and the choices).
+    """
+    value = os.environ.get(env, "auto").strip().lower()
+    if value == "auto":
+        return -1
+    if value not in PATHS:
+        raise ValueError(f"{env}={value!r}: use auto (the default), amx, avx512bf16 or portable")
+    return PATHS.index(value)
