@@ -208,8 +208,12 @@ def test_bad_inputs_are_named():
         ext.attend(q, [torch.randn(1, 5, 8)], [k], [0], 16, 1.0, -1, 1, None, None)
     with pytest.raises(RuntimeError, match="one dtype for the batch"):
         ext.attend(q, [k, k.bfloat16()], [k, k.bfloat16()], [0, 1], 16, 1.0, -1, 1, None, None)
-    with pytest.raises(RuntimeError, match="chunk must be >= 1"):
+    with pytest.raises(RuntimeError, match="chunk must be 1 to 2\\^20 keys"):
         ext.attend(q, [k], [k], [0], 0, 1.0, -1, 1, None, None)
+    with pytest.raises(RuntimeError, match="chunk must be 1 to 2\\^20 keys, got 1152921504606846976"):
+        ext.attend(q, [k], [k], [0], 2**60, 1.0, -1, 1, None, None)
+    with pytest.raises(RuntimeError, match="row 0 listed twice"):
+        ext.attend(q, [k, k], [k, k], [0, 0], 16, 1.0, -1, 1, None, None)
     with pytest.raises(RuntimeError, match="row 5 outside the batch of 2"):
         ext.attend(q, [k], [k], [5], 16, 1.0, -1, 1, None, None)
     with pytest.raises(RuntimeError, match="out_o must be contiguous fp32"):
@@ -305,3 +309,16 @@ def test_bf16_policy_logits_within_bf16_rounding(path, model):
     _, cpu16 = pc.generate_forced(llm, prompts, params, forced=forced)
     got = pc.compare_logits(cpu16, res16)["max_abs_logit_diff"]
     assert 0 < got <= 2 * floor, (got, floor)  # (0 would mean the CPU attention did not run)
+
+
+def test_the_kernels_build_where_a_compiler_and_ninja_are():
+    """Where g++ and ninja exist (the dev and CI machines, the GPU machine) both C++ kernels must
+    build: a failed build would otherwise only skip their tests and fall back (flash op, torch's
+    GEMMs) with a warning."""
+    import shutil
+
+    from writescope.moe import cpu_experts
+
+    if not (shutil.which("g++") and shutil.which("ninja")):
+        pytest.skip("no g++ or ninja here")
+    assert kernel.kernel_available() and cpu_experts.kernel_available()

@@ -72,9 +72,66 @@ def test_submit_and_consume_through_the_wrapper():
             assert w.done_value() == seq
             ro, rl = cpu_kernel.attend(q, kv, 0.2, threads=3)
             assert torch.equal(out[0], ro) and torch.equal(out[1], rl)
-        assert w.poll_stats() is not None and w.poll_stats() is None  # the last job is reported once
+        done = w.take_done()
+        assert [(keys, batch) for _, keys, batch in done] == [(17 + 256 + 1, 3)] * 4 and w.take_done() == []  # each job once
     finally:
         w.close()
+
+
+def test_sequence_numbers_wrap_modulo_2_to_the_32():
+    """Past 2^31 jobs the flag values wrap to negative int32s; waits and releases still order them."""
+    from writescope.attention.cpu_worker import _int32, _reached
+
+    assert _int32(2**31 - 1) == 2**31 - 1 and _int32(2**31) == -(2**31) and _int32(2**32 + 5) == 5
+    assert _reached(_int32(2**31), _int32(2**31 - 1)) and not _reached(_int32(2**31 - 1), _int32(2**31))
+    gen = torch.Generator().manual_seed(5)
+    w = NativeWorker(2, torch.device("cpu"))
+    try:
+        w.seq = 2**31 - 2  # the next jobs' values: 2^31 - 1, then -2^31, -2^31 + 1
+        for _ in range(3):
+            q, kv = _batch([50, 3000], gen)
+            out = _out(q, 48)
+            seq = w.submit(q, kv, 0.1, out)
+            w.consume(seq)
+            ro, _ = cpu_kernel.attend(q, kv, 0.1, threads=2)
+            assert torch.equal(out[0], ro), seq
+        assert w.seq == 2**31 + 1 and [v for v, *_ in w._inflight] == [_int32(2**31 + 1)]  # the older jobs released at submit
+    finally:
+        w.close()
+
+
+def test_a_failed_job_poisons_its_outputs_and_is_raised():
+    """A job that fails in the kernel (the TEST_FAIL tuning stands for a failed allocation) writes
+    NaN, never stale numbers, and its error is raised by the next consume; later jobs run."""
+    gen = torch.Generator().manual_seed(6)
+    w = NativeWorker(1, torch.device("cpu"))
+    ext = cpu_kernel._extension()
+    q, kv = _batch([40], gen)
+    try:
+        old = ext.set_tuning(1 << 20)
+        try:
+            out = (torch.zeros(1, 1, 16, 48), torch.zeros(1, 1, 16))
+            seq = w.submit(q, kv, 0.1, out)
+            with pytest.raises(RuntimeError, match="TEST_FAIL"):
+                w.consume(seq)
+            assert torch.isnan(out[0]).all() and torch.isnan(out[1]).all()
+        finally:
+            ext.set_tuning(old)
+        out = _out(q, 48)
+        w.consume(w.submit(q, kv, 0.1, out))
+        assert torch.isfinite(out[0]).all()
+    finally:
+        w.close()
+
+
+def test_tensors_off_the_host_are_refused():
+    q, kv = _batch([8], torch.Generator().manual_seed(7))
+    meta = [(kv[0][0].to("meta"), kv[0][1].to("meta"))]
+    assert not cpu_kernel.usable(q, meta)
+    with pytest.raises(RuntimeError, match="must be in host memory"):
+        cpu_kernel.attend(q, meta, 0.1)
+    o, lse = cpu_kernel.attend(q, [(kv[0][0][:, :0], kv[0][1][:, :0]), None][:1], 0.1)  # no keys at all: the value width still holds
+    assert o.shape == (1, 1, 16, 48) and torch.all(lse == float("-inf"))
 
 
 def test_bad_inputs_are_refused_at_submit_and_the_worker_goes_on():

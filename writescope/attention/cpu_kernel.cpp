@@ -51,8 +51,9 @@ static int64_t choose(int64_t req, bool bf16, int64_t dk, int64_t dv) {
 // and, to time a chunk's stages by leaving one out (the results are then wrong; benchmarks only):
 //   SKIP_SCORES, SKIP_SOFTMAX (softmax and the packing of p), SKIP_PACK_V, SKIP_VALUES.
 // Default QK_PREFETCH: measured on the H200 host, benchmarks/results/cpu_attention.md.
+// TEST_FAIL (tests only): every call fails inside the kernel, as a failed allocation would.
 enum Tuning : int64_t { LINEAR_FIRST = 1, QK_PREFETCH = 2, PV_DIRECT = 4, SKIP_SCORES = 64, SKIP_SOFTMAX = 128, SKIP_PACK_V = 256,
-                        SKIP_VALUES = 512 };
+                        SKIP_VALUES = 512, TEST_FAIL = 1 << 20 };
 static std::atomic<int64_t> g_tuning{QK_PREFETCH};
 static std::atomic<uint64_t> g_sink{0};
 
@@ -141,7 +142,7 @@ static void values_portable(const float* s, const T* V, int64_t vrs, int64_t m, 
 // keys [j0, j1) of segment sg into slot `slot`: acc [16, dv] (rows < gn), m, l
 static void portion(const Plan& P, int64_t sg, int64_t j0, int64_t j1, int64_t slot, Scratch& w) {
   const int64_t i = P.seg_i[sg], b = P.seg_b[sg], h = P.seg_h[sg], g0 = P.seg_g0[sg], gn = P.seg_gn[sg];
-  const int64_t dk = P.dk, dv = P.dv, CH = P.chunk, es = P.bf16 ? 2 : 4;
+  const int64_t dk = P.dk, dv = P.dv, CH = std::min(P.chunk, j1 - j0), es = P.bf16 ? 2 : 4;  // scratch for the chunks this portion has
   const int64_t dkp = (dk + 31) / 32 * 32, cap = (CH + 63) / 64 * 64;
   const float* q = P.q + ((b * P.H + h) * P.G + g0) * dk;
   float* acc = P.acc + slot * 16 * dv;
@@ -313,19 +314,28 @@ static Request describe(const at::Tensor& q, const std::vector<at::Tensor>& ks, 
                         const std::vector<int64_t>& rows, int64_t chunk, double scale, int64_t isa, int64_t threads, const at::Tensor& o,
                         const at::Tensor& lse) {
   TORCH_CHECK(q.dim() == 4, "q must be [B, kv_heads, group, dk], got ", q.sizes());
+  TORCH_CHECK(q.device().is_cpu() && o.device().is_cpu() && lse.device().is_cpu(), "q and the outputs must be in host memory");
   TORCH_CHECK(q.is_contiguous() && (q.scalar_type() == at::kBFloat16 || q.scalar_type() == at::kFloat), "q must be contiguous bf16 or fp32");
   TORCH_CHECK(ks.size() == vs.size() && ks.size() == rows.size(), "one (k, v) per listed row");
-  TORCH_CHECK(chunk >= 1, "chunk must be >= 1 key, got ", chunk);
+  TORCH_CHECK(chunk >= 1 && chunk <= (1 << 20), "chunk must be 1 to 2^20 keys, got ", chunk);
   const int64_t B = q.size(0), H = q.size(1), G = q.size(2), dk = q.size(3);
-  const int64_t dv = vs.empty() ? dk : vs[0].size(2);
+  const int64_t dv = vs.empty() ? (o.dim() == 4 ? o.size(3) : -1) : vs[0].size(2);
+  TORCH_CHECK(o.is_contiguous() && o.scalar_type() == at::kFloat && o.sizes() == at::IntArrayRef({B, H, G, dv}),
+              "out_o must be contiguous fp32 [B, H, G, dv] = [", B, ", ", H, ", ", G, ", ", dv, "], got ", o.sizes());
+  TORCH_CHECK(lse.is_contiguous() && lse.scalar_type() == at::kFloat && lse.sizes() == at::IntArrayRef({B, H, G}),
+              "out_lse must be contiguous fp32 [B, H, G] = [", B, ", ", H, ", ", G, "], got ", lse.sizes());
   Request r;
   r.q = q.data_ptr();
   r.q_bf16 = q.scalar_type() == at::kBFloat16;
   r.bf16 = !ks.empty() && ks[0].scalar_type() == at::kBFloat16;
   r.B = B; r.H = H; r.G = G; r.dk = dk; r.dv = dv; r.chunk = chunk; r.threads = std::max<int64_t>(1, threads); r.scale = (float)scale;
   r.isa = choose(isa, r.bf16, dk, dv);
+  std::vector<char> seen(B, 0);
   for (size_t i = 0; i < ks.size(); ++i) {
     TORCH_CHECK(rows[i] >= 0 && rows[i] < B, "row ", rows[i], " outside the batch of ", B);
+    TORCH_CHECK(!seen[rows[i]], "row ", rows[i], " listed twice");
+    seen[rows[i]] = 1;
+    TORCH_CHECK(ks[i].device().is_cpu() && vs[i].device().is_cpu(), "keys and values must be in host memory (row ", rows[i], ")");
     TORCH_CHECK(ks[i].dim() == 3 && vs[i].dim() == 3 && ks[i].size(0) == H && vs[i].size(0) == H, "k, v must be [kv_heads, n, dim]");
     TORCH_CHECK(ks[i].size(2) == dk && vs[i].size(2) == dv && ks[i].size(1) == vs[i].size(1), "k width must equal q's, v widths equal");
     TORCH_CHECK(ks[i].scalar_type() == ks[0].scalar_type() && vs[i].scalar_type() == ks[0].scalar_type(), "one dtype for the batch");
@@ -334,8 +344,6 @@ static Request describe(const at::Tensor& q, const std::vector<at::Tensor>& ks, 
     r.seqs.push_back({static_cast<const char*>(ks[i].data_ptr()), static_cast<const char*>(vs[i].data_ptr()), ks[i].size(1), ks[i].stride(0),
                       ks[i].stride(1), vs[i].stride(0), vs[i].stride(1), rows[i]});
   }
-  TORCH_CHECK(o.is_contiguous() && o.scalar_type() == at::kFloat && o.sizes() == at::IntArrayRef({B, H, G, dv}), "out_o must be contiguous fp32 [B, H, G, dv]");
-  TORCH_CHECK(lse.is_contiguous() && lse.scalar_type() == at::kFloat && lse.sizes() == at::IntArrayRef({B, H, G}), "out_lse must be contiguous fp32 [B, H, G]");
   r.o = o.data_ptr<float>();
   r.lse = lse.data_ptr<float>();
   return r;
@@ -348,6 +356,7 @@ static int64_t run_request(const Request& r) {
   Plan P;
   P.H = H; P.G = G; P.dk = dk; P.dv = dv; P.chunk = r.chunk; P.scale = r.scale; P.bf16 = r.bf16; P.isa = r.isa;
   P.tuning = g_tuning.load(std::memory_order_relaxed);
+  if (P.tuning & TEST_FAIL) throw std::runtime_error("a failure asked for by the TEST_FAIL tuning");
   P.permuted = (P.isa == AMX || P.isa == AMX_EMULATED) && (P.tuning & PV_DIRECT) && dv % 32 == 0;
   if (r.q_bf16) {  // q in fp32 for the packings (exact)
     float* qf = q_buffer(B * H * G * dk);
@@ -420,9 +429,10 @@ using namespace ws;
 // rows not listed get the empty partial (0, -inf).
 std::vector<at::Tensor> attend(at::Tensor q, std::vector<at::Tensor> ks, std::vector<at::Tensor> vs, std::vector<int64_t> rows,
                                int64_t chunk, double scale, int64_t isa, int64_t threads, std::optional<at::Tensor> out_o,
-                               std::optional<at::Tensor> out_lse) {
-  if (q.dim() == 4 && !q.is_contiguous()) q = q.contiguous();
-  const int64_t dv = vs.empty() ? (q.dim() == 4 ? q.size(3) : 0) : vs[0].size(2);
+                               std::optional<at::Tensor> out_lse, int64_t dv) {
+  TORCH_CHECK(q.dim() == 4, "q must be [B, kv_heads, group, dk], got ", q.sizes());
+  if (!q.is_contiguous()) q = q.contiguous();
+  if (dv < 0) dv = vs.empty() ? q.size(3) : vs[0].size(2);
   auto fopt = q.options().dtype(at::kFloat);
   at::Tensor o = out_o.has_value() ? *out_o : at::empty({q.size(0), q.size(1), q.size(2), dv}, fopt);
   at::Tensor lse = out_lse.has_value() ? *out_lse : at::empty({q.size(0), q.size(1), q.size(2)}, fopt);
@@ -520,14 +530,15 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
            py::arg("ready_value"), py::arg("done_index"), py::arg("done_value"))
       .def("close", &Worker::close, py::call_guard<py::gil_scoped_release>())
       .def("take_error", &Worker::take_error)
-      .def("stats", &Worker::stats)
+      .def("totals", &Worker::totals)
+      .def("take_done", &Worker::take_done)
       .def_property_readonly("threads", &Worker::threads);
   m.def("wait_flag", [](at::Tensor flags, int64_t index, int32_t value, double timeout_s) { return wait_flag(flag_ptr(flags, index), value, timeout_s); },
         "wait (GIL released) until flags[index] reaches value; False after timeout_s", py::call_guard<py::gil_scoped_release>());
   // the GIL is released: the GPU part of the step is launched from the main thread meanwhile
   m.def("attend", &attend, "batched CPU decode attention", py::arg("q"), py::arg("ks"), py::arg("vs"), py::arg("rows"), py::arg("chunk"),
         py::arg("scale"), py::arg("isa") = -1, py::arg("threads") = 1, py::arg("out_o") = py::none(), py::arg("out_lse") = py::none(),
-        py::call_guard<py::gil_scoped_release>());
+        py::arg("dv") = -1, py::call_guard<py::gil_scoped_release>());
   m.def("wait_for_flag", &wait_for_flag, "test hook: the GIL is released as in attend", py::call_guard<py::gil_scoped_release>());
   m.def("path_for", &path_for, "the path attend takes for these inputs (0 portable, 1 avx512bf16, 2 amx, 3 amx-emulated)");
   m.def("best", &best, "the best path this CPU and OS offer");

@@ -141,7 +141,7 @@ def prepare(progress: bool = True) -> str:
 def usable(q: torch.Tensor, kv: list) -> bool:
     """The kernel handles these inputs: one dtype (bf16 or fp32) for the batch's keys and values,
     K as wide as q, rows with unit last stride, at least one sequence with keys."""
-    if q.dtype not in (torch.float32, torch.bfloat16):
+    if q.dtype not in (torch.float32, torch.bfloat16) or q.device.type != "cpu":
         return False
     dtypes = {t.dtype for x in kv if x is not None for t in x}
     if len(dtypes) != 1 or dtypes.pop() not in (torch.float32, torch.bfloat16):
@@ -153,13 +153,15 @@ def usable(q: torch.Tensor, kv: list) -> bool:
         if x is None:
             continue
         k, v = x
+        if k.device.type != "cpu" or v.device.type != "cpu":
+            return False
         if k.shape[-1] != q.shape[-1] or k.stride(-1) != 1 or v.stride(-1) != 1 or k.shape[:2] != v.shape[:2] or k.shape[0] != q.shape[1]:
             return False
     return True
 
 
 def attend(q: torch.Tensor, kv: list, scale: float, out: tuple[torch.Tensor, torch.Tensor] | None = None,
-           threads: int | None = None) -> tuple[torch.Tensor, torch.Tensor]:
+           threads: int | None = None, dv: int | None = None) -> tuple[torch.Tensor, torch.Tensor]:
     """Decode attention of the batch over keys that stay where they are in host memory.
 
     Args:
@@ -170,6 +172,8 @@ def attend(q: torch.Tensor, kv: list, scale: float, out: tuple[torch.Tensor, tor
         out: optional ``(o [B, kv_heads, G, dv], lse [B, kv_heads, G])`` contiguous fp32 tensors
             (pinned ones, say) to write into.
         threads: threads of the call (default: torch's intra-op count on the calling thread).
+        dv: the value width (default: the first given v's, else dk): it sets the output's width
+            when no sequence has keys.
 
     Returns:
         ``(o, lse)`` float32; empty sequences (0, -inf).
@@ -181,5 +185,7 @@ def attend(q: torch.Tensor, kv: list, scale: float, out: tuple[torch.Tensor, tor
     rows = [i for i, x in enumerate(kv) if x is not None and x[0].shape[1] > 0]
     ks = [kv[i][0] for i in rows]
     vs = [kv[i][1] for i in rows]
+    if dv is None:
+        dv = next((x[1].shape[-1] for x in kv if x is not None), q.shape[-1])
     o, lse = out if out is not None else (None, None)
-    return tuple(_extension().attend(q, ks, vs, rows, CHUNK, float(scale), requested_path(), threads or torch.get_num_threads(), o, lse))
+    return tuple(_extension().attend(q, ks, vs, rows, CHUNK, float(scale), requested_path(), threads or torch.get_num_threads(), o, lse, dv))

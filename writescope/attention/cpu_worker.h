@@ -6,13 +6,16 @@
 // or by the host). It then attends on its OpenMP team (the worker thread and threads - 1 more),
 // writes (o, lse) where the Request says (pinned memory), and sets the int32 `done` flag to the
 // job's value after its outputs (a release store): a GPU stream or a host waits on that flag. Flag
-// values are sequence numbers compared modulo 2^32. A failed job records its error (the first one
-// is kept until taken) and still sets its done flag, so nothing waits forever.
+// values are sequence numbers compared modulo 2^32 (a signed difference). A failed job records
+// its error (the first one is kept until taken), fills its outputs with NaN and still sets its done
+// flag, so nothing waits forever and nothing reads stale results as if they were right.
 #pragma once
 #include <immintrin.h>
 #include <chrono>
 #include <condition_variable>
 #include <deque>
+#include <limits>
+#include <vector>
 #include <mutex>
 #include <string>
 #include <thread>
@@ -57,10 +60,18 @@ class Worker {
     return e;
   }
 
-  // (jobs done, seconds attending, keys attended, the last job's seconds and keys, its done value)
-  std::tuple<int64_t, double, int64_t, double, int64_t, int32_t> stats() {
+  // (jobs done, seconds attending, keys attended) since the start
+  std::tuple<int64_t, double, int64_t> totals() {
     std::lock_guard<std::mutex> lk(mu_);
-    return {jobs_done_, seconds_, keys_, last_seconds_, last_keys_, last_value_};
+    return {jobs_done_, seconds_, keys_};
+  }
+
+  // the jobs finished since the last call: (done value, seconds, keys) each, in order
+  std::vector<std::tuple<int32_t, double, int64_t>> take_done() {
+    std::lock_guard<std::mutex> lk(mu_);
+    std::vector<std::tuple<int32_t, double, int64_t>> out(done_log_.begin(), done_log_.end());
+    done_log_.clear();
+    return out;
   }
 
   int64_t threads() const { return threads_; }
@@ -73,6 +84,12 @@ class Worker {
     volatile int32_t* done;
     int32_t done_value;
   };
+
+  static void poison(const Request& r) {
+    const float nan = std::numeric_limits<float>::quiet_NaN();
+    std::fill(r.o, r.o + r.B * r.H * r.G * r.dv, nan);
+    std::fill(r.lse, r.lse + r.B * r.H * r.G, nan);
+  }
 
   void fail(const std::string& what) {
     std::lock_guard<std::mutex> lk(mu_);
@@ -98,20 +115,26 @@ class Worker {
         if (spins > 4096) std::this_thread::yield();
         else _mm_pause();
       }
+      std::atomic_thread_fence(std::memory_order_acquire);  // q's bytes after the flag that says they are there
       const auto t0 = std::chrono::steady_clock::now();
       int64_t keys = 0;
+      bool ok = ready;
       if (!ready) fail("the CPU attention worker was closed while a job waited for its q");
       else {
         try {
           keys = run_request(j.r);
         } catch (const std::exception& e) {
           fail(e.what());
+          ok = false;
         }
       }
+      if (!ok) poison(j.r);  // whoever consumes a failed job's outputs sees NaN, not stale memory
       const double dt = std::chrono::duration<double>(std::chrono::steady_clock::now() - t0).count();
       {
         std::lock_guard<std::mutex> lk(mu_);
-        jobs_done_ += 1; seconds_ += dt; keys_ += keys; last_seconds_ = dt; last_keys_ = keys; last_value_ = j.done_value;
+        jobs_done_ += 1; seconds_ += dt; keys_ += keys;
+        if (done_log_.size() == 4096) done_log_.pop_front();  // unread entries beyond that are dropped
+        done_log_.push_back({j.done_value, dt, keys});
       }
       std::atomic_thread_fence(std::memory_order_release);  // the outputs before the flag
       *j.done = j.done_value;
@@ -124,9 +147,9 @@ class Worker {
   std::deque<Job> jobs_;
   bool stop_ = false;
   std::string error_;
-  int64_t jobs_done_ = 0, keys_ = 0, last_keys_ = 0;
-  double seconds_ = 0.0, last_seconds_ = 0.0;
-  int32_t last_value_ = 0;
+  int64_t jobs_done_ = 0, keys_ = 0;
+  double seconds_ = 0.0;
+  std::deque<std::tuple<int32_t, double, int64_t>> done_log_;
   std::thread thread_;  // last: started once the members above exist
 };
 

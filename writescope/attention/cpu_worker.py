@@ -9,9 +9,12 @@ Hand-offs, all through one pinned int32 flag pair per worker (sequence numbers, 
   one-CTA Triton kernel spinning on the flag (``cuStreamWaitValue32`` hung on the H200 machine:
   docs/HARDWARE.md), so the thread that issues the step does not wait; without CUDA the host
   waits (GIL released).
-A job that fails still sets its done flag (nothing waits forever) and its error is raised by the
-next call of :meth:`NativeWorker.check`. The GPU wait gives up after about ``WAIT_SECONDS`` and
-records a timeout that ``check`` raises too.
+A job that fails fills its outputs with NaN, still sets its done flag (nothing waits forever), and
+its error is raised by the next :meth:`NativeWorker.check` (called by every ``submit``,
+``consume`` and ``close``). The GPU wait gives up after ``flag_kernels.MAX_POLLS`` polls (tens of
+seconds) and writes a third pinned flag, which ``check`` reads (no device sync) and raises.
+Sequence numbers count without bound in Python; the flags hold them modulo 2^32 as int32, and
+every comparison is a signed 32-bit difference (valid while fewer than 2^31 jobs are in flight).
 """
 
 from __future__ import annotations
@@ -23,7 +26,17 @@ import torch
 from writescope.attention import cpu_kernel
 
 WAIT_SECONDS = 60.0  # the longest a stream or the host waits for one job
-_FLAG_READY, _FLAG_DONE = 0, 1
+_FLAG_READY, _FLAG_DONE, _FLAG_TIMEOUT = 0, 1, 2
+
+
+def _int32(n: int) -> int:
+    """n modulo 2^32, as a signed int32 (what the flags hold)."""
+    return (n + 2**31) % 2**32 - 2**31
+
+
+def _reached(flag: int, value: int) -> bool:
+    """flag has reached value, both int32, modulo 2^32."""
+    return (flag - value) % 2**32 < 2**31
 
 
 class NativeWorker:
@@ -46,15 +59,14 @@ class NativeWorker:
             from writescope.attention import flag_kernels  # Triton; raises ImportError without it
 
             self._kernels = flag_kernels
-            self._timeout = torch.zeros(1, dtype=torch.int32, device=device)
-        self._ext, self._w = ext, ext.Worker(threads)
-        self.flags = torch.zeros(2, dtype=torch.int32, pin_memory=self.cuda)
-        self._flags_dev = self._kernels.device_view(self.flags) if self.cuda else None
+        self.flags = torch.zeros(3, dtype=torch.int32, pin_memory=self.cuda)  # ready, done, timeout; outlives the thread (close)
+        self._flags_dev = self._kernels.device_view(self.flags, device) if self.cuda else None
         if self.cuda:
-            self._kernels.warm(self._flags_dev, self._timeout)
-        self.seq = 0
-        self._inflight: deque = deque()  # (seq, tensors the job reads or writes) until its done flag
-        self._reported = 0  # stats: the done value of the last job reported by poll_stats
+            self._kernels.warm(self._flags_dev, _FLAG_TIMEOUT)
+        self.seq = 0  # jobs submitted (unbounded; the flags hold it modulo 2^32)
+        self._inflight: deque = deque()  # (flag value, tensors the job reads or writes, batch) until its done flag
+        self._batch: dict[int, int] = {}  # flag value -> the job's batch size, for take_done
+        self._ext, self._w = ext, ext.Worker(threads)
 
     @property
     def threads(self) -> int:
@@ -66,17 +78,24 @@ class NativeWorker:
         :func:`writescope.attention.cpu_kernel.attend`, ``out`` the pinned ``(o, lse)`` to write.
         On CUDA the ready flag is set on the current stream after whatever was issued before (q's
         copy). Returns the job's sequence number. The tensors are kept alive until it is done."""
+        self.check()
         self._release_done()
-        self.seq = (self.seq + 1) & 0x7FFFFFFF or 1
+        value = _int32(self.seq + 1)
         rows = [i for i, x in enumerate(kv) if x is not None and x[0].shape[1] > 0]
-        if self.cuda:
-            self._kernels.store_flag(self._flags_dev, _FLAG_READY, self.seq)
-        self._w.submit(q, [kv[i][0] for i in rows], [kv[i][1] for i in rows], rows, cpu_kernel.CHUNK, float(scale),
-                       cpu_kernel.requested_path(), out[0], out[1], self.flags, _FLAG_READY, self.seq, _FLAG_DONE, self.seq)
+        self._inflight.append((value, (q, kv, out), len(kv)))  # before the worker can see the job: it owns nothing
+        try:
+            if self.cuda:
+                self._kernels.store_flag(self._flags_dev, _FLAG_READY, value)
+            self._w.submit(q, [kv[i][0] for i in rows], [kv[i][1] for i in rows], rows, cpu_kernel.CHUNK, float(scale),
+                           cpu_kernel.requested_path(), out[0], out[1], self.flags, _FLAG_READY, value, _FLAG_DONE, value)
+        except BaseException:
+            self._inflight.pop()
+            raise
+        self.seq += 1
+        self._batch[value] = len(kv)
         if not self.cuda:
-            self.flags[_FLAG_READY] = self.seq  # q is already in host memory
-        self._inflight.append((self.seq, q, kv, out))
-        return self.seq
+            self.flags[_FLAG_READY] = value  # q is already in host memory
+        return value
 
     def consume(self, seq: int) -> None:
         """Make the job's outputs safe to read: on CUDA the current stream waits for its done flag
@@ -86,7 +105,8 @@ class NativeWorker:
             RuntimeError: the job failed or the host wait timed out (no CUDA).
         """
         if self.cuda:
-            self._kernels.wait_flag(self._flags_dev, _FLAG_DONE, seq, self._timeout)
+            self._kernels.wait_flag(self._flags_dev, _FLAG_DONE, seq, _FLAG_TIMEOUT)
+            self.check()  # errors of earlier jobs (this one may still run)
             return
         if not self._ext.wait_flag(self.flags, _FLAG_DONE, seq, WAIT_SECONDS):
             raise RuntimeError(f"the CPU attention worker did not finish job {seq} in {WAIT_SECONDS:.0f} s")
@@ -110,35 +130,37 @@ class NativeWorker:
         err = self._w.take_error()
         if err:
             raise RuntimeError(f"CPU attention worker: {err}")
+        if int(self.flags[_FLAG_TIMEOUT]):
+            self.flags[_FLAG_TIMEOUT] = 0
+            raise RuntimeError("a device stream gave up waiting for the CPU attention worker (tens of seconds); "
+                               "the outputs of that layer were not waited for")
 
-    def poll_stats(self) -> tuple[float, int] | None:
-        """``(seconds, keys)`` of the last job done since the previous poll, or None."""
-        _, _, _, last_s, last_keys, last_value = self._w.stats()
-        if last_value == self._reported or last_value == 0:
-            return None
-        self._reported = last_value
-        return last_s, last_keys
+    def take_done(self) -> list[tuple[float, int, int]]:
+        """``(seconds, keys, batch)`` of each job finished since the last call, in order."""
+        out = []
+        for value, secs, keys in self._w.take_done():
+            out.append((secs, keys, self._batch.pop(value, 0)))
+        return out
 
     def totals(self) -> tuple[int, float, int]:
         """(jobs done, seconds attending, keys attended) since the start."""
-        jobs, secs, keys, *_ = self._w.stats()
-        return jobs, secs, keys
+        return tuple(self._w.totals())
 
     def _release_done(self) -> None:
         done = self.done_value()
-        while self._inflight and ((done - self._inflight[0][0]) & 0xFFFFFFFF) < 0x80000000:
+        while self._inflight and _reached(done, self._inflight[0][0]):
             self._inflight.popleft()
 
     def close(self) -> None:
-        """Finish the queued jobs and stop the thread (a job whose q never came fails); then raise
-        a GPU wait's timeout, if one was recorded.
+        """Let the device reach the queued jobs, finish them and stop the thread (a job whose q
+        never came fails); then raise what went wrong, if anything did.
 
         Raises:
-            RuntimeError: a wait on the device timed out.
+            RuntimeError: a job failed or a wait on the device timed out.
         """
+        if self.cuda:
+            torch.cuda.synchronize(self.device)  # the jobs queued behind device work get their q first
         self._w.close()
         self._inflight.clear()
-        if self.cuda:
-            torch.cuda.synchronize(self.device)
-            if int(self._timeout.item()):
-                raise RuntimeError(f"a device stream gave up waiting for the CPU attention worker after about {WAIT_SECONDS:.0f} s")
+        self._batch.clear()
+        self.check()

@@ -4,8 +4,8 @@ address (unified addressing; a zero-copy access, not a copy):
 
 - :func:`store_flag`: the stream sets ``flags[index] = value`` after the work issued before it.
 - :func:`wait_flag`: the stream waits until ``flags[index]`` reaches ``value`` (modulo 2^32),
-  re-reading it with volatile loads; after ``MAX_POLLS`` polls (tens of seconds) it records a
-  timeout in ``timeout[0]`` and lets the stream go on. The host never waits.
+  re-reading it with volatile loads; after ``MAX_POLLS`` polls (tens of seconds) it sets the
+  timeout flag and lets the stream go on. The host never waits.
 
 Measured on the H200 machine (docs/HARDWARE.md, tools/streamwait_probe.py): a spinning kernel of
 this kind sees a host write; from the write to the host seeing the kernel's completion event took a
@@ -28,15 +28,15 @@ def _store(flag_ptr, index, value):
     tl.store(flag_ptr + index, value)
 
 
-@triton.jit(do_not_specialize=["index", "value", "max_polls"])
-def _wait(flag_ptr, index, value, timeout_ptr, max_polls):
+@triton.jit(do_not_specialize=["index", "value", "timeout_index", "max_polls"])
+def _wait(flag_ptr, index, value, timeout_index, max_polls):
     v = tl.load(flag_ptr + index, volatile=True)
     i = 0
     while ((v - value) < 0) & (i < max_polls):  # int32 difference: modulo 2^32
         v = tl.load(flag_ptr + index, volatile=True)
         i += 1
     if i >= max_polls:
-        tl.store(timeout_ptr, 1)
+        tl.store(flag_ptr + timeout_index, 1)
 
 
 class _Cai:
@@ -44,29 +44,36 @@ class _Cai:
         self.__cuda_array_interface__ = {"data": (t.data_ptr(), False), "shape": tuple(t.shape), "typestr": "<i4", "version": 3}
 
 
-def device_view(flags: torch.Tensor) -> torch.Tensor:
-    """A CUDA tensor over the pinned int32 ``flags`` (the same memory; keep ``flags`` alive).
+def device_view(flags: torch.Tensor, device: torch.device) -> torch.Tensor:
+    """A tensor on ``device`` over the pinned int32 ``flags`` (the same memory; keep ``flags`` alive).
 
     Raises:
         ValueError: ``flags`` is not a pinned contiguous int32 tensor.
     """
     if flags.dtype != torch.int32 or not flags.is_pinned() or not flags.is_contiguous():
         raise ValueError(f"flags must be pinned contiguous int32, got {flags.dtype}, pinned={flags.is_pinned()}")
-    return torch.as_tensor(_Cai(flags), device="cuda")
+    return torch.as_tensor(_Cai(flags), device=device)
 
 
-def warm(flags_dev: torch.Tensor, timeout: torch.Tensor) -> None:
+def warm(flags_dev: torch.Tensor, timeout_index: int) -> None:
     """Compile both kernels now (first use compiles them: seconds), not inside a decode step:
     a store of 0 into ``flags_dev[0]`` and a wait for a value it already has. Call it before
     any job uses the flags."""
     store_flag(flags_dev, 0, 0)
-    wait_flag(flags_dev, 0, 0, timeout)
+    wait_flag(flags_dev, 0, 0, timeout_index)
     torch.cuda.synchronize(flags_dev.device)
 
 
 def store_flag(flags_dev: torch.Tensor, index: int, value: int) -> None:
-    _store[(1,)](flags_dev, index, value)
+    """The current stream sets ``flags[index] = value`` (a plain store to host memory through its
+    device address, after the stream's earlier work: q's copy has landed, in stream order, before
+    this kernel runs; the H200 runs relied on that, tests/test_gpu_inplace.py)."""
+    with torch.cuda.device(flags_dev.device):
+        _store[(1,)](flags_dev, index, value)
 
 
-def wait_flag(flags_dev: torch.Tensor, index: int, value: int, timeout: torch.Tensor) -> None:
-    _wait[(1,)](flags_dev, index, value, timeout, MAX_POLLS)
+def wait_flag(flags_dev: torch.Tensor, index: int, value: int, timeout_index: int) -> None:
+    """The current stream waits until ``flags[index]`` reaches ``value``; on giving up it sets
+    ``flags[timeout_index] = 1``."""
+    with torch.cuda.device(flags_dev.device):
+        _wait[(1,)](flags_dev, index, value, timeout_index, MAX_POLLS)

@@ -127,7 +127,7 @@ def cpu_attend(
     """
     B, Hkv, G, _ = q.shape
     if cpu_kernel.kernel_selected() and cpu_kernel.usable(q, kv):  # one call for the batch, merged (the default backend)
-        return cpu_kernel.attend(q, kv, scale)
+        return cpu_kernel.attend(q, kv, scale, dv=dv)
     kv = [None if x is None else _latent_as_values(*x) for x in kv]
     width_v = max([x[1].shape[-1] for x in kv if x is not None] or [dv])
     parts = [None if x is None else _cpu_partials(q[i], x[0], x[1], scale) for i, x in enumerate(kv)]

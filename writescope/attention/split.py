@@ -90,6 +90,7 @@ class SplitDecoder:
         self.worker = None  # the native worker (cpu_worker.py), made on first use; None: the thread pool
         self._native = _native_wanted() and not cpu_inline
         self._py_cpu = (0.0, 0)  # CPU seconds and tokens of the thread-pool path (the worker counts its own)
+        self._cpu_parts: list[tuple[float, int, int]] = []  # finished CPU parts not yet taken (take_cpu_parts)
         self._buffers: list[torch.Tensor] = []
         self._stage: list[torch.Tensor | None] = [None, None]  # monolithic prepare buffers (pinned)
         self._stage_events: list[object | None] = [None, None]
@@ -106,24 +107,34 @@ class SplitDecoder:
         and not yet reported (with the native worker a layer's CPU part may still run when
         :meth:`decode` returns: it is reported by a later read), else 0."""
         if self.worker is not None:
-            got = self.worker.poll_stats()
-            if got is not None:
-                self._stats.last_cpu_seconds, self._stats.last_cpu_tokens = got
+            for secs, keys, batch in self.worker.take_done():
+                self._cpu_parts.append((secs, keys, batch))
+                self._stats.last_cpu_seconds, self._stats.last_cpu_tokens = secs, keys
             _, secs, keys = self.worker.totals()
             self._stats.cpu_seconds, self._stats.cpu_tokens = self._py_cpu[0] + secs, self._py_cpu[1] + keys
         return self._stats
 
+    def take_cpu_parts(self) -> list[tuple[float, int, int]]:
+        """``(seconds, tokens, batch)`` of every CPU part finished since the last call, each once
+        (the online estimate of A observes them; with the native worker a layer's part may finish
+        after its decode call returned)."""
+        self.stats  # noqa: B018 - polls the worker
+        parts, self._cpu_parts = self._cpu_parts, []
+        return parts
+
     def close(self) -> None:
-        if self.worker is not None:
-            worker, self.worker = self.worker, None
-            worker.close()
-        self.pool.shutdown(wait=True)
-        if self.cuda:
-            torch.cuda.synchronize(self.device)
-        for t in self._stage:
-            if t is not None:
-                unpin(t)
-        self._stage = [None, None]
+        try:
+            if self.cuda:
+                torch.cuda.synchronize(self.device)  # queued jobs get their q before the worker stops
+            if self.worker is not None:
+                worker, self.worker = self.worker, None
+                worker.close()
+        finally:
+            self.pool.shutdown(wait=True)
+            for t in self._stage:
+                if t is not None:
+                    unpin(t)
+            self._stage = [None, None]
 
     def buffers(self) -> list[torch.Tensor]:
         """The ping-pong buffers ``[pingpong_blocks, parts, kv_heads, D, dim]``, made on first use."""
@@ -393,7 +404,7 @@ class SplitDecoder:
                 from writescope.attention.cpu_worker import NativeWorker
 
                 self.worker = NativeWorker(self.cpu_threads, self.device)
-            except (ImportError, RuntimeError) as e:
+            except Exception as e:  # noqa: BLE001 - no Triton, no kernel, a failed compile: the thread pool
                 import warnings
 
                 warnings.warn(f"native CPU attention worker unavailable ({e}); using the thread pool", stacklevel=3)
@@ -439,6 +450,7 @@ class SplitDecoder:
         dt = time.perf_counter() - t0
         st = self._stats
         self._py_cpu = (self._py_cpu[0] + dt, self._py_cpu[1] + tokens)
+        self._cpu_parts.append((dt, tokens, len(seqs)))
         st.cpu_seconds += dt
         st.cpu_tokens += tokens
         st.last_cpu_seconds = dt

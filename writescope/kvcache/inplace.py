@@ -160,9 +160,9 @@ class InplaceKVCache(KVCache):
                               for sq, n in ((sq, sq.n_comp[layer_id]) for sq in seqs)]
             self.flush_writes()  # the prompt's compute rows are in place before the CPU reads them
             out = self.decoder.decode(layer_id, q, seqs, scale, self.evict_stream, cpu_blocks)
-            st = self.decoder.stats
-            if st.last_cpu_tokens:
-                self.policy.observe(st.last_cpu_seconds, st.last_cpu_tokens, len(seqs))
+            for secs, tokens, batch in self.decoder.take_cpu_parts():  # each finished CPU part once, with its own batch
+                if tokens:
+                    self.policy.observe(secs, tokens, batch)
         else:
             out = q.new_empty(q.shape[0], q.shape[1], self.layout.v_dim) if prefill_attn is None else None
             for i, sq in enumerate(seqs):

@@ -17,8 +17,10 @@ def load(name: str, directory: Path, sources: tuple[str, ...], failure: str):
     """Build (or load from torch's cache) the extension ``name`` from ``directory/sources[0]``,
     which includes the other sources and this folder's shared headers through the include path.
     The source text carries a digest of all of them, so a change to any header rebuilds.
-    Compiled with -O3 -march=native -fopenmp. Returns the module, or None with a warning naming
+    Compiled with -O3 -march=native -fopenmp, under a name that carries a digest of this CPU's
+    flags (a torch extension cache shared by different CPUs keeps one build for each). Returns the module, or None with a warning naming
     ``failure`` (what is used instead) where it does not build (no compiler, say)."""
+    name = f"{name}_{_cpu_tag()}"  # -march=native: one build per kind of CPU, also where torch's cache is shared
     files = [directory / s for s in sources] + [NATIVE_DIR / s for s in SHARED]
     digest = hashlib.sha256(b"".join(f.read_bytes() for f in files)).hexdigest()
     source = (directory / sources[0]).read_text() + f"\n// sources digest {digest}\n"
@@ -30,6 +32,19 @@ def load(name: str, directory: Path, sources: tuple[str, ...], failure: str):
     except Exception as e:  # noqa: BLE001 - no compiler, or the build failed
         warnings.warn(f"{name} could not be built ({str(e)[:300]}); {failure}", stacklevel=3)
         return None
+
+
+def _cpu_tag() -> str:
+    """8 hex digits of the CPU's flags (/proc/cpuinfo), or of the machine name where unreadable."""
+    import platform
+
+    text = platform.machine()
+    try:
+        with open("/proc/cpuinfo") as f:
+            text = next((ln for ln in f if ln.startswith("flags")), text)
+    except OSError:
+        pass
+    return hashlib.sha1(text.encode()).hexdigest()[:8]
 
 
 def requested_path(env: str) -> int:

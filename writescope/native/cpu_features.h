@@ -21,8 +21,9 @@ static uint64_t xcr0() {
   return (uint64_t(d) << 32) | a;
 }
 
-// AVX-512 F, DQ, BW, VL and BF16, with the OS saving the AVX-512 state
-static bool cpu_avx512bf16() {
+// AVX-512 F, DQ, BW, VL and BF16, with the OS saving the AVX-512 state (read once: CPUID can trap
+// in a virtual machine)
+static bool cpu_avx512bf16_uncached() {
   unsigned a, b, c, d;
   if (!__get_cpuid_count(7, 0, &a, &b, &c, &d)) return false;
   const bool f = (b >> 16) & 1, dq = (b >> 17) & 1, bw = (b >> 30) & 1, vl = (b >> 31) & 1;
@@ -31,6 +32,10 @@ static bool cpu_avx512bf16() {
   if (!__get_cpuid_count(7, 1, &a1, &b1, &c1, &d1) || !((a1 >> 5) & 1)) return false;
   if (!__get_cpuid(1, &a, &b, &c, &d) || !((c >> 27) & 1)) return false;  // OSXSAVE
   return (xcr0() & 0xE6) == 0xE6;
+}
+static bool cpu_avx512bf16() {
+  static const bool ok = cpu_avx512bf16_uncached();
+  return ok;
 }
 
 // AMX-BF16 and AMX-TILE flags, and the kernel's permission to use tile data (arch_prctl
