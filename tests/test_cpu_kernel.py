@@ -5,10 +5,10 @@ tiles emulated in C++: its layouts) where the CPU has AVX512-BF16 (CI); ``amx`` 
 AMX-BF16 (marked ``amx``: run on the GPU machine's host with ``-m amx``).
 
 Tolerances, per sequence: relative-norm error of o <= 4e-3 for the bf16 paths, about twice what
-torch's own bf16 CPU flash op errs on such inputs (2.2e-3, its output being bf16; the paths here
-round q and the softmax weights p to bf16 and accumulate in fp32: at most 1.84e-3 over this file's
-cases, one query head over 257 keys); 1e-5 for fp32 inputs on the portable path; lse within 1e-4
-+ 1e-6 relative.
+torch's own bf16 CPU flash op errs on such inputs (2.28e-3, its output being bf16; the paths here
+round q and the softmax weights p to bf16 and accumulate in fp32: at most 1.79e-3 over this file's
+cases; both from ``PYTHONPATH=. python3 benchmarks/cpu_attention_error.py`` on the dev machine);
+1e-5 for fp32 inputs on the portable path; lse within 1e-4 + 1e-6 relative.
 """
 
 from __future__ import annotations
@@ -108,7 +108,7 @@ SHAPES = {
 def test_matches_float64(path, shape):
     H, G, dk, dv, mla = SHAPES[shape]
     dtype = torch.float32 if path == "portable" else torch.bfloat16
-    gen = torch.Generator().manual_seed(hash(shape) % 1000)
+    gen = torch.Generator().manual_seed(sum(map(ord, shape)))
     q, kv = make(LENGTHS, H, G, dk, dv, mla, dtype, gen)
     want = {"amx": "amx", "amx-emulated": "amx-emulated"}.get(path, path)
     if path.startswith("amx") and (dk % 32 or dv % 16):
@@ -245,13 +245,13 @@ def test_paths_are_checked_and_named(monkeypatch):
 
 def test_the_binding_releases_the_gil():
     """attend is bound with the GIL released (the GPU part of a step is launched from the main
-    thread meanwhile). Checked without timing: the test hook ``wait_for_flag`` has the same
-    binding and returns only once this thread, which needs the GIL, has set the flag."""
+    thread meanwhile). Checked without timing: ``wait_flag`` (the native worker's host wait) has
+    the same binding and returns only once this thread, which needs the GIL, has set the flag."""
     if not kernel.kernel_available():
         pytest.skip("no C++ compiler")
     flag = torch.zeros(1, dtype=torch.int32)
     got = []
-    t = threading.Thread(target=lambda: got.append(kernel._extension().wait_for_flag(flag, 60.0)))
+    t = threading.Thread(target=lambda: got.append(kernel._extension().wait_flag(flag, 0, 1, 60.0)))
     t.start()
     flag[0] = 1  # needs the GIL: with it held by the waiting call this line would wait the 60 s out
     t.join()

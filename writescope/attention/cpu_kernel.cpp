@@ -27,6 +27,7 @@
 #include <vector>
 
 #include "cpu_features.h"
+#include "read_probe.h"
 #include "scratch.h"
 #include "cpu_kernel_avx512.h"
 #include "cpu_kernel_amx.h"
@@ -186,7 +187,7 @@ static void portion(const Plan& P, int64_t sg, int64_t j0, int64_t j1, int64_t s
     } else {
       const uint16_t* Kb = reinterpret_cast<const uint16_t*>(K);
       const uint16_t* Vb = reinterpret_cast<const uint16_t*>(V);
-      const bool amx = P.isa == AMX || P.isa == AMX_EMULATED, direct = P.permuted;
+      const bool direct = P.permuted;
       const bool linear = tuning & LINEAR_FIRST;
       const uint16_t* Vpf = (tuning & QK_PREFETCH) && own_v ? Vb : nullptr;
       if (linear) {  // read the chunk once in address order: V into vb, then what of K the packing did not read
@@ -212,7 +213,6 @@ static void portion(const Plan& P, int64_t sg, int64_t j0, int64_t j1, int64_t s
         else if (P.isa == AMX_EMULATED) amx_emu::values(pa, vb, m, dv, oc);
         else avx::values(pa, vb, m, dv, gn, oc);
       }
-      (void)amx;
     }
     for (int64_t g = 0; g < gn; ++g) {
       float* ag = acc + g * dv;
@@ -442,70 +442,21 @@ std::vector<at::Tensor> attend(at::Tensor q, std::vector<at::Tensor> ks, std::ve
   return {o, lse};
 }
 
-// The read rate of the same bytes (benchmarks/cpu_attention.py): every byte of the given
-// contiguous tensors read once by `threads` threads (equal shares, 64-byte loads, four independent
-// accumulators), XOR-folded into a checksum that is returned so the loads cannot be dropped.
-#pragma GCC push_options
-#pragma GCC target("avx512f")
-static uint64_t fold_avx512(const char* p, int64_t n) {
-  __m512i a0 = _mm512_setzero_si512(), a1 = a0, a2 = a0, a3 = a0;
-  int64_t i = 0;
-  for (; i + 256 <= n; i += 256) {
-    a0 = _mm512_xor_si512(a0, _mm512_loadu_si512(p + i));
-    a1 = _mm512_xor_si512(a1, _mm512_loadu_si512(p + i + 64));
-    a2 = _mm512_xor_si512(a2, _mm512_loadu_si512(p + i + 128));
-    a3 = _mm512_xor_si512(a3, _mm512_loadu_si512(p + i + 192));
-  }
-  alignas(64) uint64_t w[8];
-  _mm512_store_si512(w, _mm512_xor_si512(_mm512_xor_si512(a0, a1), _mm512_xor_si512(a2, a3)));
-  uint64_t x = w[0] ^ w[1] ^ w[2] ^ w[3] ^ w[4] ^ w[5] ^ w[6] ^ w[7];
-  for (; i < n; ++i) x ^= uint64_t(uint8_t(p[i])) << (8 * (i % 8));
-  return x;
-}
-#pragma GCC pop_options
-static uint64_t fold_plain(const char* p, int64_t n) {
-  uint64_t x = 0;
-  for (int64_t i = 0; i < n; ++i) x ^= uint64_t(uint8_t(p[i])) << (8 * (i % 8));
-  return x;
-}
-
-int64_t read_probe(std::vector<at::Tensor> ts, int64_t threads) {
+// every byte of the contiguous tensors read once (writescope/native/read_probe.h)
+int64_t read_tensors(std::vector<at::Tensor> ts, int64_t threads) {
   std::vector<const char*> base;
-  std::vector<int64_t> cum{0};
+  std::vector<int64_t> bytes;
   for (auto& t : ts) {
-    TORCH_CHECK(t.is_contiguous(), "read_probe reads contiguous tensors");
+    TORCH_CHECK(t.is_contiguous() && t.device().is_cpu(), "read_probe reads contiguous tensors in host memory");
     base.push_back(static_cast<const char*>(t.data_ptr()));
-    cum.push_back(cum.back() + t.numel() * t.element_size());
+    bytes.push_back(t.numel() * t.element_size());
   }
-  const int64_t total = cum.back(), T = std::max<int64_t>(1, threads);
-  const bool wide = wsnative::cpu_avx512bf16();
-  uint64_t x = 0;
-#pragma omp parallel num_threads(T) reduction(^ : x)
-  {
-    const int64_t n = omp_get_num_threads(), t = omp_get_thread_num();
-    const int64_t a = total * t / n, e = total * (t + 1) / n;
-    for (size_t i = 0; i < base.size(); ++i) {
-      const int64_t lo = std::max(a, cum[i]), hi = std::min(e, cum[i + 1]);
-      if (lo < hi) x ^= wide ? fold_avx512(base[i] + lo - cum[i], hi - lo) : fold_plain(base[i] + lo - cum[i], hi - lo);
-    }
-  }
-  return int64_t(x);
+  return wsnative::read_probe(base, bytes, threads);
 }
 
 int64_t path_for(int64_t isa, bool bf16, int64_t dk, int64_t dv) { return choose(isa, bf16, dk, dv); }
 int64_t set_tuning(int64_t flags) { return ws::g_tuning.exchange(flags); }
 int64_t best() { return best_isa(); }
-
-// A test hook with attend's binding: returns once flag[0] != 0 (True) or after timeout_s
-// (False). With the GIL released, as attend's binding does, a Python thread can set the flag.
-bool wait_for_flag(at::Tensor flag, double timeout_s) {
-  volatile int32_t* f = flag.data_ptr<int32_t>();
-  const auto end = std::chrono::steady_clock::now() + std::chrono::duration<double>(timeout_s);
-  while (*f == 0)
-    if (std::chrono::steady_clock::now() > end) return false;
-    else std::this_thread::yield();
-  return true;
-}
 
 static int32_t* flag_ptr(const at::Tensor& flags, int64_t index) {
   TORCH_CHECK(flags.scalar_type() == at::kInt && flags.is_contiguous() && flags.dim() == 1, "flags must be a contiguous int32 vector");
@@ -539,10 +490,9 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
   m.def("attend", &attend, "batched CPU decode attention", py::arg("q"), py::arg("ks"), py::arg("vs"), py::arg("rows"), py::arg("chunk"),
         py::arg("scale"), py::arg("isa") = -1, py::arg("threads") = 1, py::arg("out_o") = py::none(), py::arg("out_lse") = py::none(),
         py::arg("dv") = -1, py::call_guard<py::gil_scoped_release>());
-  m.def("wait_for_flag", &wait_for_flag, "test hook: the GIL is released as in attend", py::call_guard<py::gil_scoped_release>());
   m.def("path_for", &path_for, "the path attend takes for these inputs (0 portable, 1 avx512bf16, 2 amx, 3 amx-emulated)");
   m.def("best", &best, "the best path this CPU and OS offer");
   m.def("set_tuning", &set_tuning, "benchmarks: set the bf16 paths' tuning flags (cpu_kernel.cpp, Tuning); returns the old");
-  m.def("read_probe", &read_probe, "read every byte of the tensors once (a rate probe); returns a checksum", py::arg("ts"), py::arg("threads"),
+  m.def("read_probe", &read_tensors, "read every byte of the tensors once (a rate probe); returns a checksum", py::arg("ts"), py::arg("threads"),
         py::call_guard<py::gil_scoped_release>());
 }

@@ -64,7 +64,7 @@ class NativeWorker:
         if self.cuda:
             self._kernels.warm(self._flags_dev, _FLAG_TIMEOUT)
         self.seq = 0  # jobs submitted (unbounded; the flags hold it modulo 2^32)
-        self._inflight: deque = deque()  # (flag value, tensors the job reads or writes, batch) until its done flag
+        self._inflight: deque = deque()  # (flag value, tensors the job reads or writes) until its done flag
         self._batch: dict[int, int] = {}  # flag value -> the job's batch size, for take_done
         self._ext, self._w = ext, ext.Worker(threads)
 
@@ -82,7 +82,7 @@ class NativeWorker:
         self._release_done()
         value = _int32(self.seq + 1)
         rows = [i for i, x in enumerate(kv) if x is not None and x[0].shape[1] > 0]
-        self._inflight.append((value, (q, kv, out), len(kv)))  # before the worker can see the job: it owns nothing
+        self._inflight.append((value, (q, kv, out)))  # before the worker can see the job: it owns nothing
         try:
             if self.cuda:
                 self._kernels.store_flag(self._flags_dev, _FLAG_READY, value)

@@ -19,6 +19,7 @@
 #include <vector>
 
 #include "cpu_features.h"
+#include "read_probe.h"
 #include "scratch.h"
 #include "cpu_experts_avx512.h"
 #include "cpu_experts_amx.h"
@@ -256,22 +257,10 @@ std::tuple<at::Tensor, int64_t> forward(at::Tensor x, at::Tensor w13, at::Tensor
 int64_t path_for(int64_t isa, bool bf16, int64_t D, int64_t I) { return choose(isa, bf16, D, I); }
 int64_t best() { return best_isa(); }
 
-// A plain read of t's bytes (64-bit words, xor-folded so it is not optimised away) by `threads`
-// threads in equal ranges: the memory read rate the kernel is compared with. Returns the fold.
+// a plain read of t's bytes: the rate the kernel's weight reads are compared with (native/read_probe.h)
 int64_t read_bytes(at::Tensor t, int64_t threads) {
   TORCH_CHECK(t.is_contiguous() && t.device().is_cpu(), "read_bytes needs a contiguous CPU tensor");
-  const uint64_t* p = static_cast<const uint64_t*>(t.data_ptr());
-  const int64_t words = t.numel() * t.element_size() / 8;
-  uint64_t fold = 0;
-#pragma omp parallel num_threads(std::max<int64_t>(1, threads)) reduction(^ : fold)
-  {
-    const int64_t n = omp_get_num_threads(), i = omp_get_thread_num();
-    uint64_t acc = 0;
-#pragma omp simd reduction(^ : acc)
-    for (int64_t j = words * i / n; j < words * (i + 1) / n; ++j) acc ^= p[j];
-    fold ^= acc;
-  }
-  return (int64_t)fold;
+  return wsnative::read_probe({static_cast<const char*>(t.data_ptr())}, {t.numel() * t.element_size()}, threads);
 }
 
 PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {

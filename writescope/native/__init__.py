@@ -1,3 +1,4 @@
 """What the native CPU kernels share (attention/cpu_kernel*, moe/cpu_experts*): the CPU-flag checks
 and the choice of path (cpu_features.h), AVX-512 helpers (avx512_math.h), the AMX tile configuration and tiles emulated in
-C++ for machines without AMX (amx.h), per-thread scratch buffers (scratch.h), and the build (build.py)."""
+C++ for machines without AMX (amx.h), per-thread scratch buffers (scratch.h), a plain read of given bytes as the reference
+rate (read_probe.h), and the build (build.py)."""
