@@ -1,6 +1,7 @@
 #!/usr/bin/env bash
 # The H200 runs the open issues still need, one part per device call (each well under 10 minutes):
-#   bash benchmarks/h200_session.sh tests      # every gpu-marked test (about 2 min)
+#   bash benchmarks/h200_session.sh tests      # every gpu-marked test (about 2 min; TEST_FILES narrows it)
+#   bash benchmarks/h200_session.sh bounds     # ../shared/tools/bounds_probe.py (copy it to .probe/ and carry .probe): copy and read rates
 #   bash benchmarks/h200_session.sh split      # one-layer split attention + prefill routing (issue 3)
 #   bash benchmarks/h200_session.sh experts    # expert phase: grouped vs loop, fraction on GPU, streaming (issue 5)
 #   bash benchmarks/h200_session.sh scheduler  # calibrate + writescope bench, Qwen3 shape, batch 16, 8K-32K (issue 4)
@@ -48,7 +49,9 @@ part() {
   local p=$1 m=${2:-}
   case "$p" in
     tests)
-      timeout "$(tmo 300)" python3 -m pytest -m "gpu or amx" -v -p no:cacheprovider tests 2>&1 | tee "$out/gpu_tests_h200.log" | tail -40 ;;
+      timeout "$(tmo 300)" python3 -m pytest -m "gpu or amx" -v -p no:cacheprovider ${TEST_FILES:-tests} 2>&1 | tee "$out/gpu_tests_h200.log" | tail -40 ;;
+    bounds)  # the host-to-GPU copy and CPU read rates of this run (../shared/tools/bounds_probe.py copied to .probe/, carried)
+      timeout "$(tmo 150)" python3 .probe/bounds_probe.py 2>&1 | tee "$out/bounds_h200.log" | tail -6 ;;
     amx)
       timeout "$(tmo 200)" python3 -m pytest -m amx -v -p no:cacheprovider tests 2>&1 | tee "$out/amx_tests_h200.log" | tail -30 ;;
     cpu-attention)
@@ -127,7 +130,7 @@ part() {
       timeout "$(tmo 500)" python3 benchmarks/peer_transformers.py --checkpoint "$ckpt" --contexts "${PEER_CONTEXTS:-8k}" --batch 4 \
         --out "$out/peer_transformers_h200" 2>&1 | tee "$out/peer_transformers_h200.log" | tail -12 ;;
     *)
-      echo "usage: $0 PART [PART ...]; PART: tests|split|experts|scheduler|profile|prefill|text:MODEL|breakdown:MODEL|1m|1m-decode|mla|grid:MODEL|prefill-e2e:MODEL|consistency|peer|amx|cpu-attention|calibrate:MODEL|tpot:MODEL" >&2; return 2 ;;
+      echo "usage: $0 PART [PART ...]; PART: tests|split|experts|scheduler|profile|prefill|text:MODEL|breakdown:MODEL|1m|1m-decode|mla|grid:MODEL|prefill-e2e:MODEL|consistency|peer|amx|cpu-attention|calibrate:MODEL|tpot:MODEL|bounds" >&2; return 2 ;;
   esac
 }
 (( $# )) || { part usage; exit 2; }

@@ -30,7 +30,8 @@ from dataclasses import dataclass
 import torch
 from torch.profiler import record_function
 
-from writescope.attention import cpu_kernel
+from writescope.attention import cpu_kernel, gpu_kernel
+from writescope.attention.gpu_decode import GpuDecode
 from writescope.attention.merge import merge_segments, merge_unchecked
 from writescope.attention.partial import attend_blocks, block_partials, cpu_attend
 from writescope.engine.threads import default_attention_threads, intra_op_threads
@@ -98,8 +99,29 @@ class SplitDecoder:
         self.time_gpu = False  # time the GPU part of each call (calibration; see last_gpu_seconds)
         self._gpu_timer: object = 0.0
         self._gpu_timer_done = True
+        # the Triton launches of the GPU side (gpu_decode.py); None: the plain-torch partials
+        self.gpu = GpuDecode(spec, device) if gpu_kernel.available(device, spec.dtype) else None
+        self._load_written = True  # the load region was written on the compute stream since the copy stream last waited
+        self._evicted = True  # an eviction to the load region was issued since the copy stream last waited for them
         if self.cuda:
             self.copy_stream = torch.cuda.Stream(device)
+
+    def warm_up(self, q_heads: int) -> None:
+        """Compile the GPU side's Triton kernels for queries of ``q_heads`` heads now (the engine
+        calls this when it makes the cache), not inside the first decode step."""
+        if self.gpu is not None:
+            self.gpu.warm_up(q_heads, self.spec.dtype)
+
+    def note_load_write(self) -> None:
+        """The cache wrote load-region blocks on the compute stream (prefill): the next streaming
+        copies wait for that stream once. Otherwise they wait only for the ping-pong buffer they
+        reuse, so the next layer's blocks stream while this layer still computes."""
+        self._load_written = True
+
+    def note_evict(self) -> None:
+        """The cache issued an eviction into the load region on its evict stream: the next
+        streaming copies wait for that stream once."""
+        self._evicted = True
 
     @property
     def stats(self) -> SplitStats:
@@ -186,20 +208,30 @@ class SplitDecoder:
                 q_host, q_ready = self._to_host(qg)
         if cpu_rows and job is None and not self.cpu_inline:
             fut = self.pool.submit(self._cpu_part, layer, q_host, seqs, cpu_rows, limits, scale, q_ready)
+        fast = self.gpu is not None and q.dtype == s.dtype
+        plan = None
         try:
             if self.time_gpu:  # after q's copy to the host was issued: the device part only
                 self._gpu_timer = self._start_gpu_timer()
-            with record_function("attn.window"):
-                states = [self._window_part(layer, qg, seqs, scale)]
             sources = [(i, run) for i, sq in enumerate(seqs) for run in sq.load_runs(layer, 0, sq.n_load[layer], s.pingpong_blocks)]
             prepared = []
             if cpu_blocks is not None:
                 with record_function("attn.monolithic_prepare"):
                     prepared = self._prepare(layer, seqs, limits)
             sources += prepared
+            with record_function("attn.window"):
+                if fast:
+                    plan = self.gpu.step_plan(layer, qg, seqs, [(i, src.shape[0]) for i, src in sources])
+                    self.gpu.windows(plan, layer, qg, seqs, scale)
+                    self._stats.window_tokens += plan.window_tokens
+                    states = []
+                else:
+                    states = [self._window_part(layer, qg, seqs, scale)]
             if sources:
                 with record_function("attn.load_region"):
-                    states.append(self._load_part(qg, sources, scale, evict_stream))
+                    part = self._load_part(qg, sources, scale, evict_stream, plan)
+                    if part is not None:
+                        states.append(part)
             self._stats.last_load_tokens = sum(src.shape[0] for _, src in sources) * s.window
             if self.time_gpu:
                 self._gpu_timer, self._gpu_timer_done = self._stop_gpu_timer(self._gpu_timer), True
@@ -223,6 +255,8 @@ class SplitDecoder:
             o_c, l_c = cpu_state if cpu_state is not None else self._cpu_part(layer, q_host, seqs, cpu_rows, limits, scale, q_ready)
             states.append((self._to_device(o_c), self._to_device(l_c)))
         with record_function("attn.merge"):
+            if plan is not None:  # one launch: window, load and CPU partials
+                return self.gpu.merge(plan, q, states[-1] if cpu_rows else None)
             o, _ = merge_unchecked([st[0] for st in states], [st[1] for st in states])
             return o.view(B, Hq, dv).to(q.dtype)
 
@@ -314,26 +348,36 @@ class SplitDecoder:
         v = win[:, 1].unsqueeze(1) if s.parts == 2 else k[..., : s.layout.v_dim]
         return attend_blocks(qg, k, v, scale, self._to_device(lens))
 
-    def _load_part(self, qg, sources, scale, evict_stream):
+    def _load_part(self, qg, sources, scale, evict_stream, plan=None):
         """Stream every sequence's load blocks through the ping-pong buffers. Runs of several
         sequences are packed into one buffer fill (one copy per run); each fill yields one
-        partial per block, and all blocks are merged per sequence once at the end."""
+        partial per block, and all blocks are merged per sequence once at the end. With a
+        Triton ``plan`` the partials go into the plan's buffers (returns None), else they are
+        computed and merged in torch (returns the merged state).
+
+        The copy stream waits for the compute stream only after prefill wrote load blocks, and
+        for the evict stream only after an eviction into the load region; otherwise only for
+        the buffer it refills, so the next layer's copies start while this one computes."""
         s = self.spec
         B, Hkv, G, _ = qg.shape
         fills = list(self._fills(sources))
-        runs = [(i, src.shape[0]) for fill in fills for i, src in fill]
-        ids_host = torch.repeat_interleave(torch.tensor([i for i, _ in runs]), torch.tensor([n for _, n in runs]))  # [blocks]
-        ids = self._to_device(ids_host)
-        acc = torch.promote_types(s.dtype, torch.float32)
-        o_blk = torch.empty(len(ids_host), Hkv, G, s.layout.v_dim, dtype=acc, device=self.device)
-        lse_blk = torch.empty(len(ids_host), Hkv, G, dtype=acc, device=self.device)
-        q_blk = (qg.to(acc) * scale).index_select(0, ids)  # [blocks, Hkv, G, dk]
+        if plan is None:
+            runs = [(i, src.shape[0]) for fill in fills for i, src in fill]
+            ids_host = torch.repeat_interleave(torch.tensor([i for i, _ in runs]), torch.tensor([n for _, n in runs]))  # [blocks]
+            ids = self._to_device(ids_host)
+            acc = torch.promote_types(s.dtype, torch.float32)
+            o_blk = torch.empty(len(ids_host), Hkv, G, s.layout.v_dim, dtype=acc, device=self.device)
+            lse_blk = torch.empty(len(ids_host), Hkv, G, dtype=acc, device=self.device)
+            q_blk = (qg.to(acc) * scale).index_select(0, ids)  # [blocks, Hkv, G, dk]
         bufs = self.buffers()
         cur = torch.cuda.current_stream(self.device) if self.cuda else None
         if self.cuda:
-            self.copy_stream.wait_stream(cur)  # prefill writes into the load region
-            if evict_stream is not None:
+            if self._load_written:
+                self.copy_stream.wait_stream(cur)  # prefill writes into the load region
+                self._load_written = False
+            if evict_stream is not None and self._evicted:
                 self.copy_stream.wait_stream(evict_stream)  # evicted blocks
+                self._evicted = False
         start = 0
         for n, fill in enumerate(fills):
             b = n % len(bufs)
@@ -354,15 +398,18 @@ class SplitDecoder:
                 torch.cat([src for _, src in fill], out=buf)
             self._stats.streamed_bytes += buf.numel() * buf.element_size()
             self._stats.streamed_copies += len(fill)
-            k = buf[:, 0]  # [nb, Hkv, D, dk]
-            v = buf[:, 1] if s.parts == 2 else k[..., : s.layout.v_dim]
-            o_blk[start : start + total], lse_blk[start : start + total] = block_partials(q_blk[start : start + total], k, v)
+            if plan is not None:
+                self.gpu.fill(plan, qg, buf, start, scale)
+            else:
+                k = buf[:, 0]  # [nb, Hkv, D, dk]
+                v = buf[:, 1] if s.parts == 2 else k[..., : s.layout.v_dim]
+                o_blk[start : start + total], lse_blk[start : start + total] = block_partials(q_blk[start : start + total], k, v)
             if self.cuda:
                 done = torch.cuda.Event()
                 done.record(cur)
                 self._free_events[b] = done
             start += total
-        return merge_segments(o_blk, lse_blk, ids, B)
+        return None if plan is not None else merge_segments(o_blk, lse_blk, ids, B)
 
     def _fills(self, sources):
         """Group runs ``(sequence index, [nb, parts, Hkv, D, dim])`` into buffer fills of at

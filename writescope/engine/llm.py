@@ -206,6 +206,7 @@ class LLM:
                 )
             spec = PartitionSpec(self.config.kv_layout, self.config.num_layers, self.dtype, window=window)
             cache = InplaceKVCache(spec, parsed, self.device, cpu_threads)
+            cache.warm_up(self.config.attention.q_heads)
         if isinstance(self.cache, InplaceKVCache):
             self.cache.close()
         self.cache, self.policy, self.window, self.cpu_threads = cache, parsed, window, cpu_threads

@@ -88,6 +88,11 @@ class InplaceKVCache(KVCache):
         self._seqs[slot] = seq
         return slot
 
+    def warm_up(self, q_heads: int) -> None:
+        """Compile the decode kernels for ``q_heads`` query heads now (the first decode step then
+        has no compile in it)."""
+        self.decoder.warm_up(q_heads)
+
     def expect_batch(self, batch: int) -> None:
         """``batch`` sequences (those already active included) will decode together: tell the
         policy before their prompts are placed (the roofline's fixed-cost term is per step)."""
@@ -263,6 +268,7 @@ class InplaceKVCache(KVCache):
             else:
                 blocks = src.unflatten(2, (r, D)).permute(2, 0, 1, 3, 4).contiguous()  # [r, parts, Hkv, D, dim]
                 done = 0
+                self.decoder.note_load_write()  # written on the compute stream: the streaming copies wait for it
                 for run in sq.load_runs(layer, idx, idx + r, r):
                     run.copy_(blocks[done : done + run.shape[0]], non_blocking=self.cuda)
                     done += run.shape[0]
@@ -303,6 +309,7 @@ class InplaceKVCache(KVCache):
             dst = sq.staging_buffer()[layer]  # written home by drain() before the next read (also without CUDA)
         else:
             dst = sq.load_block(layer, idx)
+            self.decoder.note_evict()  # the streaming copies wait for the evict stream once
         # the destination exists (staging or slab registered): only now count the block as placed
         event = None
         if self.cuda:

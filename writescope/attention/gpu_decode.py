@@ -1,0 +1,128 @@
+"""The GPU side of one decode layer through the Triton kernels (attention/gpu_kernel.py).
+
+Per layer: one launch for the D-windows of all sequences (read in place through offsets from
+one base, no stack), one launch per ping-pong fill of load-region blocks, one merge launch that
+also takes the CPU partial and writes the output in q's dtype. Everything a launch needs besides
+q and the blocks (window offsets and lengths, each fill block's sequence, each sequence's range
+of partials, the partial buffers) is built once per step: it is the same for every layer of a
+step (every layer appends the same token, and block j of every layer has the same home), so
+:class:`StepPlan` is kept while its signature (window addresses and lengths, the runs of load
+blocks) is unchanged, and layers after the first issue no host-to-device copy of metadata.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+
+from writescope.attention import gpu_kernel
+
+
+@dataclass
+class StepPlan:
+    """Device metadata and partial buffers of one step's layers (see module docstring)."""
+
+    signature: tuple
+    win_off: torch.Tensor  # [B] int64 element offsets of each window from the base window
+    win_len: torch.Tensor  # [B] int32
+    blk_seq: torch.Tensor | None  # [P] int32 sequence of each load partial
+    starts: torch.Tensor | None  # [B + 1] int32 each sequence's range of load partials
+    o_w: torch.Tensor  # [B, Hkv, G, dv] float32
+    l_w: torch.Tensor  # [B, Hkv, G]
+    o_l: torch.Tensor | None  # [P, Hkv, G, dv] float32
+    l_l: torch.Tensor | None
+    window_tokens: int
+
+
+class GpuDecode:
+    """Window, load-region and merge launches of a :class:`~writescope.attention.split.SplitDecoder`
+    on CUDA (bf16/fp16 caches), with the step plan cached across layers."""
+
+    def __init__(self, spec, device: torch.device):
+        self.spec, self.device = spec, device
+        self.cuda = device.type == "cuda"
+        self.plan: StepPlan | None = None
+        self.plans_built = 0  # how many times metadata was built and copied (tests: once per step)
+
+    def step_plan(self, layer: int, qg: torch.Tensor, seqs: list, load_runs: list[tuple[int, int]]) -> StepPlan:
+        """The plan for this layer: the cached one when the signature matches, else a new one.
+
+        Args:
+            qg: ``[B, Hkv, G, dk]``.
+            seqs: the batch's SequenceKV.
+            load_runs: ``(sequence index, blocks)`` of every load-region source, in order.
+        """
+        base = seqs[0].window
+        sig = (tuple((sq.window.data_ptr(), sq.win_len[layer]) for sq in seqs), tuple(load_runs), qg.shape, qg.dtype)
+        if self.plan is not None and self.plan.signature == sig:
+            return self.plan
+        B, Hkv, G, _ = qg.shape
+        dv, item = self.spec.layout.v_dim, base.element_size()
+        offs = [(sq.window.data_ptr() - base.data_ptr()) // item for sq in seqs]
+        lens = [sq.win_len[layer] for sq in seqs]
+        P = sum(n for _, n in load_runs)
+        seq_of, starts = [], [0] * (B + 1)
+        for i, n in load_runs:
+            seq_of += [i] * n
+            starts[i + 1] += n
+        for b in range(B):
+            starts[b + 1] += starts[b]
+        assert all(seq_of[j] <= seq_of[j + 1] for j in range(len(seq_of) - 1)), "load runs must come in sequence order"
+        # one copy for the int32 arrays, each starting 16-byte aligned (Triton specialises on a
+        # pointer's alignment: an unaligned slice would compile another variant mid-step)
+        pad = lambda xs: xs + [0] * (-len(xs) % 4)  # noqa: E731
+        a, b = len(pad(lens)), len(pad(lens)) + len(pad(seq_of))
+        small = torch.tensor(offs, dtype=torch.int64), torch.tensor(pad(lens) + pad(seq_of) + starts, dtype=torch.int32)
+        if self.cuda:
+            small = tuple(t.pin_memory().to(self.device, non_blocking=True) for t in small)
+        ints = small[1]
+        f32 = dict(dtype=torch.float32, device=self.device)
+        self.plan = StepPlan(
+            signature=sig, win_off=small[0], win_len=ints[:B], blk_seq=ints[a : a + P] if P else None,
+            starts=ints[b:] if P else None,
+            o_w=torch.empty(B, Hkv, G, dv, **f32), l_w=torch.empty(B, Hkv, G, **f32),
+            o_l=torch.empty(P, Hkv, G, dv, **f32) if P else None, l_l=torch.empty(P, Hkv, G, **f32) if P else None,
+            window_tokens=sum(lens),
+        )
+        self.plans_built += 1
+        return self.plan
+
+    def windows(self, plan: StepPlan, layer: int, qg: torch.Tensor, seqs: list, scale: float) -> None:
+        """The window partials of all sequences, one launch, into ``plan.o_w, plan.l_w``."""
+        base = seqs[0].window
+        gpu_kernel.block_partials_into(qg, base, self.spec.parts, self.spec.layout.v_dim, scale, plan.o_w, plan.l_w,
+                                       offsets=plan.win_off, layer_off=layer * base.stride(0), lengths=plan.win_len,
+                                       window=self.spec.window)
+
+    def fill(self, plan: StepPlan, qg: torch.Tensor, buf: torch.Tensor, start: int, scale: float) -> None:
+        """Partials of the ``buf.shape[0]`` blocks of one ping-pong fill ``buf`` ``[nb, parts,
+        Hkv, D, dim]``, whose first block is load partial ``start``."""
+        gpu_kernel.block_partials_into(qg, buf, self.spec.parts, self.spec.layout.v_dim, scale, plan.o_l, plan.l_l,
+                                       out_base=start, seq=plan.blk_seq)
+
+    def merge(self, plan: StepPlan, q: torch.Tensor, cpu: tuple[torch.Tensor, torch.Tensor] | None) -> torch.Tensor:
+        """Window + load + CPU partials merged: ``[B, q_heads, dv]`` in q's dtype."""
+        B, Hq, _ = q.shape
+        out = torch.empty(B, Hq, self.spec.layout.v_dim, dtype=q.dtype, device=self.device)
+        load = (plan.o_l, plan.l_l) if plan.o_l is not None else None
+        return gpu_kernel.merge_into(out, (plan.o_w, plan.l_w), load, plan.starts, cpu)
+
+    def warm_up(self, q_heads: int, dtype: torch.dtype) -> None:
+        """Compile every kernel variant a decode step uses (windows, fills, merges with and without
+        load and CPU partials) on one block of the real shape, so no compile lands in a step."""
+        s = self.spec
+        Hkv, dk, dv = s.layout.kv_heads, s.layout.k_dim, s.layout.v_dim
+        G = q_heads // Hkv
+        dev = self.device
+        q = torch.zeros(1, Hkv, G, dk, dtype=dtype, device=dev)
+        blk = torch.zeros(1, *s.block_shape(), dtype=s.dtype, device=dev)
+        o, l = torch.empty(1, Hkv, G, dv, dtype=torch.float32, device=dev), torch.empty(1, Hkv, G, dtype=torch.float32, device=dev)
+        ints = torch.zeros(4, dtype=torch.int32, device=dev)
+        gpu_kernel.block_partials_into(q, blk, s.parts, dv, 1.0, o, l, offsets=torch.zeros(1, dtype=torch.int64, device=dev),
+                                       lengths=ints[:1], window=s.window)
+        gpu_kernel.block_partials_into(q, blk, s.parts, dv, 1.0, o, l, seq=ints)
+        out = torch.empty(1, q_heads, dv, dtype=dtype, device=dev)
+        for load in (None, (o, l)):
+            for cpu in (None, (o.clone(), l.clone())):
+                gpu_kernel.merge_into(out, (o, l), load, ints[:2] if load is not None else None, cpu)
