@@ -161,3 +161,21 @@ def test_a_context_past_the_model_limit_names_bench_s_flags(capsys):
     assert main(["bench", "--model", "tiny-qwen3-moe", "--batch", "1", "--context", "8k", "--policies", "gpu", "--steps", "1", "--quiet"]) == 0
     out = capsys.readouterr().out
     assert "does not fit" in out and "use a shorter --context (bench adds --steps + 1 = 2 tokens)" in out and "lower max_tokens" not in out
+
+
+def test_bench_times_layers_without_synchronising(monkeypatch):
+    """The grid's per-layer attention time adds no device synchronisation to the decode step
+    (issue 15, item 5): a spy on the timing module's synchronise sees no call during the run,
+    and every decode layer still gets a time."""
+    from writescope import LLM
+    from writescope.bench import runner
+    from writescope.engine import timing
+
+    llm = LLM("tiny-qwen3-moe", progress=False)
+    calls = []
+    real = timing.synchronize
+    monkeypatch.setattr(timing, "synchronize", lambda device: (calls.append(device), real(device))[1])
+    cfg = runner.BenchConfig([2], [40], ["static:0.5"], steps=3, window=16, warmup=False)
+    row = runner.run_one(llm, cfg, 2, 40, "static:0.5")
+    assert row.fits and row.attn_ms_per_layer > 0
+    assert calls == [], f"{len(calls)} synchronisations inside the timed decode"

@@ -213,3 +213,53 @@ def test_triton_kernels_under_the_interpreter():
     env = dict(os.environ, TRITON_INTERPRET="1", PYTHONPATH=os.getcwd())
     r = subprocess.run([sys.executable, "-c", code], env=env, capture_output=True, text=True, timeout=1500)
     assert r.returncode == 0, r.stdout[-3000:] + r.stderr[-6000:]
+
+
+@pytest.mark.gpu
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")
+@pytest.mark.parametrize("policy", ["gpu", "static:0.5"])
+def test_decode_layers_never_wait_for_the_device(policy):
+    """Decode steps between evictions issue every layer without a host synchronisation (torch's
+    sync debug mode raises on one): the window, load-region and merge launches, the streaming
+    copies, q to the native worker and its partial back. (An eviction into the compute region is
+    drained at the layer's next step through an event wait, already complete in steady state;
+    the engine's sampling waits once per step, outside the layers.)"""
+    layout, Hq, D, layers = KVLayout(2, 64, 64, False), 8, 64, 3
+    spec = PartitionSpec(layout, layers, torch.bfloat16, window=D, pingpong_bytes=2 * D * 2 * 2 * 64 * 2)
+    cache = InplaceKVCache(spec, parse_policy(policy), "cuda", cpu_threads=2)
+    cache.warm_up(Hq)
+    lens = [D * 5 + 1, D * 3 + 1, 1]  # windows far from full: no eviction in the measured steps
+    slots = [cache.allocate(n + 40, prompt_len=n) for n in lens]
+    try:
+        dev = "cuda"
+        ctx = [0] * len(lens)
+
+        def step(qlens):
+            T = sum(qlens)
+            batch = ForwardBatch.build(slots, qlens, ctx, dev)
+            inputs = [(torch.randn(T, Hq, 64, device=dev, dtype=torch.bfloat16), torch.randn(T, 2, 64, device=dev, dtype=torch.bfloat16),
+                       torch.randn(T, 2, 64, device=dev, dtype=torch.bfloat16)) for _ in range(layers)]
+            torch.cuda.synchronize()
+            return batch, inputs
+
+        def run(batch, inputs):
+            return [cache.attend(layer, q, k, v, batch, 64**-0.5) for layer, (q, k, v) in enumerate(inputs)]
+
+        run(*step(lens))  # prefill
+        ctx = list(lens)
+        for _ in range(3):  # warm: pinned blocks cached, worker started, plan buffers made
+            run(*step([1] * len(lens)))
+            ctx = [c + 1 for c in ctx]
+        torch.cuda.synchronize()
+        for _ in range(5):
+            batch, inputs = step([1] * len(lens))
+            torch.cuda.set_sync_debug_mode("error")
+            try:
+                outs = run(batch, inputs)
+            finally:
+                torch.cuda.set_sync_debug_mode("default")
+            ctx = [c + 1 for c in ctx]
+            assert all(torch.isfinite(o).all() for o in outs)
+        assert cache.decoder.gpu is not None and cache.decoder.stats.streamed_copies > 0
+    finally:
+        cache.close()

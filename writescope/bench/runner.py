@@ -3,8 +3,9 @@ and collect what the table and plots show (docs/DESIGN.md section 7 compares the
 
 Per configuration (one row):
 - ``prefill_tok_s``, ``decode_tok_s``, ``tpot_ms`` (median over requests) from the engine;
-- ``attn_ms_per_layer``: median wall time of one layer's decode attention (the cache's
-  ``attend``, synchronised before and after: a measurement, slightly less overlap than a run);
+- ``attn_ms_per_layer``: median time of one layer's decode attention (the cache's ``attend``;
+  on CUDA between timing events on the stream, no synchronisation added, so the step runs as in
+  ``generate``; without CUDA the wall time);
 - ``r_deployed``: placed CPU share at the end (compute / (compute + load) tokens of the batch);
 - ``gbs``: KV bytes one layer's attention reads per step / ``attn_ms_per_layer``; ``bound_ms``
   = those bytes / (H2D + CPU read GB/s) and ``frac_of_bound`` = bound / measured.
@@ -15,6 +16,7 @@ memory) becomes a row with ``fits = False`` and the reason; the grid goes on.
 from __future__ import annotations
 
 import statistics
+import time
 from dataclasses import asdict, dataclass, field
 
 import torch
@@ -22,7 +24,6 @@ from tqdm import tqdm
 
 from writescope.engine.llm import LLM
 from writescope.engine.sampling import SamplingParams
-from writescope.engine.timing import synchronized_seconds
 from writescope.kvcache.inplace import InplaceKVCache
 
 
@@ -66,10 +67,14 @@ class BenchConfig:
 
 
 class _TimedAttend:
-    """Wraps a cache's ``attend`` to time decode calls (all query lengths 1), synchronised."""
+    """Wraps a cache's ``attend`` to time decode calls (all query lengths 1) without changing
+    what they do: on CUDA by a pair of timing events on the current stream around each call (no
+    synchronisation added; read once the run is over: :meth:`seconds`), without CUDA by the wall
+    clock (the calls are synchronous there). A layer's time runs from its first launch to its
+    merge, so it includes its waits for streamed blocks and for the CPU partial."""
 
     def __init__(self, cache, device: torch.device):
-        self.cache, self.device, self.times = cache, device, []
+        self.cache, self.device, self.times, self.events = cache, device, [], []
         self.inner = cache.attend
         cache.attend = self
 
@@ -77,9 +82,25 @@ class _TimedAttend:
         decode = all(n == 1 for n in batch.query_lens)
         if not decode:
             return self.inner(layer_id, q, k, v, batch, scale, sliding_window, prefill_attn)
-        out, s = synchronized_seconds(lambda: self.inner(layer_id, q, k, v, batch, scale, sliding_window, prefill_attn), self.device)
-        self.times.append(s)
+        if self.device.type != "cuda":
+            t0 = time.perf_counter()
+            out = self.inner(layer_id, q, k, v, batch, scale, sliding_window, prefill_attn)
+            self.times.append(time.perf_counter() - t0)
+            return out
+        start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+        start.record()
+        out = self.inner(layer_id, q, k, v, batch, scale, sliding_window, prefill_attn)
+        end.record()
+        self.events.append((start, end))
         return out
+
+    def seconds(self) -> list[float]:
+        """Each timed call's seconds (waits for the last event on CUDA)."""
+        if self.events:
+            self.events[-1][1].synchronize()
+            self.times += [a.elapsed_time(b) / 1e3 for a, b in self.events]
+            self.events = []
+        return self.times
 
     def remove(self) -> None:
         self.cache.attend = self.inner
@@ -157,8 +178,8 @@ def run_one(llm: LLM, cfg: BenchConfig, batch: int, context: int, policy: str, r
     row.prefill_tok_s, row.decode_tok_s = (0.0 if cfg.kv_fill == "random" else m.prefill_tok_s), m.decode_tok_s
     row.extra["kv_fill"] = cfg.kv_fill
     row.tpot_ms = statistics.median(o.metrics.tpot_s for o in outs) * 1e3
-    if timer.times:
-        row.attn_ms_per_layer = statistics.median(timer.times) * 1e3
+    if timer.seconds():
+        row.attn_ms_per_layer = statistics.median(timer.seconds()) * 1e3
     itemsize = llm.dtype.itemsize
     mean_ctx = context + cfg.steps / 2  # tokens cached on average over the decode steps
     row.kv_bytes_per_layer = int(batch * mean_ctx * llm.config.kv_layout.bytes_per_token(itemsize))
