@@ -96,6 +96,7 @@ class SplitDecoder:
         self._stage: list[torch.Tensor | None] = [None, None]  # monolithic prepare buffers (pinned)
         self._stage_events: list[object | None] = [None, None]
         self._free_events: list[object | None] = []
+        self.last_split = (0, 0)  # (CPU tokens, load-region tokens) of the last decode call
         self.time_gpu = False  # time the GPU part of each call (calibration; see last_gpu_seconds)
         self._gpu_timer: object = 0.0
         self._gpu_timer_done = True
@@ -233,6 +234,9 @@ class SplitDecoder:
                     if part is not None:
                         states.append(part)
             self._stats.last_load_tokens = sum(src.shape[0] for _, src in sources) * s.window
+            # this call's KV split in tokens (CPU, load region), known on the host: the joint
+            # roofline's per-step expert split reads it (scheduler/expert_work.py)
+            self.last_split = (sum(limits[i] for i in cpu_rows) * s.window, self._stats.last_load_tokens)
             if self.time_gpu:
                 self._gpu_timer, self._gpu_timer_done = self._stop_gpu_timer(self._gpu_timer), True
             if prepared and self.cuda:  # the prepare buffer of this layer's parity is reused once these copies are done

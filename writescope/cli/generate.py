@@ -167,7 +167,10 @@ def format_r_trace(trace: list[dict], lines: int = 8) -> str:
     def f(x):
         return "-" if x is None else f"{x:.3f}"
 
-    rows = [f"  step {p['step']:>5}  L {p['L']:>10,.0f}  target r(L) {f(p['target'])}  placed {f(p['deployed'])}" for p in pick]
+    def experts(p):  # the joint roofline's split of the host experts in that step (all layers)
+        return f"  host experts streamed {p['experts_streamed']}, on the CPU {p['experts_cpu']}" if "experts_streamed" in p else ""
+
+    rows = [f"  step {p['step']:>5}  L {p['L']:>10,.0f}  target r(L) {f(p['target'])}  placed {f(p['deployed'])}{experts(p)}" for p in pick]
     return "r(L) trace (mean placed tokens per sequence L)\n" + "\n".join(rows)
 
 

@@ -25,6 +25,7 @@ from writescope.kvcache.inplace import InplaceKVCache
 from writescope.kvcache.spec import DEFAULT_WINDOW, PartitionSpec, Roofline
 from writescope.moe.block import SparseMoeBlock
 from writescope.moe.streaming import default_stream_share
+from writescope.scheduler.expert_work import attach_expert_work
 from writescope.scheduler.calibrate import load_or_calibrate
 from writescope.scheduler.policies import parse_policy
 
@@ -112,6 +113,7 @@ class LLM:
             raise ValueError(f"cpu_threads must be >= 1, got {cpu_threads}")
         if expert_threads is not None and expert_threads < 1:
             raise ValueError(f"expert_threads must be >= 1, got {expert_threads}")
+        self._expert_share_fixed = expert_stream_share is not None  # else `writescope` splits host experts each step
         if expert_stream_share is None:
             expert_stream_share = default_stream_share(self.device)
         if not 0.0 <= expert_stream_share <= 1.0:
@@ -212,6 +214,8 @@ class LLM:
         self.cache, self.policy, self.window, self.cpu_threads = cache, parsed, window, cpu_threads
         self.attention_threads = cpu_threads or default_attention_threads(self.device)  # what the CPU attention uses
         self.policy_name = "resident" if parsed is None else parsed.name
+        self.expert_work = attach_expert_work(parsed, getattr(cache, "decoder", None), self._moe_blocks,
+                                              self.config.kv_layout.bytes_per_token(self.dtype.itemsize), self._expert_share_fixed)
 
     @property
     def expert_stream_share(self) -> float | None:
@@ -234,6 +238,8 @@ class LLM:
         share = self.expert_stream_share
         if share is None:
             return "no routed experts in host memory"
+        if getattr(self, "expert_work", None) is not None:
+            return "host experts split between streaming and the CPU each decode step by the joint roofline (--policy writescope)"
         if share == 0:
             hosted = [b for b in self._moe_blocks if b.host_experts]
             why = ""
@@ -463,7 +469,12 @@ class LLM:
         L = (comp + load) / max(1, len(slots))
         pol = self.cache.policy  # monolithic places everything on the CPU side and splits when reading: its read share
         target = pol.read_share(int(L)) if getattr(pol, "monolithic", False) else pol.cpu_share(int(L))
-        return {"step": step, "L": L, "target": target, "deployed": comp / (comp + load) if comp + load else None}
+        point = {"step": step, "L": L, "target": target, "deployed": comp / (comp + load) if comp + load else None}
+        if getattr(self, "expert_work", None) is not None:  # the joint roofline's expert split since the last point
+            counts = self.expert_work.take_counts()  # at step 0: the prefill's, not shown
+            if step > 0:
+                point["experts_streamed"], point["experts_cpu"] = counts
+        return point
 
 
 

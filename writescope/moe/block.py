@@ -5,6 +5,8 @@ Shape legend: T tokens, D hidden, E routed experts, K top-k, I expert intermedia
 
 from __future__ import annotations
 
+import time
+
 import torch
 from torch import nn
 from torch.profiler import record_function
@@ -44,6 +46,9 @@ class SparseMoeBlock(nn.Module):
         # of the host experts below that (decode), the fraction (most tokens first) also streamed while
         # the CPU computes the rest at the same time; LLM sets 1 on CUDA (benchmarks/results/e2e.md, "Expert phase")
         self.stream_share = 0.0
+        # the joint roofline's per-step split of the few-token host experts (scheduler/expert_work.py);
+        # when set it replaces stream_share (the engine sets it for `--policy writescope`)
+        self.expert_work = None
 
     def offload_experts(self, ids) -> None:
         """Move routed experts ``ids`` to host memory; their tokens are then computed on the CPU
@@ -145,13 +150,16 @@ class SparseMoeBlock(nn.Module):
         if host and self._stream_blocker(x.device, x.dtype, x.shape[1]) is None:
             streamed = [e for e in host if counts[e] >= self.stream_min_tokens]
             host = [e for e in host if counts[e] < self.stream_min_tokens]
-            if host and self.stream_share > 0:
+            if host and (self.expert_work is not None or self.stream_share > 0):
                 # decode: each host expert has few tokens, and both paths read its weights once, the
                 # copy over PCIe (55 GB/s) and the CPU (torch's GEMMs 9-27 GB/s measured; the C++
                 # kernel 66-81 GB/s, benchmarks/results/cpu_experts_h200.md): split them so both
-                # finish together (stream_share = PCIe rate / both rates)
+                # finish together (a fixed stream_share, or the joint roofline's choice this step)
                 by_tokens = sorted(host, key=lambda e: (-counts[e], e))
-                k = round(min(1.0, self.stream_share) * len(by_tokens))
+                if self.expert_work is not None:
+                    k = self.expert_work.choose([self.host_pack.expert_nbytes] * len(by_tokens))
+                else:
+                    k = round(min(1.0, self.stream_share) * len(by_tokens))
                 streamed, host = streamed + by_tokens[:k], sorted(by_tokens[k:])
         if host:  # the host experts' tokens and routing weights, copied once: [n_host, D], [n_host] on the CPU
             with record_function("moe.tokens_to_host"):
@@ -173,7 +181,10 @@ class SparseMoeBlock(nn.Module):
                              [w_sorted[starts[e] : starts[e + 1]] for e in streamed], x, out)
         if host:
             with record_function("moe.host_experts"):
+                t0 = time.perf_counter()
                 y = self._host_experts(host, [counts[e] for e in host], x_host, w_host)
+                if self.expert_work is not None:  # E, tracked: CPU seconds per expert weight byte
+                    self.expert_work.observe(time.perf_counter() - t0, len(host) * self.host_pack.expert_nbytes)
             out.index_add_(0, host_tok, y.to(x.device))
         return self._shared(x, out)
 

@@ -108,6 +108,8 @@ class PackedExperts:
         slot[self.ids] = torch.arange(len(self.ids))
         self.slot_of = slot.to(self.w13.device)
         self.index = {e: s for s, e in enumerate(self.ids)}  # expert id -> packed slot (host-side lookups)
+        # weight bytes of one expert (w13 and w2): what streaming it or computing it on the CPU reads
+        self.expert_nbytes = (self.w13[0].numel() * self.w13.element_size() + self.w2[0].numel() * self.w2.element_size()) if self.ids else 0
 
     def __call__(self, x: torch.Tensor, weights: torch.Tensor, ids: torch.Tensor, out: torch.Tensor) -> None:
         """Add the device experts' weighted outputs into ``out``.

@@ -118,10 +118,21 @@ class WriteScopePolicy(PlacementPolicy):
         self.roofline = roofline
         self.a = OnlineEstimate(roofline.a, alpha, window)
         self.batch = 1
+        # the expert side of the joint roofline (scheduler/expert_work.py), attached by the engine
+        # when routed experts live in host memory and the step may split them; None: KV only
+        self.experts = None
 
     def cpu_share(self, placed_tokens: int) -> float:
+        """r(L) for L = ``placed_tokens`` per sequence: the paper's eq. 2, or with host experts the
+        joint roofline (scheduler/joint.py) given the expected hit host expert bytes per step."""
         rf, L = self.roofline, placed_tokens * self.batch
-        r = roofline_share(L, self.a.value, rf.b, rf.c_cpu, rf.c_gpu)
+        X = self.experts.expected_bytes(self.batch) if self.experts is not None else 0.0
+        if X > 0:
+            from writescope.scheduler.joint import joint_split
+
+            r, _ = joint_split(L, X, self.experts.costs())
+        else:
+            r = roofline_share(L, self.a.value, rf.b, rf.c_cpu, rf.c_gpu)
         return r if split_pays(L, r, self.a.value, rf) else 0.0
 
     def expect_batch(self, batch: int) -> None:

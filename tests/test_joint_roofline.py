@@ -1,0 +1,163 @@
+"""The joint roofline for KV and host experts (scheduler/joint.py, expert_work.py; issue 16): its
+limits and clamps against the KV-only r(L), optimality against a brute-force search, the per-step
+whole-expert split, the tracker of E, and the whole model under it (same tokens, the split in the
+trace)."""
+
+from __future__ import annotations
+
+import random
+
+import pytest
+import torch
+
+from writescope.kvcache.spec import Roofline
+from writescope.scheduler.expert_work import ExpertWork, expected_hit_experts
+from writescope.scheduler.joint import JointCosts, joint_split, step_times, streamed_count
+from writescope.scheduler.roofline import WriteScopePolicy, roofline_share
+
+
+def _t(L, X, r, s, c):
+    return max(step_times(L, X, r * L, (1 - s) * X, c))
+
+
+@pytest.mark.parametrize("seed", range(20))
+def test_without_host_experts_it_is_the_paper_s_r(seed):
+    rng = random.Random(seed)
+    a, b = rng.uniform(1e-9, 1e-7), rng.uniform(1e-9, 1e-7)
+    c_cpu, c_gpu = rng.uniform(0, 2e-3), rng.uniform(0, 2e-3)
+    c = JointCosts(a, b, 1e-11, 1e-11, c_cpu, c_gpu)
+    for L in (1, 15, 16, 17, 4097, 10**6):
+        r, s = joint_split(L, 0, c)
+        assert r == pytest.approx(roofline_share(L, a, b, c_cpu, c_gpu), abs=1e-12)
+        assert s == 1.0  # no experts: nothing to split
+
+
+def test_without_host_kv_only_the_experts_split():
+    c = JointCosts(a=5e-8, b=2e-8, e=1e-11, g=2e-11, c_cpu=1e-4, c_gpu=1e-4)
+    r, s = joint_split(0, 2e8, c)
+    assert r == 0.0 and 0 < s < 1
+    cpu, link = step_times(0, 2e8, 0, (1 - s) * 2e8, c)
+    assert cpu == pytest.approx(link, rel=1e-9)  # the two sides finish together
+    assert joint_split(0, 0, c) == (0.0, 1.0)
+    # a CPU whose fixed cost exceeds the whole link time takes nothing
+    assert joint_split(100, 1e3, JointCosts(1e-9, 1e-9, 1e-12, 1e-12, c_cpu=1.0, c_gpu=0.0)) == (0.0, 1.0)
+    # a free CPU takes everything (clamped at 1)
+    assert joint_split(100, 1e3, JointCosts(0.0, 1e-6, 0.0, 1e-6)) == (1.0, 0.0)
+
+
+@pytest.mark.parametrize("seed", range(30))
+def test_the_split_is_optimal_against_a_brute_force_search(seed):
+    rng = random.Random(100 + seed)
+    c = JointCosts(a=rng.uniform(1e-9, 5e-8), b=rng.uniform(1e-9, 5e-8), e=rng.uniform(1e-12, 5e-11), g=rng.uniform(1e-12, 5e-11),
+                   c_cpu=rng.uniform(0, 1e-3), c_gpu=rng.uniform(0, 1e-3))
+    L, X = rng.choice([0, 1, 17, 4097, 5e5]), rng.choice([0, 9.4e6, 1.3e8, 2e9])
+    r, s = joint_split(L, X, c)
+    assert 0 <= r <= 1 and 0 <= s <= 1
+    best = min(_t(L, X, i / 100, j / 100, c) for i in range(101) for j in range(101))
+    assert _t(L, X, r, s, c) <= best * (1 + 1e-9) + 1e-15
+
+
+def test_the_cpu_takes_first_what_it_is_relatively_better_at():
+    # the CPU reads experts at 70 GB/s and latent KV at 45 GB/s; the link both at 52 GB/s (per byte)
+    kv_bytes = 576 * 2
+    c = JointCosts(a=kv_bytes / 45e9, b=kv_bytes / 52e9, e=1 / 70e9, g=1 / 52e9)
+    L, X = 16 * 32768, 14 * 9.4e6
+    r, s = joint_split(L, X, c)
+    assert s == 0.0 and 0 < r < 1  # every host expert on the CPU, then KV until the two sides meet
+    c2 = JointCosts(a=kv_bytes / 90e9, b=kv_bytes / 52e9, e=1 / 20e9, g=1 / 52e9)  # a CPU slow on experts
+    r2, s2 = joint_split(L, X, c2)
+    assert s2 == 1.0 and r2 > 0  # KV first; experts stay streamed
+
+
+def test_whole_expert_split_against_every_k():
+    rng = random.Random(7)
+    c = JointCosts(a=1e-8, b=1e-8, e=1 / 60e9, g=1 / 52e9)
+    for _ in range(50):
+        sizes = [rng.choice([9.4e6, 2.8e7])] * rng.randint(0, 30)
+        cpu_s, link_s = rng.uniform(0, 5e-3), rng.uniform(0, 5e-3)
+        k = streamed_count(sizes, cpu_s, link_s, c)
+        times = [max(cpu_s + sum(sizes[j:]) * c.e, link_s + sum(sizes[:j]) * c.g) for j in range(len(sizes) + 1)]
+        assert times[k] <= min(times) * (1 + 1e-12) and k == times.index(min(times))  # the first (fewest streamed) of the best
+    assert streamed_count([1e7] * 5, 1.0, 0.0, c) == 5  # a busy CPU: stream them all
+    assert streamed_count([1e7] * 5, 0.0, 1.0, c) == 0  # a busy link: the CPU takes them all
+    assert streamed_count([], 0.0, 0.0, c) == 0
+
+
+def test_costs_are_checked():
+    with pytest.raises(ValueError, match="cost e"):
+        JointCosts(1e-9, 1e-9, float("nan"), 1e-11)
+    with pytest.raises(ValueError, match="input X"):
+        joint_split(1, -1, JointCosts(1e-9, 1e-9, 1e-11, 1e-11))
+    with pytest.raises(ValueError, match="positive and finite"):
+        ExpertWork(0.0, 1e-11, 0.5, 10, 8, 2)
+
+
+def test_the_tracker_follows_a_step_change_in_e():
+    rf = Roofline(2e-8, 2e-8, 1e-4, 1e-4)
+    pol = WriteScopePolicy(rf)
+    work = ExpertWork(1e-11, 2e-11, 0.5, 10**7, 128, 8, policy=pol)
+    for _ in range(5):
+        work.observe(1e-11 * 1e8, 10**8)
+    assert work.e.value == pytest.approx(1e-11)
+    for n in range(1, 12):
+        work.observe(4e-11 * 1e8, 10**8)  # the CPU got 4x slower at experts (another request's work, say)
+        if n >= 10:
+            assert work.e.value == pytest.approx(4e-11, rel=0.05)
+    work.observe(0.0, 10**8)  # not a measurement
+    assert work.e.value == pytest.approx(4e-11, rel=0.05)
+
+
+def test_r_accounts_for_the_expected_expert_work():
+    rf = Roofline(a=2e-8, b=2e-8, c_cpu=0.0, c_gpu=0.0)
+    pol = WriteScopePolicy(rf)
+    pol.expect_batch(16)
+    kv_only = pol.cpu_share(32768)
+    assert kv_only == pytest.approx(0.5)
+    pol.experts = ExpertWork(e=1e-11, g=2e-11, host_fraction=0.5, expert_bytes=10**7, num_experts=128, top_k=8, policy=pol)
+    assert pol.experts.expected_bytes(16) == pytest.approx(expected_hit_experts(16, 128, 8) * 0.5 * 10**7)
+    joint = pol.cpu_share(32768)
+    assert joint < kv_only  # the CPU also computes host experts, so it takes less KV
+    r, s = joint_split(16 * 32768, pol.experts.expected_bytes(16), pol.experts.costs())
+    assert joint == pytest.approx(r) and s == 0.0
+
+
+def _blocks(llm):
+    from writescope.moe.block import SparseMoeBlock
+
+    return [m for m in llm.model.modules() if isinstance(m, SparseMoeBlock)]
+
+
+def _half_on_host_llm(share=None):
+    from writescope import LLM
+    from writescope.budget.plan import make_plan
+    from writescope.presets import preset_config
+    from writescope.scheduler.policies import StaticPolicy
+
+    cfg = preset_config("tiny-qwen3-moe")
+    base = make_plan(cfg, torch.float32, 2**40, 2, cfg.max_position_embeddings, 0, StaticPolicy(0.5), 16)
+    half = base.gpu_min + (base.experts_total // 2 + 8) * base.expert_bytes  # half the experts on the host, with slots
+    return LLM("tiny-qwen3-moe", progress=False, policy="static:0.5", window=16, vram_budget=half, max_batch=2, expert_stream_share=share)
+
+
+def test_writescope_splits_host_experts_each_step_with_the_same_tokens():
+    prompts = [[5, 6, 7] * 12, [8, 9] * 20]
+    ref = _half_on_host_llm()
+    want = [o.token_ids for o in ref.generate(prompt_token_ids=prompts)]
+    assert ref.expert_work is None  # static policy: the fixed share
+    llm = _half_on_host_llm()
+    seen = {}
+    for name, b in (("cheap link", 1e-15), ("dear link", 1e-3)):
+        llm.set_policy("writescope", roofline=Roofline(a=1e-9, b=b, c_cpu=0.0, c_gpu=0.0))
+        work = llm.expert_work
+        assert work is not None and all(blk.expert_work is work for blk in _blocks(llm) if blk.host_experts)
+        assert "joint roofline" in llm.host_experts_in_decode()
+        outs = llm.generate(prompt_token_ids=prompts)
+        assert [o.token_ids for o in outs] == want, name
+        trace = llm.r_trace
+        seen[name] = (sum(p.get("experts_streamed", 0) for p in trace), sum(p.get("experts_cpu", 0) for p in trace))
+        assert work.observed and work.x.value > 0
+    assert seen["cheap link"][0] > 0 and seen["cheap link"][1] == 0  # a free link streams every few-token host expert
+    assert seen["dear link"][0] == 0 and seen["dear link"][1] > 0  # a slow one leaves them to the CPU
+    fixed = _half_on_host_llm(share=1.0)
+    fixed.set_policy("writescope", roofline=Roofline(a=1e-9, b=1e-3, c_cpu=0.0, c_gpu=0.0))
+    assert fixed.expert_work is None and fixed.policy.experts is None  # --expert-stream-share: the fixed baseline

@@ -1,0 +1,153 @@
+"""The expert side of the joint roofline (scheduler/joint.py): what a layer step's hit host experts
+weigh, what they cost the CPU, and each step's choice of which of them the link streams.
+
+:class:`ExpertWork` is attached to the ``writescope`` policy (so r(L) accounts for the expert
+work the CPU will also do) and shared by the MoE blocks that have host experts, each of which asks
+:meth:`ExpertWork.choose` once per layer step with its hit host experts, after routing. The
+step's KV split is read from the split decoder's last call (its CPU and load-region tokens,
+known on the host without a wait).
+"""
+
+from __future__ import annotations
+
+import math
+
+from writescope.scheduler.joint import JointCosts, streamed_count
+from writescope.scheduler.roofline import OnlineEstimate
+
+
+def expected_hit_experts(tokens: int, num_experts: int, top_k: int) -> float:
+    """Expected distinct experts hit by ``tokens`` tokens routing top-k of ``num_experts`` uniformly
+    at random: E (1 - (1 - k/E)^T). (Synthetic weights route nearly uniformly; real text less so:
+    the tracked value replaces this once steps are observed.)"""
+    if num_experts <= 0 or tokens <= 0:
+        return 0.0
+    return num_experts * (1.0 - (1.0 - min(top_k, num_experts) / num_experts) ** tokens)
+
+
+class ExpertWork:
+    """Tracked expert costs and the per-step expert split.
+
+    Args:
+        e: initial CPU seconds per expert weight byte (a measurement: :func:`writescope.moe.cpu_experts`
+            timings, or the block's first steps).
+        g: link seconds per byte (the calibrated streaming rate: B / KV bytes per token).
+        host_fraction: routed experts in host memory / all routed experts (over the hosted blocks).
+        expert_bytes: weight bytes of one routed expert.
+        num_experts, top_k: the routing.
+        decoder: the split decoder whose last call gives this step's KV split (``last_split``).
+        policy: the ``writescope`` policy: its online A and its roofline (B, C_cpu, C_gpu).
+
+    Counters ``n_streamed`` and ``n_computed`` add up the experts of every layer step (the trace reads
+    and resets them).
+    """
+
+    def __init__(self, e: float, g: float, host_fraction: float, expert_bytes: int, num_experts: int, top_k: int, decoder=None,
+                 policy=None, alpha: float = 0.3, window: int = 3):
+        if not (e > 0 and g > 0 and math.isfinite(e) and math.isfinite(g)):
+            raise ValueError(f"expert costs must be positive and finite, got E={e}, G={g} s/byte")
+        self.e = OnlineEstimate(e, alpha, window)
+        self.g = g
+        self.host_fraction, self.expert_bytes = host_fraction, expert_bytes
+        self.num_experts, self.top_k = num_experts, top_k
+        self.x = OnlineEstimate(0.0, alpha, window)  # hit host expert bytes per layer step
+        self.observed = False
+        self.decoder, self.policy = decoder, policy
+        self.n_streamed = self.n_computed = 0
+
+    def expected_bytes(self, batch: int) -> float:
+        """Hit host expert bytes per layer step: the tracked value, or before any step the uniform
+        routing expectation for ``batch`` decode tokens."""
+        if self.observed:
+            return self.x.value
+        return expected_hit_experts(batch, self.num_experts, self.top_k) * self.host_fraction * self.expert_bytes
+
+    def costs(self) -> JointCosts:
+        """The joint costs with the current estimates (A from the policy, E tracked)."""
+        rf, a = self.policy.roofline, self.policy.a.value
+        return JointCosts(a=a, b=rf.b, e=self.e.value, g=self.g, c_cpu=rf.c_cpu, c_gpu=rf.c_gpu)
+
+    def choose(self, sizes: list[int]) -> int:
+        """How many of this layer step's hit host experts (``sizes``: weight bytes each, in the
+        block's streaming order) to stream; the CPU computes the rest. Records the step's bytes."""
+        self.x.update(float(sum(sizes)))
+        self.observed = True
+        c = self.costs()
+        cpu_tokens, load_tokens = getattr(self.decoder, "last_split", (0, 0)) if self.decoder is not None else (0, 0)
+        cpu_s = cpu_tokens * c.a + (c.c_cpu if cpu_tokens else 0.0)
+        link_s = load_tokens * c.b + c.c_gpu
+        k = streamed_count(sizes, cpu_s, link_s, c)
+        self.n_streamed += k
+        self.n_computed += len(sizes) - k
+        return k
+
+    def observe(self, seconds: float, nbytes: int) -> None:
+        """One measured CPU expert call: ``seconds`` for ``nbytes`` of expert weights."""
+        if nbytes > 0 and seconds > 0:
+            self.e.update(seconds / nbytes)
+
+    def take_counts(self) -> tuple[int, int]:
+        """``(streamed, computed)`` experts since the last call."""
+        out = (self.n_streamed, self.n_computed)
+        self.n_streamed = self.n_computed = 0
+        return out
+
+
+def measure_cpu_expert_cost(block, experts: int = 8, reps: int = 3) -> float:
+    """CPU seconds per expert weight byte of ``block``'s host expert path (the C++ kernel where it
+    is used): one random token on each of up to ``experts`` host experts, the median of ``reps``
+    calls after one unmeasured call. The starting value of E, tracked from then on."""
+    import statistics
+    import time
+
+    import torch
+
+    host = sorted(block.host_experts)[:experts]
+    g = torch.Generator().manual_seed(0)
+    x = torch.randn(len(host), block.gate.weight.shape[1], generator=g).to(block.host_pack.w13.dtype)
+    w = torch.full((len(host),), 1.0 / len(host))
+    times = []
+    with torch.no_grad():
+        for _ in range(reps + 1):
+            t0 = time.perf_counter()
+            block._host_experts(host, [1] * len(host), x, w)
+            times.append(time.perf_counter() - t0)
+    return statistics.median(times[1:]) / (len(host) * block.host_pack.expert_nbytes)
+
+
+def attach_expert_work(policy, decoder, blocks: list, kv_bytes_per_token: int, fixed_share: bool) -> ExpertWork | None:
+    """Give the ``writescope`` policy and the MoE blocks with host experts one :class:`ExpertWork`
+    (the joint roofline), or detach it: for another policy, when the user fixed the expert stream
+    share (``--expert-stream-share``, the fixed baseline), or when no block can stream its host
+    experts (then the CPU computes them all and r(L) is the KV-only one).
+
+    Args:
+        policy: the cache's placement policy.
+        decoder: the cache's split decoder (its ``last_split``), or None.
+        blocks: every SparseMoeBlock of the model.
+        kv_bytes_per_token: KV bytes of one token of one layer (G = B / this).
+        fixed_share: the user gave an expert stream share.
+
+    Returns:
+        The attached ExpertWork, or None.
+    """
+    from writescope.scheduler.roofline import WriteScopePolicy
+
+    for b in blocks:
+        b.expert_work = None
+    if isinstance(policy, WriteScopePolicy):
+        policy.experts = None
+    if fixed_share or not isinstance(policy, WriteScopePolicy):
+        return None
+    hosted = [b for b in blocks if b.host_experts and b.streams_host_experts()]
+    if not hosted:
+        return None
+    cfg = hosted[0].cfg
+    total = sum(b.cfg.num_experts for b in blocks)
+    work = ExpertWork(measure_cpu_expert_cost(hosted[0]), policy.roofline.b / kv_bytes_per_token,
+                      sum(len(b.host_experts) for b in blocks) / total, hosted[0].host_pack.expert_nbytes,
+                      cfg.num_experts, cfg.top_k, decoder, policy)
+    policy.experts = work
+    for b in hosted:
+        b.expert_work = work
+    return work
