@@ -11,25 +11,37 @@ from writescope.budget.plan import MemoryPlan
 from writescope.moe.block import SparseMoeBlock
 
 
-def host_experts(cfg, plan: MemoryPlan) -> dict[int, range]:
-    """``{layer id: routed expert ids in host memory}``: all but the first
-    ``plan.experts_gpu_per_layer[i]`` of the i-th MoE layer (the lowest ids stay on the device;
-    no routing statistics are used yet). Given to the model builder so host experts are made in
-    host memory and never occupy the device."""
-    layers = cfg.moe.moe_layers
+def host_experts(cfg, plan: MemoryPlan, profile=None) -> dict[int, list[int]]:
+    """``{layer id: routed expert ids in host memory}``: of the i-th MoE layer, all but the
+    ``plan.experts_gpu_per_layer[i]`` that stay on the device: the most chosen ones of
+    ``profile`` (an :class:`~writescope.moe.popularity.ExpertProfile`, checked against the
+    model), or without one the lowest ids. Given to the model builder so host experts are made in
+    host memory and never occupy the device.
+
+    Raises:
+        ValueError: a profile that does not match the model (see ``ExpertProfile.check``).
+    """
+    layers, E = cfg.moe.moe_layers, cfg.moe.num_experts
     assert len(layers) == len(plan.experts_gpu_per_layer), f"{len(layers)} MoE layers, plan for {len(plan.experts_gpu_per_layer)}"
-    return {i: range(keep, cfg.moe.num_experts) for i, keep in zip(layers, plan.experts_gpu_per_layer) if keep < cfg.moe.num_experts}
+    if profile is not None:
+        profile.check(list(layers), E)
+    out = {}
+    for i, keep in zip(layers, plan.experts_gpu_per_layer):
+        if keep < E:
+            on_gpu = set(profile.hot(i, keep)) if profile is not None else set(range(keep))
+            out[i] = [e for e in range(E) if e not in on_gpu]
+    return out
 
 
-def place_experts(model: torch.nn.Module, plan: MemoryPlan) -> int:
+def place_experts(model: torch.nn.Module, plan: MemoryPlan, profile=None) -> int:
     """Mark (and, where they are not there yet, move) the plan's host experts of every MoE layer
     (see :func:`host_experts`). Returns the experts in host memory."""
-    where = host_experts(model.config, plan)
+    where = host_experts(model.config, plan, profile)
     moved = 0
     for i, layer in enumerate(model.model.layers):
         block = layer.mlp_module
         if isinstance(block, SparseMoeBlock):
-            ids = where.get(i, range(0))
+            ids = where.get(i, [])
             block.offload_experts(ids)
             moved += len(ids)
     return moved
@@ -76,3 +88,16 @@ def enforce_budget(device: torch.device, budget: int, planned: int | None = None
         )
     torch.cuda.set_per_process_memory_fraction(min(1.0, budget / total), index)
     return held
+
+
+def coverage_line(cfg, plan: MemoryPlan, profile) -> str:
+    """What the plan's GPU experts serve of ``profile``'s routing, in words: the share of all
+    profiled assignments that go to experts on the device, placed by popularity and, for
+    comparison, by lowest id (``writescope plan --expert-profile``)."""
+    layers = list(cfg.moe.moe_layers)
+    profile.check(layers, cfg.moe.num_experts)
+    total = sum(sum(profile.layers[i]) for i in layers) or 1.0
+    hot = sum(sum(profile.layers[i][e] for e in profile.hot(i, k)) for i, k in zip(layers, plan.experts_gpu_per_layer))
+    low = sum(sum(profile.layers[i][:k]) for i, k in zip(layers, plan.experts_gpu_per_layer))
+    return (f"routed experts on the GPU serve {hot / total:.1%} of the profiled assignments placed by popularity "
+            f"({low / total:.1%} by lowest id; profile {profile.source or profile.model}, {profile.tokens:,} tokens)")

@@ -7,7 +7,7 @@ import json
 import time
 from pathlib import Path
 
-from writescope.cli.experts import add_stream_share_flag, check_stream_share
+from writescope.cli.experts import add_expert_profile_flag, add_stream_share_flag, check_stream_share
 
 
 def add_parser(sub) -> None:
@@ -27,6 +27,7 @@ def add_parser(sub) -> None:
     p.add_argument("--cpu-gbs", type=float, default=86.0, help="host read GB/s for the bound (default: the H200 machine's 86)")
     p.add_argument("--vram-budget", default=None, help="device memory the run may use, e.g. 32GiB")
     add_stream_share_flag(p)
+    add_expert_profile_flag(p)
     p.add_argument("--kv-fill", choices=("prefill", "random"), default="prefill",
                    help="prefill: run the prompts through the model (default); random: write seeded random KV of the model's "
                         "shape through the cache instead (decode grids without the prefill's time; prefill tok/s is then 0)")
@@ -86,7 +87,7 @@ def run(args: argparse.Namespace) -> int:
               # before the weights load (after them a --vram-budget cap leaves no room for it)
               policy="writescope" if needs_roofline else "gpu", window=args.window,
               vram_budget=args.vram_budget, max_batch=max(batches), num_layers=args.num_layers,
-              expert_stream_share=args.expert_stream_share,
+              expert_stream_share=args.expert_stream_share, expert_profile=args.expert_profile,
               # what the grid's requests reach (the budget plans for it); longer rows report they do not fit
               max_model_len=capped_model_len(args.model, max(contexts) + args.steps + 1, args.num_layers, args.synthetic))
     if args.num_layers is not None and not llm.config.moe.moe_layers:

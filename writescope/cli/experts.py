@@ -1,4 +1,5 @@
-"""The ``--expert-stream-share`` flag that ``generate``, ``bench`` and ``profile`` share."""
+"""The ``--expert-stream-share`` and ``--expert-profile`` flags that ``generate``, ``bench``, ``profile``
+(and, for the profile, ``plan``) share."""
 
 from __future__ import annotations
 
@@ -16,3 +17,9 @@ def check_stream_share(args: argparse.Namespace) -> None:
     share = args.expert_stream_share
     if share is not None and not 0.0 <= share <= 1.0:
         raise ValueError(f"--expert-stream-share must be in [0, 1], got {share}")
+
+
+def add_expert_profile_flag(p: argparse.ArgumentParser) -> None:
+    p.add_argument("--expert-profile", default=None, metavar="PATH",
+                   help="with --vram-budget: keep each layer's most chosen routed experts on the GPU, from a routing profile "
+                        "(JSON; `writescope expert-profile` writes one) instead of the lowest expert ids")

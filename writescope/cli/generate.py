@@ -6,7 +6,7 @@ import argparse
 import json
 from pathlib import Path
 
-from writescope.cli.experts import add_stream_share_flag, check_stream_share
+from writescope.cli.experts import add_expert_profile_flag, add_stream_share_flag, check_stream_share
 
 
 def core_plan(llm) -> str:
@@ -61,6 +61,7 @@ def add_parser(sub) -> None:
     p.add_argument("--expert-threads", type=int, default=None, help="threads for routed experts in host memory (default: all torch threads)")
     p.add_argument("--vram-budget", default=None, help="device memory the run may use, e.g. 32GiB (routed experts beyond it go to the CPU)")
     add_stream_share_flag(p)
+    add_expert_profile_flag(p)
     p.add_argument("--output-json", type=Path, help="write token ids, text and metrics per request here")
     p.add_argument("--quiet", action="store_true", help="no progress bars")
     p.set_defaults(run=run)
@@ -120,7 +121,7 @@ def run(args: argparse.Namespace) -> int:
         args.model, synthetic=args.synthetic, device=args.device, dtype=args.dtype, seed=args.weight_seed,
         max_model_len=max_model_len, prefill_chunk_tokens=args.prefill_chunk_tokens, progress=not args.quiet, policy=args.policy, window=args.window,
         cpu_threads=args.cpu_threads, vram_budget=args.vram_budget, max_batch=args.batch, expert_threads=args.expert_threads,
-        expert_stream_share=args.expert_stream_share,
+        expert_stream_share=args.expert_stream_share, expert_profile=args.expert_profile,
     )
     cfg = llm.config
     if llm.vram_plan is not None:

@@ -1,4 +1,4 @@
-"""``writescope`` entry point: subcommands ``generate``, ``bench``, ``calibrate``, ``plan``, ``profile`` and ``make-checkpoint``."""
+"""``writescope`` entry point: subcommands ``generate``, ``bench``, ``calibrate``, ``plan``, ``profile``, ``expert-profile`` and ``make-checkpoint``."""
 
 from __future__ import annotations
 
@@ -6,7 +6,7 @@ import argparse
 import os
 import sys
 
-from writescope.cli import bench, calibrate, generate, make_checkpoint, plan, profile
+from writescope.cli import bench, calibrate, expert_profile, generate, make_checkpoint, plan, profile
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -22,6 +22,7 @@ def main(argv: list[str] | None = None) -> int:
     plan.add_parser(sub)
     make_checkpoint.add_parser(sub)
     profile.add_parser(sub)
+    expert_profile.add_parser(sub)
     args = parser.parse_args(argv)
     try:
         return args.run(args)

@@ -17,6 +17,8 @@ def add_parser(sub) -> None:
     p.add_argument("--dtype", default="bf16", help="bf16 (default), fp16 or fp32")
     p.add_argument("--host-memory", default=None,
                    help="host memory free on the machine that will run it, e.g. 125GiB (default: what this machine has free)")
+    p.add_argument("--expert-profile", default=None, metavar="PATH",
+                   help="a routing profile (`writescope expert-profile`): show what the GPU experts serve placed by it")
     p.set_defaults(run=run)
 
 
@@ -48,6 +50,11 @@ def run(args: argparse.Namespace) -> int:
     plan = make_plan(cfg, dtype, budget, args.batch, context, args.max_new_tokens, policy, args.window, host_free=host)
     print(f"{args.model}: batch {args.batch} x ({context} + {args.max_new_tokens}) tokens, policy {args.policy}, {dtype}, D = {args.window}")
     print(format_plan(plan, cfg))
+    if args.expert_profile:
+        from writescope.budget.apply import coverage_line
+        from writescope.moe.popularity import ExpertProfile
+
+        print(coverage_line(cfg, plan, ExpertProfile.load(args.expert_profile)))
     if not args.host_memory:
         print("(host free is this machine's; plan for another with --host-memory)")
     plan.check()

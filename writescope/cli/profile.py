@@ -7,7 +7,7 @@ import dataclasses
 import json
 from pathlib import Path
 
-from writescope.cli.experts import add_stream_share_flag, check_stream_share
+from writescope.cli.experts import add_expert_profile_flag, add_stream_share_flag, check_stream_share
 
 
 def add_parser(sub) -> None:
@@ -25,6 +25,7 @@ def add_parser(sub) -> None:
     p.add_argument("--dtype", default="auto")
     p.add_argument("--vram-budget", default=None, help="device memory the run may use, e.g. 32GiB")
     add_stream_share_flag(p)
+    add_expert_profile_flag(p)
     p.add_argument("--trace", type=Path, help="also write a Chrome trace here")
     p.add_argument("--output-json", type=Path, help="write the breakdown here")
     p.add_argument("--quiet", action="store_true")
@@ -45,7 +46,7 @@ def run(args: argparse.Namespace) -> int:
     check_stream_share(args)
     llm = LLM(args.model, synthetic=args.synthetic, device=args.device, dtype=args.dtype, progress=not args.quiet,
               policy=args.policy, window=args.window, vram_budget=args.vram_budget, max_batch=args.batch,
-              num_layers=args.num_layers, expert_stream_share=args.expert_stream_share,  # the budget plans for the profiled requests, not the model's limit
+              num_layers=args.num_layers, expert_stream_share=args.expert_stream_share, expert_profile=args.expert_profile,  # the budget plans for the profiled requests, not the model's limit
               max_model_len=capped_model_len(args.model, context + 2 + args.skip + args.steps, args.num_layers, args.synthetic))
     if llm.vram_plan is not None:
         print(f"{llm.vram_plan.placement_line()} ({llm.host_experts_in_decode()})", flush=True)

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import os
 import resource
 import time
 from typing import Sequence
@@ -25,6 +26,7 @@ from writescope.kvcache.inplace import InplaceKVCache
 from writescope.kvcache.spec import DEFAULT_WINDOW, PartitionSpec, Roofline
 from writescope.moe.block import SparseMoeBlock
 from writescope.moe.streaming import default_stream_share
+from writescope.moe.popularity import ExpertProfile
 from writescope.scheduler.expert_work import attach_expert_work
 from writescope.scheduler.calibrate import load_or_calibrate
 from writescope.scheduler.policies import parse_policy
@@ -63,7 +65,11 @@ class LLM:
             16-token step took 1.6-5.3x less time streamed than on the CPU:
             benchmarks/results/e2e.md, "Expert phase"), 0 without CUDA, where there is nothing
             to stream to
-            (:attr:`writescope.moe.block.SparseMoeBlock.stream_share`).
+            (:attr:`writescope.moe.block.SparseMoeBlock.stream_share`). Not given and policy
+            ``writescope``: the joint roofline splits them each step (scheduler/joint.py).
+        expert_profile: with ``vram_budget``, which routed experts stay on the device: an
+            :class:`~writescope.moe.popularity.ExpertProfile` or the path of one (the most chosen
+            of each layer); None: the lowest ids.
         vram_budget: bytes (or a size such as ``"32GiB"``) of device memory the run may use.
             The plan (``writescope plan``) for ``max_batch`` sequences of ``max_model_len``
             tokens is checked before any weight is loaded; routed experts that do not fit are
@@ -101,6 +107,7 @@ class LLM:
         num_layers: int | None = None,
         expert_threads: int | None = None,
         expert_stream_share: float | None = None,
+        expert_profile=None,
     ):
         self.device = resolve_device(device)
         self.dtype = parse_dtype(dtype, self.device)
@@ -138,7 +145,10 @@ class LLM:
             self.vram_plan = make_plan(cfg, self.dtype, budget, max_batch, self.max_model_len, 0, sizing, window,
                                        prefill_chunk_tokens, available_memory(torch.device("cpu")))
             self.vram_plan.check()
-        on_host = host_experts(cfg, self.vram_plan) if self.vram_plan is not None else None
+        if isinstance(expert_profile, (str, os.PathLike)):  # which experts stay on the device (moe/popularity.py)
+            expert_profile = ExpertProfile.load(expert_profile)
+        self.expert_profile = expert_profile
+        on_host = host_experts(cfg, self.vram_plan, expert_profile) if self.vram_plan is not None else None
         self.progress = progress
         self._rooflines: dict[tuple[int, int | None], Roofline] = {}  # (window, cpu_threads) -> calibrated inputs
         roofline = None
@@ -150,7 +160,7 @@ class LLM:
             model, synthetic, self.dtype, self.device, seed, progress, num_layers, on_host
         )
         if self.vram_plan is not None:
-            self.load_info["experts_offloaded"] = place_experts(self.model, self.vram_plan)
+            self.load_info["experts_offloaded"] = place_experts(self.model, self.vram_plan, expert_profile)
         blocks = [m for m in self.model.modules() if isinstance(m, SparseMoeBlock)]
         # device experts packed for grouped GEMMs before the budget is enforced (the packing
         # copies one layer's experts at a time)

@@ -49,6 +49,7 @@ class SparseMoeBlock(nn.Module):
         # the joint roofline's per-step split of the few-token host experts (scheduler/expert_work.py);
         # when set it replaces stream_share (the engine sets it for `--policy writescope`)
         self.expert_work = None
+        self.routing_counts: torch.Tensor | None = None  # [E] int64 on the device while a profile records (moe/popularity.py)
 
     def offload_experts(self, ids) -> None:
         """Move routed experts ``ids`` to host memory; their tokens are then computed on the CPU
@@ -63,8 +64,12 @@ class SparseMoeBlock(nn.Module):
             raise ValueError(f"expert ids {bad[:5]} outside [0, {self.cfg.num_experts})")
         device = self.gate.weight.device
         was_packed, self.packed, self.host_pack = self.packed is not None, None, None
+        for e, expert in enumerate(self.experts):  # out first, then in: a re-placement never holds both on the device
+            if e in ids:
+                expert.to("cpu")
         for e, expert in enumerate(self.experts):
-            expert.to("cpu" if e in ids else device)
+            if e not in ids:
+                expert.to(device)
         self.host_experts = ids
         if ids:  # one host allocation for all of them (page-locked with CUDA, so they can be streamed)
             self.host_pack = PackedExperts(self.experts, sorted(ids), self.cfg.expert_names, pin=device.type == "cuda")
@@ -117,6 +122,8 @@ class SparseMoeBlock(nn.Module):
         experts are issued, so both sides work at once when the device is a GPU."""
         with record_function("moe.router"):
             weights, ids = route(x, self.gate.weight, self.cfg, self.deepseek)  # [T, K] f32, [T, K]
+            if self.routing_counts is not None:  # a popularity profile is recording (on the device, no wait)
+                self.routing_counts += torch.bincount(ids.flatten(), minlength=self.cfg.num_experts)
         out = torch.zeros_like(x)  # [T, D]
         if not self.grouped:
             self.packed = None

@@ -1,0 +1,79 @@
+"""``writescope expert-profile``: count which routed experts the model's router picks over some
+text, and write the profile that ``--expert-profile`` places experts by (moe/popularity.py)."""
+
+from __future__ import annotations
+
+import argparse
+import os
+from pathlib import Path
+
+
+def add_parser(sub) -> None:
+    p = sub.add_parser("expert-profile", help="count the routing of every MoE layer over text; write a profile for --expert-profile")
+    p.add_argument("--model", required=True, help="checkpoint directory or preset name")
+    p.add_argument("--synthetic", action="store_true", help="seeded synthetic weights (they route nearly uniformly: for trying it out)")
+    src = p.add_mutually_exclusive_group()
+    src.add_argument("--prompt-file", type=Path, help="text to route (UTF-8)")
+    src.add_argument("--machine-text", metavar="TOKENS", default="8k",
+                     help="route this many tokens of this machine's Python text (default 8k)")
+    p.add_argument("--out", type=Path, required=True, help="the profile to write (JSON)")
+    p.add_argument("--device", default="auto", help="auto (default: cuda if available), cuda or cpu")
+    p.add_argument("--dtype", default="auto", help="auto (default: bf16 on CUDA, fp32 on CPU), bf16, fp16 or fp32")
+    p.add_argument("--vram-budget", default=None, help="GPU memory the pass may use, e.g. 32GiB (the routing does not depend on it)")
+    p.add_argument("--prefill-chunk-tokens", type=int, default=4096, help="tokens per prefill chunk (default 4096)")
+    p.add_argument("--quiet", action="store_true", help="no progress output")
+    p.set_defaults(run=run)
+
+
+def _check_out(path: Path) -> None:
+    """Refuse an --out that cannot be written, before the model loads."""
+    parent = path.parent if str(path.parent) else Path(".")
+    if path.is_dir():
+        raise ValueError(f"--out {path}: is a directory; give a file name")
+    if not parent.is_dir():
+        raise ValueError(f"--out {path}: directory {parent} does not exist")
+    if not os.access(parent, os.W_OK):
+        raise ValueError(f"--out {path}: directory {parent} is not writable")
+
+
+def run(args: argparse.Namespace) -> int:
+    import time
+
+    from writescope import LLM, SamplingParams
+    from writescope.cli.bench import parse_tokens
+    from writescope.moe.popularity import ExpertProfile, recording
+
+    _check_out(args.out)
+    tokens = None
+    if args.prompt_file is None:
+        (tokens,) = parse_tokens(args.machine_text, "--machine-text")
+    elif not args.prompt_file.is_file():
+        raise ValueError(f"--prompt-file {args.prompt_file}: no such file")
+    if args.prefill_chunk_tokens < 1:
+        raise ValueError(f"--prefill-chunk-tokens must be >= 1, got {args.prefill_chunk_tokens}")
+    llm = LLM(args.model, synthetic=args.synthetic, device=args.device, dtype=args.dtype, progress=not args.quiet,
+              policy="resident" if args.vram_budget is None else "gpu", vram_budget=args.vram_budget, max_batch=1,
+              prefill_chunk_tokens=args.prefill_chunk_tokens)
+    if not llm.config.moe.moe_layers:
+        raise ValueError(f"{args.model} has no MoE layers: nothing to profile")
+    if tokens is None:
+        ids = llm.tokenizer.encode(args.prompt_file.read_text(encoding="utf-8"))
+        if not ids:
+            raise ValueError(f"--prompt-file {args.prompt_file}: no tokens")
+    else:
+        from writescope.engine.machine_text import machine_prompts
+
+        ids = machine_prompts(llm.tokenizer, tokens, 1)[0][0]
+    limit = llm.max_model_len - 1
+    ids = ids[:limit]
+    t0 = time.perf_counter()
+    with recording(llm.model) as counts:
+        llm.generate(prompt_token_ids=[ids], sampling_params=SamplingParams(max_tokens=1, ignore_eos=True))
+    profile = ExpertProfile(counts, len(ids), args.model)
+    profile.save(args.out)
+    k = llm.config.moe.num_experts // 4
+    shares = [profile.coverage(i, profile.hot(i, k)) for i in sorted(counts)]
+    print(f"routed {len(ids):,} tokens through {len(counts)} MoE layers in {time.perf_counter() - t0:.1f} s; the most chosen quarter "
+          f"({k}) of a layer's experts takes {min(shares):.1%}-{max(shares):.1%} of its assignments (uniform: 25%)")
+    print(f"wrote {args.out}: use it with --expert-profile {args.out}")
+    return 0
