@@ -267,15 +267,32 @@ class InplaceKVCache(KVCache):
                 sq.n_comp[layer] += r
             else:
                 blocks = src.unflatten(2, (r, D)).permute(2, 0, 1, 3, 4).contiguous()  # [r, parts, Hkv, D, dim]
-                done = 0
-                self.decoder.note_load_write()  # written on the compute stream: the streaming copies wait for it
-                for run in sq.load_runs(layer, idx, idx + r, r):
-                    run.copy_(blocks[done : done + run.shape[0]], non_blocking=self.cuda)
-                    done += run.shape[0]
+                self._write_load(sq.load_runs(layer, idx, idx + r, r), blocks)
                 sq.n_load[layer] += r
             t += r
         sq.placed[layer] += nb * D
         return nb * D
+
+    def _write_load(self, runs: list[torch.Tensor], blocks: torch.Tensor) -> None:
+        """Prefill blocks ``blocks`` ``[r, parts, Hkv, D, dim]`` (device) into the load-region
+        ``runs`` (pinned slabs) by device-to-host copies on the evict stream, behind the compute
+        stream's work so far, so the prefill's next kernels do not wait for them (the streaming
+        copies wait for the evict stream, ``note_evict``; ``blocks`` stays allocated until the
+        copies are done). Without CUDA: plain copies."""
+        done = 0
+        if not self.cuda:
+            for run in runs:
+                run.copy_(blocks[done : done + run.shape[0]])
+                done += run.shape[0]
+            self.decoder.note_load_write()
+            return
+        self.evict_stream.wait_stream(torch.cuda.current_stream(self.device))
+        with torch.cuda.stream(self.evict_stream):
+            for run in runs:
+                run.copy_(blocks[done : done + run.shape[0]], non_blocking=True)
+                done += run.shape[0]
+        blocks.record_stream(self.evict_stream)
+        self.decoder.note_evict()
 
     def _write_compute(self, dst: torch.Tensor, src: torch.Tensor) -> None:
         """Device ``src`` ``[parts, Hkv, n, dim]`` -> compute-region rows ``dst`` (host, per-head
