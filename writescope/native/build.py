@@ -18,9 +18,14 @@ def load(name: str, directory: Path, sources: tuple[str, ...], failure: str):
     which includes the other sources and this folder's shared headers through the include path.
     The source text carries a digest of all of them, so a change to any header rebuilds.
     Compiled with -O3 -march=native -fopenmp, under a name that carries a digest of this CPU's
-    flags (a torch extension cache shared by different CPUs keeps one build for each). Returns the module, or None with a warning naming
+    flags (a torch extension cache shared by different CPUs keeps one build for each) and of this
+    checkout's path (one build per checkout). Returns the module, or None with a warning naming
     ``failure`` (what is used instead) where it does not build (no compiler, say)."""
-    name = f"{name}_{_cpu_tag()}"  # -march=native: one build per kind of CPU, also where torch's cache is shared
+    # -march=native: one build per kind of CPU, also where torch's cache is shared; and one per
+    # checkout: torch rebuilds a name whose include paths changed, so two checkouts on one machine
+    # (git worktrees) under one name rebuilt each other's extension, and a build killed midway left
+    # its lock for every later process to wait on
+    name = f"{name}_{_cpu_tag()}_{hashlib.sha1(str(NATIVE_DIR.resolve()).encode()).hexdigest()[:6]}"
     files = [directory / s for s in sources] + [NATIVE_DIR / s for s in SHARED]
     digest = hashlib.sha256(b"".join(f.read_bytes() for f in files)).hexdigest()
     source = (directory / sources[0]).read_text() + f"\n// sources digest {digest}\n"
