@@ -122,3 +122,14 @@ def test_expert_profile_command_and_plan(tmp_path, capsys):
     assert main(["plan", "--model", PRESET, "--vram-budget", str(budget), "--batch", "2", "--context", "100", "--max-new-tokens", "10",
                  "--policy", "static:0.5", "--window", "16", "--dtype", "fp32", "--expert-profile", str(out)]) == 0
     assert "of the profiled assignments placed by popularity" in capsys.readouterr().out
+
+
+def test_profile_warnings_and_a_model_without_moe_layers():
+    cfg = preset_config(PRESET)
+    prof = _skewed(cfg)
+    with pytest.warns(UserWarning, match="unused without a VRAM budget"):
+        prof.warn_if_unused(PRESET, budgeted=False)
+    with pytest.warns(UserWarning, match="was made with 'tiny-qwen3-moe', not 'other'"):
+        prof.warn_if_unused("other", budgeted=True)
+    with pytest.raises(ValueError, match="no MoE layers"):
+        prof.check([], 16)

@@ -93,7 +93,7 @@ def check_kernels(device: str, dtype: torch.dtype) -> None:
                 assert (o_l[2 + j, h].cpu().double() - ro).abs().max() <= tol
                 assert torch.allclose(l_l[2 + j, h].cpu().double(), rl, rtol=1e-4, atol=1e-4)
         # merge: window + load rows 2.. (CSR) + a CPU partial (row 4's empty)
-        starts = torch.tensor([2, 2, 4, 4, 5, 5, 8, 8], dtype=torch.int32)
+        starts = torch.tensor([2, 2, 4, 4, 5, 5, 8, 8], dtype=torch.int64)
         o_c = torch.randn(B, Hkv, G, dv + 3, generator=g)[..., :dv]  # strided, as a view of a wider buffer
         l_c = torch.randn(B, Hkv, G, generator=g)
         l_c[4] = float("-inf")

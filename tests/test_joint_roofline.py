@@ -114,6 +114,9 @@ def test_r_accounts_for_the_expected_expert_work():
     kv_only = pol.cpu_share(32768)
     assert kv_only == pytest.approx(0.5)
     pol.experts = ExpertWork(e=1e-11, g=2e-11, host_fraction=0.5, expert_bytes=10**7, num_experts=128, top_k=8, policy=pol)
+    # the expert phase runs after the attention today: each phase is balanced apart, r(L) is the KV-only one
+    assert not pol.experts.overlap and pol.cpu_share(32768) == kv_only
+    pol.experts.overlap = True  # an expert phase beside the attention: the joint model
     assert pol.experts.expected_bytes(16) == pytest.approx(expected_hit_experts(16, 128, 8) * 0.5 * 10**7)
     joint = pol.cpu_share(32768)
     assert joint < kv_only  # the CPU also computes host experts, so it takes less KV
@@ -161,3 +164,22 @@ def test_writescope_splits_host_experts_each_step_with_the_same_tokens():
     fixed = _half_on_host_llm(share=1.0)
     fixed.set_policy("writescope", roofline=Roofline(a=1e-9, b=1e-3, c_cpu=0.0, c_gpu=0.0))
     assert fixed.expert_work is None and fixed.policy.experts is None  # --expert-stream-share: the fixed baseline
+
+
+def test_the_expert_split_is_chosen_in_decode_only_and_balances_the_expert_phase():
+    class Decoder:
+        last_split = None
+
+    rf = Roofline(a=2e-8, b=2e-8, c_cpu=0.0, c_gpu=0.0)
+    pol = WriteScopePolicy(rf)
+    dec = Decoder()
+    work = ExpertWork(e=1 / 70e9, g=1 / 52e9, host_fraction=0.5, expert_bytes=10**7, num_experts=128, top_k=8, decoder=dec, policy=pol)
+    assert work.choose([10**7] * 10) is None and not work.observed  # a prefill: the block's fixed share
+    work.observe(1.0, 10**7)
+    assert work.e.value == pytest.approx(1 / 70e9)  # nor is E fed from a prefill
+    dec.last_split = (16 * 32768, 16 * 32768)  # a decode step whose KV split both sides are done with
+    k = work.choose([10**7] * 10)
+    assert k == streamed_count([10**7] * 10, 0.0, 0.0, work.costs()) and 0 < k < 10  # the expert phase alone
+    assert work.observed and work.x.value == pytest.approx(1e8)  # seeded with the first sample, not averaged from 0
+    work.overlap = True  # with the phases overlapping, the KV already on each side counts
+    assert work.choose([10**7] * 10) == streamed_count([10**7] * 10, 16 * 32768 * 2e-8, 16 * 32768 * 2e-8, work.costs())

@@ -27,7 +27,7 @@ class StepPlan:
     win_off: torch.Tensor  # [B] int64 element offsets of each window from the base window
     win_len: torch.Tensor  # [B] int32
     blk_seq: torch.Tensor | None  # [P] int32 sequence of each load partial
-    starts: torch.Tensor | None  # [B + 1] int32 each sequence's range of load partials
+    starts: torch.Tensor | None  # [B + 1] int64 each sequence's range of load partials
     o_w: torch.Tensor  # [B, Hkv, G, dv] float32
     l_w: torch.Tensor  # [B, Hkv, G]
     o_l: torch.Tensor | None  # [P, Hkv, G, dv] float32
@@ -69,18 +69,20 @@ class GpuDecode:
         for b in range(B):
             starts[b + 1] += starts[b]
         assert all(seq_of[j] <= seq_of[j + 1] for j in range(len(seq_of) - 1)), "load runs must come in sequence order"
-        # one copy for the int32 arrays, each starting 16-byte aligned (Triton specialises on a
-        # pointer's alignment: an unaligned slice would compile another variant mid-step)
-        pad = lambda xs: xs + [0] * (-len(xs) % 4)  # noqa: E731
-        a, b = len(pad(lens)), len(pad(lens)) + len(pad(seq_of))
-        small = torch.tensor(offs, dtype=torch.int64), torch.tensor(pad(lens) + pad(seq_of) + starts, dtype=torch.int32)
+        # one copy per integer width, each array starting 16-byte aligned (Triton specialises on a
+        # pointer's alignment: an unaligned slice would compile another variant mid-step); the
+        # partial ranges in int64, so the merge's row offsets cannot wrap
+        pad = lambda xs, n: xs + [0] * (-len(xs) % n)  # noqa: E731
+        a = len(pad(lens, 4))
+        c = len(pad(offs, 2))
+        small = torch.tensor(pad(offs, 2) + starts, dtype=torch.int64), torch.tensor(pad(lens, 4) + seq_of, dtype=torch.int32)
         if self.cuda:
             small = tuple(t.pin_memory().to(self.device, non_blocking=True) for t in small)
-        ints = small[1]
+        wide, ints = small
         f32 = dict(dtype=torch.float32, device=self.device)
         self.plan = StepPlan(
-            signature=sig, win_off=small[0], win_len=ints[:B], blk_seq=ints[a : a + P] if P else None,
-            starts=ints[b:] if P else None,
+            signature=sig, win_off=wide[:B], win_len=ints[:B], blk_seq=ints[a : a + P] if P else None,
+            starts=wide[c:] if P else None,
             o_w=torch.empty(B, Hkv, G, dv, **f32), l_w=torch.empty(B, Hkv, G, **f32),
             o_l=torch.empty(P, Hkv, G, dv, **f32) if P else None, l_l=torch.empty(P, Hkv, G, **f32) if P else None,
             window_tokens=sum(lens),
@@ -119,10 +121,11 @@ class GpuDecode:
         blk = torch.zeros(1, *s.block_shape(), dtype=s.dtype, device=dev)
         o, l = torch.empty(1, Hkv, G, dv, dtype=torch.float32, device=dev), torch.empty(1, Hkv, G, dtype=torch.float32, device=dev)
         ints = torch.zeros(4, dtype=torch.int32, device=dev)
+        starts = torch.zeros(2, dtype=torch.int64, device=dev)
         gpu_kernel.block_partials_into(q, blk, s.parts, dv, 1.0, o, l, offsets=torch.zeros(1, dtype=torch.int64, device=dev),
                                        lengths=ints[:1], window=s.window)
         gpu_kernel.block_partials_into(q, blk, s.parts, dv, 1.0, o, l, seq=ints)
         out = torch.empty(1, q_heads, dv, dtype=dtype, device=dev)
         for load in (None, (o, l)):
             for cpu in (None, (o.clone(), l.clone())):
-                gpu_kernel.merge_into(out, (o, l), load, ints[:2] if load is not None else None, cpu)
+                gpu_kernel.merge_into(out, (o, l), load, starts if load is not None else None, cpu)

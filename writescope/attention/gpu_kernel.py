@@ -160,8 +160,8 @@ if triton is not None:
         if HAS_LOAD:
             j0 = tl.load(STARTS + b)
             j1 = tl.load(STARTS + b + 1)
-            for j in range(j0, j1):
-                jj = j  # rows x (Hkv * G * dv) stays far below 2^31 (P is at most a few thousand blocks per layer)
+            for j in range(j0, j1):  # STARTS is int64: j and the row offsets below are 64-bit
+                jj = j
                 lp = tl.load(L_L + jj * s_lpb + h * s_lph + g, mask=gmask, other=float("-inf"))
                 op = tl.load(O_L + jj * s_pb + h * s_ph + g[:, None] * s_pg + d[None, :], mask=omask, other=0.0)
                 m_new = tl.maximum(m, lp)
@@ -274,7 +274,7 @@ def merge_into(out: torch.Tensor, window: tuple[torch.Tensor, torch.Tensor], loa
         window: ``(o [B, Hkv, G, dv], lse [B, Hkv, G])`` float32, one partial per sequence.
         load: ``(o [P, Hkv, G, dv], lse [P, Hkv, G])`` float32, sequence b's partials at rows
             ``starts[b] .. starts[b+1] - 1``; None: no load region this step.
-        starts: ``[B + 1]`` int32, non-decreasing.
+        starts: ``[B + 1]`` int64, non-decreasing.
         cpu: ``(o [B, Hkv, G, dv], lse [B, Hkv, G])`` float32 (any strides, last dim
             contiguous), one per sequence; None: no CPU part.
 

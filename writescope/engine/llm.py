@@ -147,6 +147,8 @@ class LLM:
             self.vram_plan.check()
         if isinstance(expert_profile, (str, os.PathLike)):  # which experts stay on the device (moe/popularity.py)
             expert_profile = ExpertProfile.load(expert_profile)
+        if expert_profile is not None:
+            expert_profile.warn_if_unused(str(model), self.vram_plan is not None)
         self.expert_profile = expert_profile
         on_host = host_experts(cfg, self.vram_plan, expert_profile) if self.vram_plan is not None else None
         self.progress = progress

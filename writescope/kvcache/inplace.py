@@ -169,6 +169,7 @@ class InplaceKVCache(KVCache):
                 if tokens:
                     self.policy.observe(secs, tokens, batch)
         else:
+            self.decoder.last_split = None  # a prefill: no decode split this layer (scheduler/expert_work.py)
             out = q.new_empty(q.shape[0], q.shape[1], self.layout.v_dim) if prefill_attn is None else None
             for i, sq in enumerate(seqs):
                 s, e = batch.query_start_loc[i], batch.query_start_loc[i + 1]

@@ -157,15 +157,14 @@ class SparseMoeBlock(nn.Module):
         if host and self._stream_blocker(x.device, x.dtype, x.shape[1]) is None:
             streamed = [e for e in host if counts[e] >= self.stream_min_tokens]
             host = [e for e in host if counts[e] < self.stream_min_tokens]
-            if host and (self.expert_work is not None or self.stream_share > 0):
+            if host and (self.expert_work is not None or self.stream_share > 0):  # noqa: SIM102
                 # decode: each host expert has few tokens, and both paths read its weights once, the
                 # copy over PCIe (55 GB/s) and the CPU (torch's GEMMs 9-27 GB/s measured; the C++
                 # kernel 66-81 GB/s, benchmarks/results/cpu_experts_h200.md): split them so both
                 # finish together (a fixed stream_share, or the joint roofline's choice this step)
                 by_tokens = sorted(host, key=lambda e: (-counts[e], e))
-                if self.expert_work is not None:
-                    k = self.expert_work.choose([self.host_pack.expert_nbytes] * len(by_tokens))
-                else:
+                k = None if self.expert_work is None else self.expert_work.choose([self.host_pack.expert_nbytes] * len(by_tokens))
+                if k is None:  # a fixed share (or a prefill under the joint roofline)
                     k = round(min(1.0, self.stream_share) * len(by_tokens))
                 streamed, host = streamed + by_tokens[:k], sorted(by_tokens[k:])
         if host:  # the host experts' tokens and routing weights, copied once: [n_host, D], [n_host] on the CPU

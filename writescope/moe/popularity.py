@@ -39,6 +39,8 @@ class ExpertProfile:
         """Raise ValueError unless the profile has one row of ``num_experts`` finite, non-negative
         counts for each of ``moe_layers`` (naming what differs and what to do)."""
         where = f"expert profile {self.source or '(given)'}"
+        if not moe_layers:
+            raise ValueError(f"{where}: the model has no MoE layers: an expert profile does not apply")
         missing = [i for i in moe_layers if i not in self.layers]
         extra = sorted(set(self.layers) - set(moe_layers))
         if missing or extra:
@@ -51,6 +53,19 @@ class ExpertProfile:
             bad = [c for c in row if not (c >= 0 and c != float("inf"))]
             if bad:
                 raise ValueError(f"{where}: layer {i} has a count {bad[0]!r}: counts must be finite and >= 0")
+
+    def warn_if_unused(self, model: str, budgeted: bool) -> None:
+        """Warn (``UserWarning``) when the profile cannot do what it is given for: no VRAM budget
+        (every expert stays on the device), or a profile made with another model name (same
+        shape, perhaps another checkpoint: the routing may differ)."""
+        import warnings
+
+        if not budgeted:
+            warnings.warn(f"expert profile {self.source or '(given)'} is unused without a VRAM budget: every routed expert stays on the device",
+                          stacklevel=3)
+        elif self.model and Path(self.model).name != Path(model).name:
+            warnings.warn(f"expert profile {self.source or '(given)'} was made with {self.model!r}, not {model!r}: "
+                          "its routing counts may not fit this model", stacklevel=3)
 
     def hot(self, layer: int, keep: int) -> list[int]:
         """The ``keep`` most chosen experts of ``layer``, most chosen first (ties: lower id)."""

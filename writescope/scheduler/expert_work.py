@@ -1,11 +1,20 @@
 """The expert side of the joint roofline (scheduler/joint.py): what a layer step's hit host experts
-weigh, what they cost the CPU, and each step's choice of which of them the link streams.
+weigh, what they cost the CPU, and each decode step's choice of which of them the link streams.
 
-:class:`ExpertWork` is attached to the ``writescope`` policy (so r(L) accounts for the expert
-work the CPU will also do) and shared by the MoE blocks that have host experts, each of which asks
-:meth:`ExpertWork.choose` once per layer step with its hit host experts, after routing. The
-step's KV split is read from the split decoder's last call (its CPU and load-region tokens,
-known on the host without a wait).
+:class:`ExpertWork` is attached to the ``writescope`` policy and shared by the MoE blocks that have
+host experts, each of which asks :meth:`ExpertWork.choose` once per decode layer step with its hit
+host experts, after routing.
+
+Which model applies depends on whether a layer's expert phase can overlap its attention phase.
+Today it cannot: the block learns which experts are hit through a host wait (``bincount(...)
+.tolist()``) that comes after the layer's attention has finished on both sides, and computes the
+CPU's experts on the issuing thread before the next layer's work is issued. A layer then takes
+max(CPU KV, link KV) + max(CPU experts, link experts), so each phase is balanced on its own:
+r(L) is the KV-only roofline and the expert split balances the expert phase alone
+(``overlap = False``, the default). With ``overlap = True`` (for an expert phase that runs beside
+the attention, e.g. on the native worker) r(L) and the split follow the joint model, the step's
+KV split read from the split decoder's last call. Only decode steps are chosen and observed: in a
+prefill (the decoder's ``last_split`` is None) the block's fixed ``stream_share`` applies.
 """
 
 from __future__ import annotations
@@ -50,14 +59,19 @@ class ExpertWork:
         self.g = g
         self.host_fraction, self.expert_bytes = host_fraction, expert_bytes
         self.num_experts, self.top_k = num_experts, top_k
-        self.x = OnlineEstimate(0.0, alpha, window)  # hit host expert bytes per layer step
+        self.alpha, self.window = alpha, window
+        self.x = OnlineEstimate(0.0, alpha, window)  # hit host expert bytes per decode layer step (seeded by the first)
         self.observed = False
         self.decoder, self.policy = decoder, policy
+        self.overlap = False  # see the module docstring
         self.n_streamed = self.n_computed = 0
 
     def expected_bytes(self, batch: int) -> float:
-        """Hit host expert bytes per layer step: the tracked value, or before any step the uniform
+        """Hit host expert bytes per layer step that r(L) plans for: 0 without ``overlap`` (the
+        phases are balanced apart); else the tracked value, or before any decode step the uniform
         routing expectation for ``batch`` decode tokens."""
+        if not self.overlap:
+            return 0.0
         if self.observed:
             return self.x.value
         return expected_hit_experts(batch, self.num_experts, self.top_k) * self.host_fraction * self.expert_bytes
@@ -67,15 +81,27 @@ class ExpertWork:
         rf, a = self.policy.roofline, self.policy.a.value
         return JointCosts(a=a, b=rf.b, e=self.e.value, g=self.g, c_cpu=rf.c_cpu, c_gpu=rf.c_gpu)
 
-    def choose(self, sizes: list[int]) -> int:
-        """How many of this layer step's hit host experts (``sizes``: weight bytes each, in the
-        block's streaming order) to stream; the CPU computes the rest. Records the step's bytes."""
-        self.x.update(float(sum(sizes)))
+    def decoding(self) -> bool:
+        """Whether the layer being run is a decode step (the split decoder ran for it)."""
+        return self.decoder is None or getattr(self.decoder, "last_split", None) is not None
+
+    def choose(self, sizes: list[int]) -> int | None:
+        """How many of this decode layer step's hit host experts (``sizes``: weight bytes each, in
+        the block's streaming order) to stream; the CPU computes the rest. Records the step's
+        bytes. None in a prefill (the block's fixed share applies)."""
+        if not self.decoding():
+            return None
+        total = float(sum(sizes))
+        if not self.observed:  # seeded with the first sample, not averaged up from 0
+            self.x = OnlineEstimate(total, self.alpha, self.window)
+        self.x.update(total)
         self.observed = True
         c = self.costs()
-        cpu_tokens, load_tokens = getattr(self.decoder, "last_split", (0, 0)) if self.decoder is not None else (0, 0)
-        cpu_s = cpu_tokens * c.a + (c.c_cpu if cpu_tokens else 0.0)
-        link_s = load_tokens * c.b + c.c_gpu
+        cpu_s = link_s = 0.0  # the expert phase alone (it runs after the layer's attention)
+        if self.overlap and self.decoder is not None:
+            cpu_tokens, load_tokens = self.decoder.last_split
+            cpu_s = cpu_tokens * c.a + (c.c_cpu if cpu_tokens else 0.0)
+            link_s = load_tokens * c.b + c.c_gpu
         k = streamed_count(sizes, cpu_s, link_s, c)
         self.n_streamed += k
         self.n_computed += len(sizes) - k
@@ -83,7 +109,7 @@ class ExpertWork:
 
     def observe(self, seconds: float, nbytes: int) -> None:
         """One measured CPU expert call: ``seconds`` for ``nbytes`` of expert weights."""
-        if nbytes > 0 and seconds > 0:
+        if nbytes > 0 and seconds > 0 and self.decoding():  # a prefill's experts have many tokens: not E
             self.e.update(seconds / nbytes)
 
     def take_counts(self) -> tuple[int, int]:
