@@ -8,6 +8,7 @@ import time
 from pathlib import Path
 
 from writescope.cli.experts import add_stream_share_flag, check_stream_share
+from writescope.cli.outputs import check_output_file
 
 
 def add_parser(sub) -> None:
@@ -74,6 +75,8 @@ def run(args: argparse.Namespace) -> int:
         if p.lower() not in ("writescope", "monolithic"):
             parse_policy(p)  # a bad name fails before the model loads
     check_stream_share(args)
+    check_output_file(args.output_json, "--output-json")  # before the model loads, not after the grid
+    check_output_file(args.plot, "--plot")
     if args.steps < 1:
         raise ValueError(f"--steps must be >= 1, got {args.steps}")
     if args.sweep_static < 0:
@@ -103,7 +106,6 @@ def run(args: argparse.Namespace) -> int:
         for r in rows:
             r.extra["sweep"] = r.policy in sweep_only
         if args.output_json:
-            args.output_json.parent.mkdir(parents=True, exist_ok=True)
             doc = {"model": args.model, "num_layers": llm.config.num_layers, "device": str(llm.device), "dtype": str(llm.dtype),
                    "args": {k: str(v) for k, v in vars(args).items() if k != "run"},
                    "roofline": None if roofline is None else vars(roofline), "complete": len(rows) == cfg_size,
