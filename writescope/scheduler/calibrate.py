@@ -124,8 +124,7 @@ def calibrate(
     if len(fit) < 2:
         raise ValueError(f"calibration needs two contexts that fit host memory; of {contexts} (batch {batch}) only {fit} fit: "
                          "lower --batch")
-    token_bytes = layout.bytes_per_token(dtype.itemsize)
-    limits = lim.measure_limits(device, batch * max(fit) * token_bytes)
+    limits = lim.measure_limits(device, batch * max(fit) * per_token)
     points = {"cpu": [], "gpu": [], "alone": [], "split_overhead": []}
     bar = tqdm(total=(len(shares) + 1) * len(fit), desc="calibrate", disable=not progress)
 
@@ -149,7 +148,7 @@ def calibrate(
     def wrong() -> dict[str, list[str]]:  # per series, what is impossible about its fits
         out: dict[str, list[str]] = {"split": [], "alone": []}
         for key, side, name in fits.values():
-            out["alone" if key == "alone" else "split"] += lim.problems(name, points[key], token_bytes, *limits.max_gbs(side))
+            out["alone" if key == "alone" else "split"] += lim.problems(name, points[key], per_token, *limits.max_gbs(side))
         return out
 
     measure("alone")
@@ -164,7 +163,7 @@ def calibrate(
     bar.close()
     implausible = [p for found in wrong().values() for p in found]
     (a, c_cpu), (b, c_gpu), (b_alone, c_gpu_alone) = (
-        lim.clamped(points[key], token_bytes, limits.max_gbs(side)[0]) for key, side, _ in fits.values())
+        lim.clamped(points[key], per_token, limits.max_gbs(side)[0]) for key, side, _ in fits.values())
     c_split = max(0.0, statistics.median(points["split_overhead"]))
     roofline = Roofline(a, b, c_cpu, c_gpu, b_alone, c_gpu_alone, c_split)
     return roofline, {"points": points, "batch": batch, "steps": steps, "contexts": fit, "shares": list(shares),
