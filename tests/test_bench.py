@@ -16,7 +16,7 @@ def test_bench_grid_json_and_plot(tmp_path, monkeypatch, capsys):
     rc = main([
         "bench", "--model", "tiny-qwen3-moe", "--batch", "2", "--context", "48,100,10k", "--steps", "2", "--window", "16",
         "--policies", "gpu,cpu,static:0.5,monolithic,monolithic:0.5,writescope", "--sweep-static", "2",
-        "--output-json", str(out_json), "--plot", str(out_png), "--quiet",
+        "--output-json", str(out_json), "--plot", str(out_png), "--quiet", "--repeats", "1",
     ])
     assert rc == 0
     printed = capsys.readouterr().out

@@ -10,18 +10,55 @@ from writescope.bench.runner import BenchRow
 from writescope.scheduler.policies import StaticPolicy, parse_policy
 
 
+def runs(rows: list[BenchRow]) -> dict[tuple[int, int, str], list[BenchRow]]:
+    """The rows of each (batch, context, policy), in the grid's order: one per repeat."""
+    out: dict[tuple[int, int, str], list[BenchRow]] = {}
+    for r in rows:
+        out.setdefault((r.batch, r.context, r.policy), []).append(r)
+    return out
+
+
+def ratio(num: list[float], den: list[float]) -> tuple[float, float, float]:
+    """``median(num) / median(den)`` and its interval over the repeats, ``(ratio, min(num) /
+    max(den), max(num) / min(den))``: every ratio the runs allow (all three equal for one run each)."""
+    return statistics.median(num) / statistics.median(den), min(num) / max(den), max(num) / min(den)
+
+
+def format_ratio(r: float, lo: float, hi: float) -> str:
+    """``"1.32x [1.10-1.58]"``; ``"within the noise"`` added when the interval holds 1 (the
+    repeats do not tell the two apart); the bare ratio when there is no interval (one run each)."""
+    if lo == hi == r:
+        return f"{r:.2f}x"
+    return f"{r:.2f}x [{lo:.2f}-{hi:.2f}{', within the noise' if lo <= 1 <= hi else ''}]"
+
+
+def _spread_cell(values: list[float], fmt: str) -> str:
+    """The median, and with more than one run, half the range as a percentage of it."""
+    med = statistics.median(values)
+    if len(values) < 2 or med <= 0:
+        return format(med, fmt)
+    return f"{format(med, fmt)} ±{50 * (max(values) - min(values)) / med:.0f}%"
+
+
 def format_table(rows: list[BenchRow]) -> str:
+    """One line per (batch, context, policy): medians over its repeats, with ``±`` half their
+    spread (max - min) as a percentage of the median where there is more than one."""
     head = ("batch", "context", "policy", "prefill tok/s", "decode tok/s", "TPOT ms", "attn ms/layer", "prep ms/layer", "r", "GB/s", "% bound")
     lines = [head]
-    for r in rows:
-        if not r.fits:
-            lines.append((str(r.batch), str(r.context), r.policy, f"does not fit: {r.reason}") + ("",) * (len(head) - 4))
+    repeated = False
+    for (b, c, p), group in runs(rows).items():
+        ok = [r for r in group if r.fits]
+        if not ok:
+            lines.append((str(b), str(c), p, f"does not fit: {group[0].reason}") + ("",) * (len(head) - 4))
             continue
+        repeated |= len(ok) > 1
+        med = lambda key: statistics.median(getattr(r, key) for r in ok)  # noqa: E731
+        dep = [r.r_deployed for r in ok if r.r_deployed is not None]
         lines.append((
-            str(r.batch), str(r.context), r.policy, f"{r.prefill_tok_s:,.0f}", f"{r.decode_tok_s:,.1f}", f"{r.tpot_ms:.2f}",
-            f"{r.attn_ms_per_layer:.3f}", f"{r.prepare_ms_per_layer:.3f}" if r.prepare_ms_per_layer else "-",
-            "-" if r.r_deployed is None else f"{r.r_deployed:.3f}", f"{r.gbs:.1f}",
-            f"{100 * r.frac_of_bound:.1f}" if r.frac_of_bound else "-",
+            str(b), str(c), p, f"{med('prefill_tok_s'):,.0f}", _spread_cell([r.decode_tok_s for r in ok], ",.1f"), f"{med('tpot_ms'):.2f}",
+            _spread_cell([r.attn_ms_per_layer for r in ok], ".3f"), f"{med('prepare_ms_per_layer'):.3f}" if med("prepare_ms_per_layer") else "-",
+            f"{statistics.median(dep):.3f}" if dep else "-", f"{med('gbs'):.1f}",
+            f"{100 * med('frac_of_bound'):.1f}" if med("frac_of_bound") else "-",
         ))
     widths = [max(len(x[i]) for x in lines if not x[3].startswith("does not fit") or i < 3) for i in range(len(head))]
     out = []
@@ -30,6 +67,8 @@ def format_table(rows: list[BenchRow]) -> str:
             out.append("  ".join(v.rjust(w) for v, w in zip(x[:3], widths)) + "  " + x[3])
         else:
             out.append("  ".join(v.rjust(w) for v, w in zip(x, widths)))
+    if repeated:
+        out.append("(medians over the repeats; ±: half their spread, max - min, as a share of the median)")
     return "\n".join(out)
 
 
@@ -44,37 +83,89 @@ def static_share(policy: str) -> float | None:
     return parsed.share if isinstance(parsed, StaticPolicy) else None
 
 
+def _median_run(group: list[BenchRow], key: str) -> BenchRow:
+    """The run whose ``key`` is the median of the group's (the lower middle one for an even count)."""
+    ordered = sorted(group, key=lambda r: getattr(r, key))
+    return ordered[(len(ordered) - 1) // 2]
+
+
 def best_static(rows: list[BenchRow]) -> dict[tuple[int, int], BenchRow]:
     """Per (batch, context): the static row (``gpu``, ``cpu`` or ``static:R``) with the least
     decode attention time per layer (the time the share changes; decode tok/s also holds the
     expert and Python costs of the step, which on the H200 varied by +-15% between runs of the
-    same policy)."""
+    same policy); with repeats, each policy's run of median attention time."""
     best: dict[tuple[int, int], BenchRow] = {}
-    for r in rows:
-        if r.fits and static_share(r.policy) is not None and r.attn_ms_per_layer > 0:
-            k = (r.batch, r.context)
-            if k not in best or r.attn_ms_per_layer < best[k].attn_ms_per_layer:
-                best[k] = r
+    for (b, c, p), group in runs(rows).items():
+        ok = [r for r in group if r.fits and r.attn_ms_per_layer > 0]
+        if ok and static_share(p) is not None:
+            r = _median_run(ok, "attn_ms_per_layer")
+            if (b, c) not in best or r.attn_ms_per_layer < best[(b, c)].attn_ms_per_layer:
+                best[(b, c)] = r
     return best
 
 
 def format_best(rows: list[BenchRow]) -> str:
+    """Per (batch, context): the best static share against writescope's deployed r, and
+    writescope's speedups over ``gpu`` (attention time, decode tok/s) with their intervals over
+    the repeats (:func:`format_ratio`: "within the noise" where the interval holds 1)."""
     best = best_static(rows)
     if not best:
         return ""
-    ws = {(r.batch, r.context): r for r in rows if r.fits and r.policy == "writescope"}
-    gpu = {(r.batch, r.context): r for r in sorted(rows, key=lambda r: r.policy == "gpu") if r.fits and r.policy in ("gpu", "static:0")}
-    lines = ["best static share (least attention ms/layer) vs deployed writescope r; speedups over gpu (attention, decode tok/s):"]
+    groups = {k: [r for r in g if r.fits] for k, g in runs(rows).items()}
+    lines = ["best static share (least attention ms/layer) vs deployed writescope r; writescope's speedups over gpu "
+             "(attention, decode tok/s), [min-max over the repeats]:"]
     for (b, c), r in sorted(best.items()):
-        w, g = ws.get((b, c)), gpu.get((b, c))
-        dep = f"writescope r = {w.r_deployed:.3f}, {w.attn_ms_per_layer:.2f} ms" if w and w.r_deployed is not None else "no writescope row"
-        if w and g and w.attn_ms_per_layer > 0 and g.decode_tok_s > 0:
-            dep += f" ({g.attn_ms_per_layer / w.attn_ms_per_layer:.2f}x, {w.decode_tok_s / g.decode_tok_s:.2f}x gpu)"
-        lines.append(f"  batch {b} context {c}: best {r.policy} ({r.attn_ms_per_layer:.2f} ms); {dep}")
+        w = groups.get((b, c, "writescope")) or []
+        g = groups.get((b, c, "gpu")) or groups.get((b, c, "static:0")) or []
+        dep = [x.r_deployed for x in w if x.r_deployed is not None]
+        text = (f"writescope r = {statistics.median(dep):.3f}, {statistics.median(x.attn_ms_per_layer for x in w):.2f} ms"
+                if dep else "no writescope row")
+        if dep and g and all(x.attn_ms_per_layer > 0 for x in w) and all(x.decode_tok_s > 0 for x in g):
+            attn = ratio([x.attn_ms_per_layer for x in g], [x.attn_ms_per_layer for x in w])
+            tok = ratio([x.decode_tok_s for x in w], [x.decode_tok_s for x in g])
+            text += f" (attention {format_ratio(*attn)}, decode {format_ratio(*tok)} over gpu)"
+        lines.append(f"  batch {b} context {c}: best {r.policy} ({r.attn_ms_per_layer:.2f} ms); {text}")
+    if not any(len(g) > 1 for g in groups.values()):
+        lines.append("  (one run per configuration: no spread measured, a ratio may be noise; --repeats 3 measures it)")
     return "\n".join(lines)
 
 
 BASELINES = ("gpu", "cpu", "monolithic", "best static", "best baseline")
+
+
+def _speedup_ratios(rows: list[BenchRow], min_context: int) -> tuple[dict[str, list[tuple[float, float, float]]], int]:
+    """Per baseline, writescope's :func:`ratio` of decode tok/s over it in each (batch, context >=
+    ``min_context``) configuration; and the configurations where writescope failed but a baseline ran."""
+    tok: dict[tuple[int, int], dict[str, list[float]]] = {}
+    failed: set[tuple[int, int]] = set()
+    for r in rows:
+        if r.context < min_context:
+            continue
+        if r.fits and r.decode_tok_s > 0:
+            tok.setdefault((r.batch, r.context), {}).setdefault(r.policy, []).append(r.decode_tok_s)
+        elif r.policy == "writescope":
+            failed.add((r.batch, r.context))
+    ratios: dict[str, list[tuple[float, float, float]]] = {}
+    missed = 0
+    for key, by_policy in tok.items():
+        med = {p: statistics.median(v) for p, v in by_policy.items()}
+        base = {p: by_policy[p] for p in med if p in ("gpu", "cpu", "monolithic")}
+        statics = [p for p in med if static_share(p) is not None]
+        if statics:
+            base["best static"] = by_policy[max(statics, key=med.get)]
+        if base:
+            base["best baseline"] = max(base.values(), key=statistics.median)
+        if "writescope" not in med:
+            missed += key in failed and bool(base)
+            continue
+        for name, v in base.items():
+            ratios.setdefault(name, []).append(ratio(by_policy["writescope"], v))
+    return ratios, missed
+
+
+def _geomean(xs) -> float:
+    xs = list(xs)
+    return math.exp(sum(map(math.log, xs)) / len(xs))
 
 
 def speedups(rows: list[BenchRow], min_context: int = 8192) -> dict[str, tuple[float, int]]:
@@ -86,34 +177,19 @@ def speedups(rows: list[BenchRow], min_context: int = 8192) -> dict[str, tuple[f
     their median. Returns ``{baseline: (geometric mean, configurations it covers)}`` for baselines
     measured beside at least one writescope row, and ``{"writescope did not fit": (0, n)}`` when
     writescope failed in n configurations where some baseline ran (those are left out of the means)."""
-    tok: dict[tuple[int, int], dict[str, list[float]]] = {}
-    failed: set[tuple[int, int]] = set()
-    for r in rows:
-        if r.context < min_context:
-            continue
-        if r.fits and r.decode_tok_s > 0:
-            tok.setdefault((r.batch, r.context), {}).setdefault(r.policy, []).append(r.decode_tok_s)
-        elif r.policy == "writescope":
-            failed.add((r.batch, r.context))
-    ratios: dict[str, list[float]] = {}
-    missed = 0
-    for key, by_policy in tok.items():
-        med = {p: statistics.median(v) for p, v in by_policy.items()}
-        base = {p: v for p, v in med.items() if p in ("gpu", "cpu", "monolithic")}
-        statics = [v for p, v in med.items() if static_share(p) is not None]
-        if statics:
-            base["best static"] = max(statics)
-        if base:
-            base["best baseline"] = max(base.values())
-        if "writescope" not in med:
-            missed += key in failed and bool(base)
-            continue
-        for name, v in base.items():
-            ratios.setdefault(name, []).append(med["writescope"] / v)
-    out = {n: (math.exp(sum(map(math.log, ratios[n])) / len(ratios[n])), len(ratios[n])) for n in BASELINES if n in ratios}
+    ratios, missed = _speedup_ratios(rows, min_context)
+    out = {n: (_geomean(r for r, _, _ in ratios[n]), len(ratios[n])) for n in BASELINES if n in ratios}
     if missed:
         out["writescope did not fit"] = (0.0, missed)
     return out
+
+
+def speedup_spread(rows: list[BenchRow], min_context: int = 8192) -> dict[str, tuple[float, float]]:
+    """Per baseline of :func:`speedups`, ``(low, high)``: the geometric means of each
+    configuration's interval ends (:func:`ratio`, from the min and max of the repeats), so the
+    interval every run of every configuration allows; equal to the mean itself without repeats."""
+    ratios, _ = _speedup_ratios(rows, min_context)
+    return {n: (_geomean(lo for _, lo, _ in ratios[n]), _geomean(hi for _, _, hi in ratios[n])) for n in BASELINES if n in ratios}
 
 
 def format_speedups(rows: list[BenchRow], min_context: int = 8192) -> str:
@@ -121,8 +197,10 @@ def format_speedups(rows: list[BenchRow], min_context: int = 8192) -> str:
     if not s:
         return ""
     miss = s.pop("writescope did not fit", None)
+    spread = speedup_spread(rows, min_context)
     text = (f"writescope decode tok/s over each baseline, geometric mean over the configurations with context >= {min_context} "
-            "(how many): " + ", ".join(f"{name} {g:.2f}x ({n})" for name, (g, n) in s.items()))
+            "(how many) [over the repeats' min-max]: "
+            + ", ".join(f"{name} {g:.2f}x ({n})" + (format_ratio(g, *spread[name])[len(f"{g:.2f}x"):]) for name, (g, n) in s.items()))
     if miss:
         text += f"; writescope did not fit in {miss[1]} configuration(s) where a baseline ran (left out)"
     return text
@@ -146,7 +224,8 @@ def plot(rows: list[BenchRow], path: Path) -> None:
     for n, b in enumerate(batches):
         for ax, key, label in ((axes[0][2 * n], "decode_tok_s", "decode tok/s"), (axes[0][2 * n + 1], "attn_ms_per_layer", "attention ms per layer")):
             for pol in shown:
-                pts = sorted((r.context, getattr(r, key)) for r in rows if r.batch == b and r.policy == pol and r.fits)
+                pts = sorted((c, statistics.median(getattr(r, key) for r in g if r.fits))  # medians over the repeats
+                             for (bb, c, pp), g in runs(rows).items() if bb == b and pp == pol and any(r.fits for r in g))
                 if pts:
                     ax.plot([p[0] for p in pts], [p[1] for p in pts], marker="o", label=pol)
             ax.set_xscale("log", base=2)
@@ -161,7 +240,8 @@ def plot(rows: list[BenchRow], path: Path) -> None:
         ctx = sorted(c for (bb, c) in best if bb == b)
         if ctx:
             ax.plot(ctx, [static_share(best[(b, c)].policy) for c in ctx], marker="s", ls="--", label=f"best static, batch {b}")
-        dep = sorted((r.context, r.r_deployed) for r in rows if r.batch == b and r.policy == "writescope" and r.fits and r.r_deployed is not None)
+        dep = sorted((c, statistics.median(x)) for (bb, c, pp), g in runs(rows).items() if bb == b and pp == "writescope"
+                     for x in [[r.r_deployed for r in g if r.fits and r.r_deployed is not None]] if x)
         if dep:
             ax.plot([p[0] for p in dep], [p[1] for p in dep], marker="o", label=f"writescope r, batch {b}")
     ax.set_xscale("log", base=2)

@@ -11,6 +11,11 @@ Per configuration (one row):
   = those bytes / (H2D + CPU read GB/s) and ``frac_of_bound`` = bound / measured.
 A configuration that does not fit (the engine's capacity check, or the device running out of
 memory) becomes a row with ``fits = False`` and the reason; the grid goes on.
+
+With ``repeats`` R > 1 every configuration is measured R times, the policies of one (batch,
+context) taking turns (R passes over them, so a slow spell of the machine falls on all of them),
+one row per run (``extra["repeat"]``); :mod:`writescope.bench.report` gives the median and the
+spread of each, and the interval of each ratio from the repeats' min and max.
 """
 
 from __future__ import annotations
@@ -64,6 +69,7 @@ class BenchConfig:
     progress: bool = True
     warmup: bool = True  # one short unmeasured run per policy first
     kv_fill: str = "prefill"  # "random": prompts' KV written as seeded random values, no prefill (decode-only grids)
+    repeats: int = 1  # runs of every configuration (rows each); the report's spread and noise intervals come from them
 
 
 class _TimedAttend:
@@ -107,19 +113,26 @@ class _TimedAttend:
 
 
 def run_grid(llm: LLM, cfg: BenchConfig, roofline=None, on_row=None) -> list[BenchRow]:
-    """Every (batch, context, policy) of ``cfg`` on the loaded ``llm``; one row each.
-    ``on_row(rows)`` is called with the rows so far after each configuration (to save partial
-    results of a long grid)."""
-    grid = [(b, c, p) for b in cfg.batches for c in cfg.contexts for p in cfg.policies]
+    """Every (batch, context, policy) of ``cfg`` on the loaded ``llm``, ``cfg.repeats`` times;
+    one row each run, in the order batch, context, repeat, policy. ``on_row(rows)`` is called
+    with the rows so far after each run (to save partial results of a long grid).
+
+    Raises:
+        ValueError: ``cfg.repeats`` below 1.
+    """
+    if cfg.repeats < 1:
+        raise ValueError(f"repeats (--repeats) must be >= 1, got {cfg.repeats}")
+    grid = [(b, c, r, p) for b in cfg.batches for c in cfg.contexts for r in range(cfg.repeats) for p in cfg.policies]
     if cfg.warmup:  # first uses (kernels, allocators, pinned buffers) cost extra: pay them unmeasured
         for p in dict.fromkeys(cfg.policies):
             run_one(llm, BenchConfig([1], [min(cfg.contexts + [2 * cfg.window])], [p], steps=2, window=cfg.window, warmup=False), 1,
                     min(cfg.contexts + [2 * cfg.window]), p, roofline)
     rows = []
     bar = tqdm(grid, desc="bench", unit="config", disable=not cfg.progress)
-    for b, c, p in bar:
-        bar.set_postfix_str(f"batch {b} context {c} {p}", refresh=True)
+    for b, c, r, p in bar:
+        bar.set_postfix_str(f"batch {b} context {c} {p}" + (f" run {r + 1}/{cfg.repeats}" if cfg.repeats > 1 else ""), refresh=True)
         rows.append(run_one(llm, cfg, b, c, p, roofline))
+        rows[-1].extra["repeat"] = r
         if on_row is not None:
             on_row(rows)
     bar.close()

@@ -93,26 +93,57 @@ class MemoryPlan:
     def host_total(self) -> int:
         return self.expert_weights_host + self.kv_host + self.pinned_staging
 
-    def check(self) -> None:
-        """Raise ValueError, naming the minimum and what to change, if the plan cannot run."""
+    def problem(self, flags: PlanFlags | None = None) -> str | None:
+        """Why the plan cannot run, naming the minimum and what to change in the words of
+        ``flags`` (default: the Python API's argument names); None when it can run."""
+        f = flags or API_FLAGS
         if self.budget < self.gpu_min:
-            raise ValueError(
+            return (
                 f"a GPU budget of {self.budget / GiB:.3f} GiB is below the minimum of {self.gpu_min / GiB:.3f} GiB "
                 f"(non-expert weights {self.non_expert_weights / GiB:.2f} + KV on the GPU {self.kv_gpu / GiB:.2f} + ping-pong "
                 f"{self.pingpong / GiB:.2f} + activations {self.activations / GiB:.2f} + reserve {self.reserve / GiB:.2f}): "
-                "raise --vram-budget, lower the batch or the context (generate: --max-model-len)"
-                + (", or use a partitioned --policy (KV in host memory)" if self.kv_host == 0 else "")
+                f"raise {f.budget}, lower {f.sizes}"
+                + (f", or use a partitioned {f.policy} (KV in host memory)" if self.kv_host == 0 else "")
             )
         if self.host_free is not None and self.host_total > 0.9 * self.host_free:
-            raise ValueError(
+            return (
                 f"the plan needs {self.host_total / GiB:.2f} GiB of host memory (experts {self.expert_weights_host / GiB:.2f} + "
                 f"KV {self.kv_host / GiB:.2f} + staging {self.pinned_staging / GiB:.2f}) but "
                 f"{self.host_free / GiB:.2f} GiB is free, of which at most 90% ({0.9 * self.host_free / GiB:.2f} GiB) is planned "
                 "(the rest stays for the process and the OS): "
-                + ("raise --vram-budget (fewer experts on the host), " if self.expert_weights_host else "")
-                + "lower the batch or the context (generate: --max-model-len; it defaults to the model's limit "
-                "unless the prompt's length is known)"
+                + (f"raise {f.budget} (fewer experts on the host), " if self.expert_weights_host else "")
+                + f"lower {f.sizes}"
             )
+        return None
+
+    def check(self, flags: PlanFlags | None = None) -> None:
+        """Raise :class:`PlanDoesNotFit` (a ValueError), naming the minimum and what to change
+        in the words of ``flags`` (default: the Python API's argument names), if the plan cannot run."""
+        why = self.problem(flags)
+        if why is not None:
+            raise PlanDoesNotFit(why, self)
+
+
+@dataclass(frozen=True)
+class PlanFlags:
+    """The names :meth:`MemoryPlan.problem` gives what to change: the interface's own (the
+    Python API's arguments, or the flags of the command being run)."""
+
+    budget: str  # the GPU budget
+    sizes: str  # what sets the batch and the tokens per sequence, with "or"
+    policy: str  # the KV placement policy
+
+
+API_FLAGS = PlanFlags("vram_budget", "max_batch or max_model_len (it defaults to the model's limit)", "policy")
+
+
+class PlanDoesNotFit(ValueError):
+    """A plan that cannot run; ``plan.problem(flags)`` words the same refusal in another
+    interface's names (the command line's flags)."""
+
+    def __init__(self, message: str, plan: MemoryPlan):
+        super().__init__(message)
+        self.plan = plan
 
 
 def make_plan(

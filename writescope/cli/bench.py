@@ -8,6 +8,7 @@ import time
 from pathlib import Path
 
 from writescope.cli.experts import add_expert_profile_flag, add_stream_share_flag, check_stream_share
+from writescope.cli.outputs import check_output_file
 
 
 def add_parser(sub) -> None:
@@ -19,6 +20,9 @@ def add_parser(sub) -> None:
     p.add_argument("--context", default="2k", help="comma-separated prompt lengths, k = 1024 (default 2k)")
     p.add_argument("--policies", default="gpu,cpu,static:0.5,monolithic,writescope", help="comma-separated policies")
     p.add_argument("--steps", type=int, default=8, help="decode steps per configuration (default 8)")
+    p.add_argument("--repeats", type=int, default=3,
+                   help="runs of every configuration, the policies taking turns (default 3): the table gives medians and "
+                        "their spread, each speedup its interval over the runs and says when it is within the noise")
     p.add_argument("--sweep-static", type=int, default=0, metavar="N", help="also run static:i/N for i = 0..N (the measured best share)")
     p.add_argument("--window", type=int, default=256, help="D (default 256)")
     p.add_argument("--device", default="auto")
@@ -57,7 +61,7 @@ def parse_tokens(text: str, flag: str = "token count") -> list[int]:
 
 
 def run(args: argparse.Namespace) -> int:
-    from writescope.bench.report import format_best, format_speedups, format_table, plot, speedups
+    from writescope.bench.report import format_best, format_speedups, format_table, plot, speedup_spread, speedups
     from writescope.bench.runner import BenchConfig, run_grid
     from writescope.engine.llm import LLM
     from writescope.engine.model_loader import capped_model_len
@@ -75,8 +79,12 @@ def run(args: argparse.Namespace) -> int:
         if p.lower() not in ("writescope", "monolithic"):
             parse_policy(p)  # a bad name fails before the model loads
     check_stream_share(args)
+    check_output_file(args.output_json, "--output-json")  # before the model loads, not after the grid
+    check_output_file(args.plot, "--plot")
     if args.steps < 1:
         raise ValueError(f"--steps must be >= 1, got {args.steps}")
+    if args.repeats < 1:
+        raise ValueError(f"--repeats must be >= 1, got {args.repeats}")
     if args.sweep_static < 0:
         raise ValueError(f"--sweep-static must be >= 0, got {args.sweep_static}")
     sweep = [f"static:{i / args.sweep_static:g}" for i in range(args.sweep_static + 1)] if args.sweep_static else []
@@ -97,30 +105,32 @@ def run(args: argparse.Namespace) -> int:
     if llm.vram_plan is not None:
         print(f"{llm.vram_plan.placement_line()} ({llm.host_experts_in_decode()})", flush=True)
     cfg = BenchConfig(batches, contexts, grid_policies, args.steps, args.window, args.h2d_gbs, args.cpu_gbs, progress=not args.quiet,
-                      kv_fill=args.kv_fill)
+                      kv_fill=args.kv_fill, repeats=args.repeats)
     sweep_only = {s for s in sweep if s not in policies}
 
     def save(rows) -> None:  # after every configuration, so an interrupted grid keeps what it measured
         for r in rows:
             r.extra["sweep"] = r.policy in sweep_only
         if args.output_json:
-            args.output_json.parent.mkdir(parents=True, exist_ok=True)
+            spread = speedup_spread(rows)
             doc = {"model": args.model, "num_layers": llm.config.num_layers, "device": str(llm.device), "dtype": str(llm.dtype),
                    "args": {k: str(v) for k, v in vars(args).items() if k != "run"},
                    "roofline": None if roofline is None else vars(roofline), "complete": len(rows) == cfg_size,
                    "vram_plan": None if llm.vram_plan is None else {"budget_bytes": llm.vram_plan.budget, "experts_gpu": llm.vram_plan.experts_gpu,
                                                                     "experts_total": llm.vram_plan.experts_total,
                                                                     "expert_stream_share": llm.expert_stream_share},
-                   "speedups_geomean_8k": {k: {"geomean": g, "configurations": n} for k, (g, n) in speedups(rows).items()},
+                   "speedups_geomean_8k": {k: {"geomean": g, "configurations": n, "min_max_over_repeats": spread.get(k)}
+                                           for k, (g, n) in speedups(rows).items()},
                    "rows": [r.to_dict() for r in rows]}
             tmp = args.output_json.with_name(args.output_json.name + ".tmp")
             tmp.write_text(json.dumps(doc, indent=1))
             tmp.replace(args.output_json)  # an interrupted write never leaves a broken file
 
-    cfg_size = len(batches) * len(contexts) * len(grid_policies)
+    cfg_size = len(batches) * len(contexts) * len(grid_policies) * args.repeats
     rows = run_grid(llm, cfg, roofline, on_row=save)
     n = llm.config.num_layers
     print(f"\n{args.model} ({n} layer{'s' if n != 1 else ''}, {llm.dtype} on {llm.device}), {args.steps} decode steps per configuration, "
+          f"{args.repeats} run{'s' if args.repeats != 1 else ''} of each, "
           f"D = {args.window}; {time.perf_counter() - t0:.0f} s in all")
     print(format_table(rows))
     if llm.device.type == "cpu":

@@ -39,11 +39,19 @@ def run(args: argparse.Namespace) -> int:
     print(f"done in {time.perf_counter() - t0:.1f} s; stored in {path} (the terms: docs/DESIGN.md section 5)")
     if device.type == "cpu":
         print("note: on the CPU the 'GPU' side runs as CPU tensors: these figures do not describe a GPU machine")
-    print(f"  A (CPU, compute region)     {r.a * 1e9:10.3f} ns/token  = {tok_bytes / r.a / 1e9:6.1f} GB/s")
-    print(f"  B (GPU, load region)        {r.b * 1e9:10.3f} ns/token  = {tok_bytes / r.b / 1e9:6.1f} GB/s")
+    bad = detail["implausible"]
+
+    def flag(fit: str) -> str:  # a fit clamped to the machine's limits is marked where it is printed
+        return "  [CLAMPED: cannot be true as measured, see below]" if any(p.startswith(fit) for p in bad) else ""
+
+    lims = detail["limits"]
+    print(f"  limits here: host read {lims['host_read_gbs']:.1f} GB/s"
+          + ("" if lims["load_path"] == "host read" else f", {lims['load_path']} {lims['load_gbs']:.1f} GB/s") + " (measured)")
+    print(f"  A (CPU, compute region)     {r.a * 1e9:10.3f} ns/token  = {tok_bytes / r.a / 1e9:6.1f} GB/s{flag('A and')}")
+    print(f"  B (GPU, load region)        {r.b * 1e9:10.3f} ns/token  = {tok_bytes / r.b / 1e9:6.1f} GB/s{flag('B and')}")
     print(f"  C_cpu, C_gpu (fixed/step)   {r.c_cpu * 1e3:.3f} ms, {r.c_gpu * 1e3:.3f} ms")
     print(f"  B alone (no CPU part)       {r.b_alone * 1e9:10.3f} ns/token  = {tok_bytes / r.b_alone / 1e9:6.1f} GB/s, "
-          f"C_gpu alone {r.c_gpu_alone * 1e3:.3f} ms")
+          f"C_gpu alone {r.c_gpu_alone * 1e3:.3f} ms{flag('B alone')}")
     print(f"  C_split (split step beyond its slower side) {r.c_split * 1e3:.3f} ms")
     policy = WriteScopePolicy(r)
     policy.expect_batch(args.batch)
@@ -52,5 +60,9 @@ def run(args: argparse.Namespace) -> int:
         f"{L // 1024}K {roofline_share(L * args.batch, r.a, r.b, r.c_cpu, r.c_gpu):.3f}" for L in contexts))
     print("  deployed (0 where a split is predicted no faster than streaming alone):",
           "  ".join(f"{L // 1024}K {policy.cpu_share(L):.3f}" for L in contexts))
+    if bad:
+        print(f"WARNING: {len(bad)} fit(s) stayed outside this machine's physical limits after measuring them again; they are "
+              "clamped to the limits, and the shares above rest on them (run calibrate again on a quieter machine, or with a "
+              "larger --batch):\n" + "\n".join(f"  {p}" for p in bad))
     return 0
 

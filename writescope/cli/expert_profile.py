@@ -4,7 +4,6 @@ text, and write the profile that ``--expert-profile`` places experts by (moe/pop
 from __future__ import annotations
 
 import argparse
-import os
 from pathlib import Path
 
 
@@ -25,25 +24,15 @@ def add_parser(sub) -> None:
     p.set_defaults(run=run)
 
 
-def _check_out(path: Path) -> None:
-    """Refuse an --out that cannot be written, before the model loads."""
-    parent = path.parent if str(path.parent) else Path(".")
-    if path.is_dir():
-        raise ValueError(f"--out {path}: is a directory; give a file name")
-    if not parent.is_dir():
-        raise ValueError(f"--out {path}: directory {parent} does not exist")
-    if not os.access(parent, os.W_OK):
-        raise ValueError(f"--out {path}: directory {parent} is not writable")
-
-
 def run(args: argparse.Namespace) -> int:
     import time
 
     from writescope import LLM, SamplingParams
     from writescope.cli.bench import parse_tokens
+    from writescope.cli.outputs import check_output_file
     from writescope.moe.popularity import ExpertProfile, recording
 
-    _check_out(args.out)
+    check_output_file(args.out, "--out")
     tokens = None
     if args.prompt_file is None:
         (tokens,) = parse_tokens(args.machine_text, "--machine-text")

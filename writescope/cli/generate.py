@@ -7,6 +7,7 @@ import json
 from pathlib import Path
 
 from writescope.cli.experts import add_expert_profile_flag, add_stream_share_flag, check_stream_share
+from writescope.cli.outputs import check_output_file
 
 
 def core_plan(llm) -> str:
@@ -95,8 +96,7 @@ def run(args: argparse.Namespace) -> int:
         if value is not None and value < 1:
             raise ValueError(f"{flag} must be >= 1, got {value}")
     check_stream_share(args)
-    if args.output_json is not None and args.output_json.is_dir():
-        raise ValueError(f"--output-json {args.output_json} is a directory: give a file path")
+    check_output_file(args.output_json, "--output-json")  # before the model loads, not after the run
     params = [
         SamplingParams(max_tokens=args.max_new_tokens, temperature=args.temperature, top_p=args.top_p, seed=args.seed + i,
                        ignore_eos=args.ignore_eos)
@@ -152,7 +152,6 @@ def run(args: argparse.Namespace) -> int:
     if llm.r_trace:
         print(format_r_trace(llm.r_trace))
     if args.output_json:
-        args.output_json.parent.mkdir(parents=True, exist_ok=True)
         doc = {"model": args.model, "device": str(llm.device), "dtype": str(llm.dtype), "policy": llm.policy_name,
                "r_trace": llm.r_trace, "requests": [o.to_dict() for o in outs]}
         args.output_json.write_text(json.dumps(doc, indent=2))

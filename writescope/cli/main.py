@@ -7,6 +7,17 @@ import os
 import sys
 
 from writescope.cli import bench, calibrate, expert_profile, generate, make_checkpoint, plan, profile
+from writescope.cli.outputs import attach_negative_values
+
+# what a memory plan's refusal tells each command's user to change (its own flags; the API's
+# argument names are the default of writescope.budget.plan.MemoryPlan.problem)
+PLAN_FLAGS = {
+    "generate": ("--vram-budget", "--batch or --max-model-len (it defaults to the model's limit unless the prompt's length is known)",
+                 "--policy"),
+    "plan": ("--vram-budget", "--batch, --context or --max-new-tokens", "--policy"),
+    "bench": ("--vram-budget", "--batch or --context (the plan is for the largest of each)", "--policies"),
+    "profile": ("--vram-budget", "--batch or --context", "--policy"),
+}
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -23,10 +34,18 @@ def main(argv: list[str] | None = None) -> int:
     make_checkpoint.add_parser(sub)
     profile.add_parser(sub)
     expert_profile.add_parser(sub)
-    args = parser.parse_args(argv)
+    # "--vram-budget -1GiB" reaches the budget's own check instead of argparse's "expected one argument"
+    args = parser.parse_args(attach_negative_values(sys.argv[1:] if argv is None else list(argv)))
     try:
         return args.run(args)
-    except (ValueError, FileNotFoundError, FileExistsError) as e:
+    except ValueError as e:
+        from writescope.budget.plan import PlanDoesNotFit, PlanFlags
+
+        if isinstance(e, PlanDoesNotFit) and args.command in PLAN_FLAGS:
+            e = e.plan.problem(PlanFlags(*PLAN_FLAGS[args.command]))
+        print(f"writescope {args.command}: error: {e}", file=sys.stderr)
+        return 2
+    except (FileNotFoundError, FileExistsError) as e:
         print(f"writescope {args.command}: error: {e}", file=sys.stderr)
         return 2
 

@@ -27,13 +27,17 @@ def run(args: argparse.Namespace) -> int:
 
     from writescope.checkpoint.synthetic import synthetic_tensors
     from writescope.checkpoint.tokenizer import synthetic_tokenizer
-    from writescope.checkpoint.writer import checkpoint_bytes, write_checkpoint
+    from writescope.checkpoint.writer import INDEX_NAME, SINGLE_NAME, checkpoint_bytes, write_checkpoint
+    from writescope.cli.outputs import check_output_dir
     from writescope.engine.model_loader import parse_dtype, resolve_device
     from writescope.models import LAYER_BUILDERS
     from writescope.models.causal_lm import CausalLM
     from writescope.presets import preset_config
 
     cfg = preset_config(args.preset)
+    check_output_dir(args.out, "--out")  # before the weights are built, not after
+    if (args.out / SINGLE_NAME).exists() or (args.out / INDEX_NAME).exists():
+        raise FileExistsError(f"--out {args.out} already holds a checkpoint: choose a new --out directory or delete it")
     dtype = parse_dtype(args.dtype, torch.device("cpu"))
     device = resolve_device(args.device)
     with torch.device("meta"):
@@ -41,7 +45,7 @@ def run(args: argparse.Namespace) -> int:
     if cfg.tie_word_embeddings:
         shapes.pop("lm_head.weight", None)
     need = checkpoint_bytes(shapes, dtype)
-    args.out.mkdir(parents=True, exist_ok=True)
+    args.out.mkdir(exist_ok=True)
     free = shutil.disk_usage(args.out).free
     if need > free:
         raise ValueError(f"{args.preset} in {args.dtype} needs {need / 1e9:.1f} GB but {args.out} has {free / 1e9:.1f} GB free")

@@ -22,6 +22,26 @@ def add_parser(sub) -> None:
     p.set_defaults(run=run)
 
 
+def check_model_limit(model: str, limit: int, context: int, max_new_tokens: int) -> None:
+    """Each sequence holds ``context + max_new_tokens`` tokens, at most the model's ``limit``
+    (its max_position_embeddings).
+
+    Raises:
+        ValueError: past the limit, naming the largest --context that fits with this
+            --max-new-tokens (or, when none does, the most --max-new-tokens there is room for).
+    """
+    total = context + max_new_tokens
+    if total <= limit:
+        return
+    fits = limit - max_new_tokens
+    room = (f"the largest --context that fits with --max-new-tokens {max_new_tokens} is {fits}, "
+            f"or lower --max-new-tokens to {limit - context} for --context {context}" if fits >= 1 and context < limit
+            else f"the largest --context that fits with --max-new-tokens {max_new_tokens} is {fits}" if fits >= 1
+            else f"--max-new-tokens must stay below {limit}")
+    raise ValueError(f"--context {context} + --max-new-tokens {max_new_tokens} = {total} tokens per sequence passes {model}'s "
+                     f"limit of {limit} tokens (its max_position_embeddings): {room}")
+
+
 def run(args: argparse.Namespace) -> int:
     import torch
 
@@ -42,9 +62,7 @@ def run(args: argparse.Namespace) -> int:
             raise ValueError(f"{flag} must be >= 1, got {value}")
     policy = parse_policy(args.policy, roofline=Roofline(1.0, 1.0))  # the share does not change the worst-case sizes
     cfg, _ = resolve_config(args.model)
-    if context + args.max_new_tokens > cfg.max_position_embeddings:
-        raise ValueError(f"--context {context} + --max-new-tokens {args.max_new_tokens} passes {args.model}'s limit of "
-                         f"{cfg.max_position_embeddings} tokens: lower the context")
+    check_model_limit(args.model, cfg.max_position_embeddings, context, args.max_new_tokens)
     dtype = parse_dtype(args.dtype, torch.device("cuda"))
     host = parse_size(args.host_memory) if args.host_memory else available_memory(torch.device("cpu"))
     plan = make_plan(cfg, dtype, budget, args.batch, context, args.max_new_tokens, policy, args.window, host_free=host)

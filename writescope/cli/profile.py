@@ -8,6 +8,7 @@ import json
 from pathlib import Path
 
 from writescope.cli.experts import add_expert_profile_flag, add_stream_share_flag, check_stream_share
+from writescope.cli.outputs import check_output_file
 
 
 def add_parser(sub) -> None:
@@ -44,6 +45,8 @@ def run(args: argparse.Namespace) -> int:
     if args.batch < 1 or args.steps < 1 or args.skip < 0:
         raise ValueError(f"--batch and --steps must be >= 1 and --skip >= 0, got {args.batch}, {args.steps}, {args.skip}")
     check_stream_share(args)
+    check_output_file(args.output_json, "--output-json")  # before the model loads, not after the run
+    check_output_file(args.trace, "--trace")
     llm = LLM(args.model, synthetic=args.synthetic, device=args.device, dtype=args.dtype, progress=not args.quiet,
               policy=args.policy, window=args.window, vram_budget=args.vram_budget, max_batch=args.batch,
               num_layers=args.num_layers, expert_stream_share=args.expert_stream_share, expert_profile=args.expert_profile,  # the budget plans for the profiled requests, not the model's limit
@@ -58,7 +61,6 @@ def run(args: argparse.Namespace) -> int:
           f"policy {llm.policy_name}")
     print(bd.table())
     if args.output_json:
-        args.output_json.parent.mkdir(parents=True, exist_ok=True)
         args.output_json.write_text(json.dumps({"model": args.model, "num_layers": n, "batch": args.batch, "context": context,
                                                 "policy": llm.policy_name, "expert_stream_share": llm.expert_stream_share,
                                                 "step_ms": bd.step_ms, "steps": bd.steps, "other_ms": bd.other_ms,

@@ -20,7 +20,11 @@ taken too (synchronised before and after on CUDA): at share 0 (streaming alone, 
 line against the streamed tokens gives B_alone and C_gpu_alone; at the split shares the median of
 wall time minus the slower side's time gives C_split.
 
-Least-squares lines through the medians; slopes floored at 1e-12 s, intercepts at 0. Results are
+Least-squares lines through the medians; slopes floored at 1e-12 s, intercepts at 0. A fit that
+cannot be true (:mod:`writescope.scheduler.limits`: faster than this machine's measured host read
+or host-to-device rate, a time that does not grow with the tokens, a fixed cost above the fastest
+step or well below 0) is measured again once; one still impossible is held inside the limits and
+listed in ``detail["implausible"]`` (the CLI prints it as such). Results are
 stored as JSON in ``$XDG_CACHE_HOME/writescope/calibration.json`` keyed by machine (CPU model,
 cores, torch threads, GPU, the CPU attention backend) and KV shape.
 """
@@ -33,6 +37,7 @@ import os
 import platform
 import statistics
 import time
+import warnings
 from pathlib import Path
 
 import torch
@@ -45,6 +50,7 @@ from writescope.engine.timing import synchronized_seconds
 from writescope.kvcache.inplace import InplaceKVCache
 from writescope.kvcache.spec import PartitionSpec, Roofline
 from writescope.paths import cache_dir
+from writescope.scheduler import limits as lim
 from writescope.scheduler.policies import StaticPolicy
 
 CUDA_CONTEXTS = (4096, 16384, 32768)  # tokens per sequence: the per-token costs dominate the fixed ones
@@ -86,14 +92,19 @@ def calibrate(
     cpu_threads: int | None = None,
     progress: bool = True,
     shares: tuple[float, ...] = SHARES,
+    remeasure: int = 1,
 ) -> tuple[Roofline, dict]:
     """Measure A, B, C_cpu, C_gpu for this KV shape on this machine.
 
-    Contexts whose KV would take more than half the available host memory are skipped.
+    Contexts whose KV would take more than half the available host memory are skipped. The
+    machine's host read (and, on CUDA, host-to-device) rate is measured first; the points of a
+    fit outside those limits are measured again up to ``remeasure`` times (the split shares, or
+    streaming alone at share 0), and a fit still outside them is clamped to them.
 
     Returns:
-        ``(roofline, detail)``: detail holds the measured points ``(tokens, seconds)`` per side
-        and the contexts and shares used.
+        ``(roofline, detail)``: detail holds the measured points ``(tokens, seconds)`` per side,
+        the contexts and shares used, ``limits`` (the measured rates, GB/s) and ``implausible``
+        (what stayed impossible after the re-measures, one sentence each; empty when nothing did).
 
     Raises:
         ValueError: batch, steps or a context below 1, a share outside (0, 1), or fewer than
@@ -113,25 +124,51 @@ def calibrate(
     if len(fit) < 2:
         raise ValueError(f"calibration needs two contexts that fit host memory; of {contexts} (batch {batch}) only {fit} fit: "
                          "lower --batch")
+    limits = lim.measure_limits(device, batch * max(fit) * per_token)
     points = {"cpu": [], "gpu": [], "alone": [], "split_overhead": []}
     bar = tqdm(total=(len(shares) + 1) * len(fit), desc="calibrate", disable=not progress)
-    for share in (0.0, *shares):
-        for L in fit:
-            cpu, gpu, wall, overhead = _measure(layout, q_heads, dtype, device, window, share, batch, L, steps, cpu_threads)
-            if share == 0:
-                points["alone"].append((gpu[0], wall))
-            else:
-                points["cpu"].append(cpu)
-                points["gpu"].append(gpu)
-                points["split_overhead"].append(overhead)
-            bar.update()
+
+    def measure(series: str) -> None:  # "alone": share 0; "split": the split shares
+        for key in ("alone",) if series == "alone" else ("cpu", "gpu", "split_overhead"):
+            points[key] = []
+        for share in (0.0,) if series == "alone" else shares:
+            for L in fit:
+                cpu, gpu, wall, overhead = _measure(layout, q_heads, dtype, device, window, share, batch, L, steps, cpu_threads)
+                if share == 0:
+                    points["alone"].append((gpu[0], wall))
+                else:
+                    points["cpu"].append(cpu)
+                    points["gpu"].append(gpu)
+                    points["split_overhead"].append(overhead)
+                bar.update()
+
+    fits = {"a": ("cpu", "cpu", "A and C_cpu (the CPU part)"), "b": ("gpu", "load", "B and C_gpu (the streamed part)"),
+            "b_alone": ("alone", "load", "B alone and C_gpu alone (streaming alone)")}
+
+    def wrong() -> dict[str, list[str]]:  # per series, what is impossible about its fits
+        out: dict[str, list[str]] = {"split": [], "alone": []}
+        for key, side, name in fits.values():
+            out["alone" if key == "alone" else "split"] += lim.problems(name, points[key], per_token, *limits.max_gbs(side))
+        return out
+
+    measure("alone")
+    measure("split")
+    for _ in range(remeasure):
+        bad = [series for series, found in wrong().items() if found]
+        if not bad:
+            break
+        bar.total += sum(len(fit) * (1 if series == "alone" else len(shares)) for series in bad)
+        for series in bad:
+            measure(series)
     bar.close()
-    a, c_cpu = _fit(points["cpu"])
-    b, c_gpu = _fit(points["gpu"])
-    b_alone, c_gpu_alone = _fit(points["alone"])
+    implausible = [p for found in wrong().values() for p in found]
+    (a, c_cpu), (b, c_gpu), (b_alone, c_gpu_alone) = (
+        lim.clamped(points[key], per_token, limits.max_gbs(side)[0]) for key, side, _ in fits.values())
     c_split = max(0.0, statistics.median(points["split_overhead"]))
     roofline = Roofline(a, b, c_cpu, c_gpu, b_alone, c_gpu_alone, c_split)
-    return roofline, {"points": points, "batch": batch, "steps": steps, "contexts": fit, "shares": list(shares)}
+    return roofline, {"points": points, "batch": batch, "steps": steps, "contexts": fit, "shares": list(shares),
+                      "limits": {"host_read_gbs": limits.host_read, "load_gbs": limits.load, "load_path": limits.load_path},
+                      "implausible": implausible}
 
 
 def _measure(layout, q_heads, dtype, device, window, share, batch, L, steps, cpu_threads):
@@ -171,14 +208,10 @@ def _measure(layout, q_heads, dtype, device, window, share, batch, L, steps, cpu
 
 
 def _fit(points: list[tuple[int, float]]) -> tuple[float, float]:
-    """Least-squares (slope, intercept) of seconds against tokens; slope >= 1e-12, intercept >= 0."""
-    n = len(points)
-    mx = sum(x for x, _ in points) / n
-    my = sum(y for _, y in points) / n
-    sxx = sum((x - mx) ** 2 for x, _ in points)
-    slope = sum((x - mx) * (y - my) for x, y in points) / sxx if sxx > 0 else my / max(mx, 1)
-    slope = max(slope, 1e-12)
-    return slope, max(0.0, my - slope * mx)
+    """Least-squares (slope, intercept) of seconds against tokens; slope >= 1e-12, intercept >= 0
+    (no physical limit: :func:`writescope.scheduler.limits.clamped` holds a fit inside those)."""
+    slope, intercept = lim.line(points)
+    return max(slope, 1e-12), max(0.0, intercept)
 
 
 def store_path() -> Path:
@@ -220,4 +253,8 @@ def load_or_calibrate(layout, q_heads, dtype, device, window=256, cpu_threads=No
         return found
     roofline, detail = calibrate(layout, q_heads, dtype, device, window, cpu_threads=cpu_threads, progress=progress)
     save(device, shape, roofline, detail)
+    if detail["implausible"]:
+        warnings.warn("calibration: fits outside this machine's physical limits after a re-measure, held inside them "
+                      f"(the CPU share from them is unreliable; `writescope calibrate` measures again): {'; '.join(detail['implausible'])}",
+                      stacklevel=2)
     return roofline

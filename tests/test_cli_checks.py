@@ -1,0 +1,130 @@
+"""Checks made before any work starts (issue 19, items 2 and 6): output paths a run could not
+write at its end, a negative --vram-budget, and plan's refusals in plan's own flags."""
+
+from __future__ import annotations
+
+import pytest
+
+from writescope.cli.main import main
+from writescope.cli.outputs import attach_negative_values
+
+
+@pytest.fixture
+def no_work(monkeypatch):
+    """Any model load or weight build fails the test: the refusal must come before it."""
+    import writescope
+    import writescope.checkpoint.synthetic as synthetic
+    import writescope.engine.llm as llm
+
+    def loaded(*a, **k):
+        raise AssertionError("the work started before the output path was checked")
+
+    monkeypatch.setattr(llm, "LLM", loaded)
+    monkeypatch.setattr(writescope, "LLM", loaded)
+    monkeypatch.setattr(synthetic, "synthetic_tensors", loaded)
+
+
+def _commands(out: str) -> list[tuple[list[str], str]]:
+    gen = ["generate", "--model", "tiny-qwen3-moe", "--prompt", "hi", "--quiet"]
+    bench = ["bench", "--model", "tiny-qwen3-moe", "--quiet"]
+    prof = ["profile", "--model", "tiny-qwen3-moe", "--quiet"]
+    return [
+        (gen + ["--output-json", out], "--output-json"),
+        (bench + ["--output-json", out], "--output-json"),
+        (bench + ["--plot", out], "--plot"),
+        (prof + ["--output-json", out], "--output-json"),
+        (prof + ["--trace", out], "--trace"),
+    ]
+
+
+@pytest.mark.parametrize("i", range(5), ids=["generate-json", "bench-json", "bench-plot", "profile-json", "profile-trace"])
+def test_output_in_a_missing_directory_is_refused_before_the_run(tmp_path, capsys, no_work, i):
+    missing = tmp_path / "no" / "such" / "dir"
+    argv, flag = _commands(str(missing / "x.json"))[i]
+    if flag == "--plot":
+        pytest.importorskip("matplotlib")  # without it --plot is refused for that first
+    assert main(argv) == 2
+    err = capsys.readouterr().err
+    assert f"{flag} {missing / 'x.json'}: directory {missing} does not exist" in err
+    assert not (tmp_path / "no").exists(), "nothing is created"
+
+
+@pytest.mark.parametrize("i", range(5), ids=["generate-json", "bench-json", "bench-plot", "profile-json", "profile-trace"])
+def test_output_that_is_a_directory_is_refused_before_the_run(tmp_path, capsys, no_work, i):
+    argv, flag = _commands(str(tmp_path))[i]
+    if flag == "--plot":
+        pytest.importorskip("matplotlib")
+    assert main(argv) == 2
+    assert f"{flag} {tmp_path}: is a directory" in capsys.readouterr().err
+
+
+def test_make_checkpoint_out_is_checked_before_the_weights_are_built(tmp_path, capsys, no_work):
+    base = ["make-checkpoint", "--preset", "tiny-qwen3-moe", "--quiet", "--out"]
+    missing = tmp_path / "no" / "such"
+    assert main(base + [str(missing / "ckpt")]) == 2
+    assert f"--out {missing / 'ckpt'}: directory {missing} does not exist" in capsys.readouterr().err
+    assert not (tmp_path / "no").exists()
+    (tmp_path / "file").write_text("x")
+    assert main(base + [str(tmp_path / "file")]) == 2
+    assert "is a file, not a directory" in capsys.readouterr().err
+    (tmp_path / "ckpt").mkdir()
+    (tmp_path / "ckpt" / "model.safetensors").write_bytes(b"")
+    assert main(base + [str(tmp_path / "ckpt")]) == 2
+    assert "already holds a checkpoint" in capsys.readouterr().err
+
+
+@pytest.mark.parametrize("command", [
+    ["plan", "--model", "tiny-qwen3-moe", "--batch", "1", "--context", "1k"],
+    ["generate", "--model", "tiny-qwen3-moe", "--prompt", "hi", "--quiet"],
+])
+def test_negative_vram_budget_gets_the_budget_message(capsys, command):
+    """argparse alone reads "-1GiB" as an option and says "expected one argument"."""
+    assert main(command + ["--vram-budget", "-1GiB"]) == 2
+    err = capsys.readouterr().err
+    assert "a size must be positive, got '-1GiB'" in err and "--vram-budget" in err
+    assert main(command + ["--vram-budget", "0"]) == 2
+    assert "a size must be positive, got '0'" in capsys.readouterr().err
+
+
+def test_attach_negative_values():
+    assert attach_negative_values(["plan", "--vram-budget", "-1GiB", "--context", "-2k"]) == ["plan", "--vram-budget=-1GiB",
+                                                                                              "--context=-2k"]
+    # argparse reads plain negative numbers itself; values and "--" are left alone
+    assert attach_negative_values(["--batch", "-1", "--top-p", "-0.5"]) == ["--batch", "-1", "--top-p", "-0.5"]
+    assert attach_negative_values(["--vram-budget=-1G", "--", "--x", "-1G"]) == ["--vram-budget=-1G", "--", "--x", "-1G"]
+
+
+def test_plan_past_the_model_limit_names_the_largest_context_that_fits(capsys):
+    assert main(["plan", "--model", "mixtral-8x7b", "--vram-budget", "32GiB", "--batch", "1", "--context", "32k"]) == 2
+    err = capsys.readouterr().err
+    assert "--context 32768 + --max-new-tokens 256 = 33024 tokens per sequence passes mixtral-8x7b's limit of 32768" in err
+    assert "the largest --context that fits with --max-new-tokens 256 is 32512" in err
+    assert main(["plan", "--model", "mixtral-8x7b", "--vram-budget", "32GiB", "--batch", "1", "--context", "32512",
+                 "--host-memory", "1000GiB"]) == 0, "the suggested context fits the limit"
+    assert main(["plan", "--model", "tiny-qwen3-moe", "--vram-budget", "2GiB", "--batch", "1", "--context", "1",
+                 "--max-new-tokens", "9000"]) == 2
+    assert "--max-new-tokens must stay below 8192" in capsys.readouterr().err
+
+
+def test_plan_memory_hints_name_plans_flags(capsys):
+    assert main(["plan", "--model", "tiny-qwen3-moe", "--vram-budget", "1MiB", "--batch", "2", "--context", "1k"]) == 2
+    err = capsys.readouterr().err
+    assert "below the minimum" in err and "lower --batch, --context or --max-new-tokens" in err
+    assert "--max-model-len" not in err and "generate:" not in err
+    assert main(["plan", "--model", "qwen3-30b-a3b", "--vram-budget", "32GiB", "--batch", "32", "--context", "32k",
+                 "--host-memory", "125GiB"]) == 2
+    err = capsys.readouterr().err
+    assert "GiB of host memory" in err and "raise --vram-budget (fewer experts on the host), lower --batch, --context or " \
+                                          "--max-new-tokens" in err
+    assert "--max-model-len" not in err
+
+
+def test_generate_memory_hint_names_generates_flags_and_the_api_its_arguments(capsys):
+    from writescope import LLM
+    from writescope.budget.plan import PlanDoesNotFit
+
+    assert main(["generate", "--model", "tiny-qwen3-moe", "--prompt", "hi", "--quiet", "--vram-budget", "1MiB"]) == 2
+    err = capsys.readouterr().err
+    assert "below the minimum" in err and "raise --vram-budget, lower --batch or --max-model-len" in err
+    with pytest.raises(PlanDoesNotFit, match="raise vram_budget, lower max_batch or max_model_len"):
+        LLM("tiny-qwen3-moe", vram_budget="1MiB", progress=False)
