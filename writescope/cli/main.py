@@ -7,6 +7,19 @@ import os
 import sys
 
 from writescope.cli import bench, calibrate, generate, make_checkpoint, plan, profile
+from writescope.engine.errors import ArgError
+
+
+def package_version() -> str:
+    """The installed distribution's version (its metadata), else the source tree's ``__version__``."""
+    from importlib.metadata import PackageNotFoundError, version
+
+    try:
+        return version("writescope")
+    except PackageNotFoundError:
+        from writescope import __version__
+
+        return f"{__version__} (not installed)"
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -15,6 +28,8 @@ def main(argv: list[str] | None = None) -> int:
     # what a --vram-budget run holds stays close to its plan
     os.environ.setdefault("PYTORCH_CUDA_ALLOC_CONF", "expandable_segments:True")
     parser = argparse.ArgumentParser(prog="writescope", description="Long-context MoE inference with a partitioned KV cache.")
+    parser.add_argument("--version", action="version", version=f"%(prog)s {package_version()}",
+                        help="print the installed package's version and exit")
     sub = parser.add_subparsers(dest="command", required=True)
     generate.add_parser(sub)
     calibrate.add_parser(sub)
@@ -26,7 +41,10 @@ def main(argv: list[str] | None = None) -> int:
     try:
         return args.run(args)
     except (ValueError, FileNotFoundError, FileExistsError) as e:
-        print(f"writescope {args.command}: error: {e}", file=sys.stderr)
+        # an API error names API arguments: reworded with this command's flags (args.flags, set by the
+        # subcommand: API argument name -> flag; others become --name-with-dashes)
+        msg = e.worded(getattr(args, "flags", {})) if isinstance(e, ArgError) else str(e)
+        print(f"writescope {args.command}: error: {msg}", file=sys.stderr)
         return 2
 
 
