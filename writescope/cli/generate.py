@@ -7,7 +7,7 @@ import json
 from pathlib import Path
 
 from writescope.cli.experts import add_stream_share_flag, check_stream_share
-from writescope.engine.errors import plural
+from writescope.errors import plural
 
 
 def core_plan(llm) -> str:

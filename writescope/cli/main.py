@@ -7,7 +7,7 @@ import os
 import sys
 
 from writescope.cli import bench, calibrate, generate, make_checkpoint, plan, profile
-from writescope.engine.errors import ArgError
+from writescope.errors import ArgError
 
 
 def package_version() -> str:
@@ -43,7 +43,7 @@ def main(argv: list[str] | None = None) -> int:
     except (ValueError, FileNotFoundError, FileExistsError) as e:
         # an API error names API arguments: reworded with this command's flags (args.flags, set by the
         # subcommand: API argument name -> flag; others become --name-with-dashes)
-        msg = e.worded(getattr(args, "flags", {})) if isinstance(e, ArgError) else str(e)
+        msg = e.worded({"synthetic=True": "--synthetic", **getattr(args, "flags", {})}) if isinstance(e, ArgError) else str(e)
         print(f"writescope {args.command}: error: {msg}", file=sys.stderr)
         return 2
 

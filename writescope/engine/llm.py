@@ -15,7 +15,7 @@ from writescope.budget.apply import enforce_budget, host_experts, place_experts
 from writescope.budget.plan import make_plan, parse_size
 from writescope.engine.model_loader import load_model, parse_dtype, resolve_config, resolve_device
 from writescope.layers.attention import mla_prefill_mode
-from writescope.engine.errors import ArgError, plural
+from writescope.errors import ArgError, plural
 from writescope.engine.outputs import RequestMetrics, RequestOutput
 from writescope.engine.prompts import check_token_ids, token_lists
 from writescope.engine.sampling import SamplingParams, sample

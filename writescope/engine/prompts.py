@@ -6,7 +6,7 @@ from __future__ import annotations
 import operator
 from typing import Any, Callable, Sequence
 
-from writescope.engine.errors import ArgError
+from writescope.errors import ArgError
 
 
 def token_lists(prompts: Any, prompt_token_ids: Any, encode: Callable[[str], list[int]]

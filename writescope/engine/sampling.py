@@ -6,7 +6,7 @@ from dataclasses import dataclass
 
 import torch
 
-from writescope.engine.errors import ArgError
+from writescope.errors import ArgError
 
 
 @dataclass(frozen=True)

@@ -29,6 +29,7 @@ class ArgError(ValueError):
         out = self.message
         for name in self.names:
             flag = flags.get(name, "--" + name.replace("_", "-"))
-            out = re.sub(rf"\b{re.escape(name)}\b(\[(\d+)\])?",
+            # a standalone word only: not inside a path, a quoted value or a hyphenated name
+            out = re.sub(rf"(?<![\w\-/.'\"]){re.escape(name)}(?![\w\-/.'\"])(\[(\d+)\])?",
                          lambda m: flag if m.group(2) is None else f"{flag} (request {m.group(2)})", out)
         return out
