@@ -8,6 +8,7 @@ import warnings
 import torch
 
 from writescope.budget.plan import MemoryPlan
+from writescope.errors import ArgError
 from writescope.moe.block import SparseMoeBlock
 
 
@@ -70,11 +71,12 @@ def enforce_budget(device: torch.device, budget: int, planned: int | None = None
     held = {"allocated": torch.cuda.memory_allocated(index), "reserved": torch.cuda.memory_reserved(index)}
     if held["reserved"] > budget - 256 * 2**20:
         gib = 2**30
-        raise ValueError(
+        raise ArgError(
             f"after loading the weights this process holds {held['reserved'] / gib:.2f} GiB of device memory "
             f"({held['allocated'] / gib:.2f} GiB in tensors{'' if planned is None else f', {planned / gib:.2f} GiB planned'}), "
-            f"leaving nothing of the --vram-budget of {budget / gib:.2f} GiB for the KV and activations: raise the budget, "
-            "or set PYTORCH_CUDA_ALLOC_CONF=expandable_segments:True (less fragmentation; the CLI does) before starting"
+            f"leaving nothing of the vram_budget of {budget / gib:.2f} GiB for the KV and activations: raise the budget, "
+            "or set PYTORCH_CUDA_ALLOC_CONF=expandable_segments:True (less fragmentation; the CLI does) before starting",
+            "vram_budget",
         )
     total = torch.cuda.get_device_properties(index).total_memory
     if held["reserved"] + working > budget:

@@ -25,8 +25,8 @@ def add_parser(sub) -> None:
                         "their spread, each speedup its interval over the runs and says when it is within the noise")
     p.add_argument("--sweep-static", type=int, default=0, metavar="N", help="also run static:i/N for i = 0..N (the measured best share)")
     p.add_argument("--window", type=int, default=256, help="D (default 256)")
-    p.add_argument("--device", default="auto")
-    p.add_argument("--dtype", default="auto")
+    p.add_argument("--device", default="auto", help="auto (cuda when present), cpu or cuda")
+    p.add_argument("--dtype", default="auto", help="auto (bf16 on cuda, fp32 on cpu), bf16, fp16, fp32")
     p.add_argument("--h2d-gbs", type=float, default=55.0, help="host-to-device GB/s for the bound (default: the H200 machine's 55)")
     p.add_argument("--cpu-gbs", type=float, default=86.0, help="host read GB/s for the bound (default: the H200 machine's 86)")
     p.add_argument("--vram-budget", default=None, help="device memory the run may use, e.g. 32GiB")
@@ -37,8 +37,8 @@ def add_parser(sub) -> None:
                         "shape through the cache instead (decode grids without the prefill's time; prefill tok/s is then 0)")
     p.add_argument("--output-json", type=Path, help="write all rows here")
     p.add_argument("--plot", type=Path, help="write the plots here (PNG; needs matplotlib)")
-    p.add_argument("--quiet", action="store_true")
-    p.set_defaults(run=run)
+    p.add_argument("--quiet", action="store_true", help="no progress bars")
+    p.set_defaults(run=run, flags={"max_batch": "--batch", "prompt_token_ids": "--context", "max_model_len": "--context"})
 
 
 def parse_tokens(text: str, flag: str = "token count") -> list[int]:

@@ -8,6 +8,7 @@ from pathlib import Path
 
 from writescope.cli.experts import add_expert_profile_flag, add_stream_share_flag, check_stream_share
 from writescope.cli.outputs import check_output_file
+from writescope.errors import plural
 
 
 def core_plan(llm) -> str:
@@ -44,7 +45,9 @@ def add_parser(sub) -> None:
     p.add_argument("--max-new-tokens", type=int, default=32, help="tokens to generate per request (default 32)")
     p.add_argument("--batch", type=int, default=1, help="copies of the prompt in the batch (default 1)")
     p.add_argument("--temperature", type=float, default=0.0, help="0 = greedy (default)")
-    p.add_argument("--top-p", type=float, default=1.0)
+    p.add_argument("--top-p", type=float, default=1.0,
+                   help="nucleus sampling: sample from the smallest set of tokens whose probabilities sum to P, in (0, 1] "
+                        "(default 1: all tokens; only with --temperature > 0)")
     p.add_argument("--seed", type=int, default=0, help="sampling seed; request i of the batch uses seed + i (default 0)")
     p.add_argument("--weight-seed", type=int, default=0, help="seed of the synthetic weights (default 0)")
     p.add_argument("--device", default="auto", help="auto, cpu or cuda")
@@ -56,7 +59,7 @@ def add_parser(sub) -> None:
     p.add_argument("--policy", default="resident",
                    help="KV placement: resident (all on the device), gpu (stream spilled KV), cpu (attend it on the CPU), "
                         "static:R (CPU share R in [0,1]), writescope (roofline share with online feedback; calibrates "
-                        "once per machine), monolithic[:R] (the one-state baseline); default resident")
+                        "once per machine), monolithic[:R] (the one-state baseline); default resident (nothing measured first; plan and profile default to writescope)")
     p.add_argument("--window", type=int, default=256, help="D: tokens of the D-window and of one KV block (default 256)")
     p.add_argument("--cpu-threads", type=int, default=None, help="threads for CPU attention (default: all torch threads, less one with CUDA)")
     p.add_argument("--expert-threads", type=int, default=None, help="threads for routed experts in host memory (default: all torch threads)")
@@ -65,7 +68,8 @@ def add_parser(sub) -> None:
     add_expert_profile_flag(p)
     p.add_argument("--output-json", type=Path, help="write token ids, text and metrics per request here")
     p.add_argument("--quiet", action="store_true", help="no progress bars")
-    p.set_defaults(run=run)
+    p.set_defaults(run=run, flags={"max_tokens": "--max-new-tokens", "max_batch": "--batch", "seed": "--weight-seed",
+                                   "sampling_params": "--batch"})
 
 
 def _prompt(args) -> tuple[list[str] | None, list[list[int]] | None]:
@@ -90,6 +94,10 @@ def _prompt(args) -> tuple[list[str] | None, list[list[int]] | None]:
 
 def run(args: argparse.Namespace) -> int:
     from writescope import LLM, SamplingParams
+
+    source = next(f for f in ("--prompt-file", "--prompt", "--prompt-ids", "--machine-text")
+                  if getattr(args, f[2:].replace("-", "_")) is not None)
+    args.flags = {**args.flags, "prompts": source, "prompt_token_ids": source}  # API errors name the flag used
 
     for flag, value in (("--batch", args.batch), ("--max-new-tokens", args.max_new_tokens), ("--window", args.window),
                         ("--cpu-threads", args.cpu_threads), ("--expert-threads", args.expert_threads)):
@@ -146,7 +154,8 @@ def run(args: argparse.Namespace) -> int:
               f"read from {have:,} tokens of text{', repeated where they run out' if have < machine_tokens + (args.batch - 1) * 997 else ''})")
     outs = llm.generate(prompts, params, prompt_token_ids=prompt_ids)
     for o in outs:
-        print(f"\n--- request {o.request_id}: {o.metrics.prompt_tokens} prompt tokens -> {o.metrics.output_tokens} new ({o.finish_reason})")
+        print(f"\n--- request {o.request_id}: {plural(o.metrics.prompt_tokens, 'prompt token')} -> {o.metrics.output_tokens} new "
+              f"({o.finish_reason})")
         print(o.text)
     print("\n" + format_timings(outs, llm.policy_name, llm.cpu_attention))
     if llm.r_trace:

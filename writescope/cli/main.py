@@ -8,6 +8,7 @@ import sys
 
 from writescope.cli import bench, calibrate, expert_profile, generate, make_checkpoint, plan, profile
 from writescope.cli.outputs import attach_negative_values
+from writescope.errors import ArgError
 
 # what a memory plan's refusal tells each command's user to change (its own flags; the API's
 # argument names are the default of writescope.budget.plan.MemoryPlan.problem)
@@ -20,12 +21,26 @@ PLAN_FLAGS = {
 }
 
 
+def package_version() -> str:
+    """The installed distribution's version (its metadata), else the source tree's ``__version__``."""
+    from importlib.metadata import PackageNotFoundError, version
+
+    try:
+        return version("writescope")
+    except PackageNotFoundError:
+        from writescope import __version__
+
+        return f"{__version__} (not installed)"
+
+
 def main(argv: list[str] | None = None) -> int:
     # before CUDA starts (set here, not at import, so importing the CLI changes nothing): freed
     # weights go back to the device page by page instead of pinning whole 20 MiB segments, so
     # what a --vram-budget run holds stays close to its plan
     os.environ.setdefault("PYTORCH_CUDA_ALLOC_CONF", "expandable_segments:True")
     parser = argparse.ArgumentParser(prog="writescope", description="Long-context MoE inference with a partitioned KV cache.")
+    parser.add_argument("--version", action="version", version=f"%(prog)s {package_version()}",
+                        help="print the installed package's version and exit")
     sub = parser.add_subparsers(dest="command", required=True)
     generate.add_parser(sub)
     calibrate.add_parser(sub)
@@ -43,7 +58,10 @@ def main(argv: list[str] | None = None) -> int:
 
         if isinstance(e, PlanDoesNotFit) and args.command in PLAN_FLAGS:
             e = e.plan.problem(PlanFlags(*PLAN_FLAGS[args.command]))
-        print(f"writescope {args.command}: error: {e}", file=sys.stderr)
+        # an API error names API arguments: reworded with this command's flags (args.flags, set by the
+        # subcommand: API argument name -> flag; others become --name-with-dashes)
+        msg = e.worded({"synthetic=True": "--synthetic", **getattr(args, "flags", {})}) if isinstance(e, ArgError) else str(e)
+        print(f"writescope {args.command}: error: {msg}", file=sys.stderr)
         return 2
     except (FileNotFoundError, FileExistsError) as e:
         print(f"writescope {args.command}: error: {e}", file=sys.stderr)

@@ -11,12 +11,12 @@ def add_parser(sub) -> None:
     p = sub.add_parser("make-checkpoint", help="write a synthetic HF checkpoint (real config, seeded weights, trained tokenizer)")
     p.add_argument("--preset", required=True, help="preset name, e.g. tiny-qwen3-moe or deepseek-v2-lite")
     p.add_argument("--out", required=True, type=Path, help="output directory (must not hold a checkpoint)")
-    p.add_argument("--seed", type=int, default=0)
-    p.add_argument("--dtype", default="bf16", help="bf16 (default), fp16 or fp32")
+    p.add_argument("--seed", type=int, default=0, help="seed of the synthetic weights (default 0)")
+    p.add_argument("--dtype", default="bf16", help="bf16 (default), fp16, fp32, or auto (fp32, as on the CPU)")
     p.add_argument("--max-shard-gib", type=float, default=4.0, help="largest safetensors shard (GiB)")
     p.add_argument("--device", default="cpu",
                    help="where the seeded values are generated: cpu (default) or cuda (the same values, far faster for full-size presets)")
-    p.add_argument("--quiet", action="store_true")
+    p.add_argument("--quiet", action="store_true", help="no progress bar")
     p.set_defaults(run=run)
 
 
@@ -29,7 +29,7 @@ def run(args: argparse.Namespace) -> int:
     from writescope.checkpoint.tokenizer import synthetic_tokenizer
     from writescope.checkpoint.writer import INDEX_NAME, SINGLE_NAME, checkpoint_bytes, write_checkpoint
     from writescope.cli.outputs import check_output_dir
-    from writescope.engine.model_loader import parse_dtype, resolve_device
+    from writescope.engine.model_loader import DTYPES, parse_dtype, resolve_device
     from writescope.models import LAYER_BUILDERS
     from writescope.models.causal_lm import CausalLM
     from writescope.presets import preset_config
@@ -48,13 +48,14 @@ def run(args: argparse.Namespace) -> int:
     args.out.mkdir(exist_ok=True)
     free = shutil.disk_usage(args.out).free
     if need > free:
-        raise ValueError(f"{args.preset} in {args.dtype} needs {need / 1e9:.1f} GB but {args.out} has {free / 1e9:.1f} GB free")
+        raise ValueError(f"{args.preset} in {dtype} needs {need / 1e9:.1f} GB but {args.out} has {free / 1e9:.1f} GB free")
     t0 = time.perf_counter()
     tok = synthetic_tokenizer(cfg.vocab_size)
     write_checkpoint(
         args.out, cfg, synthetic_tensors(shapes, args.seed, dtype, device), len(shapes), dtype, tok,
         max_shard_bytes=int(args.max_shard_gib * 2**30), progress=not args.quiet,
     )
-    print(f"wrote {args.out}: {len(shapes)} tensors, {need / 1e6:,.1f} MB {args.dtype}, tokenizer of {tok.vocab_size} tokens, "
+    name = next(k for k, v in DTYPES.items() if v == dtype) + (f" (--dtype {args.dtype})" if args.dtype not in DTYPES else "")
+    print(f"wrote {args.out}: {len(shapes)} tensors, {need / 1e6:,.1f} MB {name}, tokenizer of {tok.vocab_size} tokens, "
           f"{time.perf_counter() - t0:.1f} s")
     return 0

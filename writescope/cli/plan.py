@@ -12,7 +12,7 @@ def add_parser(sub) -> None:
     p.add_argument("--batch", type=int, required=True, help="sequences")
     p.add_argument("--context", required=True, help="prompt tokens per sequence, e.g. 32k")
     p.add_argument("--max-new-tokens", type=int, default=256, help="new tokens per sequence (default 256)")
-    p.add_argument("--policy", default="writescope", help="KV placement policy: resident, gpu, cpu, static:R, writescope, monolithic[:R] (default writescope)")
+    p.add_argument("--policy", default="writescope", help="KV placement policy: resident, gpu, cpu, static:R, writescope, monolithic[:R] (default writescope, the policy of long-context runs, as in profile; generate defaults to resident: pass the policy the run will use)")
     p.add_argument("--window", type=int, default=256, help="D (default 256)")
     p.add_argument("--dtype", default="bf16", help="bf16 (default), fp16 or fp32")
     p.add_argument("--host-memory", default=None,

@@ -1,1 +1,8 @@
-"""The user-facing engine: model loading, sampling, the generate loop."""
+"""The user-facing engine: model loading, sampling, the generate loop (``LLM``, ``SamplingParams``,
+``RequestOutput``; also exported by ``writescope``)."""
+
+from writescope.engine.llm import LLM
+from writescope.engine.outputs import RequestMetrics, RequestOutput
+from writescope.engine.sampling import SamplingParams
+
+__all__ = ["LLM", "SamplingParams", "RequestOutput", "RequestMetrics"]

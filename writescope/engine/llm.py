@@ -16,7 +16,9 @@ from writescope.budget.apply import enforce_budget, host_experts, place_experts
 from writescope.budget.plan import make_plan, parse_size
 from writescope.engine.model_loader import load_model, parse_dtype, resolve_config, resolve_device
 from writescope.layers.attention import mla_prefill_mode
+from writescope.errors import ArgError, plural
 from writescope.engine.outputs import RequestMetrics, RequestOutput
+from writescope.engine.prompts import check_token_ids, token_lists
 from writescope.engine.sampling import SamplingParams, sample
 from writescope.engine.threads import default_attention_threads, default_expert_threads
 from writescope.engine.timing import synchronize
@@ -112,19 +114,19 @@ class LLM:
         self.device = resolve_device(device)
         self.dtype = parse_dtype(dtype, self.device)
         if prefill_chunk_tokens < 1:
-            raise ValueError(f"prefill_chunk_tokens must be >= 1, got {prefill_chunk_tokens}")
+            raise ArgError(f"prefill_chunk_tokens must be >= 1, got {prefill_chunk_tokens}", "prefill_chunk_tokens")
         sizing = parse_policy(policy, roofline=Roofline(1.0, 1.0))  # fails before loading weights; sizes the budget plan
         if window < 1:
-            raise ValueError(f"window D must be >= 1 token, got {window}")
+            raise ArgError(f"window (D) must be >= 1 token, got {window}", "window")
         if cpu_threads is not None and cpu_threads < 1:
-            raise ValueError(f"cpu_threads must be >= 1, got {cpu_threads}")
+            raise ArgError(f"cpu_threads must be >= 1, got {cpu_threads}", "cpu_threads")
         if expert_threads is not None and expert_threads < 1:
-            raise ValueError(f"expert_threads must be >= 1, got {expert_threads}")
+            raise ArgError(f"expert_threads must be >= 1, got {expert_threads}", "expert_threads")
         self._expert_share_fixed = expert_stream_share is not None  # else `writescope` splits host experts each step
         if expert_stream_share is None:
             expert_stream_share = default_stream_share(self.device)
         if not 0.0 <= expert_stream_share <= 1.0:
-            raise ValueError(f"expert_stream_share must be in [0, 1], got {expert_stream_share}")
+            raise ArgError(f"expert_stream_share must be in [0, 1], got {expert_stream_share}", "expert_stream_share")
         cfg, _ = resolve_config(model, num_layers, synthetic)
         if cfg.model_type == "deepseek_v2":
             mla_prefill_mode()  # a bad WRITESCOPE_MLA_PREFILL fails here, before the weights load
@@ -132,16 +134,17 @@ class LLM:
         self.cpu_attention = cpu_kernel.prepare(progress)
         limit = cfg.max_position_embeddings
         if max_model_len is not None and not 1 <= max_model_len <= limit:
-            raise ValueError(f"max_model_len {max_model_len} must be in [1, {limit}] (the model's max_position_embeddings)")
+            raise ArgError(f"max_model_len {max_model_len} must be in [1, {limit}] (the model's max_position_embeddings)",
+                           "max_model_len")
         self.max_model_len = max_model_len or limit
         self.vram_plan = None
         if vram_budget is not None:  # checked before any weight is loaded
             if max_batch < 1:
-                raise ValueError(f"max_batch must be >= 1, got {max_batch}")
+                raise ArgError(f"max_batch must be >= 1, got {max_batch}", "max_batch")
             try:
                 budget = parse_size(vram_budget) if isinstance(vram_budget, str) else int(vram_budget)
             except ValueError as e:
-                raise ValueError(f"vram_budget (--vram-budget): {e}") from None
+                raise ArgError(f"vram_budget: {e}", "vram_budget") from None
             self.vram_plan = make_plan(cfg, self.dtype, budget, max_batch, self.max_model_len, 0, sizing, window,
                                        prefill_chunk_tokens, available_memory(torch.device("cpu")))
             self.vram_plan.check()
@@ -203,13 +206,13 @@ class LLM:
         window = window if window is not None else getattr(self, "window", DEFAULT_WINDOW)
         cpu_threads = cpu_threads if cpu_threads is not None else getattr(self, "cpu_threads", None)
         if cpu_threads is not None and cpu_threads < 1:
-            raise ValueError(f"cpu_threads must be >= 1, got {cpu_threads}")
+            raise ArgError(f"cpu_threads must be >= 1, got {cpu_threads}", "cpu_threads")
         is_adaptive = policy.strip().lower() in ("writescope", "monolithic")
         if is_adaptive and roofline is None:
             roofline = self.roofline(window, cpu_threads)
         parsed = parse_policy(policy, roofline)
         if self.cache.active_slots:
-            raise ValueError(f"cannot switch the KV policy while {len(self.cache.active_slots)} requests hold KV")
+            raise ValueError(f"cannot switch the KV policy while {plural(len(self.cache.active_slots), 'request')} hold KV")
         if parsed is None:
             cache: KVCache = ContiguousKVCache(self.config.kv_layout, self.config.num_layers, self.dtype, self.device)
         else:
@@ -280,37 +283,23 @@ class LLM:
 
     # ---------------------------------------------------------------- validation
     def _prepare(self, prompts, prompt_token_ids, params) -> tuple[list[str | None], list[list[int]], list[SamplingParams]]:
-        if prompt_token_ids is None:
-            if isinstance(prompts, str):
-                prompts = [prompts]
-            if prompts is None or len(prompts) == 0:
-                raise ValueError("no prompts given: pass a list of strings or prompt_token_ids")
-            texts = list(prompts)
-            ids = [self.tokenizer.encode(p) for p in texts]
-        else:
-            if prompts is not None:
-                raise ValueError("pass either prompts or prompt_token_ids, not both")
-            if len(prompt_token_ids) == 0:
-                raise ValueError("prompt_token_ids is empty: pass at least one prompt")
-            ids = [list(map(int, p)) for p in prompt_token_ids]
-            texts = [None] * len(ids)
+        texts, ids, name = token_lists(prompts, prompt_token_ids, self.tokenizer.encode)
         if params is None:
             params = SamplingParams()
         plist = list(params) if isinstance(params, (list, tuple)) else [params] * len(ids)
         if len(plist) != len(ids):
-            raise ValueError(f"{len(plist)} SamplingParams for {len(ids)} prompts: pass one, or one per prompt")
-        V = self.config.vocab_size
+            raise ArgError(f"{len(plist)} SamplingParams for {plural(len(ids), 'prompt')}: pass one, or one per prompt",
+                           "sampling_params")
+        check_token_ids(ids, self.config.vocab_size, name)
         for i, (p, sp) in enumerate(zip(ids, plist)):
             if len(p) == 0:
-                raise ValueError(f"prompt {i} is empty (0 tokens): give every request at least one token")
-            bad = [t for t in p if not 0 <= t < V]
-            if bad:
-                raise ValueError(f"prompt {i} has token ids outside [0, {V}): {bad[:5]}")
+                raise ArgError(f"{name}[{i}] is empty (0 tokens): give every request at least one token", name)
             if len(p) + sp.max_tokens > self.max_model_len:
-                raise ValueError(
-                    f"prompt {i} has {len(p)} tokens + max_tokens {sp.max_tokens} = {len(p) + sp.max_tokens}, "
-                    f"beyond the limit of {self.max_model_len} tokens: shorten the prompt, lower max_tokens"
-                    + (" or raise max_model_len" if self.max_model_len < self.config.max_position_embeddings else "")
+                raise ArgError(
+                    f"{name}[{i}] has {plural(len(p), 'token')} + max_tokens {sp.max_tokens} = {len(p) + sp.max_tokens}, "
+                    f"beyond the limit of {plural(self.max_model_len, 'token')}: shorten the prompt, lower max_tokens"
+                    + (" or raise max_model_len" if self.max_model_len < self.config.max_position_embeddings else ""),
+                    name, "max_tokens", "max_model_len",
                 )
         self._check_memory([len(p) + sp.max_tokens for p, sp in zip(ids, plist)])
         return texts, ids, plist
@@ -332,16 +321,18 @@ class LLM:
     # ---------------------------------------------------------------- generation
     def generate(
         self,
-        prompts: str | Sequence[str] | None = None,
+        prompts: str | Sequence[str | Sequence[int] | dict] | None = None,
         sampling_params: SamplingParams | Sequence[SamplingParams] | None = None,
         *,
         prompt_token_ids: Sequence[Sequence[int]] | None = None,
     ) -> list[RequestOutput]:
         """Generate for a batch of requests (ragged lengths allowed), all prefilled together
-        then decoded together.
+        then decoded together. ``prompts``: strings, token-id lists, or vLLM's prompt dicts
+        (``{"prompt": ...}``, ``{"prompt_token_ids": [...]}``); or the ids as ``prompt_token_ids``.
 
         Raises:
-            ValueError: empty prompts, out-of-vocabulary ids, prompt + max_tokens beyond
+            ValueError (``ArgError``, naming the argument): empty prompts, an id outside the
+                vocabulary (named with its request, position and the vocab size), prompt + max_tokens beyond
                 ``max_model_len``, or a KV cache larger than free memory. Nothing is allocated
                 then, and the engine stays usable.
         """

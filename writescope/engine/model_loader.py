@@ -11,6 +11,7 @@ from writescope.checkpoint.loader import load_weights
 from writescope.checkpoint.synthetic import fill_synthetic
 from writescope.checkpoint.tokenizer import Tokenizer, synthetic_tokenizer
 from writescope.config import ModelConfig
+from writescope.errors import ArgError
 from writescope.engine.timing import synchronize
 from writescope.models import build_model
 from writescope.models.causal_lm import CausalLM
@@ -74,12 +75,13 @@ def resolve_config(model: str, num_layers: int | None = None, synthetic: bool = 
     elif model in PRESETS:
         cfg, ckpt = preset_config(model), None
     else:
-        raise ValueError(f"--model {model!r} is neither a checkpoint directory nor a preset; presets: {', '.join(PRESETS)}")
+        raise ArgError(f"model {model!r} is neither a checkpoint directory nor a preset; presets: {', '.join(PRESETS)}", "model")
     if num_layers is not None:
         if not 1 <= num_layers <= cfg.num_layers:
-            raise ValueError(f"num_layers (--num-layers) {num_layers} must be in [1, {cfg.num_layers}] (the model's layers)")
+            raise ArgError(f"num_layers {num_layers} must be in [1, {cfg.num_layers}] (the layers of {model})", "num_layers")
         if ckpt is not None and not synthetic:
-            raise ValueError("num_layers (--num-layers) keeps only some layers: use it with synthetic weights (--synthetic)")
+            raise ArgError("num_layers keeps only some layers: use it with synthetic weights (synthetic=True)", "num_layers",
+                           "synthetic=True")
         cfg = cfg.with_overrides(num_hidden_layers=num_layers)
     return cfg, ckpt
 

@@ -6,6 +6,8 @@ from dataclasses import dataclass
 
 import torch
 
+from writescope.errors import ArgError
+
 
 @dataclass(frozen=True)
 class SamplingParams:
@@ -32,11 +34,11 @@ class SamplingParams:
 
     def __post_init__(self) -> None:
         if not isinstance(self.max_tokens, int) or self.max_tokens < 1:
-            raise ValueError(f"max_tokens must be an integer >= 1, got {self.max_tokens!r}")
+            raise ArgError(f"max_tokens must be an integer >= 1, got {self.max_tokens!r}", "max_tokens")
         if not self.temperature >= 0:
-            raise ValueError(f"temperature must be >= 0 (0 = greedy), got {self.temperature!r}")
+            raise ArgError(f"temperature must be >= 0 (0 = greedy), got {self.temperature!r}", "temperature")
         if not 0 < self.top_p <= 1:
-            raise ValueError(f"top_p must be in (0, 1], got {self.top_p!r}")
+            raise ArgError(f"top_p must be in (0, 1], got {self.top_p!r}", "top_p")
         object.__setattr__(self, "stop_token_ids", tuple(self.stop_token_ids))
 
     @property

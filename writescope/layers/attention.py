@@ -94,10 +94,10 @@ class MLAAttention(nn.Module):
             self.q_proj = nn.Linear(hidden, H * cfg.head_dim, bias=False)
         else:
             self.q_a_proj = nn.Linear(hidden, cfg.q_lora_rank, bias=cfg.bias)
-            self.q_a_layernorm = RMSNorm(cfg.q_lora_rank, eps)
+            self.q_a_layernorm = RMSNorm(cfg.q_lora_rank, cfg.latent_norm_eps)
             self.q_b_proj = nn.Linear(cfg.q_lora_rank, H * cfg.head_dim, bias=False)
         self.kv_a_proj_with_mqa = nn.Linear(hidden, cfg.kv_lora_rank + cfg.qk_rope_head_dim, bias=cfg.bias)
-        self.kv_a_layernorm = RMSNorm(cfg.kv_lora_rank, eps)
+        self.kv_a_layernorm = RMSNorm(cfg.kv_lora_rank, cfg.latent_norm_eps)
         self.kv_b_proj = nn.Linear(cfg.kv_lora_rank, H * (cfg.qk_nope_head_dim + cfg.v_head_dim), bias=False)
         self.o_proj = nn.Linear(H * cfg.v_head_dim, hidden, bias=cfg.bias)
 

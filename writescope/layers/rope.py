@@ -2,8 +2,9 @@
 
 Formulas: RoFormer (arXiv 2104.09864); YaRN (arXiv 2309.00071) as Hugging Face implements it
 in ``transformers/modeling_rope_utils.py::_compute_yarn_parameters`` (correction range with
-floor/ceil truncation, linear ramp between interpolated and extrapolated frequencies, cos/sin
-scaled by mscale(factor, mscale) / mscale(factor, mscale_all_dim)).
+floor/ceil truncation unless ``truncate`` is false, linear ramp between interpolated and extrapolated frequencies, cos/sin
+scaled by ``attention_factor`` when given, else mscale(factor, mscale) / mscale(factor, mscale_all_dim)
+when both are non-zero, else mscale(factor)).
 """
 
 from __future__ import annotations
@@ -26,14 +27,18 @@ def inv_frequencies(cfg: RopeConfig) -> tuple[torch.Tensor, float]:
     def correction_dim(rotations: float) -> float:
         return dim * math.log(cfg.original_max_position_embeddings / (rotations * 2 * math.pi)) / (2 * math.log(base))
 
-    low = max(math.floor(correction_dim(cfg.beta_fast)), 0)
-    high = min(math.ceil(correction_dim(cfg.beta_slow)), dim - 1)
+    low, high = correction_dim(cfg.beta_fast), correction_dim(cfg.beta_slow)
+    if cfg.truncate:
+        low, high = math.floor(low), math.ceil(high)
+    low, high = max(low, 0), min(high, dim - 1)
     if low == high:
         high += 0.001
     ramp = ((torch.arange(dim // 2, dtype=torch.float32, device="cpu") - low) / (high - low)).clamp(0, 1)
     extrapolation_weight = 1 - ramp
     inv = (1.0 / (factor * pos_freqs)) * (1 - extrapolation_weight) + (1.0 / pos_freqs) * extrapolation_weight
-    if cfg.mscale and cfg.mscale_all_dim:
+    if cfg.attention_factor is not None:
+        attention_factor = cfg.attention_factor
+    elif cfg.mscale and cfg.mscale_all_dim:
         attention_factor = yarn_get_mscale(factor, cfg.mscale) / yarn_get_mscale(factor, cfg.mscale_all_dim)
     else:
         attention_factor = yarn_get_mscale(factor, 1.0)

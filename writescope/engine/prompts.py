@@ -1,0 +1,82 @@
+"""What ``LLM.generate`` accepts as prompts, normalised to token-id lists and checked against the
+vocabulary (errors name the argument the prompts came through)."""
+
+from __future__ import annotations
+
+import operator
+from typing import Any, Callable, Sequence
+
+from writescope.errors import ArgError
+
+
+def token_lists(prompts: Any, prompt_token_ids: Any, encode: Callable[[str], list[int]]
+                ) -> tuple[list[str | None], list[list[int]], str]:
+    """(texts, token ids, argument name) of one batch.
+
+    ``prompts``: a string, or a list whose items are strings, token-id lists (as vLLM's
+    ``prompt_token_ids``) or dicts ``{"prompt": str}`` / ``{"prompt_token_ids": [...]}`` (vLLM's
+    TextPrompt and TokensPrompt); ``prompt_token_ids``: a list of token-id lists. Texts are
+    None for prompts given as ids.
+
+    Raises:
+        ArgError: both or neither given, an empty batch, a flat list of ints (one prompt is
+            ``[[1, 2, 3]]``), or an item that is neither text nor integer ids (named by index).
+    """
+    if prompt_token_ids is not None:
+        if prompts is not None:
+            raise ArgError("pass either prompts or prompt_token_ids, not both", "prompts", "prompt_token_ids")
+        name, items = "prompt_token_ids", prompt_token_ids
+        if isinstance(items, (str, bytes)) or not isinstance(items, Sequence) or len(items) == 0:
+            raise ArgError("prompt_token_ids must be a non-empty list of token-id lists, e.g. [[1, 2, 3]]", name)
+    else:
+        name, items = "prompts", [prompts] if isinstance(prompts, (str, dict)) else prompts
+        if items is None or not isinstance(items, Sequence) or len(items) == 0:
+            raise ArgError("no prompts given: pass a list of strings or token-id lists, or prompt_token_ids", name)
+    if all(_is_int(t) for t in items):
+        raise ArgError(f"{name} is a flat list of integers: pass a list of prompts, e.g. [[1, 2, 3]] for one prompt of token ids",
+                       name)
+    texts: list[str | None] = []
+    ids: list[list[int]] = []
+    for i, p in enumerate(items):
+        if isinstance(p, dict) and name == "prompts":
+            if set(p) not in ({"prompt"}, {"prompt_token_ids"}):
+                raise ArgError(f"prompts[{i}] is a dict with keys {sorted(p)}: give exactly 'prompt' or 'prompt_token_ids'", name)
+            p = p.get("prompt", p.get("prompt_token_ids"))
+        if isinstance(p, str) and name == "prompts":
+            texts.append(p)
+            ids.append(encode(p))
+            continue
+        if isinstance(p, (str, bytes)) or not isinstance(p, Sequence):
+            what = "a string or a list of token ids" if name == "prompts" else "a list of token ids"
+            raise ArgError(f"{name}[{i}] is {type(p).__name__} {p!r:.40}: give {what}", name)
+        row = []
+        for j, t in enumerate(p):
+            if not _is_int(t):
+                raise ArgError(f"{name}[{i}][{j}] is {t!r:.40}, not a token id (an integer)", name)
+            row.append(operator.index(t))
+        texts.append(None)
+        ids.append(row)
+    return texts, ids, name
+
+
+def check_token_ids(ids: Sequence[Sequence[int]], vocab_size: int, name: str) -> None:
+    """Every id in [0, vocab_size); ``name`` is the argument (or flag) the ids came through.
+
+    Raises:
+        ArgError: the first id outside the vocabulary, with its request, position and the vocab size.
+    """
+    for i, row in enumerate(ids):
+        for j, t in enumerate(row):
+            if not 0 <= t < vocab_size:
+                raise ArgError(f"{name}[{i}] has token id {t} at position {j}, outside the model's vocabulary of "
+                               f"{vocab_size:,} ids [0, {vocab_size}): use ids below {vocab_size}", name)
+
+
+def _is_int(t: Any) -> bool:
+    if isinstance(t, bool):
+        return False
+    try:
+        operator.index(t)
+    except TypeError:
+        return False
+    return True
