@@ -136,6 +136,16 @@ if triton is not None:
         tl.store(LSE + row * stride_lb + h * stride_lh + g, lse, mask=gmask)
 
     @triton.jit
+    def _merge_in(acc, l, m, m_safe, op, lp):
+        """One partial (op, lp) into the running (acc, l) relative to max m (m_safe: m, or 0 while
+        every partial so far is empty): an empty partial weighs 0, NaN propagates through wp."""
+        m_new = tl.maximum(m, lp)
+        m_new_safe = tl.where(m_new == float("-inf"), 0.0, m_new)
+        a = tl.where(m == float("-inf"), 0.0, tl.exp(m_safe - m_new_safe))
+        wp = tl.exp(lp - m_new_safe)
+        return acc * a[:, None] + op * wp[:, None], l * a + wp, m_new, m_new_safe
+
+    @triton.jit
     def _merge_kernel(
         O_W, L_W, O_L, L_L, STARTS, O_C, L_C, OUT,
         s_wb, s_wh, s_wg, s_lwb, s_lwh,
@@ -164,22 +174,11 @@ if triton is not None:
                 jj = j
                 lp = tl.load(L_L + jj * s_lpb + h * s_lph + g, mask=gmask, other=float("-inf"))
                 op = tl.load(O_L + jj * s_pb + h * s_ph + g[:, None] * s_pg + d[None, :], mask=omask, other=0.0)
-                m_new = tl.maximum(m, lp)
-                m_new_safe = tl.where(m_new == float("-inf"), 0.0, m_new)
-                a = tl.where(m == float("-inf"), 0.0, tl.exp(m_safe - m_new_safe))
-                wp = tl.exp(lp - m_new_safe)
-                acc = acc * a[:, None] + op * wp[:, None]
-                l = l * a + wp
-                m, m_safe = m_new, m_new_safe
+                acc, l, m, m_safe = _merge_in(acc, l, m, m_safe, op, lp)
         if HAS_CPU:
             lp = tl.load(L_C + b * s_lcb + h * s_lch + g, mask=gmask, other=float("-inf"))
             op = tl.load(O_C + b * s_cb + h * s_ch + g[:, None] * s_cg + d[None, :], mask=omask, other=0.0)
-            m_new = tl.maximum(m, lp)
-            m_new_safe = tl.where(m_new == float("-inf"), 0.0, m_new)
-            a = tl.where(m == float("-inf"), 0.0, tl.exp(m_safe - m_new_safe))
-            wp = tl.exp(lp - m_new_safe)
-            acc = acc * a[:, None] + op * wp[:, None]
-            l = l * a + wp
+            acc, l, m, m_safe = _merge_in(acc, l, m, m_safe, op, lp)
         o = acc / tl.where(l > 0, l, 1.0)[:, None]
         tl.store(OUT + b * s_outb + (h * G + g[:, None]) * s_outh + d[None, :], o.to(OUT.dtype.element_ty), mask=omask)
 
