@@ -33,6 +33,8 @@ def add_parser(sub) -> None:
     p = sub.add_parser("generate", help="generate text and print timings")
     p.add_argument("--model", required=True, help="checkpoint directory or preset name (presets use synthetic weights)")
     p.add_argument("--synthetic", action="store_true", help="seeded synthetic weights instead of the checkpoint's")
+    p.add_argument("--num-layers", type=int, default=None,
+                   help="keep only the first N decoder layers of the model's shape (synthetic weights: a large model on a small machine)")
     src = p.add_mutually_exclusive_group(required=True)
     src.add_argument("--prompt-file", type=Path, help="file whose text is the prompt")
     src.add_argument("--prompt", help="prompt text")
@@ -115,11 +117,19 @@ def run(args: argparse.Namespace) -> int:
         if known is not None:
             from writescope.engine.model_loader import capped_model_len
 
-            max_model_len = capped_model_len(args.model, known + args.max_new_tokens, synthetic=args.synthetic)
+            max_model_len = capped_model_len(args.model, known + args.max_new_tokens, args.num_layers, args.synthetic)
+    if machine_tokens is not None or prompt_ids is not None:
+        prompt_tokens = machine_tokens if machine_tokens is not None else len(prompt_ids[0])
+    else:  # counted with the model's tokenizer (read without building the model)
+        from writescope.engine.model_loader import load_tokenizer
+
+        prompt_tokens = len(load_tokenizer(args.model, args.synthetic).encode(prompts[0]))
     llm = LLM(
         args.model, synthetic=args.synthetic, device=args.device, dtype=args.dtype, seed=args.weight_seed,
+        kv_tokens=args.batch * (prompt_tokens + args.max_new_tokens),  # the memory check before the build counts their KV
         max_model_len=max_model_len, prefill_chunk_tokens=args.prefill_chunk_tokens, progress=not args.quiet, policy=args.policy, window=args.window,
         cpu_threads=args.cpu_threads, vram_budget=args.vram_budget, max_batch=args.batch, expert_threads=args.expert_threads,
+        num_layers=args.num_layers,
         expert_stream_share=args.expert_stream_share,
     )
     cfg = llm.config

@@ -12,6 +12,7 @@ from tqdm import tqdm
 from writescope.attention import cpu_kernel
 from writescope.attention.metadata import ForwardBatch
 from writescope.budget.apply import enforce_budget, host_experts, place_experts
+from writescope.budget.memory import available_memory, check_fits, host_memory_total  # noqa: F401 - also imported from here
 from writescope.budget.plan import make_plan, parse_size
 from writescope.engine.model_loader import load_model, parse_dtype, resolve_config, resolve_device
 from writescope.layers.attention import mla_prefill_mode
@@ -71,11 +72,16 @@ class LLM:
         max_batch: sequences the budget plan reserves D-windows for (with ``vram_budget``).
         num_layers: keep only the first ``num_layers`` decoder layers of the model's shape
             (synthetic weights only; for benchmarks of one model's layer shape).
+        kv_tokens: tokens of KV (prompt + new tokens, summed over the requests) to count beside the
+            weights in the memory check made before anything is built
+            (:func:`writescope.budget.memory.check_fits`); the CLI passes its requests'. Default 0:
+            the weights alone (every ``generate`` checks its batch's KV before allocating it).
 
     Raises:
         ValueError: unknown model/preset, bad dtype or device, bad max_model_len, unknown
             policy, a partitioned policy for a model with a sliding window, or a
-            ``vram_budget`` the plan refuses (raised before loading weights), or loaded
+            ``vram_budget`` the plan refuses, or weights and ``kv_tokens`` of KV beyond the host
+            (CPU) or device memory available (both raised before anything is built), or loaded
             weights that already hold the whole budget (raised after loading, before the cap).
         CheckpointError: the checkpoint's tensors do not match the config.
     """
@@ -100,6 +106,7 @@ class LLM:
         num_layers: int | None = None,
         expert_threads: int | None = None,
         expert_stream_share: float | None = None,
+        kv_tokens: int = 0,
     ):
         self.device = resolve_device(device)
         self.dtype = parse_dtype(dtype, self.device)
@@ -119,8 +126,6 @@ class LLM:
         cfg, _ = resolve_config(model, num_layers, synthetic)
         if cfg.model_type == "deepseek_v2":
             mla_prefill_mode()  # a bad WRITESCOPE_MLA_PREFILL fails here, before the weights load
-        # a bad WRITESCOPE_CPU_ATTENTION fails here too; the kernel, if selected, is built before calibration and timing
-        self.cpu_attention = cpu_kernel.prepare(progress)
         limit = cfg.max_position_embeddings
         if max_model_len is not None and not 1 <= max_model_len <= limit:
             raise ValueError(f"max_model_len {max_model_len} must be in [1, {limit}] (the model's max_position_embeddings)")
@@ -136,6 +141,10 @@ class LLM:
             self.vram_plan = make_plan(cfg, self.dtype, budget, max_batch, self.max_model_len, 0, sizing, window,
                                        prefill_chunk_tokens, available_memory(torch.device("cpu")))
             self.vram_plan.check()
+        check_fits(cfg, self.dtype, self.device, kv_tokens, available_memory(torch.device("cpu")),  # before anything is built
+                   available_memory(self.device) if self.device.type == "cuda" else None, self.vram_plan, sizing is None)
+        # a bad WRITESCOPE_CPU_ATTENTION fails here; the kernel, if selected, is built before calibration and timing
+        self.cpu_attention = cpu_kernel.prepare(progress)
         on_host = host_experts(cfg, self.vram_plan) if self.vram_plan is not None else None
         self.progress = progress
         self._rooflines: dict[tuple[int, int | None], Roofline] = {}  # (window, cpu_threads) -> calibrated inputs
@@ -465,30 +474,6 @@ class LLM:
         target = pol.read_share(int(L)) if getattr(pol, "monolithic", False) else pol.cpu_share(int(L))
         return {"step": step, "L": L, "target": target, "deployed": comp / (comp + load) if comp + load else None}
 
-
-
-def available_memory(device: torch.device) -> int | None:
-    """Free bytes on ``device`` (CUDA: the driver's free memory; CPU: MemAvailable), or None."""
-    if device.type == "cuda":
-        free, _ = torch.cuda.mem_get_info(device)
-        return free
-    return _meminfo("MemAvailable")
-
-
-def host_memory_total() -> int | None:
-    """Total host memory in bytes (MemTotal), or None when unknown."""
-    return _meminfo("MemTotal")
-
-
-def _meminfo(key: str) -> int | None:
-    try:
-        with open("/proc/meminfo") as f:
-            for line in f:
-                if line.startswith(key + ":"):
-                    return int(line.split()[1]) * 1024
-    except OSError:
-        return None
-    return None
 
 
 def peak_memory(device: torch.device) -> int:
