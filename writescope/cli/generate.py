@@ -9,6 +9,9 @@ from pathlib import Path
 from writescope.cli.experts import add_stream_share_flag, check_stream_share
 
 
+STREAM_HEADER = "--- request 0, streamed as it is decoded:"  # the streamed text follows this line (not with --quiet)
+
+
 def core_plan(llm) -> str:
     """The CPU's work in a decode step, in words: who attends the compute region (the native
     worker's or the thread pool's threads, and the kernel's path), who computes host experts, and
@@ -64,7 +67,10 @@ def add_parser(sub) -> None:
     p.add_argument("--vram-budget", default=None, help="device memory the run may use, e.g. 32GiB (routed experts beyond it go to the CPU)")
     add_stream_share_flag(p)
     p.add_argument("--output-json", type=Path, help="write token ids, text and metrics per request here")
-    p.add_argument("--quiet", action="store_true", help="no progress bars")
+    p.add_argument("--quiet", action="store_true",
+                   help="no progress bars and no streamed text: each request's text is printed once it is finished "
+                        "(without --quiet a single request's text is printed as it is decoded, and a batch shows a bar "
+                        "of the tokens generated with tok/s)")
     p.set_defaults(run=run)
 
 
@@ -153,10 +159,22 @@ def run(args: argparse.Namespace) -> int:
         prompt_ids, have = machine_prompts(llm.tokenizer, machine_tokens, args.batch)
         print(f"prompts: {args.batch} x {machine_tokens} tokens of this machine's text (Python's license and docstrings; "
               f"read from {have:,} tokens of text{', repeated where they run out' if have < machine_tokens + (args.batch - 1) * 997 else ''})")
-    outs = llm.generate(prompts, params, prompt_token_ids=prompt_ids)
+    from writescope.engine.streaming import BatchProgress, TextStreamer
+
+    stream = None  # a single request's text printed as it is decoded; a batch's progress bar (stderr)
+    if not args.quiet:
+        stream = (TextStreamer(llm.tokenizer.decode, header=f"\n{STREAM_HEADER}") if args.batch == 1
+                  else BatchProgress([sp.max_tokens for sp in params]))
+    try:
+        outs = llm.generate(prompts, params, prompt_token_ids=prompt_ids, on_tokens=stream)
+    finally:
+        if isinstance(stream, BatchProgress):
+            stream.close()
     for o in outs:
-        print(f"\n--- request {o.request_id}: {o.metrics.prompt_tokens} prompt tokens -> {o.metrics.output_tokens} new ({o.finish_reason})")
-        print(o.text)
+        print(f"\n--- request {o.request_id}: {o.metrics.prompt_tokens} prompt tokens -> {o.metrics.output_tokens} new ({o.finish_reason})"
+              + ("; text streamed above" if args.batch == 1 and not args.quiet else ""))
+        if args.batch != 1 or args.quiet:
+            print(o.text)
     print("\n" + format_timings(outs, llm.policy_name, llm.cpu_attention))
     if llm.r_trace:
         print(format_r_trace(llm.r_trace))

@@ -18,6 +18,7 @@ from writescope.engine.model_loader import load_model, parse_dtype, resolve_conf
 from writescope.layers.attention import mla_prefill_mode
 from writescope.engine.outputs import RequestMetrics, RequestOutput
 from writescope.engine.sampling import SamplingParams, sample
+from writescope.engine.streaming import OnTokens, TokenEvent
 from writescope.engine.threads import default_attention_threads, default_expert_threads
 from writescope.engine.timing import synchronize
 from writescope.kvcache.base import KVCache
@@ -327,9 +328,11 @@ class LLM:
         sampling_params: SamplingParams | Sequence[SamplingParams] | None = None,
         *,
         prompt_token_ids: Sequence[Sequence[int]] | None = None,
+        on_tokens: OnTokens | None = None,
     ) -> list[RequestOutput]:
         """Generate for a batch of requests (ragged lengths allowed), all prefilled together
-        then decoded together.
+        then decoded together. ``on_tokens`` is called with the new tokens as they are sampled:
+        after the prefill and after every decode step (see :mod:`writescope.engine.streaming`).
 
         Raises:
             ValueError: empty prompts, out-of-vocabulary ids, prompt + max_tokens beyond
@@ -345,7 +348,7 @@ class LLM:
         try:
             for p, sp in zip(ids, plist):
                 slots.append(self.cache.allocate(len(p) + sp.max_tokens, prompt_len=len(p)))
-            return self._run(texts, ids, plist, slots)
+            return self._run(texts, ids, plist, slots, on_tokens)
         finally:
             errors = []
             for s in slots:  # free every slot even if one free fails
@@ -383,7 +386,7 @@ class LLM:
         bar.close()
         return torch.stack(last_logits)  # type: ignore[arg-type]
 
-    def _run(self, texts, ids, plist, slots) -> list[RequestOutput]:
+    def _run(self, texts, ids, plist, slots, on_tokens: OnTokens | None = None) -> list[RequestOutput]:
         eos = set(self.config.eos_token_ids)
         B = len(ids)
         gens = []
@@ -414,6 +417,8 @@ class LLM:
 
         for i in range(B):
             check(i, t_first)
+        if on_tokens is not None:
+            on_tokens([TokenEvent(i, out_ids[i][-1], finish[i]) for i in range(B)])
         decode_tokens = 0
         trace = [] if isinstance(self.cache, InplaceKVCache) else None
         self.r_trace = trace
@@ -434,6 +439,8 @@ class LLM:
                 out_ids[i].append(t)
                 check(i, now)
             decode_tokens += len(active)
+            if on_tokens is not None:
+                on_tokens([TokenEvent(i, out_ids[i][-1], finish[i]) for i in active])
             if trace is not None:
                 trace.append(self._r_point(len(out_ids[active[0]]) - 1, [slots[i] for i in active]))
             if self.step_hook is not None:
