@@ -5,9 +5,10 @@
 
 Prints the time of ``load_model`` (model allocated on the device, every tensor filled, the
 tokenizer read), of the fill alone on a second pass over the now touched memory, and the GB/s.
-On the 2-core CPU machine (2 other jobs beside it; issue 19): before the pool build, the per-element
-hash took 192.6 s for Qwen3-30B-A3B's 2 layers in float32 (1.87 G parameters, 0.039 GB/s); after,
-17.9-19.5 s, of which the first touch of 7.5 GB of fresh pages is most (the second fill: 1.5 s).
+On the 2-core CPU machine (other jobs beside it; issue 19), Qwen3-30B-A3B's 2 layers in float32
+(1.87 G parameters, 7.47 GB): before the pool build, the per-element hash took 192.6 s and 284.0 s
+(0.039 and 0.026 GB/s, two runs of load_model); after, 14.0-19.5 s (four runs), of which the first
+touch of the fresh pages is most (the second fill: 1.5-3.8 s).
 """
 
 from __future__ import annotations

@@ -9,8 +9,8 @@ strided copies with the scale applied (memory bound: one pass per tensor, no per
 hashing). Rows of two tensors coincide only where their maps meet (about rows_1 x rows_2 /
 2^24 rows per pair of tensors of one row length; about 0.04 between two experts of Qwen3-30B-A3B).
 On the 2-core CPU machine the build of ``profile --model qwen3-30b-a3b --num-layers 2`` (1.87 G
-float32 values) took 18-20 s, most of it the first touch of fresh memory, against 193 s for the
-per-element hash this replaced (``benchmarks/synthetic_build.py``).
+float32 values) took 14-20 s, most of it the first touch of fresh memory, against 193-284 s for
+the per-element hash this replaced (``benchmarks/synthetic_build.py``; other jobs ran beside both).
 
 The pool comes from a counter-based integer hash (element index, seed), computed in chunks that
 stay in cache; rows longer than ``MAX_ROW`` are hashed per element the same way, keyed by the
