@@ -308,7 +308,11 @@ def test_bf16_policy_logits_within_bf16_rounding(path, model):
     llm.set_policy("cpu", window=16)
     _, cpu16 = pc.generate_forced(llm, prompts, params, forced=forced)
     got = pc.compare_logits(cpu16, res16)["max_abs_logit_diff"]
-    assert 0 < got <= 2 * floor, (got, floor)  # (0 would mean the CPU attention did not run)
+    assert got <= 2 * floor, (got, floor)
+    # the CPU attended: KV was placed in its compute region (0 above is possible: the kernel's
+    # float32 sums differ from resident's by ~1e-7 relative, which bf16 rounding can hide at every
+    # logit, as it does for tiny-deepseek-v2 with the pool-built synthetic weights of issue 19)
+    assert llm.r_trace and llm.r_trace[-1]["deployed"] > 0, llm.r_trace
 
 
 def test_the_kernels_build_where_a_compiler_and_ninja_are():

@@ -11,6 +11,9 @@ from writescope.cli.outputs import check_output_file
 from writescope.errors import plural
 
 
+STREAM_HEADER = "--- request 0, streamed as it is decoded:"  # the streamed text follows this line (not with --quiet)
+
+
 def core_plan(llm) -> str:
     """The CPU's work in a decode step, in words: who attends the compute region (the native
     worker's or the thread pool's threads, and the kernel's path), who computes host experts, and
@@ -35,6 +38,8 @@ def add_parser(sub) -> None:
     p = sub.add_parser("generate", help="generate text and print timings")
     p.add_argument("--model", required=True, help="checkpoint directory or preset name (presets use synthetic weights)")
     p.add_argument("--synthetic", action="store_true", help="seeded synthetic weights instead of the checkpoint's")
+    p.add_argument("--num-layers", type=int, default=None,
+                   help="keep only the first N decoder layers of the model's shape (synthetic weights: a large model on a small machine)")
     src = p.add_mutually_exclusive_group(required=True)
     src.add_argument("--prompt-file", type=Path, help="file whose text is the prompt")
     src.add_argument("--prompt", help="prompt text")
@@ -67,7 +72,10 @@ def add_parser(sub) -> None:
     add_stream_share_flag(p)
     add_expert_profile_flag(p)
     p.add_argument("--output-json", type=Path, help="write token ids, text and metrics per request here")
-    p.add_argument("--quiet", action="store_true", help="no progress bars")
+    p.add_argument("--quiet", action="store_true",
+                   help="no progress bars and no streamed text: each request's text is printed once it is finished "
+                        "(without --quiet a single request's text is printed as it is decoded, and a batch shows a bar "
+                        "of the tokens generated with tok/s)")
     p.set_defaults(run=run, flags={"max_tokens": "--max-new-tokens", "max_batch": "--batch", "seed": "--weight-seed",
                                    "sampling_params": "--batch"})
 
@@ -124,11 +132,19 @@ def run(args: argparse.Namespace) -> int:
         if known is not None:
             from writescope.engine.model_loader import capped_model_len
 
-            max_model_len = capped_model_len(args.model, known + args.max_new_tokens, synthetic=args.synthetic)
+            max_model_len = capped_model_len(args.model, known + args.max_new_tokens, args.num_layers, args.synthetic)
+    if machine_tokens is not None or prompt_ids is not None:
+        prompt_tokens = machine_tokens if machine_tokens is not None else len(prompt_ids[0])
+    else:  # counted with the model's tokenizer (read without building the model)
+        from writescope.engine.model_loader import load_tokenizer
+
+        prompt_tokens = len(load_tokenizer(args.model, args.synthetic).encode(prompts[0]))
     llm = LLM(
         args.model, synthetic=args.synthetic, device=args.device, dtype=args.dtype, seed=args.weight_seed,
+        kv_tokens=args.batch * (prompt_tokens + args.max_new_tokens),  # the memory check before the build counts their KV
         max_model_len=max_model_len, prefill_chunk_tokens=args.prefill_chunk_tokens, progress=not args.quiet, policy=args.policy, window=args.window,
         cpu_threads=args.cpu_threads, vram_budget=args.vram_budget, max_batch=args.batch, expert_threads=args.expert_threads,
+        num_layers=args.num_layers,
         expert_stream_share=args.expert_stream_share, expert_profile=args.expert_profile,
     )
     cfg = llm.config
@@ -152,11 +168,22 @@ def run(args: argparse.Namespace) -> int:
         prompt_ids, have = machine_prompts(llm.tokenizer, machine_tokens, args.batch)
         print(f"prompts: {args.batch} x {machine_tokens} tokens of this machine's text (Python's license and docstrings; "
               f"read from {have:,} tokens of text{', repeated where they run out' if have < machine_tokens + (args.batch - 1) * 997 else ''})")
-    outs = llm.generate(prompts, params, prompt_token_ids=prompt_ids)
+    from writescope.engine.streaming import BatchProgress, TextStreamer
+
+    stream = None  # a single request's text printed as it is decoded; a batch's progress bar (stderr)
+    if not args.quiet:
+        stream = (TextStreamer(llm.tokenizer.decode, header=f"\n{STREAM_HEADER}") if args.batch == 1
+                  else BatchProgress([sp.max_tokens for sp in params]))
+    try:
+        outs = llm.generate(prompts, params, prompt_token_ids=prompt_ids, on_tokens=stream)
+    finally:
+        if isinstance(stream, BatchProgress):
+            stream.close()
     for o in outs:
         print(f"\n--- request {o.request_id}: {plural(o.metrics.prompt_tokens, 'prompt token')} -> {o.metrics.output_tokens} new "
-              f"({o.finish_reason})")
-        print(o.text)
+              f"({o.finish_reason})" + ("; text streamed above" if args.batch == 1 and not args.quiet else ""))
+        if args.batch != 1 or args.quiet:
+            print(o.text)
     print("\n" + format_timings(outs, llm.policy_name, llm.cpu_attention))
     if llm.r_trace:
         print(format_r_trace(llm.r_trace))

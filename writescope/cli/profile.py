@@ -49,7 +49,8 @@ def run(args: argparse.Namespace) -> int:
     check_output_file(args.trace, "--trace")
     llm = LLM(args.model, synthetic=args.synthetic, device=args.device, dtype=args.dtype, progress=not args.quiet,
               policy=args.policy, window=args.window, vram_budget=args.vram_budget, max_batch=args.batch,
-              num_layers=args.num_layers, expert_stream_share=args.expert_stream_share, expert_profile=args.expert_profile,  # the budget plans for the profiled requests, not the model's limit
+              num_layers=args.num_layers, expert_stream_share=args.expert_stream_share, expert_profile=args.expert_profile,
+              kv_tokens=args.batch * (context + 2 + args.skip + args.steps),  # counted in the memory check before the build; the budget plans for the profiled requests, not the model's limit
               max_model_len=capped_model_len(args.model, context + 2 + args.skip + args.steps, args.num_layers, args.synthetic))
     if llm.vram_plan is not None:
         print(f"{llm.vram_plan.placement_line()} ({llm.host_experts_in_decode()})", flush=True)

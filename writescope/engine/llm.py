@@ -13,6 +13,7 @@ from tqdm import tqdm
 from writescope.attention import cpu_kernel
 from writescope.attention.metadata import ForwardBatch
 from writescope.budget.apply import enforce_budget, host_experts, place_experts
+from writescope.budget.memory import available_memory, check_fits, host_memory_total  # noqa: F401 - also imported from here
 from writescope.budget.plan import make_plan, parse_size
 from writescope.engine.model_loader import load_model, parse_dtype, resolve_config, resolve_device
 from writescope.layers.attention import mla_prefill_mode
@@ -20,6 +21,7 @@ from writescope.errors import ArgError, plural
 from writescope.engine.outputs import RequestMetrics, RequestOutput
 from writescope.engine.prompts import check_token_ids, token_lists
 from writescope.engine.sampling import SamplingParams, sample
+from writescope.engine.streaming import OnTokens, TokenEvent
 from writescope.engine.threads import default_attention_threads, default_expert_threads
 from writescope.engine.timing import synchronize
 from writescope.kvcache.base import KVCache
@@ -80,11 +82,16 @@ class LLM:
         max_batch: sequences the budget plan reserves D-windows for (with ``vram_budget``).
         num_layers: keep only the first ``num_layers`` decoder layers of the model's shape
             (synthetic weights only; for benchmarks of one model's layer shape).
+        kv_tokens: tokens of KV (prompt + new tokens, summed over the requests) to count beside the
+            weights in the memory check made before anything is built
+            (:func:`writescope.budget.memory.check_fits`); the CLI passes its requests'. Default 0:
+            the weights alone (every ``generate`` checks its batch's KV before allocating it).
 
     Raises:
         ValueError: unknown model/preset, bad dtype or device, bad max_model_len, unknown
             policy, a partitioned policy for a model with a sliding window, or a
-            ``vram_budget`` the plan refuses (raised before loading weights), or loaded
+            ``vram_budget`` the plan refuses, or weights and ``kv_tokens`` of KV beyond the host
+            (CPU) or device memory available (both raised before anything is built), or loaded
             weights that already hold the whole budget (raised after loading, before the cap).
         CheckpointError: the checkpoint's tensors do not match the config.
     """
@@ -110,6 +117,7 @@ class LLM:
         expert_threads: int | None = None,
         expert_stream_share: float | None = None,
         expert_profile=None,
+        kv_tokens: int = 0,
     ):
         self.device = resolve_device(device)
         self.dtype = parse_dtype(dtype, self.device)
@@ -130,8 +138,6 @@ class LLM:
         cfg, _ = resolve_config(model, num_layers, synthetic)
         if cfg.model_type == "deepseek_v2":
             mla_prefill_mode()  # a bad WRITESCOPE_MLA_PREFILL fails here, before the weights load
-        # a bad WRITESCOPE_CPU_ATTENTION fails here too; the kernel, if selected, is built before calibration and timing
-        self.cpu_attention = cpu_kernel.prepare(progress)
         limit = cfg.max_position_embeddings
         if max_model_len is not None and not 1 <= max_model_len <= limit:
             raise ArgError(f"max_model_len {max_model_len} must be in [1, {limit}] (the model's max_position_embeddings)",
@@ -148,6 +154,10 @@ class LLM:
             self.vram_plan = make_plan(cfg, self.dtype, budget, max_batch, self.max_model_len, 0, sizing, window,
                                        prefill_chunk_tokens, available_memory(torch.device("cpu")))
             self.vram_plan.check()
+        check_fits(cfg, self.dtype, self.device, kv_tokens, available_memory(torch.device("cpu")),  # before anything is built
+                   available_memory(self.device) if self.device.type == "cuda" else None, self.vram_plan, sizing is None)
+        # a bad WRITESCOPE_CPU_ATTENTION fails here; the kernel, if selected, is built before calibration and timing
+        self.cpu_attention = cpu_kernel.prepare(progress)
         if isinstance(expert_profile, (str, os.PathLike)):  # which experts stay on the device (moe/popularity.py)
             expert_profile = ExpertProfile.load(expert_profile)
         if expert_profile is not None:
@@ -325,10 +335,13 @@ class LLM:
         sampling_params: SamplingParams | Sequence[SamplingParams] | None = None,
         *,
         prompt_token_ids: Sequence[Sequence[int]] | None = None,
+        on_tokens: OnTokens | None = None,
     ) -> list[RequestOutput]:
         """Generate for a batch of requests (ragged lengths allowed), all prefilled together
         then decoded together. ``prompts``: strings, token-id lists, or vLLM's prompt dicts
         (``{"prompt": ...}``, ``{"prompt_token_ids": [...]}``); or the ids as ``prompt_token_ids``.
+        ``on_tokens`` is called with the new tokens as they are sampled:
+        after the prefill and after every decode step (see :mod:`writescope.engine.streaming`).
 
         Raises:
             ValueError (``ArgError``, naming the argument): empty prompts, an id outside the
@@ -345,7 +358,7 @@ class LLM:
         try:
             for p, sp in zip(ids, plist):
                 slots.append(self.cache.allocate(len(p) + sp.max_tokens, prompt_len=len(p)))
-            return self._run(texts, ids, plist, slots)
+            return self._run(texts, ids, plist, slots, on_tokens)
         finally:
             errors = []
             for s in slots:  # free every slot even if one free fails
@@ -383,7 +396,7 @@ class LLM:
         bar.close()
         return torch.stack(last_logits)  # type: ignore[arg-type]
 
-    def _run(self, texts, ids, plist, slots) -> list[RequestOutput]:
+    def _run(self, texts, ids, plist, slots, on_tokens: OnTokens | None = None) -> list[RequestOutput]:
         eos = set(self.config.eos_token_ids)
         B = len(ids)
         gens = []
@@ -414,6 +427,8 @@ class LLM:
 
         for i in range(B):
             check(i, t_first)
+        if on_tokens is not None:
+            on_tokens([TokenEvent(i, out_ids[i][-1], finish[i]) for i in range(B)])
         decode_tokens = 0
         trace = [] if isinstance(self.cache, InplaceKVCache) else None
         self.r_trace = trace
@@ -434,6 +449,8 @@ class LLM:
                 out_ids[i].append(t)
                 check(i, now)
             decode_tokens += len(active)
+            if on_tokens is not None:
+                on_tokens([TokenEvent(i, out_ids[i][-1], finish[i]) for i in active])
             if trace is not None:
                 trace.append(self._r_point(len(out_ids[active[0]]) - 1, [slots[i] for i in active]))
             if self.step_hook is not None:
@@ -479,30 +496,6 @@ class LLM:
                 point["experts_streamed"], point["experts_cpu"] = counts
         return point
 
-
-
-def available_memory(device: torch.device) -> int | None:
-    """Free bytes on ``device`` (CUDA: the driver's free memory; CPU: MemAvailable), or None."""
-    if device.type == "cuda":
-        free, _ = torch.cuda.mem_get_info(device)
-        return free
-    return _meminfo("MemAvailable")
-
-
-def host_memory_total() -> int | None:
-    """Total host memory in bytes (MemTotal), or None when unknown."""
-    return _meminfo("MemTotal")
-
-
-def _meminfo(key: str) -> int | None:
-    try:
-        with open("/proc/meminfo") as f:
-            for line in f:
-                if line.startswith(key + ":"):
-                    return int(line.split()[1]) * 1024
-    except OSError:
-        return None
-    return None
 
 
 def peak_memory(device: torch.device) -> int:

@@ -111,12 +111,25 @@ def load_model(
     else:
         load_weights(net, ckpt, progress=progress)
         source = f"checkpoint {ckpt}"
-    if ckpt is not None and (ckpt / "tokenizer.json").is_file():
-        tok = Tokenizer.from_file(ckpt / "tokenizer.json")
-    else:
-        tok = synthetic_tokenizer(cfg.vocab_size)
+    tok = _tokenizer(cfg, ckpt)
     synchronize(device)
     return cfg, net, tok, {"source": source, "load_s": time.perf_counter() - t0}
+
+
+def _tokenizer(cfg: ModelConfig, ckpt: Path | None) -> Tokenizer:
+    if ckpt is not None and (ckpt / "tokenizer.json").is_file():
+        return Tokenizer.from_file(ckpt / "tokenizer.json")
+    return synthetic_tokenizer(cfg.vocab_size)
+
+
+def load_tokenizer(model: str, synthetic: bool = False) -> Tokenizer:
+    """The tokenizer ``load_model`` gives ``model`` (the checkpoint's ``tokenizer.json``, else the
+    synthetic BPE), without building the model: to count a prompt's tokens before the build.
+
+    Raises:
+        ValueError: see :func:`resolve_config`; an unreadable tokenizer.json.
+    """
+    return _tokenizer(*resolve_config(model, None, synthetic))
 
 
 def capped_model_len(model: str, tokens: int, num_layers: int | None = None, synthetic: bool = False) -> int:

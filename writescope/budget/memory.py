@@ -1,0 +1,126 @@
+"""Memory on this machine, and the check before a model is built: do its weights and the KV its
+requests need fit the host (and device) memory available now?
+
+``LLM`` runs :func:`check_fits` after the budget plan and before any tensor is built, so a run
+that cannot fit (Qwen3-30B-A3B's 114 GiB of float32 weights on a 24 GiB CPU machine: 18,867
+tensors, minutes of building) is refused at once with the bytes needed, the bytes available
+and what to change.
+"""
+
+from __future__ import annotations
+
+import torch
+
+from writescope.budget.plan import MemoryPlan
+from writescope.budget.weights import weight_sizes
+from writescope.config import ModelConfig
+
+GiB = 2**30
+PLANNED_SHARE = 0.9  # of the memory available, what a run may plan to fill (the rest: the process, the OS)
+
+
+def available_memory(device: torch.device) -> int | None:
+    """Free bytes on ``device`` (CUDA: the driver's free memory; CPU: MemAvailable), or None."""
+    if device.type == "cuda":
+        free, _ = torch.cuda.mem_get_info(device)
+        return free
+    return _meminfo("MemAvailable")
+
+
+def host_memory_total() -> int | None:
+    """Total host memory in bytes (MemTotal), or None when unknown."""
+    return _meminfo("MemTotal")
+
+
+def _meminfo(key: str) -> int | None:
+    try:
+        with open("/proc/meminfo") as f:
+            for line in f:
+                if line.startswith(key + ":"):
+                    return int(line.split()[1]) * 1024
+    except OSError:
+        return None
+    return None
+
+
+def weight_bytes(cfg: ModelConfig, dtype: torch.dtype) -> int:
+    """Bytes of all of ``cfg``'s weights in ``dtype``."""
+    return weight_sizes(cfg).total * dtype.itemsize
+
+
+def kv_bytes(cfg: ModelConfig, dtype: torch.dtype, tokens: int) -> int:
+    """Bytes of the KV of ``tokens`` tokens (summed over the sequences) in every layer."""
+    return tokens * cfg.num_layers * cfg.kv_layout.bytes_per_token(dtype.itemsize)
+
+
+def check_fits(
+    cfg: ModelConfig,
+    dtype: torch.dtype,
+    device: torch.device,
+    kv_tokens: int,
+    host_free: int | None,
+    device_free: int | None = None,
+    plan: MemoryPlan | None = None,
+    kv_on_device: bool = True,
+) -> None:
+    """Refuse a run whose memory cannot be had, before anything is built.
+
+    Without a ``plan``: all weights (``dtype``) on ``device`` and the KV of ``kv_tokens`` tokens
+    (prompt + new tokens, summed over the requests) on ``device`` (``kv_on_device``: the
+    ``resident`` policy) or in host memory (partitioned policies). With a ``plan`` (a
+    ``vram_budget``; already checked by :meth:`MemoryPlan.check`): on CUDA its device total
+    against the device's free memory; on the CPU, where the "device" is host memory too, its
+    device and host parts together. Each side may fill :data:`PLANNED_SHARE` of what is free.
+    ``host_free`` / ``device_free``: bytes available now (None: unknown, not checked).
+
+    Raises:
+        ValueError: naming the bytes needed and available and what to change (a smaller model,
+            fewer layers, a smaller dtype, fewer or shorter requests, a budget).
+    """
+    if kv_tokens < 0:
+        raise ValueError(f"kv_tokens must be >= 0, got {kv_tokens}")
+    item = dtype.itemsize
+    weights, kv = weight_bytes(cfg, dtype), kv_bytes(cfg, dtype, kv_tokens)
+    on_cpu = device.type == "cpu"
+    if plan is not None and on_cpu:
+        need, what = plan.gpu_total - plan.reserve + plan.host_total, "the plan's device and host parts, both in host memory here"
+    elif plan is not None:
+        need, what = plan.gpu_total, "the plan's device part (weights, KV, activations, reserve)"
+    else:
+        dev_kv = kv if kv_on_device or on_cpu else 0
+        need = weights + dev_kv
+        what = (f"weights {weights / GiB:.2f} GiB ({weight_sizes(cfg).total / 1e9:.2f} B parameters x {item} bytes) "
+                f"+ KV {dev_kv / GiB:.2f} GiB ({kv_tokens:,} tokens)")
+    free, where, source = (host_free, "host memory", "MemAvailable") if on_cpu else (device_free, f"{device}", "free device memory")
+    if free is not None and need > PLANNED_SHARE * free:
+        raise ValueError(
+            f"{cfg.architecture} ({cfg.num_layers} layers) in {dtype} needs {need / GiB:.2f} GiB of {where}: {what}; "
+            f"{free / GiB:.2f} GiB is available ({source}), of which {PLANNED_SHARE:.0%} ({PLANNED_SHARE * free / GiB:.2f} GiB) "
+            f"may be planned. Nothing was built. {_advice(cfg, dtype, device, kv, PLANNED_SHARE * free, plan)}"
+        )
+    if plan is None and not on_cpu and not kv_on_device and host_free is not None and kv > PLANNED_SHARE * host_free:
+        raise ValueError(
+            f"the requests' KV needs {kv / GiB:.2f} GiB of host memory ({kv_tokens:,} tokens, partitioned policy) but "
+            f"{host_free / GiB:.2f} GiB is available (MemAvailable), of which {PLANNED_SHARE:.0%} may be planned. Nothing was "
+            "built: use fewer or shorter requests (--batch, --max-new-tokens, a shorter prompt)"
+        )
+
+
+def _advice(cfg: ModelConfig, dtype: torch.dtype, device: torch.device, kv: int, room: float, plan: MemoryPlan | None) -> str:
+    """What to change, in words, with the largest ``num_layers`` of this shape that fits ``room``."""
+    tips = []
+    if plan is None:
+        fit = next((n for n in range(cfg.num_layers - 1, 0, -1)
+                    if weight_bytes(cfg.with_overrides(num_hidden_layers=n), dtype) + kv * n / cfg.num_layers <= room), None)
+        tips.append("a smaller model (e.g. a tiny-* preset)")
+        if fit is not None:
+            tips.append(f"fewer layers of this shape with synthetic weights (num_layers / --num-layers {fit} fits)")
+        if dtype.itemsize > 2:
+            tips.append("16-bit weights (dtype / --dtype bf16: half the bytes)")
+    tips.append("fewer or shorter requests (--batch, --max-new-tokens, a shorter prompt, --max-model-len)")
+    if device.type == "cuda":
+        tips.append("a --vram-budget that fits the device (routed experts beyond it go to host memory)"
+                    if plan is None else "a smaller --vram-budget")
+    else:
+        tips.append("a machine with more memory or a GPU (--device cuda, with --vram-budget)")
+    return "Use " + "; ".join(tips[:-1]) + "; or " + tips[-1] + "."
