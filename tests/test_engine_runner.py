@@ -137,3 +137,21 @@ def test_refused_before_queueing(llm):
     with pytest.raises(ArgError, match="outside the model's vocabulary"):
         core.make_request([5, 10**6], SamplingParams(max_tokens=2))
     core.make_request(PROMPTS[0], SamplingParams(max_tokens=251))  # exactly at the limit
+
+
+def test_admission_waits_for_room_and_refuses_what_never_fits():
+    from writescope.engine.request import Request
+    from writescope.engine.scheduler import Scheduler
+
+    sch = Scheduler(4, 100, [2], fits=lambda caps: None if sum(caps) <= 50 else f"{sum(caps)} > 50 tokens")
+    reqs = [Request(f"r{i}", [5] * n, SamplingParams(max_tokens=10)) for i, n in enumerate((20, 20, 45))]
+    for r in reqs:
+        sch.add(r)
+    assert sch.next_prefill() == (reqs[0], [])
+    sch.prefilled(reqs[0])
+    assert sch.next_prefill() == (None, [])  # 30 + 30 > 50: r1 waits for r0
+    sch.remove(reqs[0])
+    assert sch.next_prefill() == (reqs[1], [])
+    sch.remove(reqs[1])
+    req, refused = sch.next_prefill()  # r2 (55 tokens) cannot fit even alone
+    assert req is None and refused == [reqs[2]] and "55 > 50 tokens" in reqs[2].error

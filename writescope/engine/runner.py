@@ -197,9 +197,10 @@ class EngineCore:
 
     # ------------------------------------------------------------ capacity
     def _kv_fits(self, capacities: list[int]) -> str | None:
-        """None when KV for sequences of ``capacities`` tokens fits at once, else why not: under a
-        VRAM budget the plan was sized for ``max_batch`` sequences of ``max_model_len``
-        (checked by the scheduler); otherwise free memory is checked as ``LLM.generate`` does."""
+        """None when KV for sequences of ``capacities`` tokens (the running ones, then the
+        newcomer) fits at once, else why not. Under a VRAM budget the plan was sized for
+        ``max_batch`` sequences of ``max_model_len`` tokens (the scheduler's limits); otherwise
+        free memory is checked as ``LLM.generate`` checks it."""
         llm, cache = self.llm, self.llm.cache
         if llm.vram_plan is not None:
             return None
@@ -208,8 +209,9 @@ class EngineCore:
                 dev_free = available_memory(llm.device) if llm.device.type == "cuda" else None
                 cache.check_capacity(capacities, dev_free, available_memory(torch.device("cpu")), llm.pinned_budget)
                 return None
-            held = sum(cache.bytes_for(r.capacity) for r in self.scheduler.active)
-            need = sum(cache.bytes_for(c) for c in capacities) - held  # what is held is already out of free memory
+            # the contiguous cache allocates per request and free memory already excludes what the
+            # others hold: only the newest (the last capacity) is still to be had
+            need = cache.bytes_for(capacities[-1])
             free = available_memory(llm.device)
             if free is not None and need > 0.9 * free:
                 return (f"{need / 2**30:.2f} GiB of KV needed but {free / 2**30:.2f} GiB is free on {llm.device}: "
