@@ -1,4 +1,4 @@
-"""``writescope`` entry point: subcommands ``generate``, ``bench``, ``calibrate``, ``plan``, ``profile``, ``expert-profile`` and ``make-checkpoint``."""
+"""``writescope`` entry point: subcommands ``generate``, ``bench``, ``calibrate``, ``plan``, ``profile``, ``expert-profile``, ``make-checkpoint`` and ``serve``."""
 
 from __future__ import annotations
 
@@ -6,7 +6,7 @@ import argparse
 import os
 import sys
 
-from writescope.cli import bench, calibrate, expert_profile, generate, make_checkpoint, plan, profile
+from writescope.cli import bench, calibrate, expert_profile, generate, make_checkpoint, plan, profile, serve
 from writescope.cli.outputs import attach_negative_values
 from writescope.errors import ArgError
 
@@ -18,6 +18,7 @@ PLAN_FLAGS = {
     "plan": ("--vram-budget", "--batch, --context or --max-new-tokens", "--policy"),
     "bench": ("--vram-budget", "--batch or --context (the plan is for the largest of each)", "--policies"),
     "profile": ("--vram-budget", "--batch or --context", "--policy"),
+    "serve": ("--vram-budget", "--max-num-seqs or --max-model-len", "--policy"),
 }
 
 
@@ -49,6 +50,7 @@ def main(argv: list[str] | None = None) -> int:
     make_checkpoint.add_parser(sub)
     profile.add_parser(sub)
     expert_profile.add_parser(sub)
+    serve.add_parser(sub)
     # "--vram-budget -1GiB" reaches the budget's own check instead of argparse's "expected one argument"
     args = parser.parse_args(attach_negative_values(sys.argv[1:] if argv is None else list(argv)))
     try:

@@ -1,0 +1,157 @@
+"""The continuous-batching engine (writescope/engine/scheduler.py, runner.py): requests joining
+and leaving the decode batch between steps give the same greedy tokens as ``LLM.generate``;
+admission, cancellation and failures free the KV; a failing request fails alone."""
+
+from __future__ import annotations
+
+import pytest
+
+from writescope import LLM, SamplingParams
+from writescope.engine.runner import EngineCore
+from writescope.errors import ArgError
+
+PROMPTS = [list(range(3, 3 + n)) for n in (5, 17, 9, 30, 1, 12)]
+
+
+@pytest.fixture(scope="module")
+def llm():
+    return LLM("tiny-qwen3-moe", device="cpu", progress=False, prefill_chunk_tokens=7, max_model_len=256)
+
+
+def drain(core: EngineCore, later: list | None = None, after_steps: int = 3) -> dict:
+    """Run until idle; ``later`` requests are added after ``after_steps`` steps. Returns
+    {request_id: (token ids, last output)}."""
+    got: dict = {}
+    steps = 0
+    while core.has_work() or later:
+        for o in core.step():
+            ids, _ = got.get(o.request_id, ([], None))
+            got[o.request_id] = (ids + list(o.new_token_ids), o)
+        steps += 1
+        if later and steps >= after_steps:
+            for r in later:
+                core.add(r)
+            later = None
+    return got
+
+
+@pytest.mark.parametrize("policy", ["resident", "static:0.5"])
+def test_joining_requests_match_offline_generate(llm, policy):
+    llm.set_policy(policy, window=8)
+    try:
+        sp = SamplingParams(max_tokens=20, ignore_eos=True)
+        ref = llm.generate(prompt_token_ids=PROMPTS, sampling_params=sp)
+        core = EngineCore(llm, max_num_seqs=3)  # fewer seats than requests: some wait for others to finish
+        reqs = [core.make_request(p, sp) for p in PROMPTS]
+        for r in reqs[:2]:
+            core.add(r)
+        got = drain(core, later=reqs[2:])
+        for r, o in zip(reqs, ref):
+            assert got[r.request_id][0] == o.token_ids, r.request_id
+            assert got[r.request_id][1].finish_reason == "length"
+            assert got[r.request_id][1].output_tokens == 20
+        assert llm.cache.active_slots == []
+    finally:
+        llm.set_policy("resident")
+
+
+def test_sampled_request_uses_its_seed(llm):
+    sp = SamplingParams(max_tokens=12, temperature=0.8, top_p=0.9, seed=7, ignore_eos=True)
+    ref = llm.generate(prompt_token_ids=[PROMPTS[1]], sampling_params=sp)[0]
+    core = EngineCore(llm)
+    req = core.make_request(PROMPTS[1], sp)
+    core.add(req)
+    core.add(core.make_request(PROMPTS[0], SamplingParams(max_tokens=5)))  # a greedy neighbour in the batch
+    assert drain(core)[req.request_id][0] == ref.token_ids
+
+
+def test_stop_tokens_and_eos(llm):
+    sp = SamplingParams(max_tokens=20, ignore_eos=True)
+    ref = llm.generate(prompt_token_ids=[PROMPTS[3]], sampling_params=sp)[0].token_ids
+    core = EngineCore(llm)
+    req = core.make_request(PROMPTS[3], SamplingParams(max_tokens=20, stop_token_ids=(ref[4],)))
+    core.add(req)
+    ids, last = drain(core)[req.request_id]
+    assert ids == ref[: ref.index(ref[4]) + 1] and last.finish_reason == "stop"
+
+
+def test_max_num_seqs_bounds_the_batch(llm):
+    core = EngineCore(llm, max_num_seqs=2)
+    for p in PROMPTS:
+        core.add(core.make_request(p, SamplingParams(max_tokens=4, ignore_eos=True)))
+    most = 0
+    while core.has_work():
+        core.step()
+        most = max(most, len(core.scheduler.active), len(llm.cache.active_slots))
+    assert most == 2 and llm.cache.active_slots == []
+
+
+def test_abort_frees_the_slot(llm):
+    core = EngineCore(llm)
+    a = core.make_request(PROMPTS[0], SamplingParams(max_tokens=50, ignore_eos=True))
+    b = core.make_request(PROMPTS[1], SamplingParams(max_tokens=5, ignore_eos=True))
+    core.add(a)
+    core.add(b)
+    for _ in range(4):
+        core.step()
+    assert len(llm.cache.active_slots) == 2
+    out = core.abort(a.request_id)
+    assert out.finish_reason == "abort" and a.slot is None and len(llm.cache.active_slots) == 1
+    assert core.abort(a.request_id) is None  # finished already: nothing to do
+    drain(core)
+    assert llm.cache.active_slots == []
+    waiting = core.make_request(PROMPTS[2], SamplingParams(max_tokens=5))
+    core.add(waiting)
+    assert core.abort(waiting.request_id).finish_reason == "abort" and not core.has_work()
+
+
+def test_a_failing_request_fails_alone(llm, monkeypatch):
+    sp = SamplingParams(max_tokens=10, ignore_eos=True)
+    ref = llm.generate(prompt_token_ids=PROMPTS[:3], sampling_params=sp)
+    core = EngineCore(llm)
+    reqs = [core.make_request(p, sp) for p in PROMPTS[:3]]
+    real = core._prefill_chunk
+
+    def prefill(req):
+        if req is reqs[1]:
+            raise RuntimeError("injected")
+        return real(req)
+
+    monkeypatch.setattr(core, "_prefill_chunk", prefill)
+    for r in reqs:
+        core.add(r)
+    got = drain(core)
+    bad = got[reqs[1].request_id][1]
+    assert bad.finish_reason == "error" and "injected" in bad.error
+    for i in (0, 2):
+        assert got[reqs[i].request_id][0] == ref[i].token_ids
+    assert llm.cache.active_slots == []
+
+
+def test_refused_before_queueing(llm):
+    core = EngineCore(llm)
+    with pytest.raises(ArgError, match="max_model_len of 256 tokens"):
+        core.make_request(PROMPTS[0], SamplingParams(max_tokens=252))
+    with pytest.raises(ArgError, match="empty"):
+        core.make_request([], SamplingParams(max_tokens=2))
+    with pytest.raises(ArgError, match="outside the model's vocabulary"):
+        core.make_request([5, 10**6], SamplingParams(max_tokens=2))
+    core.make_request(PROMPTS[0], SamplingParams(max_tokens=251))  # exactly at the limit
+
+
+def test_admission_waits_for_room_and_refuses_what_never_fits():
+    from writescope.engine.request import Request
+    from writescope.engine.scheduler import Scheduler
+
+    sch = Scheduler(4, 100, [2], fits=lambda caps: None if sum(caps) <= 50 else f"{sum(caps)} > 50 tokens")
+    reqs = [Request(f"r{i}", [5] * n, SamplingParams(max_tokens=10)) for i, n in enumerate((20, 20, 45))]
+    for r in reqs:
+        sch.add(r)
+    assert sch.next_prefill() == (reqs[0], [])
+    sch.prefilled(reqs[0])
+    assert sch.next_prefill() == (None, [])  # 30 + 30 > 50: r1 waits for r0
+    sch.remove(reqs[0])
+    assert sch.next_prefill() == (reqs[1], [])
+    sch.remove(reqs[1])
+    req, refused = sch.next_prefill()  # r2 (55 tokens) cannot fit even alone
+    assert req is None and refused == [reqs[2]] and "55 > 50 tokens" in reqs[2].error

@@ -1,0 +1,313 @@
+"""``writescope serve`` (writescope/serve/): a real loopback server over the tiny preset, started
+and stopped in the tests. Concurrent streaming clients get offline ``generate``'s greedy tokens;
+the official ``openai`` client works; bad requests get a 4xx and the server stays up; a client
+that disconnects frees its KV; /metrics parses and counts what was served."""
+
+from __future__ import annotations
+
+import asyncio
+import json
+import threading
+
+import pytest
+
+pytest.importorskip("fastapi")
+httpx = pytest.importorskip("httpx")
+
+from prometheus_client.parser import text_string_to_metric_families  # noqa: E402
+
+from writescope import LLM, SamplingParams  # noqa: E402
+from writescope.serve.app import ServerState, build_app  # noqa: E402
+from writescope.serve.async_engine import AsyncEngine  # noqa: E402
+from writescope.serve.server import ServerThread  # noqa: E402
+
+MODEL = "tiny-qwen3-moe"
+MAX_LEN = 2048
+WAIT_S = 120  # safety net only: every wait below polls a condition
+TEXTS = [f"def f{i}(x):\n    return " + "x + 1 " * i for i in range(24)]
+
+
+@pytest.fixture(scope="module")
+def llm():
+    return LLM(MODEL, device="cpu", progress=False, max_model_len=MAX_LEN, prefill_chunk_tokens=16)
+
+
+@pytest.fixture(scope="module")
+def offline(llm):
+    """Greedy references, computed before any server owns the model."""
+    return llm.generate(TEXTS, SamplingParams(max_tokens=12))
+
+
+@pytest.fixture(scope="module")
+def hello(llm):
+    """The greedy 5-token reference for "hello" (the openai client test)."""
+    return llm.generate(["hello"], SamplingParams(max_tokens=5))[0]
+
+
+@pytest.fixture(scope="module")
+def server(llm, offline, hello):
+    state = ServerState(MODEL)
+    engine = AsyncEngine(llm, max_num_seqs=8, max_queue=64)
+    state.ready(engine, llm.tokenizer)
+    srv = ServerThread(build_app(state)).start()
+    srv.engine, srv.state = engine, state
+    yield srv
+    srv.stop()
+    assert not engine._thread.is_alive() and llm.cache.active_slots == []
+
+
+def wait_until(cond, what: str) -> None:
+    ev = threading.Event()
+    for _ in range(int(WAIT_S / 0.02)):
+        if cond():
+            return
+        ev.wait(0.02)
+    raise AssertionError(f"timed out waiting for {what}")
+
+
+def metrics(url: str) -> dict:
+    """{(sample name, labels): value} of /metrics, parsed by prometheus-client."""
+    text = httpx.get(url + "/metrics").text
+    return {(s.name, tuple(sorted(s.labels.items()))): s.value for f in text_string_to_metric_families(text) for s in f.samples}
+
+
+def sse(lines) -> list[dict]:
+    """The JSON events of a server-sent-event body, checking it ends with [DONE]."""
+    data = [ln[len("data: "):] for ln in lines if ln.startswith("data: ")]
+    assert data and data[-1] == "[DONE]", data[-3:]
+    return [json.loads(d) for d in data[:-1]]
+
+
+# ---------------------------------------------------------------- equality under concurrency
+def test_concurrent_streaming_clients_match_offline_generate(server, offline):
+    async def one(client, i):
+        body = {"model": MODEL, "prompt": TEXTS[i], "max_tokens": 12, "temperature": 0, "stream": True, "return_token_ids": True}
+        async with client.stream("POST", server.url + "/v1/completions", json=body) as r:
+            assert r.status_code == 200, await r.aread()
+            events = sse([ln async for ln in r.aiter_lines()])
+        ids = [t for e in events for c in e["choices"] for t in c.get("token_ids", [])]
+        text = "".join(c["text"] for e in events for c in e["choices"])
+        return ids, text, events[-1]
+
+    async def main():
+        async with httpx.AsyncClient(timeout=WAIT_S) as client:
+            return await asyncio.gather(*(one(client, i) for i in range(len(TEXTS))))
+
+    results = asyncio.run(main())
+    assert server.engine.core.steps > 0
+    for (ids, text, last), ref in zip(results, offline):
+        assert ids == ref.token_ids
+        assert text == ref.text
+        assert last["choices"][0]["finish_reason"] == ref.finish_reason
+        assert last["usage"] == {"prompt_tokens": len(ref.prompt_token_ids), "completion_tokens": len(ref.token_ids),
+                                 "total_tokens": len(ref.prompt_token_ids) + len(ref.token_ids)}
+    wait_until(lambda: server.engine.snapshot()["kv_slots"] == 0, "the KV slots to be freed")
+
+
+def test_non_streaming_completion_and_token_prompt(server, offline):
+    ref = offline[3]
+    r = httpx.post(server.url + "/v1/completions", json={"model": MODEL, "prompt": ref.prompt_token_ids, "max_tokens": 12,
+                                                         "temperature": 0, "return_token_ids": True}, timeout=WAIT_S)
+    assert r.status_code == 200, r.text
+    body = r.json()
+    assert body["object"] == "text_completion" and body["choices"][0]["token_ids"] == ref.token_ids
+    assert body["choices"][0]["text"] == ref.text
+    assert body["usage"]["prompt_tokens"] == len(ref.prompt_token_ids)
+
+
+# ---------------------------------------------------------------- the official client
+def test_openai_client(server, hello):
+    openai = pytest.importorskip("openai")
+    client = openai.OpenAI(base_url=server.url + "/v1", api_key="unused", timeout=WAIT_S, max_retries=0)
+    assert [m.id for m in client.models.list().data] == [MODEL]
+    c = client.completions.create(model=MODEL, prompt="hello", max_tokens=5, temperature=0)
+    assert c.choices[0].text == hello.text and c.choices[0].finish_reason == hello.finish_reason
+    assert c.usage.completion_tokens == len(hello.token_ids) and c.usage.prompt_tokens == len(hello.prompt_token_ids)
+    streamed = "".join(ch.choices[0].text for ch in client.completions.create(model=MODEL, prompt="hello", max_tokens=5,
+                                                                              temperature=0, stream=True) if ch.choices)
+    assert streamed == c.choices[0].text
+    msgs = [{"role": "system", "content": "be brief"}, {"role": "user", "content": "hi"}]
+    chat = client.chat.completions.create(model=MODEL, messages=msgs, max_tokens=6, temperature=0)
+    assert chat.choices[0].message.role == "assistant" and chat.usage.completion_tokens >= 1
+    chunks = list(client.chat.completions.create(model=MODEL, messages=msgs, max_tokens=6, temperature=0, stream=True,
+                                                 stream_options={"include_usage": True}))
+    text = "".join(ch.choices[0].delta.content or "" for ch in chunks if ch.choices)
+    assert text == chat.choices[0].message.content
+    assert chunks[-1].usage.completion_tokens == chat.usage.completion_tokens
+
+
+# ---------------------------------------------------------------- bad requests
+BAD = [
+    ("empty prompt", {"prompt": ""}, 400, "empty"),
+    ("negative max_tokens", {"max_tokens": -3}, 400, "max_tokens"),
+    ("huge max_tokens", {"max_tokens": 10**9}, 400, "max_model_len of 2,048 tokens"),
+    ("prompt too long", {"prompt": list(range(5, 5 + MAX_LEN))}, 400, "max_model_len"),
+    ("unknown model", {"model": "gpt-9"}, 404, "gpt-9"),
+    ("max_tokens as a string", {"max_tokens": "10"}, 400, "max_tokens"),
+    ("prompt as a number", {"prompt": 5}, 400, "prompt"),
+    ("temperature out of range", {"temperature": 5}, 400, "temperature"),
+    ("token id outside the vocabulary", {"prompt": [1, 99999]}, 400, "vocabulary"),
+    ("n > 1", {"n": 2}, 400, "n"),
+    ("stop strings", {"stop": ["\n"]}, 400, "stop_token_ids"),
+]
+
+
+@pytest.mark.parametrize("case", BAD, ids=[c[0] for c in BAD])
+def test_bad_requests_get_4xx(server, case):
+    _, change, status, words = case
+    body = {"model": MODEL, "prompt": "hi", "max_tokens": 2, **change}
+    r = httpx.post(server.url + "/v1/completions", json=body, timeout=WAIT_S)
+    assert r.status_code == status, r.text
+    assert words in r.json()["error"]["message"]
+
+
+def test_malformed_bodies_and_the_server_stays_up(server):
+    url = server.url
+    r = httpx.post(url + "/v1/completions", content=b'{"model": "tiny', headers={"content-type": "application/json"})
+    assert r.status_code == 400 and "not valid JSON" in r.json()["error"]["message"]
+    r = httpx.post(url + "/v1/chat/completions", json={"model": MODEL, "messages": []})
+    assert r.status_code == 400 and "messages" in r.json()["error"]["message"]
+    r = httpx.post(url + "/v1/chat/completions", json={"model": MODEL, "messages": [{"role": "wizard", "content": "x"}]})
+    assert r.status_code == 400 and "role" in r.json()["error"]["message"]
+    assert httpx.get(url + "/health").status_code == 200
+    r = httpx.post(url + "/v1/completions", json={"model": MODEL, "prompt": "still here", "max_tokens": 2}, timeout=WAIT_S)
+    assert r.status_code == 200 and r.json()["usage"]["completion_tokens"] >= 1
+
+
+def test_api_key_and_loading_health():
+    """A server whose model has not loaded: /health is 503; with --api-key, /v1/* wants the key."""
+    state = ServerState(MODEL, api_key="s3cret")
+    with ServerThread(build_app(state)) as srv:
+        assert httpx.get(srv.url + "/health").status_code == 503
+        body = {"model": MODEL, "prompt": "hi"}
+        assert httpx.post(srv.url + "/v1/completions", json=body).status_code == 401
+        r = httpx.post(srv.url + "/v1/completions", json=body, headers={"Authorization": "Bearer wrong"})
+        assert r.status_code == 401 and "API key" in r.json()["error"]["message"]
+        assert httpx.get(srv.url + "/v1/models").status_code == 401
+        r = httpx.post(srv.url + "/v1/completions", json=body, headers={"Authorization": "Bearer s3cret"})
+        assert r.status_code == 503 and "Retry-After" in r.headers  # past the key: the model is loading
+        assert httpx.get(srv.url + "/metrics").status_code == 200  # not behind the key, as vLLM's
+
+
+# ---------------------------------------------------------------- admission and cancellation
+def test_disconnected_client_frees_its_kv(server):
+    before = metrics(server.url)
+    abort_key = ("writescope:request_success_total", (("finished_reason", "abort"),))
+    body = {"model": MODEL, "prompt": "a long one", "max_tokens": MAX_LEN - 100, "ignore_eos": True, "stream": True}
+    with httpx.Client(timeout=WAIT_S) as client:
+        with client.stream("POST", server.url + "/v1/completions", json=body) as r:
+            for line in r.iter_lines():
+                if line.startswith("data: "):
+                    break  # one token in: then hang up
+            assert server.engine.snapshot()["kv_slots"] == 1
+    wait_until(lambda: server.engine.snapshot()["kv_slots"] == 0 and server.engine.snapshot()["running"] == 0,
+               "the disconnected request's KV to be freed")
+    wait_until(lambda: metrics(server.url)[abort_key] == before[abort_key] + 1, "the abort to be counted")
+
+
+def test_full_queue_gets_503_with_retry_after(llm, server):
+    """An engine whose steps are held: requests wait, and the one past --max-queue is refused."""
+    state = ServerState(MODEL)
+    engine = AsyncEngine(llm, max_num_seqs=1, max_queue=2)
+    release = threading.Event()
+    real = engine.core.step
+
+    def held_step():
+        release.wait(WAIT_S)
+        return real()
+
+    engine.core.step = held_step
+    state.ready(engine, llm.tokenizer)
+    wait_until(lambda: server.engine.snapshot()["running"] == 0, "the module server to be idle")  # they share the model
+    body = {"model": MODEL, "prompt": "queued", "max_tokens": 3}
+    with ServerThread(build_app(state)) as srv:
+        results: list = []
+        threads = [threading.Thread(target=lambda: results.append(httpx.post(srv.url + "/v1/completions", json=body, timeout=WAIT_S)))
+                   for _ in range(2)]
+        for t in threads:
+            t.start()
+        wait_until(lambda: engine.snapshot()["waiting"] == 2, "two requests to wait")
+        r = httpx.post(srv.url + "/v1/completions", json=body, timeout=WAIT_S)
+        assert r.status_code == 503 and r.headers["Retry-After"] == "1" and "--max-queue 2" in r.json()["error"]["message"]
+        release.set()
+        for t in threads:
+            t.join(WAIT_S)
+        assert [x.status_code for x in results] == [200, 200]
+    assert llm.cache.active_slots == []
+
+
+def test_engine_failure_fails_the_request_alone(server, monkeypatch):
+    core = server.engine.core
+    real = core._prefill_chunk
+
+    def prefill(req):
+        if req.prompt_ids == server.state.tokenizer.encode("boom"):
+            raise RuntimeError("injected failure")
+        return real(req)
+
+    monkeypatch.setattr(core, "_prefill_chunk", prefill)
+    r = httpx.post(server.url + "/v1/completions", json={"model": MODEL, "prompt": "boom", "max_tokens": 3}, timeout=WAIT_S)
+    assert r.status_code == 500 and "injected failure" in r.json()["error"]["message"]
+    r = httpx.post(server.url + "/v1/completions", json={"model": MODEL, "prompt": "fine", "max_tokens": 3}, timeout=WAIT_S)
+    assert r.status_code == 200
+    assert httpx.get(server.url + "/health").status_code == 200
+
+
+# ---------------------------------------------------------------- metrics
+def test_metrics_count_what_was_served(server):
+    wait_until(lambda: server.engine.snapshot()["running"] == 0, "the server to be idle")
+    before = metrics(server.url)
+    usages = []
+    for i, stream in enumerate([False, True, False]):
+        body = {"model": MODEL, "prompt": TEXTS[i], "max_tokens": 4 + i, "ignore_eos": True, "stream": stream,
+                "stream_options": {"include_usage": True}}
+        r = httpx.post(server.url + "/v1/completions", json=body, timeout=WAIT_S)
+        assert r.status_code == 200
+        usages.append(r.json()["usage"] if not stream else sse(r.text.splitlines())[-1]["usage"])
+    wait_until(lambda: server.engine.snapshot()["running"] == 0, "the requests to finish")
+    after = metrics(server.url)
+
+    def delta(name, labels=()):
+        return after[(name, labels)] - before.get((name, labels), 0)
+
+    assert delta("writescope:prompt_tokens_total") == sum(u["prompt_tokens"] for u in usages)
+    assert delta("writescope:generation_tokens_total") == sum(u["completion_tokens"] for u in usages) == 4 + 5 + 6
+    assert delta("writescope:request_success_total", (("finished_reason", "length"),)) == 3
+    assert delta("writescope:time_to_first_token_seconds_count") == 3
+    assert delta("writescope:e2e_request_latency_seconds_count") == 3
+    assert delta("writescope:inter_token_latency_seconds_count") == 3 + 4 + 5
+    assert after[("writescope:num_requests_running", ())] == 0
+    assert after[("writescope:kv_cache_tokens", (("region", "device"),))] == 0
+
+
+# ---------------------------------------------------------------- the command line
+def test_cli_refuses_bad_flags_before_binding(capsys):
+    from writescope.cli.main import main
+
+    assert main(["serve", "--model", MODEL, "--max-queue", "-1"]) == 2
+    assert "--max-queue must be >= 0, got -1" in capsys.readouterr().err
+    assert main(["serve", "--model", MODEL, "--port", "70000"]) == 2
+    assert "--port" in capsys.readouterr().err
+
+
+def test_cli_load_failure_stops_the_server(capsys):
+    """The model loads after the server binds (so /health can say 503): a load that fails stops it, exit 2."""
+    from writescope.cli.main import main
+
+    assert main(["serve", "--model", "no-such-model", "--port", "0", "--log-level", "warning"]) == 2
+    assert "neither a checkpoint directory nor a preset" in capsys.readouterr().err
+
+
+def test_chat_template_from_tokenizer_config(tmp_path):
+    from writescope.serve.chat_template import ChatTemplate
+
+    msgs = [{"role": "user", "content": "hi"}]
+    assert ChatTemplate.for_model(str(tmp_path)).render(msgs) == "user: hi\nassistant:"  # no tokenizer_config.json
+    tpl = ("{{ bos_token }}{% for m in messages %}<|{{ m['role'] }}|>{{ m['content'] }}{{ eos_token }}{% endfor %}"
+           "{% if add_generation_prompt %}<|assistant|>{% endif %}")
+    (tmp_path / "tokenizer_config.json").write_text(json.dumps({"chat_template": tpl, "bos_token": "<s>",
+                                                                 "eos_token": {"content": "</s>"}}))
+    assert ChatTemplate.for_model(str(tmp_path)).render(msgs) == "<s><|user|>hi</s><|assistant|>"
+    bad = ChatTemplate("{{ raise_exception('roles must alternate') }}")
+    with pytest.raises(ValueError, match="roles must alternate"):
+        bad.render(msgs)

@@ -1,0 +1,100 @@
+"""``writescope serve``: the OpenAI-compatible server (:mod:`writescope.serve`)."""
+
+from __future__ import annotations
+
+import argparse
+import os
+import sys
+import threading
+
+from writescope.cli.experts import add_stream_share_flag, check_stream_share
+from writescope.errors import ArgError
+
+FLAGS = {"max_batch": "--max-num-seqs", "max_num_seqs": "--max-num-seqs", "seed": "--weight-seed"}
+
+
+def add_parser(sub) -> None:
+    p = sub.add_parser("serve", help="serve the model over an OpenAI-compatible HTTP API (continuous batching)")
+    p.add_argument("--model", required=True, help="checkpoint directory or preset name (presets use synthetic weights)")
+    p.add_argument("--synthetic", action="store_true", help="seeded synthetic weights instead of the checkpoint's")
+    p.add_argument("--served-model-name", default=None, help="the model id clients send (default: --model)")
+    p.add_argument("--host", default="127.0.0.1", help="address to bind (default 127.0.0.1: this machine only)")
+    p.add_argument("--port", type=int, default=8000, help="TCP port (default 8000)")
+    p.add_argument("--api-key", default=os.environ.get("WRITESCOPE_API_KEY"),
+                   help="require 'Authorization: Bearer KEY' on /v1/* (default: $WRITESCOPE_API_KEY, else none)")
+    p.add_argument("--max-num-seqs", type=int, default=32, help="requests decoding at once (default 32; the budget plan's batch)")
+    p.add_argument("--max-model-len", type=int, default=None,
+                   help="cap on prompt + max_tokens per request (default: the model's limit)")
+    p.add_argument("--max-queue", type=int, default=256,
+                   help="requests that may wait for admission; more get 503 with Retry-After (default 256)")
+    p.add_argument("--prefill-chunk-tokens", type=int, default=2048,
+                   help="prompt tokens per engine step (default 2048: running requests decode between chunks)")
+    p.add_argument("--device", default="auto", help="auto, cpu or cuda")
+    p.add_argument("--dtype", default="auto", help="auto (bf16 on cuda, fp32 on cpu), bf16, fp16, fp32")
+    p.add_argument("--weight-seed", type=int, default=0, help="seed of the synthetic weights and default sampling seed (default 0)")
+    p.add_argument("--policy", default="resident",
+                   help="KV placement: resident, gpu, cpu, static:R, writescope, monolithic[:R] (see writescope generate)")
+    p.add_argument("--window", type=int, default=256, help="D: tokens of the D-window and of one KV block (default 256)")
+    p.add_argument("--cpu-threads", type=int, default=None, help="threads for CPU attention")
+    p.add_argument("--expert-threads", type=int, default=None, help="threads for routed experts in host memory")
+    p.add_argument("--vram-budget", default=None,
+                   help="device memory the server may use, e.g. 32GiB (planned for --max-num-seqs sequences of --max-model-len)")
+    add_stream_share_flag(p)
+    p.add_argument("--log-level", default="info", choices=["critical", "error", "warning", "info", "debug"],
+                   help="uvicorn's log level (default info)")
+    p.set_defaults(run=run, flags=FLAGS)
+
+
+def run(args: argparse.Namespace) -> int:
+    try:
+        import uvicorn
+
+        from writescope.serve.app import ServerState, build_app
+        from writescope.serve.server import uvicorn_config
+    except ImportError as e:
+        print(f"writescope serve: error: {e.name} is not installed: pip install 'writescope[serve]'", file=sys.stderr)
+        return 2
+    if not 0 <= args.port <= 65535:
+        raise ValueError(f"--port must be in [0, 65535], got {args.port}")
+    for flag, value in (("--max-num-seqs", args.max_num_seqs), ("--window", args.window), ("--prefill-chunk-tokens", args.prefill_chunk_tokens)):
+        if value < 1:
+            raise ValueError(f"{flag} must be >= 1, got {value}")
+    if args.max_queue < 0:
+        raise ValueError(f"--max-queue must be >= 0, got {args.max_queue}")
+    if args.api_key is not None and not args.api_key.strip():
+        raise ValueError("--api-key is empty: give a key, or leave the flag out")
+    check_stream_share(args)
+    if args.host not in ("127.0.0.1", "localhost", "::1") and args.api_key is None:
+        print(f"writescope serve: WARNING: binding {args.host} without --api-key: anyone who reaches this port can use the model",
+              file=sys.stderr)
+
+    state = ServerState(args.served_model_name or args.model, api_key=args.api_key)
+    server = uvicorn.Server(uvicorn_config(build_app(state), args.host, args.port, args.log_level))
+    threading.Thread(target=_load, args=(args, state, server), name="writescope-load", daemon=True).start()
+    server.run()  # /health answers 503 while the model loads; SIGINT / SIGTERM stop it gracefully
+    if state.load_error is not None:
+        print(f"writescope serve: error: {state.load_error}", file=sys.stderr)
+        return 2
+    return 0
+
+
+def _load(args, state, server) -> None:
+    """Load the model and start the engine (in the background: the server already answers)."""
+    from writescope import LLM
+    from writescope.serve.async_engine import AsyncEngine
+    from writescope.serve.chat_template import ChatTemplate
+
+    try:
+        llm = LLM(args.model, synthetic=args.synthetic, device=args.device, dtype=args.dtype, seed=args.weight_seed,
+                  max_model_len=args.max_model_len, prefill_chunk_tokens=args.prefill_chunk_tokens, progress=True,
+                  policy=args.policy, window=args.window, cpu_threads=args.cpu_threads, vram_budget=args.vram_budget,
+                  max_batch=args.max_num_seqs, expert_threads=args.expert_threads, expert_stream_share=args.expert_stream_share)
+        engine = AsyncEngine(llm, max_num_seqs=args.max_num_seqs, max_queue=args.max_queue)
+        template = ChatTemplate.for_model(args.model)
+    except Exception as e:  # noqa: BLE001 - reported by run() after the server stops
+        state.load_error = e.worded({"synthetic=True": "--synthetic", **FLAGS}) if isinstance(e, ArgError) else f"{type(e).__name__}: {e}"
+        server.should_exit = True
+        return
+    state.ready(engine, llm.tokenizer, template)
+    print(f"writescope serve: {state.model_name} ready on http://{args.host}:{args.port} (policy {llm.policy_name}, "
+          f"max_model_len {llm.max_model_len}, max_num_seqs {engine.max_num_seqs}, chat template: {template.name})", flush=True)

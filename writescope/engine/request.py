@@ -1,0 +1,89 @@
+"""One request inside the continuous-batching engine (:mod:`writescope.engine.runner`): its
+prompt, sampling parameters, place in the KV cache and the tokens generated so far."""
+
+from __future__ import annotations
+
+import time
+from dataclasses import dataclass, field
+
+import torch
+
+from writescope.engine.sampling import SamplingParams
+
+WAITING, PREFILLING, RUNNING, FINISHED = "waiting", "prefilling", "running", "finished"
+
+
+@dataclass(eq=False)
+class Request:
+    """A request's state, owned by the engine thread (never read or written from another).
+
+    Attributes:
+        request_id: unique among the engine's requests.
+        prompt_ids: prompt token ids (at least one).
+        params: its sampling parameters (``max_tokens``, stop conditions, temperature...).
+        arrival: ``time.perf_counter()`` when it was submitted (TTFT is measured from here).
+        status: ``waiting`` (queued, no KV), ``prefilling`` (holds a slot, prompt partly
+            cached), ``running`` (decoding), ``finished``.
+        slot: its KV cache slot once admitted, None before and after.
+        num_prefilled: prompt tokens already in the cache (tokens).
+        output_ids: generated token ids.
+        finish_reason: ``stop`` (end or stop token), ``length`` (max_tokens), ``abort``
+            (cancelled), ``error`` (failed inside the engine; ``error`` says why).
+        generator: its sampling generator (None for greedy requests).
+        last_token_at: ``time.perf_counter()`` of its last token (inter-token latency).
+    """
+
+    request_id: str
+    prompt_ids: list[int]
+    params: SamplingParams
+    arrival: float = field(default_factory=time.perf_counter)
+    status: str = WAITING
+    slot: int | None = None
+    num_prefilled: int = 0
+    output_ids: list[int] = field(default_factory=list)
+    finish_reason: str | None = None
+    error: str | None = None
+    generator: torch.Generator | None = None
+    last_token_at: float | None = None
+    pending_ttft: float | None = None  # latencies not yet handed out in a StepOutput
+    pending_itl: list[float] = field(default_factory=list)
+
+    @property
+    def capacity(self) -> int:
+        """KV tokens it may reach: prompt + max_tokens."""
+        return len(self.prompt_ids) + self.params.max_tokens
+
+    @property
+    def context_len(self) -> int:
+        """Tokens in its cache before its next decode step: prompt + generated - 1 (the last
+        generated token is the next step's input)."""
+        return len(self.prompt_ids) + len(self.output_ids) - 1
+
+
+@dataclass(frozen=True)
+class StepOutput:
+    """What one engine step produced for one request (handed to other threads: plain values).
+
+    Attributes:
+        request_id: the request.
+        new_token_ids: tokens generated in this step (0, 1 or 2: a prefill's first token and
+            its first decode step can fall in one step).
+        finish_reason: set on the request's last output (see :class:`Request`).
+        error: why it failed (``finish_reason == "error"``), or why its KV could not be freed.
+        prompt_tokens, output_tokens: the request's totals so far (tokens).
+        ttft_s: seconds from arrival to the first token, on the output that carries it.
+        itl_s: seconds between each of this output's later tokens and the token before it.
+    """
+
+    request_id: str
+    new_token_ids: tuple[int, ...] = ()
+    finish_reason: str | None = None
+    error: str | None = None
+    prompt_tokens: int = 0
+    output_tokens: int = 0
+    ttft_s: float | None = None
+    itl_s: tuple[float, ...] = ()
+
+    @property
+    def finished(self) -> bool:
+        return self.finish_reason is not None

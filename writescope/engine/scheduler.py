@@ -1,0 +1,130 @@
+"""The continuous-batching scheduler: which request prefills this step, which decode, and
+admission against the KV cache's capacity (the waiting queue and the running batch).
+
+Single-threaded: the engine thread (:mod:`writescope.engine.runner`) owns it. One request
+prefills at a time (chunk by chunk, between the decode steps of the running ones); a waiting
+request is admitted, first come first served, when the running batch has room (``max_num_seqs``)
+and its KV fits beside theirs (``fits``). A request whose KV cannot fit even alone is refused.
+"""
+
+from __future__ import annotations
+
+from collections import deque
+from typing import Callable
+
+from writescope.engine.request import FINISHED, PREFILLING, RUNNING, WAITING, Request
+from writescope.errors import ArgError, plural
+
+
+class Scheduler:
+    """Waiting, prefilling and running requests.
+
+    Args:
+        max_num_seqs: requests holding KV at once (prefilling + running), >= 1.
+        max_model_len: tokens one request may reach (prompt + max_tokens).
+        eos_token_ids: end-of-sequence ids (a request stops at one unless ``ignore_eos``).
+        fits: ``fits(capacities)`` -> None when KV for requests of these capacities (tokens each)
+            fits at once, else why not (a sentence naming the memory).
+
+    Raises:
+        ValueError: max_num_seqs < 1.
+    """
+
+    def __init__(self, max_num_seqs: int, max_model_len: int, eos_token_ids, fits: Callable[[list[int]], str | None]):
+        if max_num_seqs < 1:
+            raise ArgError(f"max_num_seqs must be >= 1, got {max_num_seqs}", "max_num_seqs")
+        self.max_num_seqs, self.max_model_len = max_num_seqs, max_model_len
+        self.eos = frozenset(eos_token_ids)
+        self.fits = fits
+        self.waiting: deque[Request] = deque()
+        self.prefilling: Request | None = None
+        self.running: list[Request] = []
+
+    # ------------------------------------------------------------ queue
+    def check(self, prompt_len: int, max_tokens: int) -> None:
+        """Refuse a request that could never run: empty, or beyond ``max_model_len``, or whose KV
+        cannot fit even alone.
+
+        Raises:
+            ArgError: naming the limit (``max_model_len`` or the memory) and what to change.
+        """
+        if prompt_len < 1:
+            raise ArgError("the prompt is empty (0 tokens): give at least one token", "prompt")
+        if prompt_len + max_tokens > self.max_model_len:
+            raise ArgError(
+                f"the prompt has {plural(prompt_len, 'token')} + max_tokens {max_tokens} = {prompt_len + max_tokens}, "
+                f"beyond this server's max_model_len of {plural(self.max_model_len, 'token')}: shorten the prompt or lower max_tokens",
+                "max_tokens", "max_model_len",
+            )
+        why = self.fits([prompt_len + max_tokens])
+        if why is not None:
+            raise ArgError(f"the request's KV cache cannot fit: {why}", "max_tokens")
+
+    def add(self, req: Request) -> None:
+        """Queue a request (checked with :meth:`check` first)."""
+        req.status = WAITING
+        self.waiting.append(req)
+
+    @property
+    def active(self) -> list[Request]:
+        """Requests holding KV: the prefilling one, then the running ones."""
+        return ([self.prefilling] if self.prefilling is not None else []) + self.running
+
+    def has_work(self) -> bool:
+        return bool(self.waiting or self.prefilling is not None or self.running)
+
+    def find(self, request_id: str) -> Request | None:
+        for r in (*self.active, *self.waiting):
+            if r.request_id == request_id:
+                return r
+        return None
+
+    # ------------------------------------------------------------ one step
+    def next_prefill(self) -> tuple[Request | None, list[Request]]:
+        """(the request to prefill a chunk of this step or None, requests refused now).
+
+        The prefilling request goes on; else the head of the queue is admitted (becomes
+        ``prefilling``) when fewer than ``max_num_seqs`` requests hold KV and its KV fits beside
+        theirs. A head that does not fit waits for a running request to finish; one that cannot
+        fit with nothing else running is refused (its ``error`` set)."""
+        refused: list[Request] = []
+        while self.prefilling is None and self.waiting and len(self.running) < self.max_num_seqs:
+            head = self.waiting[0]
+            why = self.fits([r.capacity for r in self.running] + [head.capacity])
+            if why is None:
+                self.prefilling = self.waiting.popleft()
+                self.prefilling.status = PREFILLING
+            elif not self.running:
+                self.waiting.popleft()
+                head.error = f"its KV cache cannot fit: {why}"
+                refused.append(head)
+            else:
+                break
+        return self.prefilling, refused
+
+    def prefilled(self, req: Request) -> None:
+        """The prefilling request's prompt is cached and its first token sampled: it decodes."""
+        assert req is self.prefilling
+        self.prefilling = None
+        req.status = RUNNING
+        self.running.append(req)
+
+    def stop_reason(self, req: Request) -> str | None:
+        """``stop`` (an end token unless ignore_eos, or a stop token), ``length`` (max_tokens or
+        max_model_len reached), or None: go on."""
+        sp, last = req.params, req.output_ids[-1]
+        if (last in self.eos and not sp.ignore_eos) or last in sp.stop_token_ids:
+            return "stop"
+        if len(req.output_ids) >= sp.max_tokens or len(req.prompt_ids) + len(req.output_ids) >= self.max_model_len:
+            return "length"
+        return None
+
+    def remove(self, req: Request) -> None:
+        """Take a request out of the queue or the batch (it finished, was cancelled or failed)."""
+        if req is self.prefilling:
+            self.prefilling = None
+        elif req in self.running:
+            self.running.remove(req)
+        elif req in self.waiting:
+            self.waiting.remove(req)
+        req.status = FINISHED

@@ -1,0 +1,319 @@
+"""The FastAPI application: OpenAI-compatible routes over an :class:`AsyncEngine`.
+
+Routes: ``POST /v1/completions``, ``POST /v1/chat/completions`` (both streamed as server-sent
+events ending in ``data: [DONE]``, or not), ``GET /v1/models``, ``GET /health`` (503 while the
+model loads, 200 when ready), ``GET /metrics`` (Prometheus text). With an API key, ``/v1/*``
+needs ``Authorization: Bearer KEY`` (401 otherwise). Errors are OpenAI's JSON shape
+``{"error": {"message", "type", "param", "code"}}``: 400 for a bad body (JSON, types, ranges, a
+prompt beyond the limits), 401, 404 for an unknown model, 503 with Retry-After when the queue is
+full or the model is loading, 500 when the engine failed on the request.
+
+A client that disconnects cancels its request: the engine frees its KV at its next step.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import hmac
+import json
+import time
+import uuid
+from contextlib import asynccontextmanager
+from dataclasses import dataclass, field
+
+from fastapi import FastAPI, Request
+from fastapi.exceptions import RequestValidationError
+from fastapi.responses import JSONResponse, Response, StreamingResponse
+
+from writescope.engine.sampling import SamplingParams
+from writescope.errors import ArgError
+from writescope.serve.async_engine import AsyncEngine, EngineDead, QueueFull
+from writescope.serve.chat_template import ChatTemplate
+from writescope.serve.detokenizer import Detokenizer
+from writescope.serve.metrics import ServeMetrics
+from writescope.serve.protocol import ChatCompletionRequest, CompletionRequest
+
+RETRY_AFTER_S = 1  # what a 503 tells the client to wait (seconds)
+MAX_BODY_BYTES = 16 * 2**20
+
+
+@dataclass
+class ServerState:
+    """What the routes read. ``engine`` is None while the model loads (``load_error`` says why
+    it never will)."""
+
+    model_name: str
+    api_key: str | None = None
+    engine: AsyncEngine | None = None
+    tokenizer: object = None
+    chat_template: ChatTemplate = field(default_factory=ChatTemplate)
+    metrics: ServeMetrics = field(default_factory=ServeMetrics)
+    load_error: str | None = None
+    created: int = field(default_factory=lambda: int(time.time()))
+
+    def ready(self, engine: AsyncEngine, tokenizer, chat_template: ChatTemplate | None = None) -> None:
+        """The model is loaded: start serving (the engine's thread is started here)."""
+        self.tokenizer = tokenizer
+        if chat_template is not None:
+            self.chat_template = chat_template
+        if engine.metrics is None:
+            engine.metrics = self.metrics
+        engine.start()
+        self.engine = engine
+
+
+class APIError(Exception):
+    def __init__(self, status: int, message: str, type_: str = "invalid_request_error", param: str | None = None,
+                 headers: dict | None = None):
+        super().__init__(message)
+        self.status, self.message, self.type, self.param, self.headers = status, message, type_, param, headers
+
+
+def _error(status: int, message: str, type_: str, param: str | None = None, headers: dict | None = None) -> JSONResponse:
+    return JSONResponse({"error": {"message": message, "type": type_, "param": param, "code": status}}, status, headers=headers)
+
+
+def _validation_message(exc: RequestValidationError) -> tuple[str, str | None]:
+    parts, param = [], None
+    for e in exc.errors()[:5]:
+        loc = [str(x) for x in e.get("loc", ()) if x != "body"]
+        if e.get("type") == "json_invalid":
+            return f"the body is not valid JSON: {e.get('ctx', {}).get('error', e.get('msg'))}", None
+        where = ".".join(loc) or "body"
+        param = param or (loc[0] if loc else None)
+        msg = e.get("msg", "invalid").removeprefix("Value error, ")
+        got = f" (got {e['input']!r:.60})" if "input" in e and e.get("type") != "missing" and loc else ""
+        parts.append(f"{where}: {msg}{got}")
+    return "; ".join(parts), param
+
+
+def build_app(state: ServerState, on_shutdown=None) -> FastAPI:
+    """The application over ``state`` (its engine may be set later, by :meth:`ServerState.ready`).
+    ``on_shutdown``: called after the engine is shut down (the lifespan's end)."""
+
+    @asynccontextmanager
+    async def lifespan(app):
+        yield
+        if state.engine is not None:  # graceful: in-flight requests are cancelled, their KV freed
+            await asyncio.get_running_loop().run_in_executor(None, state.engine.shutdown)
+        if on_shutdown is not None:
+            on_shutdown()
+
+    app = FastAPI(title="writescope", lifespan=lifespan, docs_url=None, redoc_url=None, openapi_url=None)
+    app.state.ws = state
+
+    @app.exception_handler(RequestValidationError)
+    async def _bad_body(request, exc: RequestValidationError):
+        msg, param = _validation_message(exc)
+        return _error(400, msg, "invalid_request_error", param)
+
+    @app.exception_handler(APIError)
+    async def _api_error(request, exc: APIError):
+        return _error(exc.status, exc.message, exc.type, exc.param, exc.headers)
+
+    app.add_middleware(_Guard, state=state)
+
+    @app.get("/health")
+    async def health():
+        if state.engine is None:
+            why = state.load_error or "the model is loading"
+            return JSONResponse({"status": "error" if state.load_error else "loading", "detail": why}, 503,
+                                headers={"Retry-After": str(RETRY_AFTER_S)})
+        if not state.engine.snapshot()["alive"]:
+            return JSONResponse({"status": "error", "detail": state.engine.error or "the engine stopped"}, 503)
+        return {"status": "ok"}
+
+    @app.get("/metrics")
+    async def metrics():
+        return Response(state.metrics.render(), media_type="text/plain; version=0.0.4; charset=utf-8")
+
+    @app.get("/v1/models")
+    async def models():
+        card = {"id": state.model_name, "object": "model", "created": state.created, "owned_by": "writescope"}
+        if state.engine is not None:
+            card["max_model_len"] = state.engine.max_model_len
+        return {"object": "list", "data": [card]}
+
+    def _engine() -> AsyncEngine:
+        if state.engine is None:
+            raise APIError(503, state.load_error or "the model is loading: try again shortly", "service_unavailable",
+                           headers={"Retry-After": str(RETRY_AFTER_S)})
+        return state.engine
+
+    def _params(body, max_tokens: int) -> SamplingParams:
+        return SamplingParams(max_tokens=max_tokens, temperature=float(body.temperature), top_p=float(body.top_p),
+                              seed=body.seed, ignore_eos=body.ignore_eos, stop_token_ids=tuple(body.stop_token_ids))
+
+    def _check_model(body) -> None:
+        if body.model != state.model_name:
+            raise APIError(404, f"model {body.model!r} is not served here: this server serves {state.model_name!r} "
+                                "(GET /v1/models)", "invalid_request_error", "model")
+
+    def _submit(engine: AsyncEngine, ids: list[int], max_tokens: int | None, body):
+        if max_tokens is None:  # chat without a limit: the rest of the context
+            max_tokens = max(1, engine.max_model_len - len(ids))
+        try:
+            return engine.submit(ids, _params(body, max_tokens))
+        except ArgError as e:
+            raise APIError(400, e.worded({"prompt": "prompt", "max_tokens": "max_tokens", "max_model_len": "max_model_len"}),
+                           "invalid_request_error", e.names[0] if e.names else None) from None
+        except ValueError as e:
+            raise APIError(400, str(e)) from None
+        except QueueFull as e:
+            raise APIError(503, str(e), "service_unavailable", headers={"Retry-After": str(RETRY_AFTER_S)}) from None
+        except EngineDead as e:
+            raise APIError(503, str(e), "service_unavailable") from None
+
+    @app.post("/v1/completions")
+    async def completions(body: CompletionRequest, request: Request):
+        engine = _engine()
+        _check_model(body)
+        ids = state.tokenizer.encode(body.prompt) if isinstance(body.prompt, str) else list(body.prompt)
+        stream = _submit(engine, ids, body.max_tokens, body)
+        return await _respond(request, engine, stream, body, chat=False)
+
+    @app.post("/v1/chat/completions")
+    async def chat_completions(body: ChatCompletionRequest, request: Request):
+        engine = _engine()
+        _check_model(body)
+        try:
+            text = state.chat_template.render([{"role": m.role, "content": m.text()} for m in body.messages])
+        except ValueError as e:
+            raise APIError(400, str(e), "invalid_request_error", "messages") from None
+        stream = _submit(engine, state.tokenizer.encode(text), body.max_new, body)
+        return await _respond(request, engine, stream, body, chat=True)
+
+    async def _respond(request: Request, engine: AsyncEngine, stream, body, chat: bool):
+        rid = ("chatcmpl-" if chat else "cmpl-") + uuid.uuid4().hex[:24]
+        created = int(time.time())
+        if body.stream:
+            gen = _sse(request, engine, stream, body, chat, rid, created)
+            return StreamingResponse(gen, media_type="text/event-stream", headers={"Cache-Control": "no-cache"})
+        ids, last = await _collect(request, engine, stream)
+        if last is None:  # disconnected: nobody reads this
+            return Response(status_code=499)
+        if last.finish_reason == "error":
+            raise APIError(500, f"the request failed inside the engine: {last.error}", "server_error")
+        text = state.tokenizer.decode(ids)
+        choice = {"index": 0, "finish_reason": last.finish_reason, "logprobs": None}
+        if chat:
+            choice["message"] = {"role": "assistant", "content": text}
+        else:
+            choice["text"] = text
+        if body.return_token_ids:
+            choice["token_ids"] = ids
+        return {"id": rid, "object": "chat.completion" if chat else "text_completion", "created": created,
+                "model": state.model_name, "choices": [choice], "usage": _usage(last)}
+
+    async def _collect(request: Request, engine: AsyncEngine, stream):
+        """All tokens and the last output; (ids, None) when the client went away first."""
+        ids: list[int] = []
+        gone = asyncio.ensure_future(_disconnected(request))
+        try:
+            while True:
+                get = asyncio.ensure_future(stream.queue.get())
+                done, _ = await asyncio.wait({get, gone}, return_when=asyncio.FIRST_COMPLETED)
+                if get not in done:
+                    get.cancel()
+                    engine.abort(stream.request_id)
+                    return ids, None
+                out = get.result()
+                ids.extend(out.new_token_ids)
+                if out.finished:
+                    return ids, out
+        except asyncio.CancelledError:
+            engine.abort(stream.request_id)
+            raise
+        finally:
+            gone.cancel()
+
+    async def _sse(request: Request, engine: AsyncEngine, stream, body, chat: bool, rid: str, created: int):
+        obj = "chat.completion.chunk" if chat else "text_completion"
+        detok = Detokenizer(state.tokenizer)
+        include_usage = body.stream_options is not None and body.stream_options.include_usage
+
+        def chunk(text: str | None, finish: str | None, ids=(), role: bool = False, usage=None) -> str:
+            if chat:
+                delta = {"role": "assistant", "content": ""} if role else ({} if text is None else {"content": text})
+                choice = {"index": 0, "delta": delta, "logprobs": None, "finish_reason": finish}
+            else:
+                choice = {"index": 0, "text": text or "", "logprobs": None, "finish_reason": finish}
+            if body.return_token_ids and not role:
+                choice["token_ids"] = list(ids)
+            msg = {"id": rid, "object": obj, "created": created, "model": state.model_name, "choices": [choice]}
+            if usage is not None:
+                msg["usage"] = usage
+            return f"data: {json.dumps(msg, ensure_ascii=False)}\n\n"
+
+        finished = False
+        try:
+            if chat:
+                yield chunk(None, None, role=True)
+            async for out in stream:
+                # coalesce what is already queued (a slow reader gets fewer, larger chunks)
+                outs = [out]
+                while not out.finished and not stream.queue.empty():
+                    out = stream.queue.get_nowait()
+                    outs.append(out)
+                ids = [t for o in outs for t in o.new_token_ids]
+                text = detok.add(ids)
+                if out.finished:
+                    finished = True
+                    if out.finish_reason == "error":
+                        err = {"message": f"the request failed inside the engine: {out.error}", "type": "server_error",
+                               "param": None, "code": 500}
+                        yield f"data: {json.dumps({'error': err})}\n\n"
+                        break
+                    text += detok.flush()
+                    if text or ids:
+                        yield chunk(text, None, ids)
+                    yield chunk(None if chat else "", out.finish_reason, usage=_usage(out))
+                    if include_usage:
+                        yield f"data: {json.dumps({'id': rid, 'object': obj, 'created': created, 'model': state.model_name, 'choices': [], 'usage': _usage(out)})}\n\n"
+                    break
+                if text or (ids and body.return_token_ids):
+                    yield chunk(text, None, ids)
+            yield "data: [DONE]\n\n"
+        finally:
+            if not finished:  # the client went away (the generator was closed or cancelled)
+                engine.abort(stream.request_id)
+
+    return app
+
+
+class _Guard:
+    """Pure ASGI middleware (streams and disconnects pass through untouched): the API key and the
+    body size of ``/v1/*`` requests."""
+
+    def __init__(self, app, state: ServerState):
+        self.app, self.state = app, state
+
+    async def __call__(self, scope, receive, send):
+        if scope["type"] == "http" and scope["path"].startswith("/v1"):
+            headers = {k.decode("latin-1").lower(): v.decode("latin-1") for k, v in scope["headers"]}
+            refusal = None
+            if self.state.api_key is not None:
+                scheme, _, key = headers.get("authorization", "").partition(" ")
+                if scheme.lower() != "bearer" or not hmac.compare_digest(key.strip().encode(), self.state.api_key.encode()):
+                    refusal = _error(401, "missing or wrong API key: send the header 'Authorization: Bearer <key>'",
+                                     "authentication_error")
+            size = headers.get("content-length", "")
+            if refusal is None and size.isdigit() and int(size) > MAX_BODY_BYTES:
+                refusal = _error(413, f"the body has {int(size):,} bytes, above the limit of {MAX_BODY_BYTES:,}",
+                                 "invalid_request_error")
+            if refusal is not None:
+                return await refusal(scope, receive, send)
+        return await self.app(scope, receive, send)
+
+
+async def _disconnected(request: Request) -> None:
+    """Returns when the client closes the connection (the body was read already)."""
+    while True:
+        msg = await request.receive()
+        if msg["type"] == "http.disconnect":
+            return
+
+
+def _usage(out) -> dict:
+    return {"prompt_tokens": out.prompt_tokens, "completion_tokens": out.output_tokens,
+            "total_tokens": out.prompt_tokens + out.output_tokens}

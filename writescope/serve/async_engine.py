@@ -1,0 +1,195 @@
+"""The engine thread: one background thread owns the model and runs :class:`EngineCore` steps;
+HTTP handlers (on the asyncio event loop) talk to it through thread-safe queues.
+
+Handler -> engine: :meth:`AsyncEngine.submit` and :meth:`AsyncEngine.abort` put messages on an
+inbox (``queue.SimpleQueue``); the thread takes them between steps, and blocks on the inbox when
+it has nothing to run (no polling). Engine -> handler: each request's :class:`StepOutput`\\ s go to
+its :class:`RequestStream`, an ``asyncio.Queue`` fed with ``loop.call_soon_threadsafe``.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import itertools
+import queue
+import threading
+import time
+import traceback
+
+from writescope.engine.request import StepOutput
+from writescope.engine.runner import EngineCore
+from writescope.engine.sampling import SamplingParams
+from writescope.errors import plural
+
+
+class QueueFull(Exception):
+    """The waiting queue holds ``max_queue`` requests: try again later (HTTP 503)."""
+
+
+class EngineDead(Exception):
+    """The engine thread stopped (shut down, or a fatal error): no new requests."""
+
+
+class RequestStream:
+    """One request's outputs, read on the event loop that submitted it."""
+
+    def __init__(self, request_id: str, loop: asyncio.AbstractEventLoop):
+        self.request_id = request_id
+        self.loop = loop
+        self.queue: asyncio.Queue[StepOutput] = asyncio.Queue()
+        self.arrival = time.perf_counter()
+
+    def put(self, out: StepOutput) -> None:
+        """From the engine thread."""
+        try:
+            self.loop.call_soon_threadsafe(self.queue.put_nowait, out)
+        except RuntimeError:  # the loop is closed: nobody is reading
+            pass
+
+    async def __aiter__(self):
+        """Outputs until the request finishes (the last has ``finish_reason``)."""
+        while True:
+            out = await self.queue.get()
+            yield out
+            if out.finished:
+                return
+
+
+class AsyncEngine:
+    """The engine thread over ``llm`` (an :class:`~writescope.engine.llm.LLM`, owned from now on).
+
+    Args:
+        llm: the loaded model and cache.
+        max_num_seqs: requests holding KV at once (see :class:`EngineCore`).
+        max_queue: requests that may wait for admission; beyond, :meth:`submit` raises QueueFull.
+        metrics: a :class:`~writescope.serve.metrics.ServeMetrics`, or None.
+
+    Raises:
+        ValueError: max_queue < 0, or a bad max_num_seqs.
+    """
+
+    def __init__(self, llm, *, max_num_seqs: int | None = None, max_queue: int = 256, metrics=None):
+        if max_queue < 0:
+            raise ValueError(f"max_queue must be >= 0, got {max_queue}")
+        self.llm = llm
+        self.core = EngineCore(llm, max_num_seqs)
+        self.max_queue = max_queue
+        self.metrics = metrics
+        self._inbox: queue.SimpleQueue = queue.SimpleQueue()
+        self._streams: dict[str, RequestStream] = {}  # engine thread only
+        self._lock = threading.Lock()
+        self._waiting: set[str] = set()  # submitted, not admitted yet (under _lock)
+        self._ids = itertools.count()
+        self._alive = False
+        self.error: str | None = None  # why the thread died
+        self._thread = threading.Thread(target=self._loop, name="writescope-engine", daemon=True)
+
+    @property
+    def max_model_len(self) -> int:
+        return self.llm.max_model_len
+
+    @property
+    def max_num_seqs(self) -> int:
+        return self.core.scheduler.max_num_seqs
+
+    def start(self) -> None:
+        self._alive = True
+        self._thread.start()
+
+    # ------------------------------------------------------------ handler side
+    def submit(self, prompt_ids: list[int], params: SamplingParams) -> RequestStream:
+        """Queue a request (call on the event loop); returns its stream.
+
+        Raises:
+            ArgError: a request that could never run (see :meth:`EngineCore.make_request`).
+            QueueFull: ``max_queue`` requests already wait.
+            EngineDead: the engine stopped.
+        """
+        if not self._alive:
+            raise EngineDead(self.error or "the engine is shut down")
+        req = self.core.make_request(prompt_ids, params, request_id=f"req-{next(self._ids)}")
+        with self._lock:
+            if len(self._waiting) >= self.max_queue:
+                raise QueueFull(f"{plural(len(self._waiting), 'request')} already wait for admission "
+                                f"(--max-queue {self.max_queue}): try again later")
+            self._waiting.add(req.request_id)
+        stream = RequestStream(req.request_id, asyncio.get_running_loop())
+        stream.arrival = req.arrival
+        self._inbox.put(("add", req, stream))
+        return stream
+
+    def abort(self, request_id: str) -> None:
+        """Cancel a request (its KV is freed by the engine thread); unknown ids are ignored."""
+        self._inbox.put(("abort", request_id, None))
+
+    def shutdown(self, timeout: float | None = 60.0) -> None:
+        """Cancel every request, free their KV and stop the thread (waits up to ``timeout`` s)."""
+        self._alive = False
+        if self._thread.is_alive():
+            self._inbox.put(("stop", None, None))
+            self._thread.join(timeout)
+
+    def snapshot(self) -> dict:
+        """Counts for /health and tests (read from another thread: approximate while steps run)."""
+        sch = self.core.scheduler
+        with self._lock:
+            waiting = len(self._waiting)
+        return {"running": len(sch.active), "waiting": waiting, "kv_slots": len(self.llm.cache.active_slots),
+                "steps": self.core.steps, "alive": self._thread.is_alive()}
+
+    # ------------------------------------------------------------ engine thread
+    def _loop(self) -> None:
+        try:
+            stop = False
+            while not stop:
+                msgs = [] if self.core.has_work() else [self._inbox.get()]
+                while True:
+                    try:
+                        msgs.append(self._inbox.get_nowait())
+                    except queue.Empty:
+                        break
+                outs: list[StepOutput] = []
+                for kind, a, b in msgs:
+                    if kind == "add":
+                        self._streams[a.request_id] = b
+                        self.core.add(a)
+                    elif kind == "abort":
+                        out = self.core.abort(a)
+                        if out is not None:
+                            outs.append(out)
+                    else:
+                        stop = True
+                if stop:
+                    outs += self.core.abort_all()
+                elif self.core.has_work():
+                    outs += self.core.step()
+                self._publish(outs)
+        except BaseException as e:  # noqa: BLE001 - fatal: fail every request, say why
+            self.error = f"the engine thread failed: {type(e).__name__}: {e}"
+            traceback.print_exc()
+            self._alive = False
+            try:
+                self._publish(self.core.abort_all())
+            finally:
+                for rid, s in list(self._streams.items()):
+                    s.put(StepOutput(rid, finish_reason="error", error=self.error))
+                self._streams.clear()
+        finally:
+            self._alive = False
+
+    def _publish(self, outs: list[StepOutput]) -> None:
+        sch = self.core.scheduler
+        waiting_now = {r.request_id for r in sch.waiting}
+        with self._lock:
+            self._waiting &= waiting_now | {rid for rid in self._waiting if rid not in self._streams}
+        for out in outs:
+            stream = self._streams.get(out.request_id)
+            if self.metrics is not None:
+                e2e = time.perf_counter() - stream.arrival if out.finished and stream is not None else None
+                self.metrics.observe(out, e2e)
+            if stream is not None:
+                stream.put(out)
+                if out.finished:
+                    del self._streams[out.request_id]
+        if self.metrics is not None:
+            self.metrics.sample_engine(self.core)

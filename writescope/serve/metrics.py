@@ -1,0 +1,83 @@
+"""The server's Prometheus metrics (``GET /metrics``), named as vLLM's under a ``writescope:``
+prefix. One registry per server, so several servers (tests) in one process do not collide.
+
+| metric | kind | what |
+|---|---|---|
+| ``writescope:num_requests_running`` | gauge | requests holding KV (prefilling or decoding) |
+| ``writescope:num_requests_waiting`` | gauge | requests queued for admission |
+| ``writescope:prompt_tokens_total`` | counter | prompt tokens prefilled |
+| ``writescope:generation_tokens_total`` | counter | tokens generated |
+| ``writescope:request_success_total{finished_reason}`` | counter | finished requests (stop, length, abort, error) |
+| ``writescope:time_to_first_token_seconds`` | histogram | arrival to first token |
+| ``writescope:inter_token_latency_seconds`` | histogram | between consecutive tokens of a request |
+| ``writescope:e2e_request_latency_seconds`` | histogram | arrival to the last token |
+| ``writescope:kv_cache_tokens{region}`` | gauge | KV tokens held, per region (``device`` under ``resident``; ``window``, ``compute``, ``load`` for the partitioned policies, last layer) |
+| ``writescope:deployed_r`` | gauge | compute-region share of the placed blocks (partitioned policies; NaN with none placed) |
+"""
+
+from __future__ import annotations
+
+from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram, generate_latest
+
+from writescope.engine.request import StepOutput
+from writescope.kvcache.inplace import InplaceKVCache
+
+PREFIX = "writescope:"
+_LATENCY = (0.001, 0.005, 0.01, 0.02, 0.04, 0.06, 0.08, 0.1, 0.25, 0.5, 1.0, 2.5, 5.0, 10.0, 20.0, 40.0, 80.0)
+
+
+class ServeMetrics:
+    """Counters, gauges and histograms, updated by the engine thread (prometheus-client's
+    metrics are thread-safe) and rendered by :meth:`render`."""
+
+    def __init__(self):
+        r = self.registry = CollectorRegistry()
+        self.running = Gauge(PREFIX + "num_requests_running", "Requests holding KV (prefilling or decoding).", registry=r)
+        self.waiting = Gauge(PREFIX + "num_requests_waiting", "Requests waiting for admission.", registry=r)
+        self.prompt_tokens = Counter(PREFIX + "prompt_tokens", "Prompt tokens prefilled.", registry=r)
+        self.generation_tokens = Counter(PREFIX + "generation_tokens", "Tokens generated.", registry=r)
+        self.request_success = Counter(PREFIX + "request_success", "Finished requests by finish reason.", ["finished_reason"],
+                                       registry=r)
+        self.ttft = Histogram(PREFIX + "time_to_first_token_seconds", "Seconds from arrival to the first token.",
+                              buckets=_LATENCY, registry=r)
+        self.itl = Histogram(PREFIX + "inter_token_latency_seconds", "Seconds between consecutive tokens of a request.",
+                             buckets=_LATENCY, registry=r)
+        self.e2e = Histogram(PREFIX + "e2e_request_latency_seconds", "Seconds from arrival to the last token.",
+                             buckets=_LATENCY, registry=r)
+        self.kv_tokens = Gauge(PREFIX + "kv_cache_tokens", "KV tokens held, per region.", ["region"], registry=r)
+        self.deployed_r = Gauge(PREFIX + "deployed_r", "Compute-region share of the placed KV blocks.", registry=r)
+        for reason in ("stop", "length", "abort", "error"):
+            self.request_success.labels(reason)
+
+    def observe(self, out: StepOutput, e2e_s: float | None) -> None:
+        """Count one engine output (``e2e_s``: the request's latency when it finished)."""
+        if out.ttft_s is not None:
+            self.ttft.observe(out.ttft_s)
+            self.prompt_tokens.inc(out.prompt_tokens)
+        for gap in out.itl_s:
+            self.itl.observe(gap)
+        if out.new_token_ids:
+            self.generation_tokens.inc(len(out.new_token_ids))
+        if out.finished:
+            self.request_success.labels(out.finish_reason).inc()
+            if e2e_s is not None:
+                self.e2e.observe(e2e_s)
+
+    def sample_engine(self, core) -> None:
+        """Gauges from the engine's state (called by the engine thread between steps)."""
+        sch, cache = core.scheduler, core.llm.cache
+        self.running.set(len(sch.active))
+        self.waiting.set(len(sch.waiting))
+        slots = [r.slot for r in sch.active if r.slot is not None]
+        if isinstance(cache, InplaceKVCache):
+            placed = [cache.placement(s) for s in slots]
+            for region in ("window", "compute", "load"):
+                self.kv_tokens.labels(region).set(sum(p[region] for p in placed))
+            comp, load = sum(p["compute"] for p in placed), sum(p["load"] for p in placed)
+            self.deployed_r.set(comp / (comp + load) if comp + load else float("nan"))
+        else:
+            self.kv_tokens.labels("device").set(sum(cache.seq_len(s) for s in slots))
+
+    def render(self) -> bytes:
+        """The Prometheus text exposition."""
+        return generate_latest(self.registry)

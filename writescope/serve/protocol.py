@@ -1,0 +1,92 @@
+"""Request bodies of the OpenAI API (the fields this server reads), validated by pydantic:
+strict types (``"max_tokens": "10"`` is refused, not coerced), ranges, and sizes.
+
+Fields the server does not read are ignored (clients send many); those it cannot honour
+(``n`` > 1, ``stop`` strings, ``logprobs``) are refused with a message naming them.
+"""
+
+from __future__ import annotations
+
+from typing import Annotated, Literal, Union
+
+from pydantic import BaseModel, ConfigDict, Field, StrictBool, StrictFloat, StrictInt, StrictStr, model_validator
+
+MAX_PROMPT_CHARS = 4 * 2**20  # a prompt of more characters is refused before tokenization
+MAX_MESSAGES = 4096
+
+Number = Union[StrictInt, StrictFloat]
+TokenIds = Annotated[list[Annotated[StrictInt, Field(ge=0)]], Field(min_length=1)]
+
+
+class StreamOptions(BaseModel):
+    model_config = ConfigDict(extra="ignore")
+    include_usage: StrictBool = False
+
+
+class _Common(BaseModel):
+    """Sampling fields shared by completions and chat completions."""
+
+    model_config = ConfigDict(extra="ignore")
+
+    model: StrictStr
+    max_tokens: StrictInt | None = Field(None, ge=1)
+    temperature: Number = Field(1.0, ge=0, le=2)
+    top_p: Number = Field(1.0, gt=0, le=1)
+    n: StrictInt = Field(1, ge=1, le=1, description="one choice per request")
+    seed: StrictInt | None = None
+    stream: StrictBool = False
+    stream_options: StreamOptions | None = None
+    stop: StrictStr | list[StrictStr] | None = None
+    logprobs: StrictBool | StrictInt | None = None
+    # vLLM's extensions
+    ignore_eos: StrictBool = False
+    stop_token_ids: list[Annotated[StrictInt, Field(ge=0)]] = Field(default_factory=list, max_length=1024)
+    return_token_ids: StrictBool = False  # each choice also carries its token ids (``token_ids``)
+
+    @model_validator(mode="after")
+    def _unsupported(self):
+        if self.stop:
+            raise ValueError("stop strings are not supported yet: use stop_token_ids (token ids that end the output)")
+        if self.logprobs:
+            raise ValueError("logprobs are not supported")
+        return self
+
+
+class CompletionRequest(_Common):
+    """``POST /v1/completions``: ``prompt`` is one string or one list of token ids."""
+
+    prompt: Annotated[StrictStr, Field(max_length=MAX_PROMPT_CHARS)] | TokenIds
+    max_tokens: StrictInt | None = Field(16, ge=1)  # OpenAI's default
+    echo: StrictBool = False
+
+    @model_validator(mode="after")
+    def _echo(self):
+        if self.echo:
+            raise ValueError("echo is not supported")
+        return self
+
+
+class TextPart(BaseModel):
+    model_config = ConfigDict(extra="ignore")
+    type: Literal["text"]
+    text: StrictStr
+
+
+class ChatMessage(BaseModel):
+    model_config = ConfigDict(extra="ignore")
+    role: Literal["system", "user", "assistant", "developer", "tool"]
+    content: Annotated[StrictStr, Field(max_length=MAX_PROMPT_CHARS)] | list[TextPart]
+
+    def text(self) -> str:
+        return self.content if isinstance(self.content, str) else "".join(p.text for p in self.content)
+
+
+class ChatCompletionRequest(_Common):
+    """``POST /v1/chat/completions``; without ``max_tokens``, up to the rest of ``max_model_len``."""
+
+    messages: list[ChatMessage] = Field(min_length=1, max_length=MAX_MESSAGES)
+    max_completion_tokens: StrictInt | None = Field(None, ge=1)  # the newer name of max_tokens
+
+    @property
+    def max_new(self) -> int | None:
+        return self.max_completion_tokens if self.max_completion_tokens is not None else self.max_tokens
