@@ -95,3 +95,19 @@ def test_mixtral_sliding_window_acts_only_past_the_window(prompt):
 def test_flag_without_effect_keeps_logits(prompt, preset, base, flipped):
     a, b = prefill_logits(preset, prompt, **base), prefill_logits(preset, prompt, **flipped)
     torch.testing.assert_close(b, a, **SAME)
+
+
+def test_prefill_load_stream_switch_is_checked_when_the_cache_is_made(monkeypatch):
+    import torch
+
+    from writescope.config import KVLayout
+    from writescope.kvcache.inplace import InplaceKVCache
+    from writescope.kvcache.spec import PartitionSpec
+    from writescope.scheduler.policies import parse_policy
+
+    spec = PartitionSpec(KVLayout(2, 16, 16, False), 1, torch.float32, window=8)
+    monkeypatch.setenv("WRITESCOPE_PREFILL_LOAD_STREAM", "sideways")
+    with pytest.raises(ValueError, match="WRITESCOPE_PREFILL_LOAD_STREAM='sideways'"):
+        InplaceKVCache(spec, parse_policy("gpu"), "cpu")
+    monkeypatch.setenv("WRITESCOPE_PREFILL_LOAD_STREAM", "compute")
+    InplaceKVCache(spec, parse_policy("gpu"), "cpu").close()

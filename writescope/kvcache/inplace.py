@@ -16,6 +16,7 @@ for that attention; counted in ``prefill_readback_bytes``). Placed bytes never m
 from __future__ import annotations
 
 import math
+import os
 
 import torch
 from torch.profiler import record_function
@@ -55,6 +56,7 @@ class InplaceKVCache(KVCache):
         self.cuda = self.device.type == "cuda"
         self.decoder = SplitDecoder(spec, self.device, cpu_threads, cpu_inline)
         self.evict_stream = torch.cuda.Stream(self.device) if self.cuda else None
+        self._load_on_evict = _prefill_load_on_evict_stream()  # a bad value fails here, not mid-prefill
         self._seqs: dict[int, SequenceKV] = {}
         self._next_slot = 0
         self.prefill_readback_bytes = 0
@@ -281,9 +283,9 @@ class InplaceKVCache(KVCache):
         copies wait for the evict stream, ``note_evict``; ``blocks`` stays allocated until the
         copies are done). Without CUDA: plain copies."""
         done = 0
-        if not self.cuda:
+        if not self.cuda or not self._load_on_evict:  # (WRITESCOPE_PREFILL_LOAD_STREAM=compute: the earlier behaviour)
             for run in runs:
-                run.copy_(blocks[done : done + run.shape[0]])
+                run.copy_(blocks[done : done + run.shape[0]], non_blocking=self.cuda)
                 done += run.shape[0]
             self.decoder.note_load_write()
             return
@@ -401,6 +403,20 @@ class InplaceKVCache(KVCache):
                 f"the load region and staging buffers need up to {pinned / gib:.2f} GiB of pinned memory, above the pinned "
                 f"budget of {pinned_budget / gib:.2f} GiB: raise pinned_budget, or use fewer or shorter requests"
             )
+
+
+def _prefill_load_on_evict_stream() -> bool:
+    """``WRITESCOPE_PREFILL_LOAD_STREAM``: ``evict`` (the default: prefill's load-region copies on
+    the evict stream) or ``compute`` (on the compute stream, the earlier behaviour; for comparing
+    the two in one run).
+
+    Raises:
+        ValueError: another value (names it).
+    """
+    value = os.environ.get("WRITESCOPE_PREFILL_LOAD_STREAM", "evict").strip().lower()
+    if value not in ("evict", "compute"):
+        raise ValueError(f"WRITESCOPE_PREFILL_LOAD_STREAM={value!r}: use 'evict' (the default) or 'compute'")
+    return value == "evict"
 
 
 def _pack(k: torch.Tensor, v: torch.Tensor | None) -> torch.Tensor:
