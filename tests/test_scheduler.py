@@ -218,8 +218,9 @@ def test_calibration_measures_stores_and_reloads(tmp_path, monkeypatch):
     assert r.b_alone > 0 and r.c_gpu_alone >= 0 and r.c_split >= 0
     with pytest.raises(ValueError, match="both sides"):
         calibrate(layout, 4, torch.float32, dev, window=16, batch=2, contexts=(64, 128), steps=1, progress=False, shares=(0.0,))
-    with pytest.raises(ValueError, match="lower --batch"):
+    with pytest.raises(ValueError, match="lower batch") as e:  # the API's argument; the CLI says --batch
         calibrate(layout, 4, torch.float32, dev, window=16, batch=2, contexts=(2**40, 2**41), steps=1, progress=False)
+    assert "lower --batch" in e.value.worded({})
     shape = shape_key(layout, 4, torch.float32, 16)
     assert load(dev, shape) is None
     path = save(dev, shape, r, detail)

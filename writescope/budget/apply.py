@@ -84,8 +84,9 @@ def enforce_budget(device: torch.device, budget: int, planned: int | None = None
         warnings.warn(
             f"after loading the weights this process holds {held['reserved'] / gib:.2f} GiB of device memory"
             f"{'' if planned is None else f' ({planned / gib:.2f} GiB planned)'}; with the {working / gib:.2f} GiB the plan "
-            f"keeps for KV and activations that passes the --vram-budget of {budget / gib:.2f} GiB: the run may run out "
-            "of device memory (fewer requests, a shorter context or --prefill-chunk-tokens help)",
+            f"keeps for KV and activations that passes the VRAM budget (vram_budget, --vram-budget) of {budget / gib:.2f} GiB: "
+            "the run may run out of device memory (fewer requests, a shorter context or smaller prefill chunks, "
+            "prefill_chunk_tokens / --prefill-chunk-tokens, help)",
             RuntimeWarning, stacklevel=2,
         )
     torch.cuda.set_per_process_memory_fraction(min(1.0, budget / total), index)

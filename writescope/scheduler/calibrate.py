@@ -47,6 +47,7 @@ from writescope.attention import cpu_kernel
 from writescope.attention.metadata import ForwardBatch
 from writescope.config import KVLayout
 from writescope.engine.timing import synchronized_seconds
+from writescope.errors import ArgError
 from writescope.kvcache.inplace import InplaceKVCache
 from writescope.kvcache.spec import PartitionSpec, Roofline
 from writescope.paths import cache_dir
@@ -122,8 +123,8 @@ def calibrate(
     per_token = layout.bytes_per_token(dtype.itemsize)
     fit = [L for L in contexts if host is None or batch * L * per_token <= HOST_FRACTION * host]
     if len(fit) < 2:
-        raise ValueError(f"calibration needs two contexts that fit host memory; of {contexts} (batch {batch}) only {fit} fit: "
-                         "lower --batch")
+        raise ArgError(f"calibration needs two contexts that fit host memory; of {contexts} (batch {batch}) only {fit} fit: "
+                       "lower batch", "batch")
     limits = lim.measure_limits(device, batch * max(fit) * per_token)
     points = {"cpu": [], "gpu": [], "alone": [], "split_overhead": []}
     bar = tqdm(total=(len(shares) + 1) * len(fit), desc="calibrate", disable=not progress)
