@@ -32,6 +32,8 @@ import os
 
 import torch
 
+from writescope.env import env_choice
+
 try:  # Triton comes with torch's CUDA builds; CI's CPU build has none
     import triton
     import triton.language as tl
@@ -47,9 +49,7 @@ def available(device: torch.device, dtype: torch.dtype) -> bool:
     Raises:
         ValueError: ``WRITESCOPE_GPU_ATTENTION`` other than ``triton`` (the default) or ``torch``.
     """
-    mode = os.environ.get("WRITESCOPE_GPU_ATTENTION", "triton").strip().lower()
-    if mode not in ("triton", "torch"):
-        raise ValueError(f"WRITESCOPE_GPU_ATTENTION={mode!r}: use 'triton' (the default) or 'torch'")
+    mode = env_choice("WRITESCOPE_GPU_ATTENTION", ("triton", "torch"))
     if mode == "torch" or triton is None or dtype not in (torch.bfloat16, torch.float16):
         return False
     return device.type == "cuda" or os.environ.get("TRITON_INTERPRET") == "1"

@@ -22,7 +22,6 @@ Without CUDA the same code runs with CPU tensors and no streams (CI).
 
 from __future__ import annotations
 
-import os
 import time
 from concurrent.futures import Future, ThreadPoolExecutor, wait
 from dataclasses import dataclass
@@ -35,6 +34,7 @@ from writescope.attention.gpu_decode import GpuDecode
 from writescope.attention.merge import merge_segments, merge_unchecked
 from writescope.attention.partial import attend_blocks, block_partials, cpu_attend
 from writescope.engine.threads import default_attention_threads, intra_op_threads
+from writescope.env import env_choice
 from writescope.kvcache.pinned import host_empty, unpin
 from writescope.kvcache.spec import PartitionSpec
 
@@ -63,10 +63,7 @@ def _native_wanted() -> bool:
     Raises:
         ValueError: another value (names it).
     """
-    value = os.environ.get("WRITESCOPE_CPU_WORKER", "native").strip().lower()
-    if value not in ("native", "python"):
-        raise ValueError(f"WRITESCOPE_CPU_WORKER={value!r}: use 'native' (the default) or 'python'")
-    return value == "native"
+    return env_choice("WRITESCOPE_CPU_WORKER", ("native", "python")) == "native"
 
 
 class SplitDecoder:

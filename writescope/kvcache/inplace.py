@@ -16,7 +16,6 @@ for that attention; counted in ``prefill_readback_bytes``). Placed bytes never m
 from __future__ import annotations
 
 import math
-import os
 
 import torch
 from torch.profiler import record_function
@@ -26,6 +25,7 @@ from writescope.attention.reference import attend_sequence
 from writescope.attention.split import SplitDecoder
 from writescope.kvcache.base import KVCache
 from writescope.engine.threads import default_attention_threads
+from writescope.env import env_choice
 from writescope.kvcache.prefill_writer import PrefillWriter
 from writescope.kvcache.sequence import SequenceKV, load_blocks_reserved, pinned_staging_bytes
 from writescope.kvcache.spec import PartitionSpec
@@ -413,10 +413,7 @@ def _prefill_load_on_evict_stream() -> bool:
     Raises:
         ValueError: another value (names it).
     """
-    value = os.environ.get("WRITESCOPE_PREFILL_LOAD_STREAM", "evict").strip().lower()
-    if value not in ("evict", "compute"):
-        raise ValueError(f"WRITESCOPE_PREFILL_LOAD_STREAM={value!r}: use 'evict' (the default) or 'compute'")
-    return value == "evict"
+    return env_choice("WRITESCOPE_PREFILL_LOAD_STREAM", ("evict", "compute")) == "evict"
 
 
 def _pack(k: torch.Tensor, v: torch.Tensor | None) -> torch.Tensor:
