@@ -111,3 +111,20 @@ def test_prefill_load_stream_switch_is_checked_when_the_cache_is_made(monkeypatc
         InplaceKVCache(spec, parse_policy("gpu"), "cpu")
     monkeypatch.setenv("WRITESCOPE_PREFILL_LOAD_STREAM", "compute")
     InplaceKVCache(spec, parse_policy("gpu"), "cpu").close()
+
+
+def test_gpu_attention_switch_is_checked_when_the_cache_is_made(monkeypatch):
+    import torch
+
+    from writescope.attention import gpu_kernel
+    from writescope.config import KVLayout
+    from writescope.kvcache.inplace import InplaceKVCache
+    from writescope.kvcache.spec import PartitionSpec
+    from writescope.scheduler.policies import parse_policy
+
+    spec = PartitionSpec(KVLayout(2, 16, 16, False), 1, torch.bfloat16, window=8)
+    monkeypatch.setenv("WRITESCOPE_GPU_ATTENTION", "cuda-c")
+    with pytest.raises(ValueError, match="WRITESCOPE_GPU_ATTENTION='cuda-c': use 'triton' \\(the default\\) or 'torch'"):
+        InplaceKVCache(spec, parse_policy("gpu"), "cpu")
+    monkeypatch.setenv("WRITESCOPE_GPU_ATTENTION", "torch")
+    assert not gpu_kernel.available(torch.device("cuda"), torch.bfloat16)  # switched off even where CUDA and Triton exist
