@@ -20,7 +20,10 @@
 #   bash benchmarks/h200_session.sh cpu-attention  # CPU attention at full scale: the kernel's paths, the flash op, a plain read; under a H2D copy
 #   bash benchmarks/h200_session.sh calibrate MODEL  # writescope calibrate for MODEL's KV shape (A, B, C, r(L) at 2K-128K, batch 16)
 #   bash benchmarks/h200_session.sh tpot MODEL # full-size MODEL under 32 GiB, machine text, TPOT of each policy one after another
-#     (TPOT_BATCH 16, TPOT_CONTEXT 32k, TPOT_NEW 24 new tokens, TPOT_POLICIES gpu,writescope, TPOT_TAG a file-name suffix)
+#     (TPOT_BATCH 16, TPOT_CONTEXT 32k, TPOT_NEW 24 new tokens, TPOT_POLICIES gpu,writescope, TPOT_TAG a file-name suffix,
+#      TPOT_FLAGS more generate flags)
+#   bash benchmarks/h200_session.sh joint MODEL  # issue 16: writescope's per-step expert split vs --expert-stream-share 1 and 0, and gpu
+#     (TPOT_BATCH default 4 here, TPOT_CONTEXT, TPOT_NEW)
 # A grid or calibration with torch's flash op instead of the C++ kernel: WRITESCOPE_CPU_ATTENTION=flash (the environment passes through).
 # Several parts run in one call, one after another: `bash benchmarks/h200_session.sh tests grid:deepseek-v2-lite`.
 # The whole call stops by DEADLINE seconds (default 570, under the device tool's 10 minutes): each part's
@@ -61,8 +64,17 @@ part() {
         local f="$out/tpot_${m}_${TPOT_BATCH:-16}x${TPOT_CONTEXT:-32k}_${pol/:/_}${TPOT_TAG:-}"
         timeout "$(tmo 300)" python3 -m writescope.cli.main generate --model "$m" --synthetic --device cuda --vram-budget 32GiB \
           --machine-text "${TPOT_CONTEXT:-32k}" --batch "${TPOT_BATCH:-16}" --max-new-tokens "${TPOT_NEW:-24}" --ignore-eos --policy "$pol" \
-          --prefill-chunk-tokens 4096 --quiet --output-json "$f.json" > "$f.log" 2>&1 || echo "$pol: exit $?"
+          --prefill-chunk-tokens 4096 --quiet ${TPOT_FLAGS:-} --output-json "$f.json" > "$f.log" 2>&1 || echo "$pol: exit $?"
         grep -E "TPOT|decode|r\(L\)|CPU attention|placement|VRAM" "$f.log" | sed "s/^/$pol: /" | head -8
+      done ;;
+    joint)  # issue 16: the joint roofline's per-step expert split against fixed shares, same batch, one after another
+      for run in "writescope:" "writescope:--expert-stream-share 1" "writescope:--expert-stream-share 0" "gpu:"; do
+        local pol=${run%%:*} flags=${run#*:} tag=${run#*:}; tag=${tag//--expert-stream-share /_share}; tag=${tag// /}
+        local f="$out/joint_${m}_${TPOT_BATCH:-4}x${TPOT_CONTEXT:-32k}_${pol}${tag}"
+        timeout "$(tmo 300)" python3 -m writescope.cli.main generate --model "$m" --synthetic --device cuda --vram-budget 32GiB \
+          --machine-text "${TPOT_CONTEXT:-32k}" --batch "${TPOT_BATCH:-4}" --max-new-tokens "${TPOT_NEW:-24}" --ignore-eos --policy "$pol" \
+          --prefill-chunk-tokens 4096 --quiet $flags --output-json "$f.json" > "$f.log" 2>&1 || echo "$run: exit $?"
+        grep -E "TPOT|host experts" "$f.log" | sed "s/^/$run: /" | head -4
       done ;;
     calibrate)
       timeout "$(tmo 120)" python3 -m writescope.cli.main calibrate --model "$m" --device cuda --quiet 2>&1 | tee "$out/calibrate_${m}_h200.log" ;;
@@ -130,7 +142,7 @@ part() {
       timeout "$(tmo 500)" python3 benchmarks/peer_transformers.py --checkpoint "$ckpt" --contexts "${PEER_CONTEXTS:-8k}" --batch 4 \
         --out "$out/peer_transformers_h200" 2>&1 | tee "$out/peer_transformers_h200.log" | tail -12 ;;
     *)
-      echo "usage: $0 PART [PART ...]; PART: tests|split|experts|scheduler|profile|prefill|text:MODEL|breakdown:MODEL|1m|1m-decode|mla|grid:MODEL|prefill-e2e:MODEL|consistency|peer|amx|cpu-attention|calibrate:MODEL|tpot:MODEL|bounds" >&2; return 2 ;;
+      echo "usage: $0 PART [PART ...]; PART: tests|split|experts|scheduler|profile|prefill|text:MODEL|breakdown:MODEL|1m|1m-decode|mla|grid:MODEL|prefill-e2e:MODEL|consistency|peer|amx|cpu-attention|calibrate:MODEL|tpot:MODEL|joint:MODEL|bounds" >&2; return 2 ;;
   esac
 }
 (( $# )) || { part usage; exit 2; }
@@ -138,7 +150,7 @@ rc=0
 while (( $# )); do
   p=${1%%:*}; m=""
   if [[ $1 == *:* ]]; then m=${1#*:}
-  elif [[ $p == text || $p == breakdown || $p == grid || $p == prefill-e2e || $p == calibrate || $p == tpot ]]; then shift; m=${1:?"$p needs a model"}; fi
+  elif [[ $p == text || $p == breakdown || $p == grid || $p == prefill-e2e || $p == calibrate || $p == tpot || $p == joint ]]; then shift; m=${1:?"$p needs a model"}; fi
   shift
   if (( $(left) < 40 )); then echo "== $p $m: skipped, $(left) s left of DEADLINE=$deadline" >&2; rc=1; continue; fi
   echo "== $p $m ($(left) s left)"
