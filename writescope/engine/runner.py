@@ -8,13 +8,14 @@ finished, cancelled or failed request frees its cache slot at once. A request wh
 allocation or sampling raises fails alone (``finish_reason == "error"``); an exception in the
 batch's decode forward fails the requests of that batch (their KV may be half written), and the
 engine goes on with new requests. Greedy outputs equal ``LLM.generate``'s for the same prompts
-(same model, cache and sampler; tests/test_scheduler_engine.py).
+(same model, cache and sampler; tests/test_engine_runner.py).
 
 Offline (``offline=True``, what ``LLM.generate`` drives): the batch is admitted whole
 (:meth:`EngineCore.admit_all`: the policy told the batch size, then every slot allocated), the
 first step prefills every prompt (``llm._prefill``: chunks packed across the requests) and
-samples their first tokens, and every later step is one decode step of the whole batch, so the
-batch decodes together (TPOT over a full batch, as the paper measures it). Errors are raised to
+samples their first tokens, and every later step is one decode step of the whole batch (requests
+queued meanwhile wait for the batch to end, then are admitted whole in turn), so the batch
+decodes together (TPOT over a full batch, as the paper measures it). Errors are raised to
 the caller then (the batch fails as a whole), and an r(L) trace (``r_trace``) is recorded under
 a partitioned policy.
 
@@ -143,15 +144,13 @@ class EngineCore:
                 return self._prefill_all()
         new: dict[Request, list[int]] = {}
         finished: dict[Request, StepOutput] = {}
-        req, refused = self.scheduler.next_prefill()
+        req, refused = self.scheduler.next_prefill() if not self.offline else (None, [])
         for r in refused:
             finished[r] = self._finish(r, "error")
         if req is not None:
             try:
                 tok = self._prefill_chunk(req)
             except Exception as e:  # noqa: BLE001 - this request fails alone
-                if self.offline:
-                    raise
                 req.error = f"prefill failed: {type(e).__name__}: {e}"
                 finished[req] = self._finish(req, "error")
             else:
