@@ -28,7 +28,7 @@ from pathlib import Path
 
 import torch
 
-import writescope.engine.llm as engine
+import writescope.engine.runner as engine
 from writescope import LLM, SamplingParams
 from writescope.kvcache.spec import Roofline
 from writescope.scheduler.policies import parse_policy

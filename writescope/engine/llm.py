@@ -8,10 +8,8 @@ import time
 from typing import Sequence
 
 import torch
-from tqdm import tqdm
 
 from writescope.attention import cpu_kernel
-from writescope.attention.metadata import ForwardBatch
 from writescope.budget.apply import enforce_budget, host_experts, place_experts
 from writescope.budget.memory import available_memory, check_fits, host_memory_total  # noqa: F401 - also imported from here
 from writescope.budget.plan import make_plan, parse_size
@@ -20,7 +18,8 @@ from writescope.layers.attention import mla_prefill_mode
 from writescope.errors import ArgError, plural
 from writescope.engine.outputs import RequestMetrics, RequestOutput
 from writescope.engine.prompts import check_token_ids, token_lists
-from writescope.engine.sampling import SamplingParams, sample
+from writescope.engine.runner import EngineCore, prefill_batch
+from writescope.engine.sampling import SamplingParams
 from writescope.engine.streaming import OnTokens, TokenEvent
 from writescope.engine.threads import default_attention_threads, default_expert_threads
 from writescope.engine.timing import synchronize
@@ -34,8 +33,6 @@ from writescope.moe.popularity import ExpertProfile
 from writescope.scheduler.expert_work import attach_expert_work
 from writescope.scheduler.calibrate import load_or_calibrate
 from writescope.scheduler.policies import parse_policy
-
-PROGRESS_MIN_PROMPT_TOKENS = 2048  # show a prefill progress bar from this many prompt tokens
 
 
 class LLM:
@@ -143,7 +140,7 @@ class LLM:
             raise ArgError(f"max_model_len {max_model_len} must be in [1, {limit}] (the model's max_position_embeddings)",
                            "max_model_len")
         self.max_model_len = max_model_len or limit
-        self.vram_plan = None
+        self.vram_plan, self.max_batch = None, max_batch  # max_batch: what the plan is sized for (EngineCore's seats)
         if vram_budget is not None:  # checked before any weight is loaded
             if max_batch < 1:
                 raise ArgError(f"max_batch must be >= 1, got {max_batch}", "max_batch")
@@ -338,164 +335,70 @@ class LLM:
         on_tokens: OnTokens | None = None,
     ) -> list[RequestOutput]:
         """Generate for a batch of requests (ragged lengths allowed), all prefilled together
-        then decoded together. ``prompts``: strings, token-id lists, or vLLM's prompt dicts
+        then decoded together, on the engine's scheduler (:class:`~writescope.engine.runner.EngineCore`
+        with ``offline=True``). ``prompts``: strings, token-id lists, or vLLM's prompt dicts
         (``{"prompt": ...}``, ``{"prompt_token_ids": [...]}``); or the ids as ``prompt_token_ids``.
         ``on_tokens`` is called with the new tokens as they are sampled:
         after the prefill and after every decode step (see :mod:`writescope.engine.streaming`).
+        Sampled requests without a seed use ``seed`` + their index in the batch.
 
         Raises:
             ValueError (``ArgError``, naming the argument): empty prompts, an id outside the
                 vocabulary (named with its request, position and the vocab size), prompt + max_tokens beyond
                 ``max_model_len``, or a KV cache larger than free memory. Nothing is allocated
-                then, and the engine stays usable.
+                then, and the engine stays usable. Whatever the prefill or a decode step raises
+                is raised after every slot of the batch is freed.
         """
         texts, ids, plist = self._prepare(prompts, prompt_token_ids, sampling_params)
         if self.device.type == "cuda":
             torch.cuda.reset_peak_memory_stats(self.device)
-        slots: list[int] = []
-        if isinstance(self.cache, InplaceKVCache):
-            self.cache.expect_batch(len(ids) + len(self.cache.active_slots))
+        core = EngineCore(self, offline=True)
+        reqs = [core.make_request(p, sp, checked=True) for p, sp in zip(ids, plist)]
+        index = {r.request_id: i for i, r in enumerate(reqs)}
+        for r in reqs:
+            core.add(r)
         try:
-            for p, sp in zip(ids, plist):
-                slots.append(self.cache.allocate(len(p) + sp.max_tokens, prompt_len=len(p)))
-            return self._run(texts, ids, plist, slots, on_tokens)
+            core.admit_all()
+            self.r_trace = core.r_trace
+            synchronize(self.device)
+            t0 = time.perf_counter()
+            while core.has_work():
+                outs = sorted(core.step(), key=lambda o: index[o.request_id])
+                if on_tokens is not None:
+                    on_tokens([TokenEvent(index[o.request_id], t, o.finish_reason if j == len(o.new_token_ids) - 1 else None)
+                               for o in outs for j, t in enumerate(o.new_token_ids)])
+            t_end = time.perf_counter()
         finally:
-            errors = []
-            for s in slots:  # free every slot even if one free fails
-                try:
-                    self.cache.free(s)
-                except Exception as e:  # noqa: BLE001 - re-raised below after the others are freed
-                    errors.append(e)
-            if errors:
-                raise errors[0]
-
-    def _prefill(self, ids: list[list[int]], slots: list[int]) -> torch.Tensor:
-        """Chunked prefill of all prompts; returns last-token logits ``[batch, vocab]``."""
-        n_layers, total = self.config.num_layers, sum(map(len, ids))
-        bar = tqdm(total=total, desc="prefill", unit="tok", disable=not self.progress or total < PROGRESS_MIN_PROMPT_TOKENS)
-        done = [0] * len(ids)
-        last_logits: list[torch.Tensor | None] = [None] * len(ids)
-        while any(d < len(p) for d, p in zip(done, ids)):
-            budget, rows, chunk = self.prefill_chunk_tokens, [], []
-            for i, p in enumerate(ids):
-                take = min(len(p) - done[i], budget)
-                if take > 0:
-                    rows.append((i, take))
-                    chunk.extend(p[done[i] : done[i] + take])
-                    budget -= take
-                if budget == 0:
-                    break
-            batch = ForwardBatch.build([slots[i] for i, _ in rows], [t for _, t in rows], [done[i] for i, _ in rows], self.device)
-            step = lambda layer: bar.set_postfix_str(f"layer {layer + 1}/{n_layers}", refresh=False)  # noqa: E731
-            logits = self.model(torch.tensor(chunk, device=self.device), batch, self.cache, layer_callback=step)
-            bar.update(len(chunk))
-            for r, (i, take) in enumerate(rows):
-                done[i] += take
-                if done[i] == len(ids[i]):
-                    last_logits[i] = logits[r]
-        bar.close()
-        return torch.stack(last_logits)  # type: ignore[arg-type]
-
-    def _run(self, texts, ids, plist, slots, on_tokens: OnTokens | None = None) -> list[RequestOutput]:
-        eos = set(self.config.eos_token_ids)
-        B = len(ids)
-        gens = []
-        for i, sp in enumerate(plist):
-            if sp.greedy:
-                gens.append(None)
-            else:
-                g = torch.Generator(device=self.device)
-                g.manual_seed(sp.seed if sp.seed is not None else self.seed + i)
-                gens.append(g)
-        synchronize(self.device)
-        t0 = time.perf_counter()
-        logits = self._prefill(ids, slots)
-        first = sample(logits, plist, gens)
-        t_first = time.perf_counter()
-        out_ids = [[t] for t in first]
-        finish: list[str | None] = [None] * B
-        done_at = [t_first] * B
-
-        def check(i: int, now: float) -> None:
-            sp, last = plist[i], out_ids[i][-1]
-            if (last in eos and not sp.ignore_eos) or last in sp.stop_token_ids:
-                finish[i] = "stop"
-            elif len(out_ids[i]) >= sp.max_tokens:
-                finish[i] = "length"
-            if finish[i]:
-                done_at[i] = now
-
-        for i in range(B):
-            check(i, t_first)
-        if on_tokens is not None:
-            on_tokens([TokenEvent(i, out_ids[i][-1], finish[i]) for i in range(B)])
-        decode_tokens = 0
-        trace = [] if isinstance(self.cache, InplaceKVCache) else None
-        self.r_trace = trace
-        if trace is not None:
-            trace.append(self._r_point(0, slots))
-        while True:
-            active = [i for i in range(B) if finish[i] is None]
-            if not active:
-                break
-            batch = ForwardBatch.build(
-                [slots[i] for i in active], [1] * len(active), [len(ids[i]) + len(out_ids[i]) - 1 for i in active], self.device
-            )
-            inp = torch.tensor([out_ids[i][-1] for i in active], device=self.device)
-            logits = self.model(inp, batch, self.cache)
-            toks = sample(logits, [plist[i] for i in active], [gens[i] for i in active])
-            now = time.perf_counter()
-            for i, t in zip(active, toks):
-                out_ids[i].append(t)
-                check(i, now)
-            decode_tokens += len(active)
-            if on_tokens is not None:
-                on_tokens([TokenEvent(i, out_ids[i][-1], finish[i]) for i in active])
-            if trace is not None:
-                trace.append(self._r_point(len(out_ids[active[0]]) - 1, [slots[i] for i in active]))
-            if self.step_hook is not None:
-                self.step_hook()
-        t_end = time.perf_counter()
+            failed = [o.error for o in core.abort_all() if o.error]  # after an exception: free every slot
+        if failed:
+            raise RuntimeError(failed[0])
         peak = peak_memory(self.device)
+        t_first = max(r.first_token_at for r in reqs)  # all first tokens are sampled after the whole prefill
         prefill_s, decode_s = t_first - t0, t_end - t_first
+        decode_tokens = sum(len(r.output_ids) - 1 for r in reqs)
         outputs = []
-        for i in range(B):
-            n = len(out_ids[i])
+        for i, r in enumerate(reqs):
+            n = len(r.output_ids)
             metrics = RequestMetrics(
                 prompt_tokens=len(ids[i]),
                 output_tokens=n,
                 ttft_s=prefill_s,
-                tpot_s=(done_at[i] - t_first) / (n - 1) if n > 1 else 0.0,
-                e2e_s=done_at[i] - t0,
+                tpot_s=(r.last_token_at - t_first) / (n - 1) if n > 1 else 0.0,
+                e2e_s=r.last_token_at - t0,
                 prefill_tok_s=sum(map(len, ids)) / prefill_s,
                 decode_tok_s=decode_tokens / decode_s if decode_tokens else 0.0,
                 peak_memory_bytes=peak,
             )
-            placement = self.cache.placement(slots[i]) if isinstance(self.cache, InplaceKVCache) else None
-            outputs.append(
-                RequestOutput(
-                    self._next_request_id, texts[i], ids[i], out_ids[i], self.tokenizer.decode(out_ids[i]), finish[i], metrics, placement
-                )
-            )
+            outputs.append(RequestOutput(self._next_request_id, texts[i], ids[i], r.output_ids, self.tokenizer.decode(r.output_ids),
+                                         r.finish_reason, metrics, r.kv_placement))
             self._next_request_id += 1
         return outputs
 
-    def _r_point(self, step: int, slots: list[int]) -> dict:
-        """One point of the r(L) trace: after ``step`` decode steps, the mean placed tokens per
-        sequence L, the policy's target share r(L) (monolithic: the share the CPU attends) and the
-        share placed on the CPU side."""
-        placed = [self.cache.placement(s) for s in slots]
-        comp, load = sum(p["compute"] for p in placed), sum(p["load"] for p in placed)
-        L = (comp + load) / max(1, len(slots))
-        pol = self.cache.policy  # monolithic places everything on the CPU side and splits when reading: its read share
-        target = pol.read_share(int(L)) if getattr(pol, "monolithic", False) else pol.cpu_share(int(L))
-        point = {"step": step, "L": L, "target": target, "deployed": comp / (comp + load) if comp + load else None}
-        if getattr(self, "expert_work", None) is not None:  # the joint roofline's expert split since the last point
-            counts = self.expert_work.take_counts()  # at step 0: the prefill's, not shown
-            if step > 0:
-                point["experts_streamed"], point["experts_cpu"] = counts
-        return point
-
+    def _prefill(self, ids: list[list[int]], slots: list[int]) -> torch.Tensor:
+        """The offline batch's prefill (:func:`writescope.engine.runner.prefill_batch`): last-token
+        logits ``[batch, vocab]``. A hook: ``writescope bench --kv-fill random`` replaces it on
+        the instance (writescope/bench/runner.py)."""
+        return prefill_batch(self, ids, slots)
 
 
 def peak_memory(device: torch.device) -> int:

@@ -30,7 +30,10 @@ class Request:
         finish_reason: ``stop`` (end or stop token), ``length`` (max_tokens), ``abort``
             (cancelled), ``error`` (failed inside the engine; ``error`` says why).
         generator: its sampling generator (None for greedy requests).
-        last_token_at: ``time.perf_counter()`` of its last token (inter-token latency).
+        first_token_at, last_token_at: ``time.perf_counter()`` of its first and last token
+            (TTFT, inter-token latency).
+        kv_placement: tokens of its KV per region (``window``, ``compute``, ``load``) when its
+            slot was freed, under a partitioned policy; else None.
     """
 
     request_id: str
@@ -44,7 +47,9 @@ class Request:
     finish_reason: str | None = None
     error: str | None = None
     generator: torch.Generator | None = None
+    first_token_at: float | None = None
     last_token_at: float | None = None
+    kv_placement: dict[str, int] | None = None
     pending_ttft: float | None = None  # latencies not yet handed out in a StepOutput
     pending_itl: list[float] = field(default_factory=list)
 

@@ -8,7 +8,16 @@ finished, cancelled or failed request frees its cache slot at once. A request wh
 allocation or sampling raises fails alone (``finish_reason == "error"``); an exception in the
 batch's decode forward fails the requests of that batch (their KV may be half written), and the
 engine goes on with new requests. Greedy outputs equal ``LLM.generate``'s for the same prompts
-(same model, cache and sampler; tests/test_scheduler_engine.py).
+(same model, cache and sampler; tests/test_engine_runner.py).
+
+Offline (``offline=True``, what ``LLM.generate`` drives): the batch is admitted whole
+(:meth:`EngineCore.admit_all`: the policy told the batch size, then every slot allocated), the
+first step prefills every prompt (``llm._prefill``: chunks packed across the requests) and
+samples their first tokens, and every later step is one decode step of the whole batch (requests
+queued meanwhile wait for the batch to end, then are admitted whole in turn), so the batch
+decodes together (TPOT over a full batch, as the paper measures it). Errors are raised to
+the caller then (the batch fails as a whole), and an r(L) trace (``r_trace``) is recorded under
+a partitioned policy.
 
 Not thread-safe: one thread owns it (:class:`writescope.serve.async_engine.AsyncEngine`).
 """
@@ -19,14 +28,17 @@ import itertools
 import time
 
 import torch
+from tqdm import tqdm
 
 from writescope.attention.metadata import ForwardBatch
-from writescope.engine.llm import available_memory
+from writescope.budget.memory import available_memory
 from writescope.engine.prompts import check_token_ids
 from writescope.engine.request import FINISHED, Request, StepOutput
 from writescope.engine.sampling import SamplingParams, sample
 from writescope.engine.scheduler import Scheduler
 from writescope.kvcache.inplace import InplaceKVCache
+
+PROGRESS_MIN_PROMPT_TOKENS = 2048  # show a prefill progress bar from this many prompt tokens
 
 
 class EngineCore:
@@ -36,35 +48,47 @@ class EngineCore:
         llm: the loaded model, its cache (any policy), tokenizer and ``prefill_chunk_tokens``.
             Do not call ``llm.generate`` while this engine holds requests.
         max_num_seqs: requests holding KV at once (default: the plan's ``max_batch`` under a
-            VRAM budget, else 32).
+            VRAM budget, else 32). Not used offline (the batch is admitted whole).
+        offline: ``LLM.generate``'s batch mode (see the module docstring): admitted whole,
+            prefilled together, decoded together; errors raised; the r(L) trace recorded.
+
+    Attributes:
+        r_trace: offline under a partitioned policy, one point (:meth:`_r_point`) after the
+            prefill and one per decode step; else None.
 
     Raises:
         ValueError: max_num_seqs < 1, or above the budget plan's ``max_batch``.
     """
 
-    def __init__(self, llm, max_num_seqs: int | None = None):
+    def __init__(self, llm, max_num_seqs: int | None = None, *, offline: bool = False):
         self.llm = llm
-        plan = llm.vram_plan
+        self.offline = offline
+        self.r_trace: list[dict] | None = [] if offline and isinstance(llm.cache, InplaceKVCache) else None
+        planned = llm.max_batch if llm.vram_plan is not None else None  # sequences the budget plan was sized for
         if max_num_seqs is None:
-            max_num_seqs = plan.max_batch if plan is not None else 32
-        if plan is not None and max_num_seqs > plan.max_batch:
-            raise ValueError(f"max_num_seqs {max_num_seqs} is above the VRAM budget plan's {plan.max_batch} sequences: "
+            max_num_seqs = planned or 32
+        if planned is not None and max_num_seqs > planned and not offline:
+            raise ValueError(f"max_num_seqs {max_num_seqs} is above the VRAM budget plan's {planned} sequences: "
                              "load the model with max_batch >= max_num_seqs")
         self.scheduler = Scheduler(max_num_seqs, llm.max_model_len, llm.config.eos_token_ids, self._kv_fits)
         self._ids = itertools.count()
         self.steps = 0
 
     # ------------------------------------------------------------ requests
-    def make_request(self, prompt_ids: list[int], params: SamplingParams, request_id: str | None = None) -> Request:
+    def make_request(self, prompt_ids: list[int], params: SamplingParams, request_id: str | None = None,
+                     checked: bool = False) -> Request:
         """A checked request, not queued yet (safe to call from another thread: it reads only
-        the configuration and free memory).
+        the configuration and free memory). Its sampling seed, unless ``params.seed``: the
+        model's seed + its number among this engine's requests (0, 1, ...). ``checked``: the
+        caller checked it already (``LLM.generate`` checks its batch as a whole).
 
         Raises:
             ArgError: an id outside the vocabulary, an empty prompt, prompt + max_tokens beyond
                 ``max_model_len``, or KV that cannot fit even alone.
         """
-        check_token_ids([prompt_ids], self.llm.config.vocab_size, "prompt")
-        self.scheduler.check(len(prompt_ids), params.max_tokens)
+        if not checked:
+            check_token_ids([prompt_ids], self.llm.config.vocab_size, "prompt")
+            self.scheduler.check(len(prompt_ids), params.max_tokens)
         n = next(self._ids)
         req = Request(request_id if request_id is not None else f"req-{n}", list(prompt_ids), params)
         if not params.greedy:
@@ -88,15 +112,39 @@ class EngineCore:
     def has_work(self) -> bool:
         return self.scheduler.has_work()
 
+    def admit_all(self) -> list[Request]:
+        """Admit every queued request at once (offline): the policy is told the batch (these and
+        any other requests holding KV) before any prompt is placed, then a slot is allocated for
+        each, in order. An allocation that fails raises; the slots allocated so far stay with
+        their requests (:meth:`abort_all` frees them)."""
+        cache = self.llm.cache
+        admitted = self.scheduler.admit_all()
+        if isinstance(cache, InplaceKVCache):
+            cache.expect_batch(len(cache.active_slots) + sum(r.slot is None for r in admitted))
+        for r in admitted:
+            if r.slot is None:
+                r.slot = cache.allocate(r.capacity, prompt_len=len(r.prompt_ids))
+        return admitted
+
     # ------------------------------------------------------------ one step
     def step(self) -> list[StepOutput]:
         """One prefill chunk (if a request is prefilling or can be admitted), then one decode
         step of the running requests. Returns one output per request that got tokens or
-        finished in this step."""
+        finished in this step. Offline: the whole batch's prefill, or one decode step.
+
+        Raises:
+            Exception: offline, whatever the prefill or the decode step raised (the requests
+                keep their KV until :meth:`abort_all`).
+        """
         self.steps += 1
+        if self.offline:
+            if self.scheduler.waiting and not self.scheduler.active:
+                self.admit_all()
+            if self.scheduler.prefilling:
+                return self._prefill_all()
         new: dict[Request, list[int]] = {}
         finished: dict[Request, StepOutput] = {}
-        req, refused = self.scheduler.next_prefill()
+        req, refused = self.scheduler.next_prefill() if not self.offline else (None, [])
         for r in refused:
             finished[r] = self._finish(r, "error")
         if req is not None:
@@ -118,6 +166,8 @@ class EngineCore:
             try:
                 toks = self._decode(running)
             except Exception as e:  # noqa: BLE001 - the batch's KV may be half written: its requests fail
+                if self.offline:
+                    raise
                 for r in running:
                     r.error = f"decode step failed: {type(e).__name__}: {e}"
                     finished[r] = self._finish(r, "error", new.pop(r, []))
@@ -150,6 +200,25 @@ class EngineCore:
         self._append(req, tok)
         return tok
 
+    def _prefill_all(self) -> list[StepOutput]:
+        """Offline: prefill every admitted prompt (``llm._prefill``, which ``writescope bench
+        --kv-fill random`` replaces), sample each first token, record the trace's first point;
+        the requests that go on decode from the next step."""
+        reqs = list(self.scheduler.prefilling)
+        logits = self.llm._prefill([r.prompt_ids for r in reqs], [r.slot for r in reqs])
+        toks = sample(logits, [r.params for r in reqs], [r.generator for r in reqs])
+        for r, t in zip(reqs, toks):
+            r.num_prefilled = len(r.prompt_ids)
+            self._append(r, t)
+            self.scheduler.prefilled(r)
+        if self.r_trace is not None:
+            self.r_trace.append(self._r_point(0, reqs))
+        outs = []
+        for r, t in zip(reqs, toks):
+            reason = self.scheduler.stop_reason(r)
+            outs.append(self._finish(r, reason, [t]) if reason is not None else self._output(r, [t]))
+        return outs
+
     def _decode(self, running: list[Request]) -> list[int]:
         """One decode step of ``running`` (each with its last token as input); returns one new
         token per request (appended to its ``output_ids``)."""
@@ -160,6 +229,8 @@ class EngineCore:
         toks = sample(logits, [r.params for r in running], [r.generator for r in running])
         for r, t in zip(running, toks):
             self._append(r, t)
+        if self.r_trace is not None:
+            self.r_trace.append(self._r_point(len(running[0].output_ids) - 1, running))
         if llm.step_hook is not None:
             llm.step_hook()
         return toks
@@ -168,6 +239,7 @@ class EngineCore:
         now = time.perf_counter()
         req.output_ids.append(tok)
         if req.last_token_at is None:
+            req.first_token_at = now
             req.pending_ttft = now - req.arrival
         else:
             req.pending_itl.append(now - req.last_token_at)
@@ -189,11 +261,33 @@ class EngineCore:
         req.finish_reason = reason
         if req.slot is not None:
             slot, req.slot = req.slot, None
+            if isinstance(self.llm.cache, InplaceKVCache):
+                req.kv_placement = self.llm.cache.placement(slot)  # RequestOutput.kv_placement
             try:
                 self.llm.cache.free(slot)
             except Exception as e:  # noqa: BLE001 - the request is over either way; say why its KV was not freed
                 req.error = (req.error + "; " if req.error else "") + f"freeing its KV failed: {type(e).__name__}: {e}"
         return self._output(req, toks or [], reason)
+
+    def _r_point(self, step: int, reqs: list[Request]) -> dict:
+        """One point of the r(L) trace: after ``step`` decode steps of ``reqs``, the mean placed
+        tokens per sequence L, the policy's target share r(L) (monolithic: the share the CPU
+        attends), the share placed on the CPU side and, with the joint roofline's expert split
+        (``llm.expert_work``), the host experts streamed and computed on the CPU since the last
+        point (``experts_streamed``, ``experts_cpu``; not at step 0, whose counts are the prefill's)."""
+        cache = self.llm.cache
+        placed = [cache.placement(r.slot) for r in reqs]
+        comp, load = sum(p["compute"] for p in placed), sum(p["load"] for p in placed)
+        L = (comp + load) / max(1, len(reqs))
+        pol = cache.policy  # monolithic places everything on the CPU side and splits when reading: its read share
+        target = pol.read_share(int(L)) if getattr(pol, "monolithic", False) else pol.cpu_share(int(L))
+        point = {"step": step, "L": L, "target": target, "deployed": comp / (comp + load) if comp + load else None}
+        work = getattr(self.llm, "expert_work", None)
+        if work is not None:
+            counts = work.take_counts()
+            if step > 0:
+                point["experts_streamed"], point["experts_cpu"] = counts
+        return point
 
     # ------------------------------------------------------------ capacity
     def _kv_fits(self, capacities: list[int]) -> str | None:
@@ -219,3 +313,34 @@ class EngineCore:
         except ValueError as e:
             return str(e)
         return None
+
+
+def prefill_batch(llm, ids: list[list[int]], slots: list[int]) -> torch.Tensor:
+    """Chunked prefill of all ``ids`` (prompt token ids, one list per request) into their cache
+    ``slots``: each forward pass takes up to ``llm.prefill_chunk_tokens`` tokens, packed across
+    the requests in order; a progress bar from PROGRESS_MIN_PROMPT_TOKENS tokens (with
+    ``llm.progress``). Returns the last prompt token's logits, ``[batch, vocab]``."""
+    n_layers, total = llm.config.num_layers, sum(map(len, ids))
+    bar = tqdm(total=total, desc="prefill", unit="tok", disable=not llm.progress or total < PROGRESS_MIN_PROMPT_TOKENS)
+    done = [0] * len(ids)
+    last_logits: list[torch.Tensor | None] = [None] * len(ids)
+    while any(d < len(p) for d, p in zip(done, ids)):
+        budget, rows, chunk = llm.prefill_chunk_tokens, [], []
+        for i, p in enumerate(ids):
+            take = min(len(p) - done[i], budget)
+            if take > 0:
+                rows.append((i, take))
+                chunk.extend(p[done[i] : done[i] + take])
+                budget -= take
+            if budget == 0:
+                break
+        batch = ForwardBatch.build([slots[i] for i, _ in rows], [t for _, t in rows], [done[i] for i, _ in rows], llm.device)
+        step = lambda layer: bar.set_postfix_str(f"layer {layer + 1}/{n_layers}", refresh=False)  # noqa: E731
+        logits = llm.model(torch.tensor(chunk, device=llm.device), batch, llm.cache, layer_callback=step)
+        bar.update(len(chunk))
+        for r, (i, take) in enumerate(rows):
+            done[i] += take
+            if done[i] == len(ids[i]):
+                last_logits[i] = logits[r]
+    bar.close()
+    return torch.stack(last_logits)  # type: ignore[arg-type]

@@ -5,6 +5,8 @@ Single-threaded: the engine thread (:mod:`writescope.engine.runner`) owns it. On
 prefills at a time (chunk by chunk, between the decode steps of the running ones); a waiting
 request is admitted, first come first served, when the running batch has room (``max_num_seqs``)
 and its KV fits beside theirs (``fits``). A request whose KV cannot fit even alone is refused.
+An offline batch (``LLM.generate``) is admitted whole instead (:meth:`Scheduler.admit_all`): all
+its requests prefill before any decodes, then they decode together.
 """
 
 from __future__ import annotations
@@ -37,7 +39,7 @@ class Scheduler:
         self.eos = frozenset(eos_token_ids)
         self.fits = fits
         self.waiting: deque[Request] = deque()
-        self.prefilling: Request | None = None
+        self.prefilling: list[Request] = []  # at most one, but an offline batch (admit_all) prefills whole
         self.running: list[Request] = []
 
     # ------------------------------------------------------------ queue
@@ -67,11 +69,11 @@ class Scheduler:
 
     @property
     def active(self) -> list[Request]:
-        """Requests holding KV: the prefilling one, then the running ones."""
-        return ([self.prefilling] if self.prefilling is not None else []) + self.running
+        """Requests holding KV (or about to): the prefilling ones, then the running ones."""
+        return self.prefilling + self.running
 
     def has_work(self) -> bool:
-        return bool(self.waiting or self.prefilling is not None or self.running)
+        return bool(self.waiting or self.prefilling or self.running)
 
     def find(self, request_id: str) -> Request | None:
         for r in (*self.active, *self.waiting):
@@ -88,24 +90,35 @@ class Scheduler:
         theirs. A head that does not fit waits for a running request to finish; one that cannot
         fit with nothing else running is refused (its ``error`` set)."""
         refused: list[Request] = []
-        while self.prefilling is None and self.waiting and len(self.running) < self.max_num_seqs:
+        while not self.prefilling and self.waiting and len(self.running) < self.max_num_seqs:
             head = self.waiting[0]
             why = self.fits([r.capacity for r in self.running] + [head.capacity])
             if why is None:
-                self.prefilling = self.waiting.popleft()
-                self.prefilling.status = PREFILLING
+                self.prefilling.append(self.waiting.popleft())
+                head.status = PREFILLING
             elif not self.running:
                 self.waiting.popleft()
                 head.error = f"its KV cache cannot fit: {why}"
                 refused.append(head)
             else:
                 break
-        return self.prefilling, refused
+        return (self.prefilling[0] if self.prefilling else None), refused
+
+    def admit_all(self) -> list[Request]:
+        """Admit every waiting request at once, whatever ``max_num_seqs`` and without ``fits``
+        (an offline batch: ``LLM.generate`` checked that its KV fits as a whole); returns them,
+        in their order. They prefill before any decodes (:class:`~writescope.engine.runner.EngineCore`
+        with ``offline=True``)."""
+        admitted = list(self.waiting)
+        self.waiting.clear()
+        for r in admitted:
+            r.status = PREFILLING
+        self.prefilling.extend(admitted)
+        return admitted
 
     def prefilled(self, req: Request) -> None:
-        """The prefilling request's prompt is cached and its first token sampled: it decodes."""
-        assert req is self.prefilling
-        self.prefilling = None
+        """A prefilling request's prompt is cached and its first token sampled: it decodes."""
+        self.prefilling.remove(req)
         req.status = RUNNING
         self.running.append(req)
 
@@ -121,8 +134,8 @@ class Scheduler:
 
     def remove(self, req: Request) -> None:
         """Take a request out of the queue or the batch (it finished, was cancelled or failed)."""
-        if req is self.prefilling:
-            self.prefilling = None
+        if req in self.prefilling:
+            self.prefilling.remove(req)
         elif req in self.running:
             self.running.remove(req)
         elif req in self.waiting:

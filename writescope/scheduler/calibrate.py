@@ -45,6 +45,7 @@ from tqdm import tqdm
 
 from writescope.attention import cpu_kernel
 from writescope.attention.metadata import ForwardBatch
+from writescope.budget.memory import available_memory
 from writescope.config import KVLayout
 from writescope.engine.timing import synchronized_seconds
 from writescope.errors import ArgError
@@ -111,8 +112,6 @@ def calibrate(
         ValueError: batch, steps or a context below 1, a share outside (0, 1), or fewer than
             two contexts that fit host memory.
     """
-    from writescope.engine.llm import available_memory
-
     device = torch.device(device)
     contexts = contexts or (CUDA_CONTEXTS if device.type == "cuda" else CPU_CONTEXTS)
     if batch < 1 or steps < 1 or min(contexts) < 1:

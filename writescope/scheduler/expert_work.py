@@ -22,7 +22,7 @@ from __future__ import annotations
 import math
 
 from writescope.scheduler.joint import JointCosts, streamed_count
-from writescope.scheduler.roofline import OnlineEstimate
+from writescope.scheduler.roofline import OnlineEstimate, WriteScopePolicy
 
 
 def expected_hit_experts(tokens: int, num_experts: int, top_k: int) -> float:
@@ -157,8 +157,6 @@ def attach_expert_work(policy, decoder, blocks: list, kv_bytes_per_token: int, f
     Returns:
         The attached ExpertWork, or None.
     """
-    from writescope.scheduler.roofline import WriteScopePolicy
-
     for b in blocks:
         b.expert_work = None
     if isinstance(policy, WriteScopePolicy):

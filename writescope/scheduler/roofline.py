@@ -28,7 +28,8 @@ from collections import deque
 from dataclasses import dataclass, field
 
 from writescope.kvcache.spec import Roofline
-from writescope.scheduler.policies import PlacementPolicy
+from writescope.scheduler.joint import joint_split
+from writescope.scheduler.placement import PlacementPolicy
 
 A_FLOOR = 0.1  # A is never estimated below this fraction of its calibrated value
 
@@ -128,8 +129,6 @@ class WriteScopePolicy(PlacementPolicy):
         rf, L = self.roofline, placed_tokens * self.batch
         X = self.experts.expected_bytes(self.batch) if self.experts is not None else 0.0
         if X > 0:
-            from writescope.scheduler.joint import joint_split
-
             r, _ = joint_split(L, X, self.experts.costs())
         else:
             r = roofline_share(L, self.a.value, rf.b, rf.c_cpu, rf.c_gpu)
