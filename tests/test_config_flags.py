@@ -97,23 +97,12 @@ def test_flag_without_effect_keeps_logits(prompt, preset, base, flipped):
     torch.testing.assert_close(b, a, **SAME)
 
 
-def test_prefill_load_stream_switch_is_checked_when_the_cache_is_made(monkeypatch):
-    import torch
 
-    from writescope.config import KVLayout
-    from writescope.kvcache.inplace import InplaceKVCache
-    from writescope.kvcache.spec import PartitionSpec
-    from writescope.scheduler.policies import parse_policy
-
-    spec = PartitionSpec(KVLayout(2, 16, 16, False), 1, torch.float32, window=8)
-    monkeypatch.setenv("WRITESCOPE_PREFILL_LOAD_STREAM", "sideways")
-    with pytest.raises(ValueError, match="WRITESCOPE_PREFILL_LOAD_STREAM='sideways'"):
-        InplaceKVCache(spec, parse_policy("gpu"), "cpu")
-    monkeypatch.setenv("WRITESCOPE_PREFILL_LOAD_STREAM", "compute")
-    InplaceKVCache(spec, parse_policy("gpu"), "cpu").close()
-
-
-def test_gpu_attention_switch_is_checked_when_the_cache_is_made(monkeypatch):
+@pytest.mark.parametrize("var,bad,good,words", [
+    ("WRITESCOPE_PREFILL_LOAD_STREAM", "sideways", "compute", "'evict' \\(the default\\) or 'compute'"),
+    ("WRITESCOPE_GPU_ATTENTION", "cuda-c", "torch", "'triton' \\(the default\\) or 'torch'"),
+])
+def test_cache_switches_are_checked_when_the_cache_is_made(monkeypatch, var, bad, good, words):
     import torch
 
     from writescope.attention import gpu_kernel
@@ -123,8 +112,10 @@ def test_gpu_attention_switch_is_checked_when_the_cache_is_made(monkeypatch):
     from writescope.scheduler.policies import parse_policy
 
     spec = PartitionSpec(KVLayout(2, 16, 16, False), 1, torch.bfloat16, window=8)
-    monkeypatch.setenv("WRITESCOPE_GPU_ATTENTION", "cuda-c")
-    with pytest.raises(ValueError, match="WRITESCOPE_GPU_ATTENTION='cuda-c': use 'triton' \\(the default\\) or 'torch'"):
+    monkeypatch.setenv(var, bad)
+    with pytest.raises(ValueError, match=f"{var}='{bad}': use {words}"):
         InplaceKVCache(spec, parse_policy("gpu"), "cpu")
-    monkeypatch.setenv("WRITESCOPE_GPU_ATTENTION", "torch")
-    assert not gpu_kernel.available(torch.device("cuda"), torch.bfloat16)  # switched off even where CUDA and Triton exist
+    monkeypatch.setenv(var, good)
+    InplaceKVCache(spec, parse_policy("gpu"), "cpu").close()
+    if var == "WRITESCOPE_GPU_ATTENTION":
+        assert not gpu_kernel.available(torch.device("cuda"), torch.bfloat16)  # switched off even where CUDA and Triton exist
