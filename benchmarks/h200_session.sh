@@ -22,6 +22,8 @@
 #   bash benchmarks/h200_session.sh tpot MODEL # full-size MODEL under 32 GiB, machine text, TPOT of each policy one after another
 #     (TPOT_BATCH 16, TPOT_CONTEXT 32k, TPOT_NEW 24 new tokens, TPOT_POLICIES gpu,writescope, TPOT_TAG a file-name suffix,
 #      TPOT_FLAGS more generate flags)
+#   bash benchmarks/h200_session.sh multi-user:MODEL  # issue 18: two request streams against writescope serve (needs fastapi, uvicorn,
+#     prometheus-client, httpx carried as wheels: the GPU machine has none)
 #   bash benchmarks/h200_session.sh joint MODEL  # issue 16: writescope's per-step expert split vs --expert-stream-share 1 and 0, and gpu
 #     (TPOT_BATCH default 4 here, TPOT_CONTEXT, TPOT_NEW)
 # A grid or calibration with torch's flash op instead of the C++ kernel: WRITESCOPE_CPU_ATTENTION=flash (the environment passes through).
@@ -67,6 +69,10 @@ part() {
           --prefill-chunk-tokens 4096 --quiet ${TPOT_FLAGS:-} --output-json "$f.json" > "$f.log" 2>&1 || echo "$pol: exit $?"
         grep -E "TPOT|decode|r\(L\)|CPU attention|placement|VRAM" "$f.log" | sed "s/^/$pol: /" | head -8
       done ;;
+    multi-user)  # issue 18 item 5: two concurrent streams against the server, alone and together (MU_STREAMS, MU_POLICIES)
+      timeout "$(tmo 400)" python3 benchmarks/multi_user.py --model "${m:-qwen3-30b-a3b}" --synthetic --device cuda --vram-budget 32GiB \
+        --streams "${MU_STREAMS:-8x8k,4x8k}" --new-tokens "${MU_NEW:-32}" --policies "${MU_POLICIES:-gpu,static:0.25,writescope}" \
+        --out "$out/multi_user_h200" 2>&1 | tee "$out/multi_user_h200.log" | tail -12 ;;
     joint)  # issue 16: the joint roofline's per-step expert split against fixed shares, same batch, one after another
       for run in "writescope:" "writescope:--expert-stream-share 1" "writescope:--expert-stream-share 0" "gpu:"; do
         local pol=${run%%:*} flags=${run#*:} tag=${run#*:}; tag=${tag//--expert-stream-share /_share}; tag=${tag// /}
@@ -142,7 +148,7 @@ part() {
       timeout "$(tmo 500)" python3 benchmarks/peer_transformers.py --checkpoint "$ckpt" --contexts "${PEER_CONTEXTS:-8k}" --batch 4 \
         --out "$out/peer_transformers_h200" 2>&1 | tee "$out/peer_transformers_h200.log" | tail -12 ;;
     *)
-      echo "usage: $0 PART [PART ...]; PART: tests|split|experts|scheduler|profile|prefill|text:MODEL|breakdown:MODEL|1m|1m-decode|mla|grid:MODEL|prefill-e2e:MODEL|consistency|peer|amx|cpu-attention|calibrate:MODEL|tpot:MODEL|joint:MODEL|bounds" >&2; return 2 ;;
+      echo "usage: $0 PART [PART ...]; PART: tests|split|experts|scheduler|profile|prefill|text:MODEL|breakdown:MODEL|1m|1m-decode|mla|grid:MODEL|prefill-e2e:MODEL|consistency|peer|amx|cpu-attention|calibrate:MODEL|tpot:MODEL|joint:MODEL|multi-user:MODEL|bounds" >&2; return 2 ;;
   esac
 }
 (( $# )) || { part usage; exit 2; }

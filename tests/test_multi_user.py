@@ -1,0 +1,42 @@
+"""benchmarks/multi_user.py on the tiny preset (issue 18, item 5): two streams alone and together
+under each policy, through the real loopback server; the structure of its rows and files, not
+its times."""
+
+from __future__ import annotations
+
+import importlib.util
+import json
+from pathlib import Path
+
+import pytest
+
+
+def _bench():
+    path = Path(__file__).resolve().parent.parent / "benchmarks" / "multi_user.py"
+    spec = importlib.util.spec_from_file_location("multi_user", path)
+    mod = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(mod)
+    return mod
+
+
+def test_two_streams_alone_and_together(tmp_path):
+    mu = _bench()
+    out = tmp_path / "mu"
+    rows = mu.main(["--streams", "3x48,2x33", "--new-tokens", "4", "--policies", "gpu,static:0.5", "--solo-policy", "static:0.25",
+                    "--window", "16", "--out", str(out)])
+    assert [(r["policy"], r["together"], r["stream"]) for r in rows] == [
+        ("static:0.25", False, "3x48"), ("static:0.25", False, "2x33"),
+        ("gpu", True, "3x48"), ("gpu", True, "2x33"), ("static:0.5", True, "3x48"), ("static:0.5", True, "2x33")]
+    assert all(r["ms_per_step"] > 0 and r["min_ms"] <= r["ms_per_step"] <= r["max_ms"] for r in rows)
+    assert {r["deployed_r"] for r in rows if r["policy"] == "gpu"} == {0.0}
+    assert all(r["deployed_r"] > 0 for r in rows if r["policy"].startswith("static"))
+    doc = json.loads(out.with_suffix(".json").read_text())
+    assert doc["rows"] == rows and "| policy |" in out.with_suffix(".md").read_text()
+
+
+def test_stream_specs_are_checked():
+    mu = _bench()
+    assert mu.parse_streams("8x8k,4x8k") == [(8, 8192), (4, 8192)]
+    for bad in ("8k", "0x8k", "axb"):
+        with pytest.raises(ValueError, match="--streams"):
+            mu.parse_streams(bad)
