@@ -306,11 +306,20 @@ class SplitDecoder:
         launched from Python, so launch gaps count); nan unless ``time_gpu`` is set. On CUDA
         this waits for that part to finish (CUDA events); without CUDA it is its wall time.
         """
-        t = self._gpu_timer
-        if isinstance(t, tuple):
-            t[1].synchronize()
-            return t[0].elapsed_time(t[1]) / 1e3
-        return t if self._gpu_timer_done else float("nan")  # nan: the last call stopped early (an error)
+        return self.gpu_seconds(self.last_gpu_timer())
+
+    def last_gpu_timer(self):
+        """The last decode call's GPU-part timer, to be read later by :meth:`gpu_seconds` (a
+        caller timing several layers reads them after one synchronisation, not one per layer)."""
+        return self._gpu_timer if self._gpu_timer_done else float("nan")  # nan: the last call stopped early (an error)
+
+    @staticmethod
+    def gpu_seconds(timer) -> float:
+        """Seconds of a timer from :meth:`last_gpu_timer` (on CUDA: waits for its end event)."""
+        if isinstance(timer, tuple):
+            timer[1].synchronize()
+            return timer[0].elapsed_time(timer[1]) / 1e3
+        return timer
 
     def _prepare(self, layer, seqs, limits):
         """Monolithic baseline: copy the GPU's share of each compute region (per-head rows) into

@@ -1,8 +1,12 @@
 """Calibration of the roofline inputs A, B, C_cpu, C_gpu on this machine (docs/DESIGN.md section 5).
 
-For the model's KV shape, one layer of InplaceKVCache is filled with random KV for a batch at a
-few context lengths and CPU shares (static R, both sides busy) and decoded for a few steps. Each
-step gives two points:
+For the model's KV shape, an InplaceKVCache of ``STEP_LAYERS`` layers is filled with random KV
+for a batch at a few context lengths and CPU shares (static R, both sides busy) and decoded for a
+few steps, each step all its layers one after another as the decode path runs them (the next
+layer's blocks streaming while this one computes), synchronised only around the whole step: a
+first version timed one layer with a synchronisation before and after it, which stopped the
+streaming across layers and put every fixed cost too high (issue 15). Each step gives, per layer
+step (its totals over the layers divided by ``STEP_LAYERS``), two points:
 
 - the CPU part's wall time (the worker's own timer) against its compute-region tokens: the
   slope is A (seconds per token), the intercept C_cpu;
@@ -16,7 +20,7 @@ side alone and put the share too high: the one-layer sweep in benchmarks/results
 at R = 0.25-0.31 at 16K-32K where the uncontended costs said 0.44).
 
 For the split check (:func:`writescope.scheduler.roofline.split_pays`) every step's wall time is
-taken too (synchronised before and after on CUDA): at share 0 (streaming alone, no CPU part) its
+taken too (synchronised before and after the whole step on CUDA): at share 0 (streaming alone, no CPU part) its
 line against the streamed tokens gives B_alone and C_gpu_alone; at the split shares the median of
 wall time minus the slower side's time gives C_split.
 
@@ -57,6 +61,8 @@ from writescope.scheduler.policies import StaticPolicy
 
 CUDA_CONTEXTS = (4096, 16384, 32768)  # tokens per sequence: the per-token costs dominate the fixed ones
 CPU_CONTEXTS = (512, 1024, 2048)
+STEP_LAYERS = 3  # layers of one calibration step, timed whole (issue 15: no synchronisation between layers)
+METHOD = f"whole steps of {STEP_LAYERS} layers"  # stored with a calibration; one measured otherwise is measured again
 SHARES = (0.25, 0.5)  # CPU shares measured: around where split steps run
 HOST_FRACTION = 0.5  # a calibration point may use at most this fraction of the available host memory
 
@@ -120,7 +126,7 @@ def calibrate(
         raise ValueError(f"calibration shares must be in (0, 1) so both sides run, got {shares}")
     host = available_memory(torch.device("cpu"))
     per_token = layout.bytes_per_token(dtype.itemsize)
-    fit = [L for L in contexts if host is None or batch * L * per_token <= HOST_FRACTION * host]
+    fit = [L for L in contexts if host is None or STEP_LAYERS * batch * L * per_token <= HOST_FRACTION * host]
     if len(fit) < 2:
         raise ArgError(f"calibration needs two contexts that fit host memory; of {contexts} (batch {batch}) only {fit} fit: "
                        "lower batch", "batch")
@@ -173,8 +179,13 @@ def calibrate(
 
 def _measure(layout, q_heads, dtype, device, window, share, batch, L, steps, cpu_threads):
     """For one split: ``((cpu tokens, median CPU seconds), (load tokens, median GPU seconds),
-    median wall seconds of the step, median of wall minus the slower side's seconds)``."""
-    spec = PartitionSpec(layout, 1, dtype, window=window)
+    median wall seconds, median of wall minus the slower side's seconds)``, all per layer step.
+
+    Each step decodes ``STEP_LAYERS`` layers one after another as a decode step does (the next
+    layer's blocks stream while this one computes, the CPU parts hand over through the worker),
+    synchronised only before and after the whole step; the GPU part of each layer is timed by
+    events read after it, the CPU parts by the worker's own timer."""
+    spec = PartitionSpec(layout, STEP_LAYERS, dtype, window=window)
     cache = InplaceKVCache(spec, StaticPolicy(share), device, cpu_threads)
     g = torch.Generator(device=device).manual_seed(L)
 
@@ -185,22 +196,36 @@ def _measure(layout, q_heads, dtype, device, window, share, batch, L, steps, cpu
         cache.expect_batch(batch)
         slots = [cache.allocate(L + steps + 1, prompt_len=L) for _ in range(batch)]
         for s in slots:
-            cache.write(s, 0, rnd(L, layout.kv_heads, layout.k_dim), None if layout.shared_kv else rnd(L, layout.kv_heads, layout.v_dim))
+            for layer in range(STEP_LAYERS):
+                cache.write(s, layer, rnd(L, layout.kv_heads, layout.k_dim), None if layout.shared_kv else rnd(L, layout.kv_heads, layout.v_dim))
         cpu, gpu, wall, over = [], [], [], []
         dec = cache.decoder
         dec.time_gpu = True
         for t in range(steps + 1):
-            q = rnd(batch, q_heads, layout.k_dim)
-            k = rnd(batch, layout.kv_heads, layout.k_dim)
-            v = None if layout.shared_kv else rnd(batch, layout.kv_heads, layout.v_dim)
+            inputs = [(rnd(batch, q_heads, layout.k_dim), rnd(batch, layout.kv_heads, layout.k_dim),
+                       None if layout.shared_kv else rnd(batch, layout.kv_heads, layout.v_dim)) for _ in range(STEP_LAYERS)]
             fb = ForwardBatch.build(slots, [1] * batch, [cache.seq_len(s) for s in slots], device)
-            _, wall_s = synchronized_seconds(lambda: cache.attend(0, q, k, v, fb, layout.k_dim**-0.5), device)
-            gpu_s = dec.last_gpu_seconds()
+            timers, loads = [], 0
+            before = dec.stats
+            cpu_s0, cpu_t0 = before.cpu_seconds, before.cpu_tokens
+
+            def step():
+                nonlocal loads
+                for layer, (q, k, v) in enumerate(inputs):
+                    cache.attend(layer, q, k, v, fb, layout.k_dim**-0.5)
+                    timers.append(dec.last_gpu_timer())
+                    loads += dec.stats.last_load_tokens
+
+            _, wall_s = synchronized_seconds(step, device)
+            gpu_s = sum(dec.gpu_seconds(x) for x in timers)
+            after = dec.stats  # every layer's CPU part is done: the device waited for it, and the sync for the device
+            cpu_s, cpu_t = after.cpu_seconds - cpu_s0, after.cpu_tokens - cpu_t0
             if t > 0:  # the first step warms up
-                cpu.append((dec.stats.last_cpu_tokens, dec.stats.last_cpu_seconds))
-                gpu.append((dec.stats.last_load_tokens, gpu_s))
-                wall.append(wall_s)
-                over.append(wall_s - max(dec.stats.last_cpu_seconds, gpu_s))
+                n = STEP_LAYERS
+                cpu.append((cpu_t // n, cpu_s / n))
+                gpu.append((loads // n, gpu_s / n))
+                wall.append(wall_s / n)
+                over.append((wall_s - max(cpu_s, gpu_s)) / n)
         med = statistics.median
         return (cpu[0][0], med(x for _, x in cpu)), (gpu[0][0], med(x for _, x in gpu)), med(wall), med(over)
     finally:
@@ -226,6 +251,8 @@ def load(device: torch.device, shape: str) -> Roofline | None:
         fields = {k: entry[k] for k in ("a", "b", "c_cpu", "c_gpu", "b_alone", "c_gpu_alone", "c_split")}
     except (OSError, ValueError, KeyError):  # none, or stored before the split check: measure again
         return None
+    if entry.get("method") != METHOD:  # measured another way (one synchronised layer): measure again
+        return None
     return Roofline(**fields)
 
 
@@ -236,7 +263,7 @@ def save(device: torch.device, shape: str, roofline: Roofline, detail: dict) -> 
         doc = json.loads(path.read_text())
     except (OSError, ValueError):
         doc = {}
-    entry = {**dataclasses.asdict(roofline), "measured_at": time.strftime("%Y-%m-%dT%H:%M:%S"), **detail}
+    entry = {**dataclasses.asdict(roofline), "method": METHOD, "measured_at": time.strftime("%Y-%m-%dT%H:%M:%S"), **detail}
     doc.setdefault(machine_key(device), {})[shape] = entry
     tmp = path.with_suffix(".tmp")
     tmp.write_text(json.dumps(doc, indent=1))
