@@ -64,7 +64,7 @@ part() {
     tpot)
       for pol in ${TPOT_POLICIES:-gpu writescope}; do
         local f="$out/tpot_${m}_${TPOT_BATCH:-16}x${TPOT_CONTEXT:-32k}_${pol/:/_}${TPOT_TAG:-}"
-        timeout "$(tmo 300)" python3 -m writescope.cli.main generate --model "$m" --synthetic --device cuda --vram-budget 32GiB \
+        timeout "$(tmo 420)" python3 -m writescope.cli.main generate --model "$m" --synthetic --device cuda --vram-budget 32GiB \
           --machine-text "${TPOT_CONTEXT:-32k}" --batch "${TPOT_BATCH:-16}" --max-new-tokens "${TPOT_NEW:-24}" --ignore-eos --policy "$pol" \
           --prefill-chunk-tokens 4096 --quiet ${TPOT_FLAGS:-} --output-json "$f.json" > "$f.log" 2>&1 || echo "$pol: exit $?"
         grep -E "TPOT|decode|r\(L\)|CPU attention|placement|VRAM" "$f.log" | sed "s/^/$pol: /" | head -8
@@ -77,13 +77,13 @@ part() {
       for run in "writescope:" "writescope:--expert-stream-share 1" "writescope:--expert-stream-share 0" "gpu:"; do
         local pol=${run%%:*} flags=${run#*:} tag=${run#*:}; tag=${tag//--expert-stream-share /_share}; tag=${tag// /}
         local f="$out/joint_${m}_${TPOT_BATCH:-4}x${TPOT_CONTEXT:-32k}_${pol}${tag}"
-        timeout "$(tmo 300)" python3 -m writescope.cli.main generate --model "$m" --synthetic --device cuda --vram-budget 32GiB \
+        timeout "$(tmo 420)" python3 -m writescope.cli.main generate --model "$m" --synthetic --device cuda --vram-budget 32GiB \
           --machine-text "${TPOT_CONTEXT:-32k}" --batch "${TPOT_BATCH:-4}" --max-new-tokens "${TPOT_NEW:-24}" --ignore-eos --policy "$pol" \
           --prefill-chunk-tokens 4096 --quiet $flags --output-json "$f.json" > "$f.log" 2>&1 || echo "$run: exit $?"
         grep -E "TPOT|host experts" "$f.log" | sed "s/^/$run: /" | head -4
       done ;;
     calibrate)
-      timeout "$(tmo 120)" python3 -m writescope.cli.main calibrate --model "$m" --device cuda --quiet 2>&1 | tee "$out/calibrate_${m}_h200.log" ;;
+      timeout "$(tmo 300)" python3 -m writescope.cli.main calibrate --model "$m" --device cuda --quiet 2>&1 | tee "$out/calibrate_${m}_h200.log" ;;
     split)
       timeout "$(tmo 570)" python3 benchmarks/split_attention.py --shares-list 0,0.25,0.3125,0.375,0.5,1 --out "$out/split_attention_h200" \
         2>&1 | tee "$out/split_attention_h200.log" | tail -30 ;;
