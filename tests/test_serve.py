@@ -311,3 +311,34 @@ def test_chat_template_from_tokenizer_config(tmp_path):
     bad = ChatTemplate("{{ raise_exception('roles must alternate') }}")
     with pytest.raises(ValueError, match="roles must alternate"):
         bad.render(msgs)
+
+
+def test_busy_fractions_from_the_decoder_s_totals():
+    """/metrics' CPU and link busy fractions: the CPU attention's seconds and the streamed bytes
+    (at the calibrated B) per wall second between two samples."""
+    import types
+
+    import torch
+
+    from writescope.config import KVLayout
+    from writescope.kvcache.inplace import InplaceKVCache
+    from writescope.kvcache.spec import PartitionSpec, Roofline
+    from writescope.scheduler.roofline import WriteScopePolicy
+    from writescope.serve.metrics import ServeMetrics
+
+    spec = PartitionSpec(KVLayout(2, 16, 16, False), 1, torch.float32, window=8)
+    cache = InplaceKVCache(spec, WriteScopePolicy(Roofline(a=1e-8, b=2e-8)), "cpu")
+    core = types.SimpleNamespace(scheduler=types.SimpleNamespace(active=[], waiting=[]), llm=types.SimpleNamespace(cache=cache))
+    m = ServeMetrics()
+    try:
+        m.sample_engine(core, now=10.0)  # the first sample only starts the clock
+        st = cache.decoder._stats
+        st.cpu_seconds += 0.25
+        st.streamed_bytes += 1000 * spec.token_bytes
+        m.sample_engine(core, now=11.0)
+        get = m.registry.get_sample_value
+        assert get("writescope:cpu_attention_busy_fraction") == pytest.approx(0.25)
+        assert get("writescope:link_streamed_bytes_per_second") == pytest.approx(1000 * spec.token_bytes)
+        assert get("writescope:link_busy_fraction") == pytest.approx(1000 * 2e-8)
+    finally:
+        cache.close()

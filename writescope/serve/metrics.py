@@ -13,9 +13,14 @@ prefix. One registry per server, so several servers (tests) in one process do no
 | ``writescope:e2e_request_latency_seconds`` | histogram | arrival to the last token |
 | ``writescope:kv_cache_tokens{region}`` | gauge | KV tokens held, per region (``device`` under ``resident``; ``window``, ``compute``, ``load`` for the partitioned policies, last layer) |
 | ``writescope:deployed_r`` | gauge | compute-region share of the placed blocks (partitioned policies; NaN with none placed) |
+| ``writescope:cpu_attention_busy_fraction`` | gauge | CPU attention seconds / wall seconds since the last sample (partitioned policies) |
+| ``writescope:link_streamed_bytes_per_second`` | gauge | load-region bytes streamed to the GPU / wall seconds since the last sample |
+| ``writescope:link_busy_fraction`` | gauge | those bytes' link seconds at the calibrated B / wall seconds (``writescope``; NaN without a roofline) |
 """
 
 from __future__ import annotations
+
+import time
 
 from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram, generate_latest
 
@@ -46,6 +51,12 @@ class ServeMetrics:
                              buckets=_LATENCY, registry=r)
         self.kv_tokens = Gauge(PREFIX + "kv_cache_tokens", "KV tokens held, per region.", ["region"], registry=r)
         self.deployed_r = Gauge(PREFIX + "deployed_r", "Compute-region share of the placed KV blocks.", registry=r)
+        self.cpu_busy = Gauge(PREFIX + "cpu_attention_busy_fraction", "CPU attention seconds per wall second since the last sample.",
+                              registry=r)
+        self.link_rate = Gauge(PREFIX + "link_streamed_bytes_per_second", "Load-region bytes streamed per wall second.", registry=r)
+        self.link_busy = Gauge(PREFIX + "link_busy_fraction", "Link seconds (calibrated B) per wall second since the last sample.",
+                               registry=r)
+        self._last: tuple[float, float, int] | None = None  # (wall clock, CPU seconds, streamed bytes) at the last sample
         for reason in ("stop", "length", "abort", "error"):
             self.request_success.labels(reason)
 
@@ -63,8 +74,9 @@ class ServeMetrics:
             if e2e_s is not None:
                 self.e2e.observe(e2e_s)
 
-    def sample_engine(self, core) -> None:
-        """Gauges from the engine's state (called by the engine thread between steps)."""
+    def sample_engine(self, core, now: float | None = None) -> None:
+        """Gauges from the engine's state (called by the engine thread between steps; ``now``:
+        the wall clock in seconds, ``time.perf_counter()`` by default)."""
         sch, cache = core.scheduler, core.llm.cache
         self.running.set(len(sch.active))
         self.waiting.set(len(sch.waiting))
@@ -75,8 +87,23 @@ class ServeMetrics:
                 self.kv_tokens.labels(region).set(sum(p[region] for p in placed))
             comp, load = sum(p["compute"] for p in placed), sum(p["load"] for p in placed)
             self.deployed_r.set(comp / (comp + load) if comp + load else float("nan"))
+            self._sample_busy(cache, time.perf_counter() if now is None else now)
         else:
             self.kv_tokens.labels("device").set(sum(cache.seq_len(s) for s in slots))
+
+    def _sample_busy(self, cache: InplaceKVCache, now: float) -> None:
+        """The CPU attention's and the link's busy fractions since the last sample."""
+        st = cache.decoder.stats
+        cur = (now, st.cpu_seconds, st.streamed_bytes)
+        last, self._last = self._last, cur
+        if last is None or now <= last[0]:
+            return
+        wall = now - last[0]
+        moved = cur[2] - last[2]
+        self.cpu_busy.set((cur[1] - last[1]) / wall)
+        self.link_rate.set(moved / wall)
+        roofline = getattr(cache.policy, "roofline", None)  # B: link seconds per token of one layer
+        self.link_busy.set(moved / cache.spec.token_bytes * roofline.b / wall if roofline is not None else float("nan"))
 
     def render(self) -> bytes:
         """The Prometheus text exposition."""
