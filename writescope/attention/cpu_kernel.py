@@ -47,16 +47,11 @@ PATHS = build.PATHS  # index = the extension's path number; the last (amx-emulat
 _DIR = Path(__file__).parent
 _SOURCES = ("cpu_kernel.cpp", "cpu_kernel_avx512.h", "cpu_kernel_amx.h", "cpu_kernel_amx_tiles.h", "cpu_worker.h")
 
-_EXT = None
-_FAILED = False
+_EXTENSION = build.Extension("writescope_cpu_attention_v2", _DIR, _SOURCES, "using torch's flash op")
 
 
 def _extension():
-    global _EXT, _FAILED
-    if _EXT is None and not _FAILED:
-        _EXT = build.load("writescope_cpu_attention_v2", _DIR, _SOURCES, "using torch's flash op")
-        _FAILED = _EXT is None
-    return _EXT
+    return _EXTENSION.get()
 
 
 def kernel_available() -> bool:
@@ -125,7 +120,7 @@ def prepare(progress: bool = True) -> str:
     req = requested_path()
     if req == PATHS.index("amx-emulated"):
         raise ValueError("WRITESCOPE_CPU_ISA=amx-emulated is a test path (AMX tiles emulated, slow): use auto, amx, avx512bf16 or portable")
-    if progress and _EXT is None and not _FAILED:
+    if progress and not _EXTENSION.tried:
         print("CPU attention: building the C++ kernel (once per machine, about a minute) ...", file=sys.stderr, flush=True)
     t0 = time.perf_counter()
     if not kernel_available():

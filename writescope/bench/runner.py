@@ -191,8 +191,9 @@ def run_one(llm: LLM, cfg: BenchConfig, batch: int, context: int, policy: str, r
     row.prefill_tok_s, row.decode_tok_s = (0.0 if cfg.kv_fill == "random" else m.prefill_tok_s), m.decode_tok_s
     row.extra["kv_fill"] = cfg.kv_fill
     row.tpot_ms = statistics.median(o.metrics.tpot_s for o in outs) * 1e3
-    if timer.seconds():
-        row.attn_ms_per_layer = statistics.median(timer.seconds()) * 1e3
+    times = timer.seconds()
+    if times:
+        row.attn_ms_per_layer = statistics.median(times) * 1e3
     itemsize = llm.dtype.itemsize
     mean_ctx = context + cfg.steps / 2  # tokens cached on average over the decode steps
     row.kv_bytes_per_layer = int(batch * mean_ctx * llm.config.kv_layout.bytes_per_token(itemsize))

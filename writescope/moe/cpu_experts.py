@@ -40,16 +40,11 @@ ENV = "WRITESCOPE_EXPERT_ISA"
 _DIR = Path(__file__).parent
 _SOURCES = ("cpu_experts.cpp", "cpu_experts_avx512.h", "cpu_experts_amx.h", "cpu_experts_amx_tiles.h")
 
-_EXT = None
-_FAILED = False
+_EXTENSION = build.Extension("writescope_cpu_experts", _DIR, _SOURCES, "host experts use torch's GEMMs")
 
 
 def _extension():
-    global _EXT, _FAILED
-    if _EXT is None and not _FAILED:
-        _EXT = build.load("writescope_cpu_experts", _DIR, _SOURCES, "host experts use torch's GEMMs")
-        _FAILED = _EXT is None
-    return _EXT
+    return _EXTENSION.get()
 
 
 def kernel_available() -> bool:
@@ -103,7 +98,7 @@ def prepare(progress: bool = True) -> str:
         ValueError: an unknown ``WRITESCOPE_EXPERT_ISA``, or a path this CPU lacks.
     """
     req = requested_path()
-    if progress and _EXT is None and not _FAILED:
+    if progress and not _EXTENSION.tried:
         print("host experts: building the C++ kernel (once per machine, about half a minute) ...", file=sys.stderr, flush=True)
     t0 = time.perf_counter()
     if not kernel_available():

@@ -16,18 +16,20 @@ static inline void prefetch_rows(const uint16_t* W, int64_t ldw, int64_t k, int6
     for (int r = 0; r < 16; ++r) _mm_prefetch(reinterpret_cast<const char*>(W + r * ldw + 32 * (k + PF_STEPS)), _MM_HINT_T0);
 }
 
-// c [4, 16, 16] = (gate, up) x (token block 0, 1) of 16 features, over ks steps of 32 inputs
+// c [4, 16, 16] = (16 rows of Wa, 16 rows of Wb) x (token block 0, 1), over ks steps of 32 of the
+// rows' width: phase 1 with Wa, Wb = the gate and up rows of 16 features, phase 2 with two blocks of
+// 16 output rows of w2
 template <bool TWO>
-static inline void gate_up_tiles(const uint16_t* Wg, const uint16_t* Wu, int64_t ldw, const uint16_t* xb, int64_t ks, float* c) {
+static inline void pair_tiles(const uint16_t* Wa, const uint16_t* Wb, int64_t ldw, const uint16_t* xb, int64_t ks, float* c) {
   WSX_TZ(0);
   WSX_TZ(1);
   if constexpr (TWO) { WSX_TZ(2); WSX_TZ(3); }
   const int64_t stride = ldw * 2;
   for (int64_t k = 0; k < ks; ++k) {
-    prefetch_rows(Wg, ldw, k, ks);
-    prefetch_rows(Wu, ldw, k, ks);
-    WSX_TL(4, Wg + 32 * k, stride);
-    WSX_TL(5, Wu + 32 * k, stride);
+    prefetch_rows(Wa, ldw, k, ks);
+    prefetch_rows(Wb, ldw, k, ks);
+    WSX_TL(4, Wa + 32 * k, stride);
+    WSX_TL(5, Wb + 32 * k, stride);
     WSX_TL(6, xb + k * 512, 64);
     WSX_TDP(0, 4, 6);
     WSX_TDP(1, 5, 6);
@@ -51,37 +53,11 @@ static void gate_up_unit(const uint16_t* W13, int64_t ldw, int64_t D, int64_t I,
   const int64_t at = (f0 / 32) * 512 + ((f0 % 32) / 2) * 32;  // hb row of feature f0 within a block
   for (int64_t b = 0; b < nb; b += 2) {
     const bool two = b + 1 < nb;
-    if (two) gate_up_tiles<true>(Wg, Wu, ldw, xb + b * ks * 512, ks, c);
-    else gate_up_tiles<false>(Wg, Wu, ldw, xb + b * ks * 512, ks, c);
+    if (two) pair_tiles<true>(Wg, Wu, ldw, xb + b * ks * 512, ks, c);
+    else pair_tiles<false>(Wg, Wu, ldw, xb + b * ks * 512, ks, c);
     avx::swiglu_pairs(c, c + 256, hb + b * ki * 512 + at);
     if (two) avx::swiglu_pairs(c + 512, c + 768, hb + (b + 1) * ki * 512 + at);
   }
-}
-
-// c [4, 16, 16] = (rows d0 .., d0 + 16 ..) x (token block 0, 1), over ki steps of 32 of I
-template <bool TWO>
-static inline void down_tiles(const uint16_t* W, int64_t ldw, const uint16_t* hb, int64_t ki, float* c) {
-  WSX_TZ(0);
-  WSX_TZ(1);
-  if constexpr (TWO) { WSX_TZ(2); WSX_TZ(3); }
-  const int64_t stride = ldw * 2;
-  for (int64_t k = 0; k < ki; ++k) {
-    prefetch_rows(W, ldw, k, ki);
-    prefetch_rows(W + 16 * ldw, ldw, k, ki);
-    WSX_TL(4, W + 32 * k, stride);
-    WSX_TL(5, W + 16 * ldw + 32 * k, stride);
-    WSX_TL(6, hb + k * 512, 64);
-    WSX_TDP(0, 4, 6);
-    WSX_TDP(1, 5, 6);
-    if constexpr (TWO) {
-      WSX_TL(7, hb + (ki + k) * 512, 64);
-      WSX_TDP(2, 4, 7);
-      WSX_TDP(3, 5, 7);
-    }
-  }
-  WSX_TS(0, c, 64);
-  WSX_TS(1, c + 256, 64);
-  if constexpr (TWO) { WSX_TS(2, c + 512, 64); WSX_TS(3, c + 768, 64); }
 }
 
 // phase 2 unit: output features d0 .. d0 + 31 of one expert (w2 rows of stride ldw) for its m
@@ -92,8 +68,8 @@ static void down_unit(const uint16_t* W2, int64_t ldw, int64_t I, int64_t d0, co
   const uint16_t* W = W2 + d0 * ldw;
   for (int64_t b = 0; b < nb; b += 2) {
     const bool two = b + 1 < nb;
-    if (two) down_tiles<true>(W, ldw, hb + b * ki * 512, ki, c);
-    else down_tiles<false>(W, ldw, hb + b * ki * 512, ki, c);
+    if (two) pair_tiles<true>(W, W + 16 * ldw, ldw, hb + b * ki * 512, ki, c);
+    else pair_tiles<false>(W, W + 16 * ldw, ldw, hb + b * ki * 512, ki, c);
     avx::store_y(c, c + 256, std::min<int64_t>(16, m - 16 * b), rw + 16 * b, y + 16 * b * ldy + d0, ldy);
     if (two) avx::store_y(c + 512, c + 768, std::min<int64_t>(16, m - 16 * (b + 1)), rw + 16 * (b + 1), y + 16 * (b + 1) * ldy + d0, ldy);
   }

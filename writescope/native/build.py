@@ -39,6 +39,23 @@ def load(name: str, directory: Path, sources: tuple[str, ...], failure: str):
         return None
 
 
+class Extension:
+    """One native extension, built (or loaded from torch's cache) by :func:`load` on the first
+    :meth:`get`; a failed build is not tried again in this process."""
+
+    def __init__(self, name: str, directory: Path, sources: tuple[str, ...], failure: str):
+        self.args = (name, directory, sources, failure)
+        self.tried = False  # whether get() has run (a caller may announce the first, slow, build)
+        self._module = None
+
+    def get(self):
+        """The module, or None where it does not build."""
+        if not self.tried:
+            self._module = load(*self.args)
+            self.tried = True
+        return self._module
+
+
 def _cpu_tag() -> str:
     """8 hex digits of the CPU's flags (/proc/cpuinfo), or of the machine name where unreadable."""
     import platform
