@@ -33,8 +33,6 @@ Measured rates: benchmarks/results/cpu_attention.md.
 from __future__ import annotations
 
 import os
-import sys
-import time
 from pathlib import Path
 
 import torch
@@ -120,13 +118,8 @@ def prepare(progress: bool = True) -> str:
     req = requested_path()
     if req == PATHS.index("amx-emulated"):
         raise ValueError("WRITESCOPE_CPU_ISA=amx-emulated is a test path (AMX tiles emulated, slow): use auto, amx, avx512bf16 or portable")
-    if progress and not _EXTENSION.tried:
-        print("CPU attention: building the C++ kernel (once per machine, about a minute) ...", file=sys.stderr, flush=True)
-    t0 = time.perf_counter()
-    if not kernel_available():
+    if not _EXTENSION.build(progress, "CPU attention", "about a minute"):
         return "torch's flash op (the C++ kernel could not be built; see the warning)"
-    if progress and time.perf_counter() - t0 > 1.0:
-        print(f"CPU attention: C++ kernel ready in {time.perf_counter() - t0:.1f} s", file=sys.stderr, flush=True)
     best = best_path()
     if req > PATHS.index(best):
         raise ValueError(f"WRITESCOPE_CPU_ISA={PATHS[req]}: this CPU offers at most {best}; unset it or choose a lower path")

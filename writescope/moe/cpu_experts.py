@@ -26,8 +26,6 @@ Three paths, chosen at run time from the CPU's flags (``WRITESCOPE_EXPERT_ISA`` 
 
 from __future__ import annotations
 
-import sys
-import time
 from pathlib import Path
 
 import torch
@@ -98,13 +96,8 @@ def prepare(progress: bool = True) -> str:
         ValueError: an unknown ``WRITESCOPE_EXPERT_ISA``, or a path this CPU lacks.
     """
     req = requested_path()
-    if progress and not _EXTENSION.tried:
-        print("host experts: building the C++ kernel (once per machine, about half a minute) ...", file=sys.stderr, flush=True)
-    t0 = time.perf_counter()
-    if not kernel_available():
+    if not _EXTENSION.build(progress, "host experts", "about half a minute"):
         return "torch's GEMMs (the C++ kernel could not be built; see the warning)"
-    if progress and time.perf_counter() - t0 > 1.0:
-        print(f"host experts: C++ kernel ready in {time.perf_counter() - t0:.1f} s", file=sys.stderr, flush=True)
     best = best_path()
     need = PATHS.index("avx512bf16") if req == PATHS.index("amx-emulated") else req  # the emulated tiles run on AVX-512
     if req >= 0 and need > PATHS.index(best):

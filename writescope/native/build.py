@@ -55,6 +55,20 @@ class Extension:
             self.tried = True
         return self._module
 
+    def build(self, progress: bool, what: str, takes: str) -> bool:
+        """Build now (the first time on a machine takes ``takes``), saying so on stderr with
+        ``progress`` (``what``: the kernel's role, e.g. "CPU attention"); whether it built."""
+        import sys
+        import time
+
+        if progress and not self.tried:
+            print(f"{what}: building the C++ kernel (once per machine, {takes}) ...", file=sys.stderr, flush=True)
+        t0 = time.perf_counter()
+        ok = self.get() is not None
+        if ok and progress and time.perf_counter() - t0 > 1.0:
+            print(f"{what}: C++ kernel ready in {time.perf_counter() - t0:.1f} s", file=sys.stderr, flush=True)
+        return ok
+
 
 def _cpu_tag() -> str:
     """8 hex digits of the CPU's flags (/proc/cpuinfo), or of the machine name where unreadable."""
