@@ -128,3 +128,22 @@ def test_generate_memory_hint_names_generates_flags_and_the_api_its_arguments(ca
     assert "below the minimum" in err and "raise --vram-budget, lower --batch or --max-model-len" in err
     with pytest.raises(PlanDoesNotFit, match="raise vram_budget, lower max_batch or max_model_len"):
         LLM("tiny-qwen3-moe", vram_budget="1MiB", progress=False)
+
+
+def test_a_prompt_past_the_limit_is_refused_before_the_model_loads(no_work, capsys):
+    long = "word " * 9000  # about 9,000 tokens against tiny-qwen3-moe's 8,192
+    assert main(["generate", "--model", "tiny-qwen3-moe", "--prompt", long, "--max-new-tokens", "32"]) == 2
+    err = capsys.readouterr().err
+    assert "--prompt has" in err and "beyond the limit of 8,192 tokens" in err and "lower --max-new-tokens" in err
+
+
+def test_the_readme_s_first_command_runs(capsys):
+    """The README's first set-up command's `writescope ...` part, as written (a README that grew past
+    the tiny model's 8,192 tokens once broke it when it prompted with itself)."""
+    from pathlib import Path
+
+    readme = (Path(__file__).resolve().parent.parent / "README.md").read_text()
+    first = next(ln for ln in readme.split("```bash\n", 1)[1].splitlines() if ln.strip())
+    argv = first.split("&& writescope ", 1)[1].split()
+    assert main(argv) == 0
+    assert "TPOT" in capsys.readouterr().out
