@@ -134,7 +134,7 @@ def test_a_prompt_past_the_limit_is_refused_before_the_model_loads(no_work, caps
     long = "word " * 9000  # about 9,000 tokens against tiny-qwen3-moe's 8,192
     assert main(["generate", "--model", "tiny-qwen3-moe", "--prompt", long, "--max-new-tokens", "32"]) == 2
     err = capsys.readouterr().err
-    assert "--prompt has" in err and "beyond the limit of 8,192 tokens" in err and "lower --max-new-tokens" in err
+    assert "--prompt (request 0) has" in err and "beyond the limit of 8,192 tokens" in err and "lower --max-new-tokens" in err
 
 
 def test_the_readme_s_first_command_runs(capsys):

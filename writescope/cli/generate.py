@@ -140,12 +140,12 @@ def run(args: argparse.Namespace) -> int:
 
         prompt_tokens = len(load_tokenizer(args.model, args.synthetic).encode(prompts[0]))
     from writescope.engine.model_loader import resolve_config
+    from writescope.engine.prompts import too_long
 
-    limit = args.max_model_len or resolve_config(args.model, args.num_layers, args.synthetic)[0].max_position_embeddings
-    if prompt_tokens + args.max_new_tokens > limit:  # before the kernels build and the weights load
-        raise ValueError(f"{source} has {plural(prompt_tokens, 'token')} + --max-new-tokens {args.max_new_tokens} = "
-                         f"{prompt_tokens + args.max_new_tokens:,}, beyond the limit of {limit:,} tokens: shorten the prompt, "
-                         "lower --max-new-tokens")
+    model_limit = resolve_config(args.model, args.num_layers, args.synthetic)[0].max_position_embeddings
+    limit = args.max_model_len or model_limit
+    if prompt_tokens + args.max_new_tokens > limit:  # the engine's check, before the kernels build and the weights load
+        raise too_long("prompts", 0, prompt_tokens, args.max_new_tokens, limit, model_limit)
     llm = LLM(
         args.model, synthetic=args.synthetic, device=args.device, dtype=args.dtype, seed=args.weight_seed,
         kv_tokens=args.batch * (prompt_tokens + args.max_new_tokens),  # the memory check before the build counts their KV

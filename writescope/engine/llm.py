@@ -17,7 +17,7 @@ from writescope.engine.model_loader import load_model, parse_dtype, resolve_conf
 from writescope.layers.attention import mla_prefill_mode
 from writescope.errors import ArgError, plural
 from writescope.engine.outputs import RequestMetrics, RequestOutput
-from writescope.engine.prompts import check_token_ids, token_lists
+from writescope.engine.prompts import check_token_ids, token_lists, too_long
 from writescope.engine.runner import EngineCore, prefill_batch
 from writescope.engine.sampling import SamplingParams
 from writescope.engine.streaming import OnTokens, TokenEvent
@@ -302,12 +302,7 @@ class LLM:
             if len(p) == 0:
                 raise ArgError(f"{name}[{i}] is empty (0 tokens): give every request at least one token", name)
             if len(p) + sp.max_tokens > self.max_model_len:
-                raise ArgError(
-                    f"{name}[{i}] has {plural(len(p), 'token')} + max_tokens {sp.max_tokens} = {len(p) + sp.max_tokens}, "
-                    f"beyond the limit of {plural(self.max_model_len, 'token')}: shorten the prompt, lower max_tokens"
-                    + (" or raise max_model_len" if self.max_model_len < self.config.max_position_embeddings else ""),
-                    name, "max_tokens", "max_model_len",
-                )
+                raise too_long(name, i, len(p), sp.max_tokens, self.max_model_len, self.config.max_position_embeddings)
         self._check_memory([len(p) + sp.max_tokens for p, sp in zip(ids, plist)])
         return texts, ids, plist
 

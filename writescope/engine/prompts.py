@@ -6,7 +6,7 @@ from __future__ import annotations
 import operator
 from typing import Any, Callable, Sequence
 
-from writescope.errors import ArgError
+from writescope.errors import ArgError, plural
 
 
 def token_lists(prompts: Any, prompt_token_ids: Any, encode: Callable[[str], list[int]]
@@ -80,3 +80,14 @@ def _is_int(t: Any) -> bool:
     except TypeError:
         return False
     return True
+
+
+def too_long(name: str, i: int, tokens: int, max_tokens: int, limit: int, model_limit: int) -> ArgError:
+    """The error for request ``i`` of ``name`` whose ``tokens`` + ``max_tokens`` pass ``limit``
+    (the engine's max_model_len; ``model_limit``: the model's own, named when it is higher)."""
+    return ArgError(
+        f"{name}[{i}] has {plural(tokens, 'token')} + max_tokens {max_tokens} = {tokens + max_tokens}, "
+        f"beyond the limit of {plural(limit, 'token')}: shorten the prompt, lower max_tokens"
+        + (" or raise max_model_len" if limit < model_limit else ""),
+        name, "max_tokens", "max_model_len",
+    )
