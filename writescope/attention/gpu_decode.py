@@ -7,7 +7,9 @@ q and the blocks (window offsets and lengths, each fill block's sequence, each s
 of partials, the partial buffers) is built once per step: it is the same for every layer of a
 step (every layer appends the same token, and block j of every layer has the same home), so
 :class:`StepPlan` is kept while its signature (window addresses and lengths, the runs of load
-blocks) is unchanged, and layers after the first issue no host-to-device copy of metadata.
+blocks) is unchanged, and layers after the first issue no host-to-device copy of metadata. A
+micro-batched step (models/causal_lm.py) has one plan per micro-batch: the last ``MAX_PLANS``
+are kept.
 """
 
 from __future__ import annotations
@@ -17,6 +19,9 @@ from dataclasses import dataclass
 import torch
 
 from writescope.attention import gpu_kernel
+
+
+MAX_PLANS = 2  # plans kept: one per micro-batch of a step (CausalLM runs at most two)
 
 
 @dataclass
@@ -42,8 +47,8 @@ class GpuDecode:
     def __init__(self, spec, device: torch.device):
         self.spec, self.device = spec, device
         self.cuda = device.type == "cuda"
-        self.plan: StepPlan | None = None
-        self.plans_built = 0  # how many times metadata was built and copied (tests: once per step)
+        self.plans: dict[tuple, StepPlan] = {}  # by signature, the newest last: one per micro-batch of the step
+        self.plans_built = 0  # how many times metadata was built and copied (tests: once per step and micro-batch)
 
     def step_plan(self, layer: int, qg: torch.Tensor, seqs: list, load_runs: list[tuple[int, int]]) -> StepPlan:
         """The plan for this layer: the cached one when the signature matches, else a new one.
@@ -55,8 +60,10 @@ class GpuDecode:
         """
         base = seqs[0].window
         sig = (tuple((sq.window.data_ptr(), sq.win_len[layer]) for sq in seqs), tuple(load_runs), qg.shape, qg.dtype)
-        if self.plan is not None and self.plan.signature == sig:
-            return self.plan
+        hit = self.plans.pop(sig, None)
+        if hit is not None:
+            self.plans[sig] = hit  # the newest again
+            return hit
         B, Hkv, G, _ = qg.shape
         dv, item = self.spec.layout.v_dim, base.element_size()
         offs = [(sq.window.data_ptr() - base.data_ptr()) // item for sq in seqs]
@@ -80,7 +87,7 @@ class GpuDecode:
             small = tuple(t.pin_memory().to(self.device, non_blocking=True) for t in small)
         wide, ints = small
         f32 = dict(dtype=torch.float32, device=self.device)
-        self.plan = StepPlan(
+        plan = StepPlan(
             signature=sig, win_off=wide[:B], win_len=ints[:B], blk_seq=ints[a : a + P] if P else None,
             starts=wide[c:] if P else None,
             o_w=torch.empty(B, Hkv, G, dv, **f32), l_w=torch.empty(B, Hkv, G, **f32),
@@ -88,7 +95,10 @@ class GpuDecode:
             window_tokens=sum(lens),
         )
         self.plans_built += 1
-        return self.plan
+        self.plans[sig] = plan
+        while len(self.plans) > MAX_PLANS:  # the oldest: an earlier step's (its buffers are reused in stream order)
+            self.plans.pop(next(iter(self.plans)))
+        return plan
 
     def windows(self, plan: StepPlan, layer: int, qg: torch.Tensor, seqs: list, scale: float) -> None:
         """The window partials of all sequences, one launch, into ``plan.o_w, plan.l_w``."""

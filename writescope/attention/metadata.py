@@ -60,6 +60,12 @@ class ForwardBatch:
         positions = torch.cat(pos) if pos else torch.empty(0, dtype=torch.long)
         return ForwardBatch(tuple(slots), tuple(query_lens), tuple(context_lens), positions.to(device))
 
+    def sub(self, start: int, end: int) -> "ForwardBatch":
+        """The metadata of sequences ``start .. end - 1`` alone (a micro-batch); its tokens are
+        packed rows ``query_start_loc[start] .. query_start_loc[end] - 1`` of this batch."""
+        a, b = self.query_start_loc[start], self.query_start_loc[end]
+        return ForwardBatch(self.slots[start:end], self.query_lens[start:end], self.context_lens[start:end], self.positions[a:b])
+
     def last_token_indices(self) -> list[int]:
         """Packed index of each sequence's last new token (where next-token logits come from)."""
         return [s - 1 for s in self.query_start_loc[1:]]

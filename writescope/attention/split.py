@@ -56,6 +56,25 @@ class SplitStats:
     last_load_tokens: int = 0  # load-region (and prepared) tokens streamed by the last decode call
 
 
+@dataclass
+class PendingDecode:
+    """One layer's decode between :meth:`SplitDecoder.decode_begin` and ``decode_end``."""
+
+    layer: int
+    q: torch.Tensor  # [B, q_heads, dk]
+    seqs: list
+    scale: float
+    cpu_rows: list[int]  # sequences with a CPU part
+    limits: list[int]  # compute blocks the CPU attends, per sequence
+    states: list  # device partials merged at the end (torch path; empty with a Triton plan)
+    plan: object  # the Triton StepPlan, or None
+    fut: Future | None  # the thread-pool CPU part
+    job: tuple | None  # the native worker's (seq, (o, lse))
+    q_host: torch.Tensor | None
+    q_ready: object
+    split: tuple[int, int]  # (CPU tokens, load-region tokens)
+
+
 def _native_wanted() -> bool:
     """``WRITESCOPE_CPU_WORKER``: ``native`` (the default: the C++ worker, cpu_worker.py) or
     ``python`` (a Python thread pool calling the kernel; the main thread waits for its result).
@@ -168,7 +187,15 @@ class SplitDecoder:
 
     # ------------------------------------------------------------------ one layer
     def decode(self, layer: int, q: torch.Tensor, seqs: list, scale: float, evict_stream=None, cpu_blocks=None) -> torch.Tensor:
-        """Exact attention of one new query per sequence over all four regions.
+        """Exact attention of one new query per sequence over all four regions:
+        :meth:`decode_end` of :meth:`decode_begin` (same arguments, returns, errors)."""
+        return self.decode_end(self.decode_begin(layer, q, seqs, scale, evict_stream, cpu_blocks))
+
+    def decode_begin(self, layer: int, q: torch.Tensor, seqs: list, scale: float, evict_stream=None, cpu_blocks=None) -> "PendingDecode":
+        """Issue one layer's decode attention: the CPU part queued (q to host), the window and
+        load-region partials issued on the device. :meth:`decode_end` merges them; between the
+        two the caller may issue other work (another micro-batch's layer), which the device runs
+        while the CPU attends.
 
         Args:
             layer: layer id.
@@ -182,7 +209,7 @@ class SplitDecoder:
                 attends the whole compute region (the InplaceKVCache format).
 
         Returns:
-            ``[B, q_heads, dv]`` in q's dtype.
+            the handle for :meth:`decode_end`, which returns ``[B, q_heads, dv]`` in q's dtype.
         """
         s = self.spec
         B, Hq, dk = q.shape
@@ -232,8 +259,8 @@ class SplitDecoder:
                         states.append(part)
             self._stats.last_load_tokens = sum(src.shape[0] for _, src in sources) * s.window
             # this call's KV split in tokens (CPU, load region), known on the host: the joint
-            # roofline's per-step expert split reads it (scheduler/expert_work.py)
-            self.last_split = (sum(limits[i] for i in cpu_rows) * s.window, self._stats.last_load_tokens)
+            # roofline's per-step expert split reads it (scheduler/expert_work.py) after decode_end
+            split = (sum(limits[i] for i in cpu_rows) * s.window, self._stats.last_load_tokens)
             if self.time_gpu:
                 self._gpu_timer, self._gpu_timer_done = self._stop_gpu_timer(self._gpu_timer), True
             if prepared and self.cuda:  # the prepare buffer of this layer's parity is reused once these copies are done
@@ -241,25 +268,50 @@ class SplitDecoder:
                 ev.record(self.copy_stream)
                 self._stage_events[layer % 2] = ev
         except BaseException:  # never leave the worker reading a sequence the caller may free after an error,
-            if fut is not None:  # and report this error, not one the worker may meet as a consequence
-                wait([fut])
-            if job is not None:
-                self.worker.wait_host(job[0])
+            self._settle(fut, job)  # and report this error, not one the worker may meet as a consequence
             raise
-        with record_function("attn.wait_cpu"):
-            if job is not None:  # on CUDA the stream waits for the worker's done flag, not this thread
-                seq, (o_c, l_c) = job
-                self.worker.consume(seq)
+        return PendingDecode(layer, q, seqs, scale, cpu_rows, limits, states, plan, fut, job, q_host, q_ready, split)
+
+    def decode_end(self, p: "PendingDecode") -> torch.Tensor:
+        """Merge the partials of a :meth:`decode_begin`: ``[B, q_heads, dv]`` in q's dtype. On
+        CUDA the device waits for the CPU part (its done flag), not this thread.
+
+        Raises:
+            RuntimeError: the CPU part failed (the worker's error).
+        """
+        B, Hq, _ = p.q.shape
+        states = p.states
+        try:
+            with record_function("attn.wait_cpu"):
+                if p.job is not None:  # on CUDA the stream waits for the worker's done flag, not this thread
+                    seq, (o_c, l_c) = p.job
+                    self.worker.consume(seq)
+                    states.append((self._to_device(o_c), self._to_device(l_c)))
+                cpu_state = p.fut.result() if p.fut is not None else None
+            if p.cpu_rows and p.job is None:
+                o_c, l_c = cpu_state if cpu_state is not None else self._cpu_part(p.layer, p.q_host, p.seqs, p.cpu_rows, p.limits,
+                                                                                 p.scale, p.q_ready)
                 states.append((self._to_device(o_c), self._to_device(l_c)))
-            cpu_state = fut.result() if fut is not None else None
-        if cpu_rows and job is None:
-            o_c, l_c = cpu_state if cpu_state is not None else self._cpu_part(layer, q_host, seqs, cpu_rows, limits, scale, q_ready)
-            states.append((self._to_device(o_c), self._to_device(l_c)))
+        except BaseException:
+            self._settle(p.fut, p.job)
+            raise
+        self.last_split = p.split
         with record_function("attn.merge"):
-            if plan is not None:  # one launch: window, load and CPU partials
-                return self.gpu.merge(plan, q, states[-1] if cpu_rows else None)
+            if p.plan is not None:  # one launch: window, load and CPU partials
+                return self.gpu.merge(p.plan, p.q, states[-1] if p.cpu_rows else None)
             o, _ = merge_unchecked([st[0] for st in states], [st[1] for st in states])
-            return o.view(B, Hq, dv).to(q.dtype)
+            return o.view(B, Hq, self.spec.layout.v_dim).to(p.q.dtype)
+
+    def abandon(self, p: "PendingDecode") -> None:
+        """A :meth:`decode_begin` whose :meth:`decode_end` will not come (an error elsewhere):
+        wait until its CPU part no longer reads the cache."""
+        self._settle(p.fut, p.job)
+
+    def _settle(self, fut, job) -> None:
+        if fut is not None:
+            wait([fut])
+        if job is not None:
+            self.worker.wait_host(job[0])
 
     def _to_device(self, t: torch.Tensor) -> torch.Tensor:
         """A small host tensor to the device without waiting: from pageable memory a copy waits

@@ -73,31 +73,37 @@ class BenchConfig:
 
 
 class _TimedAttend:
-    """Wraps a cache's ``attend`` to time decode calls (all query lengths 1) without changing
-    what they do: on CUDA by a pair of timing events on the current stream around each call (no
-    synchronisation added; read once the run is over: :meth:`seconds`), without CUDA by the wall
-    clock (the calls are synchronous there). A layer's time runs from its first launch to its
-    merge, so it includes its waits for streamed blocks and for the CPU partial."""
+    """Wraps a cache's ``attend_begin`` / ``attend_end`` (and ``attend``) to time decode calls
+    (all query lengths 1) without changing what they do: on CUDA by a pair of timing events on
+    the current stream, one at the begin and one after the end (no synchronisation added; read
+    once the run is over: :meth:`seconds`), without CUDA by the wall clock (the calls are
+    synchronous there). A layer's time runs from its first launch to its merge, so it includes
+    its waits for streamed blocks and for the CPU partial, and in a micro-batched step (two
+    halves, models/causal_lm.py) the other half's work issued in between."""
 
     def __init__(self, cache, device: torch.device):
         self.cache, self.device, self.times, self.events = cache, device, [], []
-        self.inner = cache.attend
-        cache.attend = self
+        self.inner_begin, self.inner_end = cache.attend_begin, cache.attend_end
+        cache.attend_begin, cache.attend_end = self.begin, self.end  # instance attributes; attend calls these
 
-    def __call__(self, layer_id, q, k, v, batch, scale, sliding_window=None, prefill_attn=None):
-        decode = all(n == 1 for n in batch.query_lens)
-        if not decode:
-            return self.inner(layer_id, q, k, v, batch, scale, sliding_window, prefill_attn)
-        if self.device.type != "cuda":
-            t0 = time.perf_counter()
-            out = self.inner(layer_id, q, k, v, batch, scale, sliding_window, prefill_attn)
-            self.times.append(time.perf_counter() - t0)
-            return out
-        start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
-        start.record()
-        out = self.inner(layer_id, q, k, v, batch, scale, sliding_window, prefill_attn)
-        end.record()
-        self.events.append((start, end))
+    def begin(self, layer_id, q, k, v, batch, scale, sliding_window=None, prefill_attn=None):
+        if not all(n == 1 for n in batch.query_lens):
+            return self.inner_begin(layer_id, q, k, v, batch, scale, sliding_window, prefill_attn)
+        start = time.perf_counter() if self.device.type != "cuda" else torch.cuda.Event(enable_timing=True)
+        if not isinstance(start, float):
+            start.record()
+        return _Timed(self.inner_begin(layer_id, q, k, v, batch, scale, sliding_window, prefill_attn), start)
+
+    def end(self, handle):
+        if not isinstance(handle, _Timed):
+            return self.inner_end(handle)
+        out = self.inner_end(handle.inner)
+        if isinstance(handle.start, float):
+            self.times.append(time.perf_counter() - handle.start)
+        else:
+            end = torch.cuda.Event(enable_timing=True)
+            end.record()
+            self.events.append((handle.start, end))
         return out
 
     def seconds(self) -> list[float]:
@@ -109,7 +115,14 @@ class _TimedAttend:
         return self.times
 
     def remove(self) -> None:
-        self.cache.attend = self.inner
+        del self.cache.attend_begin, self.cache.attend_end  # the class's methods again
+
+
+class _Timed:
+    __slots__ = ("inner", "start")
+
+    def __init__(self, inner, start):
+        self.inner, self.start = inner, start
 
 
 def run_grid(llm: LLM, cfg: BenchConfig, roofline=None, on_row=None) -> list[BenchRow]:

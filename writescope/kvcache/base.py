@@ -19,8 +19,15 @@ from writescope.config import KVLayout
 class KVCache(ABC):
     """Per-layer, per-sequence KV storage with attention over it.
 
-    Lifecycle: ``allocate(capacity)`` -> slot id; forward passes call ``attend`` once per layer;
-    ``free(slot)`` returns the memory. ``seq_len(slot)`` is the number of tokens written.
+    Lifecycle: ``allocate(capacity)`` -> slot id; forward passes call ``attend`` once per layer
+    (or ``attend_begin`` then ``attend_end``); ``free(slot)`` returns the memory. ``seq_len(slot)``
+    is the number of tokens written.
+
+    Micro-batched decode (docs/DESIGN.md section 4): a cache whose decode has a CPU part may
+    answer :meth:`decode_groups` with two or more contiguous ranges of the batch; the model then
+    runs each layer once per range and issues range b's attention (``attend_begin``) before it
+    finishes range a's (``attend_end``), so the CPU attends one range while the device runs the
+    other's projections and experts. Caches that do not split return None and attend at once.
     """
 
     layout: KVLayout
@@ -82,3 +89,30 @@ class KVCache(ABC):
         Returns:
             ``[T, q_heads, v_dim]`` in q's dtype.
         """
+
+    def attend_begin(self, layer_id, q, k, v, batch: ForwardBatch, scale, sliding_window=None, prefill_attn=None):
+        """Issue this layer's attention; :meth:`attend_end` with the returned handle gives the
+        output. Same arguments and errors as :meth:`attend`; this default attends at once."""
+        return _Done(self.attend(layer_id, q, k, v, batch, scale, sliding_window, prefill_attn))
+
+    def attend_end(self, handle) -> torch.Tensor:
+        """The output of an :meth:`attend_begin` call: ``[T, q_heads, v_dim]`` in q's dtype."""
+        return handle.out
+
+    def decode_groups(self, batch: ForwardBatch) -> list[tuple[int, int]] | None:
+        """Contiguous ranges ``[(start, end), ...]`` of ``batch``'s sequences to run as separate
+        micro-batches in this decode pass, or None to run it whole (this default)."""
+        return None
+
+    def abandon(self) -> None:
+        """A forward pass stopped between ``attend_begin`` and ``attend_end`` (an error): wait
+        for whatever the begun calls still read, so the caller may free what they use."""
+
+
+class _Done:
+    """The handle of an attention computed at once."""
+
+    __slots__ = ("out",)
+
+    def __init__(self, out: torch.Tensor):
+        self.out = out

@@ -23,7 +23,7 @@ from torch.profiler import record_function
 from writescope.attention.metadata import ForwardBatch
 from writescope.attention.reference import attend_sequence
 from writescope.attention.split import SplitDecoder
-from writescope.kvcache.base import KVCache
+from writescope.kvcache.base import KVCache, _Done
 from writescope.engine.threads import default_attention_threads
 from writescope.env import env_choice
 from writescope.kvcache.prefill_writer import PrefillWriter
@@ -62,6 +62,9 @@ class InplaceKVCache(KVCache):
         self.prefill_readback_bytes = 0
         self.evicted_blocks = 0
         self._writer: PrefillWriter | None = None  # prefill writes to the compute region (made on first use)
+        self.micro_batches = _micro_batches()
+        self._step_batch = 0  # sequences of the decode pass under way (decode_groups), for the policy's feedback
+        self._pending: list = []  # decode layers begun and not yet ended
 
     # ------------------------------------------------------------------ lifecycle
     def allocate(self, capacity: int, prompt_len: int = 0) -> int:
@@ -143,6 +146,9 @@ class InplaceKVCache(KVCache):
 
     # ------------------------------------------------------------------ attention
     def attend(self, layer_id, q, k, v, batch: ForwardBatch, scale, sliding_window=None, prefill_attn=None):
+        return self.attend_end(self.attend_begin(layer_id, q, k, v, batch, scale, sliding_window, prefill_attn))
+
+    def attend_begin(self, layer_id, q, k, v, batch: ForwardBatch, scale, sliding_window=None, prefill_attn=None):
         if sliding_window is not None:
             raise ValueError(
                 f"sliding_window={sliding_window} is not supported by the partitioned KV cache (policy {self.policy}): "
@@ -166,36 +172,79 @@ class InplaceKVCache(KVCache):
                 cpu_blocks = [min(n, math.floor(self.policy.read_share(sq.placed[layer_id]) * n + 0.5))
                               for sq, n in ((sq, sq.n_comp[layer_id]) for sq in seqs)]
             self.flush_writes()  # the prompt's compute rows are in place before the CPU reads them
-            out = self.decoder.decode(layer_id, q, seqs, scale, self.evict_stream, cpu_blocks)
-            for secs, tokens, batch in self.decoder.take_cpu_parts():  # each finished CPU part once, with its own batch
-                if tokens:
-                    self.policy.observe(secs, tokens, batch)
-        else:
-            self.decoder.last_split = None  # a prefill: no decode split this layer (scheduler/expert_work.py)
-            out = q.new_empty(q.shape[0], q.shape[1], self.layout.v_dim) if prefill_attn is None else None
-            for i, sq in enumerate(seqs):
-                s, e = batch.query_start_loc[i], batch.query_start_loc[i + 1]
-                if e == s:  # no new tokens: nothing to write or attend
-                    continue
-                ctx = batch.context_lens[i]
-                prev = self._gather(sq, layer_id) if ctx > 0 else None
-                self._write(sq, layer_id, new[:, :, s:e])
-                kv = new[:, :, s:e] if prev is None else torch.cat((prev, new[:, :, s:e]), dim=2)
-                keys = kv[0].transpose(0, 1)  # [ctx + n, Hkv, dk]
-                vals = kv[1].transpose(0, 1) if self.spec.parts == 2 else keys[..., : self.layout.v_dim]
-                if prefill_attn is None:
-                    out[s:e] = attend_sequence(q[s:e], keys, vals, ctx, scale)
-                else:
-                    o = prefill_attn(q[s:e], keys, vals, ctx, scale)
-                    out = q.new_empty(q.shape[0], q.shape[1], o.shape[-1]) if out is None else out
-                    out[s:e] = o
-            if out is None:  # no rows
-                out = q.new_empty(q.shape[0], q.shape[1], self.layout.v_dim)
+            pending = self.decoder.decode_begin(layer_id, q, seqs, scale, self.evict_stream, cpu_blocks)
+            self._pending.append(pending)
+            return _Decoding(layer_id, seqs, pending)
+        self.decoder.last_split = None  # a prefill: no decode split this layer (scheduler/expert_work.py)
+        out = self._prefill_attend(layer_id, q, new, seqs, batch, scale, prefill_attn)
+        self._evict_full(seqs, layer_id)
+        return _Done(out)
+
+    def attend_end(self, handle) -> torch.Tensor:
+        if isinstance(handle, _Done):
+            return handle.out
+        self._pending.remove(handle.pending)
+        out = self.decoder.decode_end(handle.pending)
+        for secs, tokens, batch in self.decoder.take_cpu_parts():  # each finished CPU part once, with its step's batch
+            if tokens:
+                self.policy.observe(secs, tokens, max(batch, self._step_batch))
+        self._evict_full(handle.seqs, handle.layer)
+        return out
+
+    def abandon(self) -> None:
+        pending, self._pending = self._pending, []
+        for p in pending:
+            self.decoder.abandon(p)
+
+    def decode_groups(self, batch: ForwardBatch) -> list[tuple[int, int]] | None:
+        """Two micro-batches when this decode pass has a CPU part and at least two sequences
+        (``WRITESCOPE_MICRO_BATCHES``: ``2``, the default, or ``1``: never), else None. The
+        split point balances the compute-region tokens the CPU attends in each half."""
+        self._step_batch = 0
+        if self.micro_batches < 2 or len(batch.slots) < 2 or any(n != 1 for n in batch.query_lens):
+            return None
+        cpu = [self._seqs[s].n_comp[0] for s in batch.slots]  # every layer places block j in the same region
+        total = sum(cpu)
+        if total == 0:
+            return None
+        best, acc, B = None, 0, len(cpu)
+        for cut in range(1, B):
+            acc += cpu[cut - 1]
+            key = (abs(2 * acc - total), abs(2 * cut - B))
+            if best is None or key < best[0]:
+                best = (key, cut)
+        self._step_batch = B
+        return [(0, best[1]), (best[1], B)]
+
+    def _prefill_attend(self, layer_id, q, new, seqs, batch, scale, prefill_attn):
+        """Write a prefill's (or mixed pass's) new KV and attend each sequence on the device."""
+        out = q.new_empty(q.shape[0], q.shape[1], self.layout.v_dim) if prefill_attn is None else None
+        for i, sq in enumerate(seqs):
+            s, e = batch.query_start_loc[i], batch.query_start_loc[i + 1]
+            if e == s:  # no new tokens: nothing to write or attend
+                continue
+            ctx = batch.context_lens[i]
+            prev = self._gather(sq, layer_id) if ctx > 0 else None
+            self._write(sq, layer_id, new[:, :, s:e])
+            kv = new[:, :, s:e] if prev is None else torch.cat((prev, new[:, :, s:e]), dim=2)
+            keys = kv[0].transpose(0, 1)  # [ctx + n, Hkv, dk]
+            vals = kv[1].transpose(0, 1) if self.spec.parts == 2 else keys[..., : self.layout.v_dim]
+            if prefill_attn is None:
+                out[s:e] = attend_sequence(q[s:e], keys, vals, ctx, scale)
+            else:
+                o = prefill_attn(q[s:e], keys, vals, ctx, scale)
+                out = q.new_empty(q.shape[0], q.shape[1], o.shape[-1]) if out is None else out
+                out[s:e] = o
+        if out is None:  # no rows
+            out = q.new_empty(q.shape[0], q.shape[1], self.layout.v_dim)
+        return out
+
+    def _evict_full(self, seqs: list[SequenceKV], layer_id: int) -> None:
+        """Evict every full D-window of ``layer_id`` (after the layer's attention was issued)."""
         with record_function("kv.evict"):
             for sq in seqs:
                 if sq.win_len[layer_id] == self.spec.window:
                     self._evict(sq, layer_id)
-        return out
 
     # ------------------------------------------------------------------ writes
     def write(self, slot: int, layer_id: int, k: torch.Tensor, v: torch.Tensor | None) -> None:
@@ -403,6 +452,25 @@ class InplaceKVCache(KVCache):
                 f"the load region and staging buffers need up to {pinned / gib:.2f} GiB of pinned memory, above the pinned "
                 f"budget of {pinned_budget / gib:.2f} GiB: raise pinned_budget, or use fewer or shorter requests"
             )
+
+
+def _micro_batches() -> int:
+    """``WRITESCOPE_MICRO_BATCHES``: ``2`` (the default: a decode step with a CPU part runs as two
+    micro-batches, models/causal_lm.py) or ``1`` (whole batches, the earlier behaviour).
+
+    Raises:
+        ValueError: another value (names it).
+    """
+    return int(env_choice("WRITESCOPE_MICRO_BATCHES", ("2", "1")))
+
+
+class _Decoding:
+    """The handle of a decode layer begun on the split decoder."""
+
+    __slots__ = ("layer", "seqs", "pending")
+
+    def __init__(self, layer: int, seqs: list[SequenceKV], pending):
+        self.layer, self.seqs, self.pending = layer, seqs, pending
 
 
 def _prefill_load_on_evict_stream() -> bool:

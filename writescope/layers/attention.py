@@ -39,6 +39,11 @@ class GQAAttention(nn.Module):
 
     def forward(self, x: torch.Tensor, rope: RotaryEmbedding, cos_sin, batch: ForwardBatch, cache: KVCache) -> torch.Tensor:
         """x ``[T, hidden]`` -> ``[T, hidden]``."""
+        return self.begin(x, rope, cos_sin, batch, cache)()
+
+    def begin(self, x: torch.Tensor, rope: RotaryEmbedding, cos_sin, batch: ForwardBatch, cache: KVCache):
+        """Issue the projections and the cache's attention (``attend_begin``); returns the
+        function that finishes the layer (``attend_end``, o_proj) and gives ``[T, hidden]``."""
         c, T = self.cfg, x.shape[0]
         q = self.q_proj(x).view(T, c.q_heads, c.head_dim)  # [T, Hq, d]
         k = self.k_proj(x).view(T, c.kv_heads, c.head_dim)  # [T, Hkv, d]
@@ -46,8 +51,8 @@ class GQAAttention(nn.Module):
         if c.qk_norm:
             q, k = self.q_norm(q), self.k_norm(k)
         q, k = rope.apply(q, *cos_sin), rope.apply(k, *cos_sin)
-        o = cache.attend(self.layer_id, q, k, v, batch, c.softmax_scale, c.sliding_window)  # [T, Hq, d]
-        return self.o_proj(o.reshape(T, -1))
+        pending = cache.attend_begin(self.layer_id, q, k, v, batch, c.softmax_scale, c.sliding_window)
+        return lambda: self.o_proj(cache.attend_end(pending).reshape(T, -1))  # o [T, Hq, d]
 
 
 MLA_PREFILL_MODES = ("absorbed", "expanded")
@@ -103,6 +108,11 @@ class MLAAttention(nn.Module):
 
     def forward(self, x: torch.Tensor, rope: RotaryEmbedding, cos_sin, batch: ForwardBatch, cache: KVCache) -> torch.Tensor:
         """x ``[T, hidden]`` -> ``[T, hidden]``."""
+        return self.begin(x, rope, cos_sin, batch, cache)()
+
+    def begin(self, x: torch.Tensor, rope: RotaryEmbedding, cos_sin, batch: ForwardBatch, cache: KVCache):
+        """As :meth:`GQAAttention.begin`: issues up to the cache's ``attend_begin``; the returned
+        function finishes the layer and gives ``[T, hidden]``."""
         c, T, H = self.cfg, x.shape[0], self.cfg.q_heads
         nope, r, R = c.qk_nope_head_dim, c.qk_rope_head_dim, c.kv_lora_rank
         q = self.q_proj(x) if c.q_lora_rank is None else self.q_b_proj(self.q_a_layernorm(self.q_a_proj(x)))
@@ -125,9 +135,15 @@ class MLAAttention(nn.Module):
                 return attend_sequence(q_rows, k_full, v_full, context_len, scale)  # [rows, H, v]
 
             o = cache.attend(self.layer_id, q_exp, entry, None, batch, c.softmax_scale, prefill_attn=expanded)  # [T, H, v]
-            return self.o_proj(o.reshape(T, H * c.v_head_dim))
+            out = self.o_proj(o.reshape(T, H * c.v_head_dim))
+            return lambda: out
         q_lat = torch.einsum("thn,hnr->thr", q_nope, w_uk)  # [T, H, R]
         q_full = torch.cat((q_lat, q_pe), dim=-1)  # [T, H, R + r]
-        o_lat = cache.attend(self.layer_id, q_full, entry, None, batch, c.softmax_scale)  # [T, H, R]
-        o = torch.einsum("thr,hvr->thv", o_lat, w_uv)  # [T, H, v]
-        return self.o_proj(o.reshape(T, H * c.v_head_dim))
+        pending = cache.attend_begin(self.layer_id, q_full, entry, None, batch, c.softmax_scale)
+
+        def finish() -> torch.Tensor:
+            o_lat = cache.attend_end(pending)  # [T, H, R]
+            o = torch.einsum("thr,hvr->thv", o_lat, w_uv)  # [T, H, v]
+            return self.o_proj(o.reshape(T, H * c.v_head_dim))
+
+        return finish

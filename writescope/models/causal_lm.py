@@ -39,8 +39,18 @@ class DecoderLayer(nn.Module):
         return getattr(self, self.mlp_name)
 
     def forward(self, x, rope, cos_sin, batch: ForwardBatch, cache: KVCache) -> torch.Tensor:
-        h = x + self.self_attn(self.input_layernorm(x), rope, cos_sin, batch, cache)
-        return h + getattr(self, self.mlp_name)(self.post_attention_layernorm(h))
+        return self.begin(x, rope, cos_sin, batch, cache)()
+
+    def begin(self, x, rope, cos_sin, batch: ForwardBatch, cache: KVCache) -> Callable[[], torch.Tensor]:
+        """Issue the layer up to its cache attention (``attend_begin``); the returned function
+        finishes it (attention output, residual, MLP) and gives the layer's output."""
+        attn = self.self_attn.begin(self.input_layernorm(x), rope, cos_sin, batch, cache)
+
+        def finish() -> torch.Tensor:
+            h = x + attn()
+            return h + getattr(self, self.mlp_name)(self.post_attention_layernorm(h))
+
+        return finish
 
 
 class _Backbone(nn.Module):
@@ -93,10 +103,47 @@ class CausalLM(nn.Module):
         """
         x = self.model.embed_tokens(input_ids)  # [T, D]
         cos_sin = self.rope.cos_sin(batch.positions)  # 2 x [T, rope_dim/2] f32
-        for i, layer in enumerate(self.model.layers):
-            x = layer(x, self.rope, cos_sin, batch, cache)
-            if layer_callback is not None:
-                layer_callback(i)
+        groups = cache.decode_groups(batch)
+        if groups is not None:
+            x = self._micro_batched(x, cos_sin, batch, cache, groups, layer_callback)
+        else:
+            for i, layer in enumerate(self.model.layers):
+                x = layer(x, self.rope, cos_sin, batch, cache)
+                if layer_callback is not None:
+                    layer_callback(i)
         if not all_logits:
             x = x[batch.last_token_indices()]  # [B, D]
         return self.lm_head(self.model.norm(x)).float()
+
+    def _micro_batched(self, x, cos_sin, batch: ForwardBatch, cache: KVCache, groups, layer_callback) -> torch.Tensor:
+        """The layers over micro-batches ``groups`` (contiguous ranges of the batch's sequences),
+        issued so that micro-batch g's attention begins before micro-batch g-1's ends:
+
+        ```
+        begin A0, begin B0 | end A0, begin A1, end B0, begin B1 | end A1, begin A2, ...
+        ```
+
+        Each begin queues that micro-batch's CPU attention for the layer; between A's begin and
+        end the device runs B's layer (and the other way round), so the CPU attends one
+        micro-batch while the device works on the other. Every sequence's arithmetic is that of
+        the whole batch; only the order of issue changes. On an error the begun layers are
+        waited for (``cache.abandon``) before it propagates.
+        """
+        subs = [batch.sub(a, b) for a, b in groups]
+        rows = [(batch.query_start_loc[a], batch.query_start_loc[b]) for a, b in groups]
+        xs = [x[a:b] for a, b in rows]
+        css = [tuple(t[a:b] for t in cos_sin) for a, b in rows]
+        layers = self.model.layers
+        try:
+            ends = [layers[0].begin(xs[g], self.rope, css[g], subs[g], cache) for g in range(len(groups))]
+            for i in range(len(layers)):
+                for g in range(len(groups)):
+                    xs[g] = ends[g]()
+                    if i + 1 < len(layers):
+                        ends[g] = layers[i + 1].begin(xs[g], self.rope, css[g], subs[g], cache)
+                if layer_callback is not None:
+                    layer_callback(i)
+        except BaseException:
+            cache.abandon()
+            raise
+        return torch.cat(xs)

@@ -1,0 +1,224 @@
+"""Micro-batched decode (models/causal_lm.py ``_micro_batched``, kvcache/inplace.py ``decode_groups``).
+
+A decode step with a CPU part runs as two micro-batches whose layers interleave, so the CPU
+attends one while the device runs the other. These tests check that the split happens where it
+should, in the order it should, that it changes no token or logit, and that an error part-way
+leaves the engine usable. Tiny presets in fp32 on the CPU.
+"""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+from writescope import LLM, SamplingParams
+from writescope.attention.metadata import ForwardBatch
+from writescope.attention.split import SplitDecoder
+from writescope.kvcache.inplace import InplaceKVCache
+
+D = 16
+PROMPT_LENS = [70, 33, 5, 48]  # ragged: the CPU parts differ per sequence
+STEPS = 24
+LOGIT_TOL = 1e-4  # fp32; the same arithmetic per sequence, only its order of issue changes
+
+
+def _prompts(vocab: int) -> list[list[int]]:
+    g = torch.Generator().manual_seed(3)
+    return [torch.randint(3, vocab, (n,), generator=g).tolist() for n in PROMPT_LENS]
+
+
+@torch.no_grad()
+def _decode_logits(llm: LLM, prompts, steps: int) -> torch.Tensor:
+    """Greedy decode of ``steps`` tokens by hand; returns the logits ``[steps, batch, vocab]``."""
+    cache = llm.cache
+    slots = [cache.allocate(len(p) + steps, prompt_len=len(p)) for p in prompts]
+    try:
+        batch = ForwardBatch.build(slots, [len(p) for p in prompts], [0] * len(prompts), "cpu")
+        logits = llm.model(torch.tensor([t for p in prompts for t in p]), batch, cache)
+        out = []
+        for s in range(steps):
+            nxt = logits.argmax(-1)
+            batch = ForwardBatch.build(slots, [1] * len(prompts), [len(p) + s for p in prompts], "cpu")
+            logits = llm.model(nxt, batch, cache)
+            out.append(logits)
+        return torch.stack(out)
+    finally:
+        for s in slots:
+            cache.free(s)
+
+
+@pytest.mark.parametrize("preset", ["tiny-qwen3-moe", "tiny-deepseek-v2"])
+@pytest.mark.parametrize("policy", ["static:0.5", "cpu"])
+def test_micro_batches_change_no_logit(preset, policy, monkeypatch):
+    logits = {}
+    for mb in ("1", "2"):
+        monkeypatch.setenv("WRITESCOPE_MICRO_BATCHES", mb)
+        llm = LLM(preset, progress=False, policy=policy, window=D, prefill_chunk_tokens=32)
+        assert llm.cache.micro_batches == int(mb)
+        calls = []
+        real = llm.model._micro_batched
+        monkeypatch.setattr(llm.model, "_micro_batched", lambda *a, **k: (calls.append(a[4]), real(*a, **k))[1])
+        logits[mb] = _decode_logits(llm, _prompts(llm.config.vocab_size), STEPS)
+        if mb == "1":
+            assert calls == []
+        else:
+            assert len(calls) == STEPS  # every decode step split (each has a CPU part), never the prefill
+            assert all(len(g) == 2 and g[0][0] == 0 and g[0][1] == g[1][0] and g[1][1] == len(PROMPT_LENS) for g in calls)
+    torch.testing.assert_close(logits["2"], logits["1"], atol=LOGIT_TOL, rtol=0)
+
+
+def test_generate_tokens_equal_with_and_without_micro_batches(monkeypatch):
+    tokens = {}
+    for mb in ("1", "2"):
+        monkeypatch.setenv("WRITESCOPE_MICRO_BATCHES", mb)
+        llm = LLM("tiny-mixtral", progress=False, policy="static:0.5", window=D, prefill_chunk_tokens=32)
+        outs = llm.generate(prompt_token_ids=_prompts(llm.config.vocab_size), sampling_params=SamplingParams(max_tokens=STEPS, ignore_eos=True))
+        tokens[mb] = [o.token_ids for o in outs]
+        assert llm.cache.active_slots == []
+    assert tokens["2"] == tokens["1"]
+
+
+def _cache_with(policy: str, lens: list[int]) -> tuple[InplaceKVCache, list[int]]:
+    llm = LLM("tiny-qwen3-moe", progress=False, policy=policy, window=D)
+    cache = llm.cache
+    lay = llm.config.kv_layout
+    slots = []
+    for n in lens:
+        slot = cache.allocate(n + 4, prompt_len=n)
+        for layer in range(llm.config.num_layers):
+            if n:
+                cache.write(slot, layer, torch.randn(n, lay.kv_heads, lay.k_dim), torch.randn(n, lay.kv_heads, lay.v_dim))
+        slots.append(slot)
+    return cache, slots
+
+
+def _decode_batch(slots, lens):
+    return ForwardBatch.build(slots, [1] * len(slots), lens, "cpu")
+
+
+def test_decode_groups_only_with_a_cpu_part_and_balanced():
+    cache, slots = _cache_with("cpu", [160, 16, 16, 16, 16, 96])  # compute blocks 10, 1, 1, 1, 1, 6 (window D = 16 full)
+    comp = [cache.sequence(s).n_comp[0] for s in slots]
+    groups = cache.decode_groups(_decode_batch(slots, [160, 16, 16, 16, 16, 96]))
+    assert groups is not None and len(groups) == 2
+    (a0, cut), (c2, b1) = groups
+    assert (a0, c2, b1) == (0, cut, len(slots))
+    # the cut minimises the difference of CPU blocks between the halves
+    best = min(abs(2 * sum(comp[:k]) - sum(comp)) for k in range(1, len(slots)))
+    assert abs(2 * sum(comp[:cut]) - sum(comp)) == best
+    # one sequence, a prefill pass, or no compute region: whole batches
+    assert cache.decode_groups(_decode_batch(slots[:1], [160])) is None
+    assert cache.decode_groups(ForwardBatch.build(slots[:2], [2, 1], [160, 16], "cpu")) is None
+    gcache, gslots = _cache_with("gpu", [160, 96])
+    assert gcache.decode_groups(_decode_batch(gslots, [160, 96])) is None
+    cache.micro_batches = 1
+    assert cache.decode_groups(_decode_batch(slots, [160, 16, 16, 16, 16, 96])) is None
+
+
+def test_bad_micro_batches_value_is_named(monkeypatch):
+    monkeypatch.setenv("WRITESCOPE_MICRO_BATCHES", "3")
+    with pytest.raises(ValueError, match="WRITESCOPE_MICRO_BATCHES='3'"):
+        LLM("tiny-qwen3-moe", progress=False, policy="cpu", window=D)
+
+
+def test_layers_interleave_begin_b_before_end_a(monkeypatch):
+    """The order of issue: begin A0, begin B0, end A0, begin A1, end B0, begin B1, ..."""
+    llm = LLM("tiny-qwen3-moe", progress=False, policy="cpu", window=D)
+    log = []
+    real_begin, real_end = SplitDecoder.decode_begin, SplitDecoder.decode_end
+
+    def begin(self, layer, q, seqs, *a, **k):
+        p = real_begin(self, layer, q, seqs, *a, **k)
+        log.append(("begin", layer, len(seqs)))
+        return p
+
+    def end(self, p):
+        log.append(("end", p.layer, len(p.seqs)))
+        return real_end(self, p)
+
+    monkeypatch.setattr(SplitDecoder, "decode_begin", begin)
+    monkeypatch.setattr(SplitDecoder, "decode_end", end)
+    prompts = [[5] * 40, [6] * 40, [7] * 40]  # equal CPU parts: cut at 1 or 2 (the middle of 3 is a tie: the first)
+    llm.generate(prompt_token_ids=prompts, sampling_params=SamplingParams(max_tokens=2, ignore_eos=True))
+    L = llm.config.num_layers
+    step = log[: 4 * L]  # the first decode step (the prefill does not go through the decoder)
+    a, b = step[0][2], step[1][2]
+    assert a + b == 3
+    want = [("begin", 0, a), ("begin", 0, b)]
+    for i in range(L):
+        want += [("end", i, a)] + ([("begin", i + 1, a)] if i + 1 < L else [])
+        want += [("end", i, b)] + ([("begin", i + 1, b)] if i + 1 < L else [])
+    assert step == want
+
+
+def test_an_error_in_one_micro_batch_waits_for_the_other_and_the_engine_goes_on(monkeypatch):
+    llm = LLM("tiny-deepseek-v2", progress=False, policy="cpu", window=D)
+    prompts = _prompts(llm.config.vocab_size)
+    params = SamplingParams(max_tokens=4, ignore_eos=True)
+    ref = [o.token_ids for o in llm.generate(prompt_token_ids=prompts, sampling_params=params)]
+    real_begin = SplitDecoder.decode_begin
+    abandoned = []
+    real_abandon = SplitDecoder.abandon
+    monkeypatch.setattr(SplitDecoder, "abandon", lambda self, p: (abandoned.append(p.layer), real_abandon(self, p))[1])
+    calls = {"n": 0}
+
+    def flaky(self, layer, q, seqs, *a, **k):
+        calls["n"] += 1
+        if calls["n"] == 2:  # micro-batch B's layer 0 of the first decode step: A's is in flight
+            raise RuntimeError("injected failure in micro-batch B")
+        return real_begin(self, layer, q, seqs, *a, **k)
+
+    monkeypatch.setattr(SplitDecoder, "decode_begin", flaky)
+    with pytest.raises(RuntimeError, match="injected failure"):
+        llm.generate(prompt_token_ids=prompts, sampling_params=params)
+    assert abandoned == [0]  # A's layer 0 was waited for before the error went on
+    assert llm.cache._pending == []
+    assert llm.cache.active_slots == []
+    monkeypatch.setattr(SplitDecoder, "decode_begin", real_begin)
+    assert [o.token_ids for o in llm.generate(prompt_token_ids=prompts, sampling_params=params)] == ref
+
+
+def test_bench_times_micro_batched_layers():
+    from writescope.bench.runner import BenchConfig, run_one
+
+    llm = LLM("tiny-qwen3-moe", progress=False, policy="cpu", window=D)
+    row = run_one(llm, BenchConfig([2], [64], ["cpu"], steps=3, window=D, warmup=False), 2, 64, "cpu")
+    assert row.fits and row.attn_ms_per_layer > 0
+    assert not hasattr(llm.cache, "attend_begin") or "attend_begin" not in vars(llm.cache)  # the timer was removed
+
+
+@pytest.mark.gpu
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")
+@pytest.mark.parametrize("preset", ["tiny-qwen3-moe", "tiny-deepseek-v2"])
+def test_micro_batched_steps_on_cuda_match_whole_batches_and_never_wait(preset, monkeypatch):
+    """bf16 on CUDA (Triton kernels, native worker): micro-batched decode logits equal whole-batch
+    ones within bf16 rounding of the logits, and a micro-batched step's layers issue without a
+    host synchronisation (torch's sync debug mode raises on one)."""
+    prompts, steps = [[5 + i % 50 for i in range(n)] for n in (90, 70, 33, 48)], 6
+    logits = {}
+    for mb in ("1", "2"):
+        monkeypatch.setenv("WRITESCOPE_MICRO_BATCHES", mb)
+        llm = LLM(preset, device="cuda", dtype="bf16", progress=False, policy="static:0.5", window=16)
+        cache, model = llm.cache, llm.model
+        slots = [cache.allocate(len(p) + steps + 8, prompt_len=len(p)) for p in prompts]
+        with torch.inference_mode():
+            batch = ForwardBatch.build(slots, [len(p) for p in prompts], [0] * len(prompts), "cuda")
+            out = model(torch.tensor([t for p in prompts for t in p], device="cuda"), batch, cache)
+            rows, nxt = [], torch.tensor([p[-1] for p in prompts], device="cuda")
+            for s in range(steps):
+                batch = ForwardBatch.build(slots, [1] * len(prompts), [len(p) + s for p in prompts], "cuda")
+                torch.cuda.synchronize()
+                quiet = s >= 2 and (len(prompts[0]) + s) % 16 not in (0, 15)  # warm, and no window evicted into the compute region
+                if quiet:
+                    torch.cuda.set_sync_debug_mode("error")
+                try:
+                    out = model(nxt, batch, cache)
+                finally:
+                    torch.cuda.set_sync_debug_mode("default")
+                rows.append(out.float())
+        torch.cuda.synchronize()
+        logits[mb] = torch.stack(rows)
+        for slot in slots:
+            cache.free(slot)
+    scale = logits["1"].abs().max().item()
+    torch.testing.assert_close(logits["2"], logits["1"], atol=0.02 * scale, rtol=0)
