@@ -222,3 +222,13 @@ def test_micro_batched_steps_on_cuda_match_whole_batches_and_never_wait(preset, 
             cache.free(slot)
     scale = logits["1"].abs().max().item()
     torch.testing.assert_close(logits["2"], logits["1"], atol=0.02 * scale, rtol=0)
+
+
+def test_generate_records_the_main_threads_issue_and_wait_per_decode_step():
+    from writescope.cli.generate import format_timings
+
+    llm = LLM("tiny-qwen3-moe", progress=False, policy="static:0.5", window=D)
+    outs = llm.generate(prompt_token_ids=[[5] * 40, [6] * 20], sampling_params=SamplingParams(max_tokens=5, ignore_eos=True))
+    assert len(llm.decode_host) == 4  # the first token comes from the prefill
+    assert all(issue > 0 and wait >= 0 for issue, wait in llm.decode_host)
+    assert "decode step, main thread (median)" in format_timings(outs, llm.policy_name, None, llm.decode_host)

@@ -191,12 +191,12 @@ def run(args: argparse.Namespace) -> int:
               f"({o.finish_reason})" + ("; text streamed above" if args.batch == 1 and not args.quiet else ""))
         if args.batch != 1 or args.quiet:
             print(o.text)
-    print("\n" + format_timings(outs, llm.policy_name, llm.cpu_attention))
+    print("\n" + format_timings(outs, llm.policy_name, llm.cpu_attention, llm.decode_host))
     if llm.r_trace:
         print(format_r_trace(llm.r_trace))
     if args.output_json:
         doc = {"model": args.model, "device": str(llm.device), "dtype": str(llm.dtype), "policy": llm.policy_name,
-               "r_trace": llm.r_trace, "requests": [o.to_dict() for o in outs]}
+               "r_trace": llm.r_trace, "decode_host_s": [list(x) for x in llm.decode_host], "requests": [o.to_dict() for o in outs]}
         args.output_json.write_text(json.dumps(doc, indent=2))
         print(f"wrote {args.output_json}")
     return 0
@@ -217,7 +217,10 @@ def format_r_trace(trace: list[dict], lines: int = 8) -> str:
     return "r(L) trace (mean placed tokens per sequence L)\n" + "\n".join(rows)
 
 
-def format_timings(outs, policy: str = "resident", cpu_attention: str | None = None) -> str:
+def format_timings(outs, policy: str = "resident", cpu_attention: str | None = None, decode_host=None) -> str:
+    """The timings table; ``decode_host``: the main thread's (issue, wait) seconds per decode step
+    (:class:`~writescope.engine.runner.EngineCore`), shown as medians: a step whose wait is near
+    0 was bound by the thread issuing it, not by the device."""
     m = outs[0].metrics
     tpots = sorted(o.metrics.tpot_s for o in outs)
     rows = [
@@ -230,6 +233,9 @@ def format_timings(outs, policy: str = "resident", cpu_attention: str | None = N
         ("peak memory", f"{m.peak_memory_bytes / 2**30:,.2f} GiB"),
         ("KV policy", policy),
     ]
+    if decode_host:
+        issue, wait = (sorted(x[i] for x in decode_host)[len(decode_host) // 2] * 1e3 for i in (0, 1))
+        rows.insert(6, ("decode step, main thread (median)", f"issuing {issue:,.2f} ms, then waiting {wait:,.2f} ms"))
     if cpu_attention is not None and policy not in ("resident", "gpu"):  # only these never attend on the CPU
         rows.append(("CPU attention", cpu_attention))
     if outs[0].kv_placement is not None:

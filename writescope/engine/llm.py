@@ -192,6 +192,7 @@ class LLM:
         self.seed = seed
         self.step_hook = None  # called after every decode step (profilers; see writescope.bench.breakdown)
         self.r_trace: list[dict] | None = None  # the last generate's r(L) trace (partitioned policies)
+        self.decode_host: list[tuple[float, float]] = []  # the last generate's (issue, wait) seconds per decode step
         self.prefill_chunk_tokens = prefill_chunk_tokens
         self.pinned_budget = pinned_budget if pinned_budget is not None else (host_memory_total() or 0) // 2 or None
         self.cache: KVCache = ContiguousKVCache(self.config.kv_layout, self.config.num_layers, self.dtype, self.device)
@@ -355,6 +356,7 @@ class LLM:
         try:
             core.admit_all()
             self.r_trace = core.r_trace
+            self.decode_host = core.decode_host
             synchronize(self.device)
             t0 = time.perf_counter()
             while core.has_work():

@@ -64,6 +64,8 @@ class EngineCore:
         self.llm = llm
         self.offline = offline
         self.r_trace: list[dict] | None = [] if offline and isinstance(llm.cache, InplaceKVCache) else None
+        # per decode step, the main thread's (seconds issuing the step, seconds then waiting for its logits)
+        self.decode_host: list[tuple[float, float]] = []
         planned = llm.max_batch if llm.vram_plan is not None else None  # sequences the budget plan was sized for
         if max_num_seqs is None:
             max_num_seqs = planned or 32
@@ -223,10 +225,13 @@ class EngineCore:
         """One decode step of ``running`` (each with its last token as input); returns one new
         token per request (appended to its ``output_ids``)."""
         llm = self.llm
+        t0 = time.perf_counter()
         batch = ForwardBatch.build([r.slot for r in running], [1] * len(running), [r.context_len for r in running], llm.device)
         inp = torch.tensor([r.output_ids[-1] for r in running], device=llm.device)
         logits = llm.model(inp, batch, llm.cache)
+        t1 = time.perf_counter()  # the step is issued; sampling reads the logits back (waits for the device)
         toks = sample(logits, [r.params for r in running], [r.generator for r in running])
+        self.decode_host.append((t1 - t0, time.perf_counter() - t1))
         for r, t in zip(running, toks):
             self._append(r, t)
         if self.r_trace is not None:

@@ -111,8 +111,8 @@ class CausalLM(nn.Module):
                 x = layer(x, self.rope, cos_sin, batch, cache)
                 if layer_callback is not None:
                     layer_callback(i)
-        if not all_logits:
-            x = x[batch.last_token_indices()]  # [B, D]
+        if not all_logits and batch.num_tokens != len(batch.slots):  # (decode: every token is its sequence's last; an
+            x = x[batch.last_token_indices()]  # [B, D]                 index list would be a host-to-device copy, a wait)
         return self.lm_head(self.model.norm(x)).float()
 
     def _micro_batched(self, x, cos_sin, batch: ForwardBatch, cache: KVCache, groups, layer_callback) -> torch.Tensor:
