@@ -1,4 +1,4 @@
-"""Micro-batched decode (models/causal_lm.py ``_micro_batched``, kvcache/inplace.py ``decode_groups``).
+"""Micro-batched decode (models/decode_step.py, kvcache/inplace.py ``decode_groups``).
 
 A decode step with a CPU part runs as two micro-batches whose layers interleave, so the CPU
 attends one while the device runs the other. These tests check that the split happens where it
@@ -56,8 +56,8 @@ def test_micro_batches_change_no_logit(preset, policy, monkeypatch):
         llm = LLM(preset, progress=False, policy=policy, window=D, prefill_chunk_tokens=32)
         assert llm.cache.micro_batches == int(mb)
         calls = []
-        real = llm.model._micro_batched
-        monkeypatch.setattr(llm.model, "_micro_batched", lambda *a, **k: (calls.append(a[4]), real(*a, **k))[1])
+        real = llm.cache.decode_groups
+        monkeypatch.setattr(llm.cache, "decode_groups", lambda b: (lambda g: (g is not None and calls.append(g), g)[1])(real(b)))
         logits[mb] = _decode_logits(llm, _prompts(llm.config.vocab_size), STEPS)
         if mb == "1":
             assert calls == []

@@ -44,15 +44,27 @@ class GQAAttention(nn.Module):
     def begin(self, x: torch.Tensor, rope: RotaryEmbedding, cos_sin, batch: ForwardBatch, cache: KVCache):
         """Issue the projections and the cache's attention (``attend_begin``); returns the
         function that finishes the layer (``attend_end``, o_proj) and gives ``[T, hidden]``."""
+        pending = self.attend_begin(cache, self.project(x, rope, cos_sin), batch)
+        return lambda: self.output(cache.attend_end(pending))
+
+    def project(self, x: torch.Tensor, rope: RotaryEmbedding, cos_sin) -> tuple:
+        """``(q [T, Hq, d], k [T, Hkv, d], v [T, Hkv, d])`` of x ``[T, hidden]``, normed and
+        rotated: what the cache takes. Tensor work only (a decode CUDA graph captures it)."""
         c, T = self.cfg, x.shape[0]
         q = self.q_proj(x).view(T, c.q_heads, c.head_dim)  # [T, Hq, d]
         k = self.k_proj(x).view(T, c.kv_heads, c.head_dim)  # [T, Hkv, d]
         v = self.v_proj(x).view(T, c.kv_heads, c.head_dim)  # [T, Hkv, d]
         if c.qk_norm:
             q, k = self.q_norm(q), self.k_norm(k)
-        q, k = rope.apply(q, *cos_sin), rope.apply(k, *cos_sin)
-        pending = cache.attend_begin(self.layer_id, q, k, v, batch, c.softmax_scale, c.sliding_window)
-        return lambda: self.o_proj(cache.attend_end(pending).reshape(T, -1))  # o [T, Hq, d]
+        return rope.apply(q, *cos_sin), rope.apply(k, *cos_sin), v
+
+    def attend_begin(self, cache: KVCache, qkv: tuple, batch: ForwardBatch):
+        """``cache.attend_begin`` of this layer for :meth:`project`'s output."""
+        return cache.attend_begin(self.layer_id, *qkv, batch, self.cfg.softmax_scale, self.cfg.sliding_window)
+
+    def output(self, o: torch.Tensor) -> torch.Tensor:
+        """Attention output ``[T, Hq, d]`` -> ``[T, hidden]`` (o_proj)."""
+        return self.o_proj(o.reshape(o.shape[0], -1))
 
 
 MLA_PREFILL_MODES = ("absorbed", "expanded")
@@ -113,6 +125,14 @@ class MLAAttention(nn.Module):
     def begin(self, x: torch.Tensor, rope: RotaryEmbedding, cos_sin, batch: ForwardBatch, cache: KVCache):
         """As :meth:`GQAAttention.begin`: issues up to the cache's ``attend_begin``; the returned
         function finishes the layer and gives ``[T, hidden]``."""
+        if not all(n == 1 for n in batch.query_lens) and mla_prefill_mode() == "expanded":
+            out = self._expanded_prefill(x, rope, cos_sin, batch, cache)
+            return lambda: out
+        pending = self.attend_begin(cache, self.project(x, rope, cos_sin), batch)
+        return lambda: self.output(cache.attend_end(pending))
+
+    def _parts(self, x, rope, cos_sin):
+        """q_nope ``[T, H, nope]``, rotated q_pe ``[T, H, r]``, the cache entry ``[T, 1, R + r]``."""
         c, T, H = self.cfg, x.shape[0], self.cfg.q_heads
         nope, r, R = c.qk_nope_head_dim, c.qk_rope_head_dim, c.kv_lora_rank
         q = self.q_proj(x) if c.q_lora_rank is None else self.q_b_proj(self.q_a_layernorm(self.q_a_proj(x)))
@@ -121,29 +141,41 @@ class MLAAttention(nn.Module):
         kv = self.kv_a_proj_with_mqa(x)  # [T, R + r]
         latent = self.kv_a_layernorm(kv[:, :R])  # [T, R]
         k_pe = rope.apply(kv[:, None, R:], *cos_sin)  # [T, 1, r]
-        q_pe = rope.apply(q_pe, *cos_sin)
-        w = self.kv_b_proj.weight.view(H, nope + c.v_head_dim, R)
-        w_uk, w_uv = w[:, :nope], w[:, nope:]  # [H, nope, R], [H, v, R]
         entry = torch.cat((latent[:, None, :], k_pe), dim=-1)  # [T, 1, R + r]
-        if not all(n == 1 for n in batch.query_lens) and mla_prefill_mode() == "expanded":
-            q_exp = torch.cat((q_nope, q_pe), dim=-1)  # [T, H, nope + r]
+        return q_nope, rope.apply(q_pe, *cos_sin), entry
 
-            def expanded(q_rows, keys, vals, context_len, scale):  # keys: [K, 1, R + r] cached + new latents
-                lat, kpe = keys[:, 0, :R], keys[:, 0, R:]
-                k_full = torch.cat((torch.einsum("kr,hnr->khn", lat, w_uk), kpe[:, None, :].expand(-1, H, -1)), dim=-1)
-                v_full = torch.einsum("kr,hvr->khv", lat, w_uv)  # [K, H, v]
-                return attend_sequence(q_rows, k_full, v_full, context_len, scale)  # [rows, H, v]
+    def _w_uk_uv(self):
+        c = self.cfg
+        w = self.kv_b_proj.weight.view(c.q_heads, c.qk_nope_head_dim + c.v_head_dim, c.kv_lora_rank)
+        return w[:, : c.qk_nope_head_dim], w[:, c.qk_nope_head_dim :]  # [H, nope, R], [H, v, R]
 
-            o = cache.attend(self.layer_id, q_exp, entry, None, batch, c.softmax_scale, prefill_attn=expanded)  # [T, H, v]
-            out = self.o_proj(o.reshape(T, H * c.v_head_dim))
-            return lambda: out
-        q_lat = torch.einsum("thn,hnr->thr", q_nope, w_uk)  # [T, H, R]
-        q_full = torch.cat((q_lat, q_pe), dim=-1)  # [T, H, R + r]
-        pending = cache.attend_begin(self.layer_id, q_full, entry, None, batch, c.softmax_scale)
+    def project(self, x: torch.Tensor, rope: RotaryEmbedding, cos_sin) -> tuple:
+        """``(q_full [T, H, R + r], entry [T, 1, R + r], None)``: the absorbed query and the new
+        latent, what the cache takes. Tensor work only (a decode CUDA graph captures it)."""
+        q_nope, q_pe, entry = self._parts(x, rope, cos_sin)
+        q_lat = torch.einsum("thn,hnr->thr", q_nope, self._w_uk_uv()[0])  # [T, H, R]
+        return torch.cat((q_lat, q_pe), dim=-1), entry, None
 
-        def finish() -> torch.Tensor:
-            o_lat = cache.attend_end(pending)  # [T, H, R]
-            o = torch.einsum("thr,hvr->thv", o_lat, w_uv)  # [T, H, v]
-            return self.o_proj(o.reshape(T, H * c.v_head_dim))
+    def attend_begin(self, cache: KVCache, qkv: tuple, batch: ForwardBatch):
+        """``cache.attend_begin`` of this layer for :meth:`project`'s output."""
+        return cache.attend_begin(self.layer_id, *qkv, batch, self.cfg.softmax_scale)
 
-        return finish
+    def output(self, o_lat: torch.Tensor) -> torch.Tensor:
+        """Latent attention output ``[T, H, R]`` -> ``[T, hidden]`` (W_UV, then o_proj)."""
+        o = torch.einsum("thr,hvr->thv", o_lat, self._w_uk_uv()[1])  # [T, H, v]
+        return self.o_proj(o.reshape(o.shape[0], -1))
+
+    def _expanded_prefill(self, x, rope, cos_sin, batch, cache) -> torch.Tensor:
+        c, T, H, R = self.cfg, x.shape[0], self.cfg.q_heads, self.cfg.kv_lora_rank
+        q_nope, q_pe, entry = self._parts(x, rope, cos_sin)
+        w_uk, w_uv = self._w_uk_uv()
+        q_exp = torch.cat((q_nope, q_pe), dim=-1)  # [T, H, nope + r]
+
+        def expanded(q_rows, keys, vals, context_len, scale):  # keys: [K, 1, R + r] cached + new latents
+            lat, kpe = keys[:, 0, :R], keys[:, 0, R:]
+            k_full = torch.cat((torch.einsum("kr,hnr->khn", lat, w_uk), kpe[:, None, :].expand(-1, H, -1)), dim=-1)
+            v_full = torch.einsum("kr,hvr->khv", lat, w_uv)  # [K, H, v]
+            return attend_sequence(q_rows, k_full, v_full, context_len, scale)  # [rows, H, v]
+
+        o = cache.attend(self.layer_id, q_exp, entry, None, batch, c.softmax_scale, prefill_attn=expanded)  # [T, H, v]
+        return self.o_proj(o.reshape(T, H * c.v_head_dim))

@@ -18,6 +18,7 @@ from writescope.config import ModelConfig
 from writescope.kvcache.base import KVCache
 from writescope.layers.norm import RMSNorm
 from writescope.layers.rope import RotaryEmbedding
+from writescope.models.decode_step import DecodeStep
 
 LayerParts = tuple[nn.Module, nn.Module]  # (attention, mlp) of one decoder layer
 
@@ -45,12 +46,25 @@ class DecoderLayer(nn.Module):
         """Issue the layer up to its cache attention (``attend_begin``); the returned function
         finishes it (attention output, residual, MLP) and gives the layer's output."""
         attn = self.self_attn.begin(self.input_layernorm(x), rope, cos_sin, batch, cache)
+        return lambda: self._mlp_residual(x + attn())
 
-        def finish() -> torch.Tensor:
-            h = x + attn()
-            return h + getattr(self, self.mlp_name)(self.post_attention_layernorm(h))
+    def pre(self, x, rope, cos_sin) -> tuple:
+        """What the layer hands its cache for ``x`` ``[T, hidden]``: ``self_attn.project`` of the
+        normed input (decode steps, models/decode_step.py)."""
+        return self.self_attn.project(self.input_layernorm(x), rope, cos_sin)
 
-        return finish
+    def post(self, x, o) -> torch.Tensor:
+        """The layer's output from its input ``x`` and its cache's attention output ``o``."""
+        return self._mlp_residual(x + self.self_attn.output(o))
+
+    def _mlp_residual(self, h) -> torch.Tensor:
+        return h + getattr(self, self.mlp_name)(self.post_attention_layernorm(h))
+
+    def graph_key(self):
+        """What a CUDA graph of :meth:`post` depends on beyond shapes, or None when it cannot be
+        captured (an MLP that reads routing back to the host): see models/graphs.py."""
+        mlp = self.mlp_module
+        return mlp.graph_key() if hasattr(mlp, "graph_key") else ()
 
 
 class _Backbone(nn.Module):
@@ -73,6 +87,7 @@ class CausalLM(nn.Module):
         self.model = _Backbone(cfg, build_layer)
         self.lm_head = nn.Linear(cfg.hidden_size, cfg.vocab_size, bias=False)
         self.rope = RotaryEmbedding(cfg.rope)
+        self.decode = DecodeStep(self)  # decode passes: micro-batches and CUDA graphs (models/decode_step.py)
 
     def tie_weights(self) -> None:
         """Share the embedding matrix with lm_head when the config says so."""
@@ -101,49 +116,14 @@ class CausalLM(nn.Module):
         Returns:
             float32 logits.
         """
+        if not all_logits and batch.slots and all(n == 1 for n in batch.query_lens):  # decode
+            return self.decode.run(input_ids, batch, cache, layer_callback)
         x = self.model.embed_tokens(input_ids)  # [T, D]
         cos_sin = self.rope.cos_sin(batch.positions)  # 2 x [T, rope_dim/2] f32
-        groups = cache.decode_groups(batch)
-        if groups is not None:
-            x = self._micro_batched(x, cos_sin, batch, cache, groups, layer_callback)
-        else:
-            for i, layer in enumerate(self.model.layers):
-                x = layer(x, self.rope, cos_sin, batch, cache)
-                if layer_callback is not None:
-                    layer_callback(i)
+        for i, layer in enumerate(self.model.layers):
+            x = layer(x, self.rope, cos_sin, batch, cache)
+            if layer_callback is not None:
+                layer_callback(i)
         if not all_logits and batch.num_tokens != len(batch.slots):  # (decode: every token is its sequence's last; an
             x = x[batch.last_token_indices()]  # [B, D]                 index list would be a host-to-device copy, a wait)
         return self.lm_head(self.model.norm(x)).float()
-
-    def _micro_batched(self, x, cos_sin, batch: ForwardBatch, cache: KVCache, groups, layer_callback) -> torch.Tensor:
-        """The layers over micro-batches ``groups`` (contiguous ranges of the batch's sequences),
-        issued so that micro-batch g's attention begins before micro-batch g-1's ends:
-
-        ```
-        begin A0, begin B0 | end A0, begin A1, end B0, begin B1 | end A1, begin A2, ...
-        ```
-
-        Each begin queues that micro-batch's CPU attention for the layer; between A's begin and
-        end the device runs B's layer (and the other way round), so the CPU attends one
-        micro-batch while the device works on the other. Every sequence's arithmetic is that of
-        the whole batch; only the order of issue changes. On an error the begun layers are
-        waited for (``cache.abandon``) before it propagates.
-        """
-        subs = [batch.sub(a, b) for a, b in groups]
-        rows = [(batch.query_start_loc[a], batch.query_start_loc[b]) for a, b in groups]
-        xs = [x[a:b] for a, b in rows]
-        css = [tuple(t[a:b] for t in cos_sin) for a, b in rows]
-        layers = self.model.layers
-        try:
-            ends = [layers[0].begin(xs[g], self.rope, css[g], subs[g], cache) for g in range(len(groups))]
-            for i in range(len(layers)):
-                for g in range(len(groups)):
-                    xs[g] = ends[g]()
-                    if i + 1 < len(layers):
-                        ends[g] = layers[i + 1].begin(xs[g], self.rope, css[g], subs[g], cache)
-                if layer_callback is not None:
-                    layer_callback(i)
-        except BaseException:
-            cache.abandon()
-            raise
-        return torch.cat(xs)

@@ -51,6 +51,14 @@ class SparseMoeBlock(nn.Module):
         self.expert_work = None
         self.routing_counts: torch.Tensor | None = None  # [E] int64 on the device while a profile records (moe/popularity.py)
 
+    def graph_key(self):
+        """What a CUDA graph of this block depends on beyond shapes: the packed device experts; None
+        when a pass reads routing back to the host (host experts, the loop, no pack yet) or a
+        popularity profile records, so it cannot be captured (models/graphs.py)."""
+        if self.host_experts or self.routing_counts is not None or not self.grouped or self.packed is None:
+            return None
+        return (id(self.packed), id(self.packed.w13))
+
     def offload_experts(self, ids) -> None:
         """Move routed experts ``ids`` to host memory; their tokens are then computed on the CPU
         (docs/DESIGN.md section 6). Experts not named move back to the block's device.

@@ -1,0 +1,150 @@
+"""Decode stages as graphs (models/graphs.py, models/decode_step.py).
+
+Without CUDA, :class:`EagerCapture` reproduces what a CUDA graph changes: inputs copied into
+static buffers, outputs written into static buffers that the next replay of the same graph
+overwrites. The logits must equal those of the eager path (the same ops, fp32), which they would
+not if a micro-batch's outputs were overwritten by another's, or a stage reused a stale input.
+The CUDA test at the end captures real graphs.
+"""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+from writescope import LLM, SamplingParams
+from writescope.attention.metadata import ForwardBatch
+from writescope.models import graphs as graphs_mod
+from writescope.models.graphs import EagerCapture, StageGraphs
+
+D = 16
+PROMPT_LENS = [70, 33, 5, 48]
+STEPS = 20
+
+
+def _prompts(vocab: int) -> list[list[int]]:
+    g = torch.Generator().manual_seed(5)
+    return [torch.randint(3, vocab, (n,), generator=g).tolist() for n in PROMPT_LENS]
+
+
+def _with_graphs(llm: LLM, capture=EagerCapture) -> StageGraphs:
+    llm.model.decode.graphs = StageGraphs(capture)
+    llm.model.decode._graphs_checked = True
+    return llm.model.decode.graphs
+
+
+@torch.no_grad()
+def _decode_logits(llm: LLM, prompts, steps: int, device="cpu") -> torch.Tensor:
+    cache = llm.cache
+    slots = [cache.allocate(len(p) + steps, prompt_len=len(p)) for p in prompts]
+    try:
+        batch = ForwardBatch.build(slots, [len(p) for p in prompts], [0] * len(prompts), device)
+        logits = llm.model(torch.tensor([t for p in prompts for t in p], device=device), batch, cache)
+        out = []
+        for s in range(steps):
+            batch = ForwardBatch.build(slots, [1] * len(prompts), [len(p) + s for p in prompts], device)
+            logits = llm.model(logits.argmax(-1), batch, cache)
+            out.append(logits.float().clone())
+        return torch.stack(out)
+    finally:
+        for s in slots:
+            cache.free(s)
+
+
+@pytest.mark.parametrize("preset", ["tiny-qwen3-moe", "tiny-deepseek-v2", "tiny-mixtral"])
+@pytest.mark.parametrize("policy", ["static:0.5", "gpu", "resident"])
+def test_graphed_stages_give_the_eager_logits(preset, policy):
+    ref_llm = LLM(preset, progress=False, policy=policy, window=D)
+    prompts = _prompts(ref_llm.config.vocab_size)
+    ref = _decode_logits(ref_llm, prompts, STEPS)
+    llm = LLM(preset, progress=False, policy=policy, window=D)
+    graphs = _with_graphs(llm)
+    got = _decode_logits(llm, prompts, STEPS)
+    torch.testing.assert_close(got, ref, atol=1e-5, rtol=0)
+    L = llm.config.num_layers
+    shapes = graphs._shapes  # (micro-batch, tokens) -> its stages' graphs
+    assert {g for g, _ in shapes} == ({0, 1} if policy == "static:0.5" else {0})
+    assert all(len(v) == L + 1 for v in shapes.values())  # every stage captured, once per shape
+    assert graphs.captured == (L + 1) * len(shapes)
+    assert graphs.replayed >= 4 * graphs.captured  # the later steps replay
+
+
+def test_a_stage_whose_mlp_reads_routing_back_runs_eagerly():
+    llm = LLM("tiny-qwen3-moe", progress=False, policy="gpu", window=D)
+    blocks = [layer.mlp_module for layer in llm.model.model.layers]
+    blocks[1].offload_experts([0, 1])  # host experts in layer 1: its post cannot be captured
+    ref = _decode_logits(llm, _prompts(llm.config.vocab_size), 4)
+    graphs = _with_graphs(llm)
+    got = _decode_logits(llm, _prompts(llm.config.vocab_size), 4)
+    torch.testing.assert_close(got, ref, atol=1e-5, rtol=0)
+    assert blocks[1].graph_key() is None
+    assert graphs.captured == llm.config.num_layers  # L + 1 stages less stage 2 (layer 1's post)
+
+
+def test_a_failed_capture_turns_graphs_off_and_decode_goes_on():
+    llm = LLM("tiny-deepseek-v2", progress=False, policy="static:0.5", window=D)
+    ref = _decode_logits(llm, _prompts(llm.config.vocab_size), 4)
+    calls = {"n": 0}
+
+    def flaky(fn, inputs, pool):
+        calls["n"] += 1
+        if calls["n"] == 3:
+            raise RuntimeError("operation not permitted when stream is capturing")
+        return EagerCapture(fn, inputs, pool)
+
+    graphs = _with_graphs(llm, flaky)
+    with pytest.warns(UserWarning, match="CUDA graph capture of a decode stage failed.*without graphs"):
+        got = _decode_logits(llm, _prompts(llm.config.vocab_size), 4)
+    torch.testing.assert_close(got, ref, atol=1e-5, rtol=0)
+    assert not graphs.enabled and calls["n"] == 3
+
+
+def test_new_shapes_capture_again_and_the_oldest_go(monkeypatch):
+    monkeypatch.setattr(graphs_mod, "MAX_SHAPES", 2)
+    g = StageGraphs(EagerCapture)
+    fn = lambda x: x * 2  # noqa: E731
+    for T in (1, 2, 3, 1):
+        out = g.run(0, 0, T, (), fn, (torch.ones(T),))
+        assert torch.equal(out, torch.full((T,), 2.0))
+    assert g.captured == 4  # T = 1 had gone when it came back
+    assert list(g._shapes) == [(0, 3), (0, 1)]
+    before = g.captured
+    g.run(0, 0, 1, ("other",), fn, (torch.ones(1),))  # a new key for the same stage replaces the old graph
+    assert g.captured == before + 1 and len(g._shapes[(0, 1)]) == 1
+    assert torch.equal(g.run(0, 0, 1, None, fn, (torch.full((1,), 3.0),)), torch.full((1,), 6.0))  # None: eager
+    assert g.captured == before + 1
+
+
+def test_graphs_switch_is_checked(monkeypatch):
+    assert not graphs_mod.graphs_wanted(torch.device("cpu"))
+    monkeypatch.setenv("WRITESCOPE_CUDA_GRAPHS", "maybe")
+    with pytest.raises(ValueError, match="WRITESCOPE_CUDA_GRAPHS='maybe'"):
+        graphs_mod.graphs_wanted(torch.device("cpu"))
+
+
+def test_generate_with_graphs_gives_the_same_tokens():
+    params = SamplingParams(max_tokens=12, ignore_eos=True)
+    llm = LLM("tiny-mixtral", progress=False, policy="static:0.5", window=D)
+    prompts = _prompts(llm.config.vocab_size)
+    ref = [o.token_ids for o in llm.generate(prompt_token_ids=prompts, sampling_params=params)]
+    graphs = _with_graphs(llm)
+    assert [o.token_ids for o in llm.generate(prompt_token_ids=prompts, sampling_params=params)] == ref
+    assert graphs.captured > 0
+
+
+@pytest.mark.gpu
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")
+@pytest.mark.parametrize("preset", ["tiny-qwen3-moe", "tiny-deepseek-v2"])
+@pytest.mark.parametrize("policy", ["static:0.5", "gpu"])
+def test_cuda_graphs_give_the_eager_logits_on_cuda(preset, policy, monkeypatch):
+    prompts = _prompts(4096)
+    out = {}
+    for mode in ("off", "on"):
+        monkeypatch.setenv("WRITESCOPE_CUDA_GRAPHS", mode)
+        llm = LLM(preset, device="cuda", dtype="bf16", progress=False, policy=policy, window=D)
+        out[mode] = _decode_logits(llm, prompts, 8, device="cuda")
+        if mode == "on":
+            assert llm.model.decode.graphs is not None and llm.model.decode.graphs.enabled
+            assert llm.model.decode.graphs.captured >= llm.config.num_layers + 1
+    scale = out["off"].abs().max().item()
+    torch.testing.assert_close(out["on"], out["off"], atol=0.02 * scale, rtol=0)

@@ -1,0 +1,104 @@
+"""One decode pass of a :class:`~writescope.models.causal_lm.CausalLM`: micro-batches and CUDA graphs.
+
+The layers are cut at the cache (models/graphs.py): stage 0 is the embedding and layer 0's
+``pre``; stage l (1 <= l < L) is layer l-1's ``post`` and layer l's ``pre``; stage L is the last
+layer's ``post``, the final norm and the LM head. Between stage l and stage l+1 the cache attends
+layer l (``attend_begin`` ... ``attend_end``).
+
+When the cache asks for micro-batches (``decode_groups``: a step with a CPU part), the batch's
+sequences run as contiguous groups A, B whose layers interleave:
+
+```
+stage 0 A, begin A0, stage 0 B, begin B0 | end A0, stage 1 A, begin A1, end B0, stage 1 B, begin B1 | ...
+```
+
+so B's layer-l attention is queued (its CPU part included) before A's is waited for, and the CPU
+attends one group while the device runs the other's stages. Every sequence's arithmetic is that of
+the whole batch; only the order of issue changes. Stages run as CUDA graphs where they can
+(:class:`~writescope.models.graphs.StageGraphs`), else eagerly. On an error the begun attentions
+are waited for (``cache.abandon``) before it propagates.
+"""
+
+from __future__ import annotations
+
+from typing import Callable
+
+import torch
+
+from writescope.attention.metadata import ForwardBatch
+from writescope.kvcache.base import KVCache
+from writescope.models.graphs import StageGraphs, graphs_wanted
+
+
+class DecodeStep:
+    """Runs decode passes of ``model`` (see module doc); ``graphs`` is made on the first CUDA pass."""
+
+    def __init__(self, model):
+        self._model = [model]  # not a submodule
+        self.graphs: StageGraphs | None = None
+        self._graphs_checked = False
+
+    def run(self, input_ids: torch.Tensor, batch: ForwardBatch, cache: KVCache, layer_callback: Callable[[int], None] | None = None):
+        """Logits ``[B, vocab]`` float32 of a decode pass (every query length 1)."""
+        model = self._model[0]
+        if not self._graphs_checked:
+            self._graphs_checked = True
+            if graphs_wanted(input_ids.device):
+                self.graphs = StageGraphs()
+        layers, rope = model.model.layers, model.rope
+        L = len(layers)
+        groups = cache.decode_groups(batch) or [(0, len(batch.slots))]
+        cos, sin = rope.cos_sin(batch.positions)  # [B, rope_dim/2] each
+        subs = [batch.sub(a, b) if len(groups) > 1 else batch for a, b in groups]
+        ids = [input_ids[a:b] for a, b in groups]
+        css = [(cos[a:b], sin[a:b]) for a, b in groups]
+        keys = [()] + [layer.graph_key() for layer in layers]  # stage l's MLP is layer l-1's
+
+        def stage(l, g, *inputs):
+            T = groups[g][1] - groups[g][0]
+            fn = self._stage_fn(model, l)
+            if self.graphs is None:
+                return fn(*inputs)
+            return self.graphs.run(l, g, T, keys[l], fn, inputs)
+
+        xs, pending, logits = [None] * len(groups), [None] * len(groups), [None] * len(groups)
+        try:
+            for g in range(len(groups)):
+                xs[g], qkv = stage(0, g, ids[g], *css[g])
+                pending[g] = layers[0].self_attn.attend_begin(cache, qkv, subs[g])
+            for l in range(L):
+                for g in range(len(groups)):
+                    o = cache.attend_end(pending[g])
+                    pending[g] = None
+                    if l + 1 < L:
+                        xs[g], qkv = stage(l + 1, g, xs[g], o, *css[g])
+                        pending[g] = layers[l + 1].self_attn.attend_begin(cache, qkv, subs[g])
+                    else:
+                        logits[g] = stage(L, g, xs[g], o)
+                if layer_callback is not None:
+                    layer_callback(l)
+        except BaseException:
+            cache.abandon()
+            raise
+        return logits[0] if len(groups) == 1 else torch.cat(logits)
+
+    @staticmethod
+    def _stage_fn(model, l: int) -> Callable:
+        layers, rope, L = model.model.layers, model.rope, len(model.model.layers)
+        if l == 0:
+            def first(ids, cos, sin):
+                x = model.model.embed_tokens(ids)
+                return x, layers[0].pre(x, rope, (cos, sin))
+
+            return first
+        if l < L:
+            def middle(x, o, cos, sin):
+                x = layers[l - 1].post(x, o)
+                return x, layers[l].pre(x, rope, (cos, sin))
+
+            return middle
+
+        def last(x, o):
+            return model.lm_head(model.model.norm(layers[L - 1].post(x, o))).float()
+
+        return last

@@ -1,0 +1,139 @@
+"""CUDA graphs of a decode step's tensor work between two cache attentions (issue 15).
+
+A decode layer is cut at its cache: what comes before the cache (norm, projections, rope) and
+after it (output projection, residual, MLP or experts) is tensor work of fixed shapes, while the
+cache's part is host logic (regions, plans, streams, the CPU worker). A *stage* is the tensor
+work between two attentions: ``post`` of layer l-1 then ``pre`` of layer l (models/decode_step.py).
+Launched op by op from Python, a stage of DeepSeek-V2-Lite is about a hundred kernels, which the
+main thread issues one at a time; replayed as one CUDA graph it is one launch.
+
+A graph is captured per (stage, micro-batch, tokens, what the stage depends on beyond shapes: the
+MLP's :meth:`graph_key`), on first use: its inputs are copied into static buffers, the stage runs
+once eagerly as a warm-up (first-use allocations, packing, kernel selection), then it is captured
+and replayed; later uses copy their inputs in and replay. Its outputs are static buffers that the
+next replay of the same graph overwrites, which is why each micro-batch has graphs of its own.
+All graphs share one memory pool. A capture that fails turns the graphs off for the process with
+a warning; the stage runs eagerly, exactly as before.
+
+``WRITESCOPE_CUDA_GRAPHS``: ``on`` (the default, on CUDA devices) or ``off``.
+"""
+
+from __future__ import annotations
+
+import warnings
+from collections import OrderedDict
+from typing import Callable
+
+import torch
+
+from writescope.env import env_choice
+
+MAX_SHAPES = 8  # distinct (micro-batch, tokens) shapes kept; the oldest shape's graphs go first
+
+
+def graphs_wanted(device: torch.device) -> bool:
+    """CUDA device and ``WRITESCOPE_CUDA_GRAPHS`` not ``off``.
+
+    Raises:
+        ValueError: another value than on/off (names it).
+    """
+    return env_choice("WRITESCOPE_CUDA_GRAPHS", ("on", "off")) == "on" and device.type == "cuda"
+
+
+class CudaCapture:
+    """One stage captured as a CUDA graph (see module doc)."""
+
+    def __init__(self, fn: Callable, inputs: tuple, pool):
+        self.static = tuple(t.clone() for t in inputs)
+        side, cur = torch.cuda.Stream(), torch.cuda.current_stream()
+        side.wait_stream(cur)
+        with torch.cuda.stream(side):  # the warm-up, on a side stream as torch's graph docs advise
+            fn(*self.static)
+        cur.wait_stream(side)
+        self.graph = torch.cuda.CUDAGraph()
+        with torch.cuda.graph(self.graph, pool=pool):
+            self.out = fn(*self.static)
+        self.pool = self.graph.pool()
+
+    def replay(self, inputs: tuple):
+        for s, t in zip(self.static, inputs):
+            if s.data_ptr() != t.data_ptr():
+                s.copy_(t)
+        self.graph.replay()
+        return self.out
+
+
+class EagerCapture:
+    """The semantics of :class:`CudaCapture` without CUDA (tests): static inputs copied in, the
+    stage run, its outputs copied into static buffers that the next replay overwrites."""
+
+    def __init__(self, fn: Callable, inputs: tuple, pool):
+        self.fn, self.static, self.pool = fn, tuple(t.clone() for t in inputs), pool
+        self.out = _clone(fn(*self.static))
+
+    def replay(self, inputs: tuple):
+        for s, t in zip(self.static, inputs):
+            if s.data_ptr() != t.data_ptr():
+                s.copy_(t)
+        _copy(self.out, self.fn(*self.static))
+        return self.out
+
+
+def _clone(x):
+    if isinstance(x, torch.Tensor):
+        return x.clone()
+    return None if x is None else tuple(_clone(t) for t in x)
+
+
+def _copy(dst, src):
+    if isinstance(dst, torch.Tensor):
+        dst.copy_(src)
+    elif dst is not None:
+        for d, s in zip(dst, src):
+            _copy(d, s)
+
+
+class StageGraphs:
+    """The decode stages' graphs of one model (see module doc).
+
+    Args:
+        capture: :class:`CudaCapture` (the default) or :class:`EagerCapture` (tests).
+
+    Attributes:
+        captured, replayed: graphs captured, and replays, so far (tests, diagnostics).
+        enabled: False once a capture failed (then every stage runs eagerly).
+    """
+
+    def __init__(self, capture=CudaCapture):
+        self.capture, self.enabled, self.captured, self.replayed = capture, True, 0, 0
+        self._shapes: OrderedDict[tuple, dict] = OrderedDict()  # (group, tokens) -> {(stage, key): captured}
+        self._pool = None
+
+    def run(self, stage: int, group: int, tokens: int, key, fn: Callable, inputs: tuple):
+        """``fn(*inputs)``, through the graph of ``(stage, group, tokens, key)``; ``key`` None:
+        eagerly (the stage cannot be captured)."""
+        if key is None or not self.enabled:
+            return fn(*inputs)
+        shape = (group, tokens)
+        graphs = self._shapes.pop(shape, None)
+        if graphs is None:
+            graphs = {}
+            while len(self._shapes) >= MAX_SHAPES:
+                self._shapes.popitem(last=False)
+        self._shapes[shape] = graphs  # the newest
+        g = graphs.get((stage, key))
+        if g is None:
+            try:
+                g = self.capture(fn, inputs, self._pool)
+            except Exception as e:  # noqa: BLE001 - any capture failure: run eagerly from now on
+                self.enabled = False
+                self._shapes.clear()
+                warnings.warn(f"CUDA graph capture of a decode stage failed ({str(e)[:200]}); decode runs without graphs", stacklevel=3)
+                return fn(*inputs)
+            self._pool = g.pool
+            graphs = {k: v for k, v in graphs.items() if k[0] != stage}  # an older key of this stage
+            graphs[(stage, key)] = g
+            self._shapes[shape] = graphs
+            self.captured += 1
+        self.replayed += 1
+        return g.replay(inputs)
