@@ -22,6 +22,11 @@ PROMPT_LENS = [70, 33, 5, 48]
 STEPS = 20
 
 
+@pytest.fixture(autouse=True)
+def _two_micro_batches(monkeypatch):
+    monkeypatch.setenv("WRITESCOPE_MICRO_BATCHES", "2")  # static:0.5 splits: both micro-batches get graphs
+
+
 def _prompts(vocab: int) -> list[list[int]]:
     g = torch.Generator().manual_seed(5)
     return [torch.randint(3, vocab, (n,), generator=g).tolist() for n in PROMPT_LENS]
@@ -39,12 +44,12 @@ def _decode_logits(llm: LLM, prompts, steps: int, device="cpu") -> torch.Tensor:
     slots = [cache.allocate(len(p) + steps, prompt_len=len(p)) for p in prompts]
     try:
         batch = ForwardBatch.build(slots, [len(p) for p in prompts], [0] * len(prompts), device)
-        logits = llm.model(torch.tensor([t for p in prompts for t in p], device=device), batch, cache)
+        llm.model(torch.tensor([t for p in prompts for t in p], device=device), batch, cache)
         out = []
-        for s in range(steps):
+        for s in range(steps):  # teacher-forced inputs: a near-tie cannot send two runs apart
             batch = ForwardBatch.build(slots, [1] * len(prompts), [len(p) + s for p in prompts], device)
-            logits = llm.model(logits.argmax(-1), batch, cache)
-            out.append(logits.float().clone())
+            ids = torch.tensor([3 + (7 * s + 11 * i) % 1000 for i in range(len(prompts))], device=device)
+            out.append(llm.model(ids, batch, cache).float().clone())
         return torch.stack(out)
     finally:
         for s in slots:
@@ -93,7 +98,7 @@ def test_a_failed_capture_turns_graphs_off_and_decode_goes_on():
         return EagerCapture(fn, inputs, pool)
 
     graphs = _with_graphs(llm, flaky)
-    with pytest.warns(UserWarning, match="CUDA graph capture of a decode stage failed.*without graphs"):
+    with pytest.warns(UserWarning, match="CUDA graph capture of decode stage [0-9]+ failed.*without graphs"):
         got = _decode_logits(llm, _prompts(llm.config.vocab_size), 4)
     torch.testing.assert_close(got, ref, atol=1e-5, rtol=0)
     assert not graphs.enabled and calls["n"] == 3
@@ -137,14 +142,20 @@ def test_generate_with_graphs_gives_the_same_tokens():
 @pytest.mark.parametrize("preset", ["tiny-qwen3-moe", "tiny-deepseek-v2"])
 @pytest.mark.parametrize("policy", ["static:0.5", "gpu"])
 def test_cuda_graphs_give_the_eager_logits_on_cuda(preset, policy, monkeypatch):
+    """bf16: graphed and eager decode agree within 2% of the logits' scale. (The eager path itself
+    is not bit-reproducible on CUDA: the experts' index_add_ adds in bf16 with atomics; the two
+    eager runs' difference is in the message for comparison.)"""
     prompts = _prompts(4096)
     out = {}
-    for mode in ("off", "on"):
-        monkeypatch.setenv("WRITESCOPE_CUDA_GRAPHS", mode)
+    for mode in ("off", "off again", "on"):
+        monkeypatch.setenv("WRITESCOPE_CUDA_GRAPHS", mode.split()[0])
         llm = LLM(preset, device="cuda", dtype="bf16", progress=False, policy=policy, window=D)
         out[mode] = _decode_logits(llm, prompts, 8, device="cuda")
         if mode == "on":
-            assert llm.model.decode.graphs is not None and llm.model.decode.graphs.enabled
-            assert llm.model.decode.graphs.captured >= llm.config.num_layers + 1
+            graphs = llm.model.decode.graphs
+            assert graphs is not None and graphs.enabled
+            assert graphs.captured >= llm.config.num_layers + 1 and graphs.replayed > graphs.captured
     scale = out["off"].abs().max().item()
-    torch.testing.assert_close(out["on"], out["off"], atol=0.02 * scale, rtol=0)
+    eager = (out["off again"] - out["off"]).abs().max().item()
+    torch.testing.assert_close(out["on"], out["off"], atol=0.02 * scale, rtol=0,
+                               msg=lambda m: f"{m}\n(eager against eager: max difference {eager:.4g}; scale {scale:.4g})")

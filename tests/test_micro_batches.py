@@ -22,6 +22,11 @@ STEPS = 24
 LOGIT_TOL = 1e-4  # fp32; the same arithmetic per sequence, only its order of issue changes
 
 
+@pytest.fixture(autouse=True)
+def _two_micro_batches(monkeypatch):
+    monkeypatch.setenv("WRITESCOPE_MICRO_BATCHES", "2")  # not the default: these tests are about it
+
+
 def _prompts(vocab: int) -> list[list[int]]:
     g = torch.Generator().manual_seed(3)
     return [torch.randint(3, vocab, (n,), generator=g).tolist() for n in PROMPT_LENS]

@@ -197,8 +197,8 @@ class InplaceKVCache(KVCache):
             self.decoder.abandon(p)
 
     def decode_groups(self, batch: ForwardBatch) -> list[tuple[int, int]] | None:
-        """Two micro-batches when this decode pass has a CPU part and at least two sequences
-        (``WRITESCOPE_MICRO_BATCHES``: ``2``, the default, or ``1``: never), else None. The
+        """Two micro-batches when this decode pass has a CPU part and at least two sequences and
+        ``micro_batches`` is 2 (``WRITESCOPE_MICRO_BATCHES``; the default 1: never), else None. The
         split point balances the compute-region tokens the CPU attends in each half."""
         self._step_batch = 0
         if self.micro_batches < 2 or len(batch.slots) < 2 or any(n != 1 for n in batch.query_lens):
@@ -455,13 +455,16 @@ class InplaceKVCache(KVCache):
 
 
 def _micro_batches() -> int:
-    """``WRITESCOPE_MICRO_BATCHES``: ``2`` (the default: a decode step with a CPU part runs as two
-    micro-batches, models/causal_lm.py) or ``1`` (whole batches, the earlier behaviour).
+    """``WRITESCOPE_MICRO_BATCHES``: ``1`` (the default: whole batches) or ``2`` (a decode step
+    with a CPU part runs as two interleaved micro-batches, models/decode_step.py). Not the default:
+    on the H200 it was slower, since the main thread issues each micro-batch's attention work
+    separately (DeepSeek-V2-Lite 16 x 32K with CUDA graphs: 261.9 against 237.7 ms per step,
+    benchmarks/results/gpu_decode_h200.md, run 8).
 
     Raises:
         ValueError: another value (names it).
     """
-    return int(env_choice("WRITESCOPE_MICRO_BATCHES", ("2", "1")))
+    return int(env_choice("WRITESCOPE_MICRO_BATCHES", ("1", "2")))
 
 
 class _Decoding:

@@ -5,7 +5,7 @@ The layers are cut at the cache (models/graphs.py): stage 0 is the embedding and
 layer's ``post``, the final norm and the LM head. Between stage l and stage l+1 the cache attends
 layer l (``attend_begin`` ... ``attend_end``).
 
-When the cache asks for micro-batches (``decode_groups``: a step with a CPU part), the batch's
+When the cache asks for micro-batches (``decode_groups``: a step with a CPU part, if switched on), the batch's
 sequences run as contiguous groups A, B whose layers interleave:
 
 ```
@@ -80,7 +80,9 @@ class DecodeStep:
         except BaseException:
             cache.abandon()
             raise
-        return logits[0] if len(groups) == 1 else torch.cat(logits)
+        if len(groups) > 1:
+            return torch.cat(logits)
+        return logits[0] if self.graphs is None else logits[0].clone()  # a graph's output is overwritten by its next replay
 
     @staticmethod
     def _stage_fn(model, l: int) -> Callable:

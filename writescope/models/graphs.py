@@ -20,8 +20,10 @@ a warning; the stage runs eagerly, exactly as before.
 
 from __future__ import annotations
 
+import traceback
 import warnings
 from collections import OrderedDict
+from pathlib import Path
 from typing import Callable
 
 import torch
@@ -128,7 +130,10 @@ class StageGraphs:
             except Exception as e:  # noqa: BLE001 - any capture failure: run eagerly from now on
                 self.enabled = False
                 self._shapes.clear()
-                warnings.warn(f"CUDA graph capture of a decode stage failed ({str(e)[:200]}); decode runs without graphs", stacklevel=3)
+                where = [f"{Path(f.filename).name}:{f.lineno} {f.name}" for f in traceback.extract_tb(e.__traceback__)
+                         if "writescope" in f.filename][-3:]
+                warnings.warn(f"CUDA graph capture of decode stage {stage} failed ({str(e)[:200]}; at {' < '.join(reversed(where))}); "
+                              "decode runs without graphs", stacklevel=3)
                 return fn(*inputs)
             self._pool = g.pool
             graphs = {k: v for k, v in graphs.items() if k[0] != stage}  # an older key of this stage
