@@ -86,7 +86,7 @@ def test_a_stage_whose_mlp_reads_routing_back_runs_eagerly():
     assert graphs.captured == llm.config.num_layers  # L + 1 stages less stage 2 (layer 1's post)
 
 
-def test_a_failed_capture_turns_graphs_off_and_decode_goes_on():
+def test_a_failed_capture_leaves_that_stage_eager_and_decode_goes_on():
     llm = LLM("tiny-deepseek-v2", progress=False, policy="static:0.5", window=D)
     ref = _decode_logits(llm, _prompts(llm.config.vocab_size), 4)
     calls = {"n": 0}
@@ -101,7 +101,9 @@ def test_a_failed_capture_turns_graphs_off_and_decode_goes_on():
     with pytest.warns(UserWarning, match="CUDA graph capture of decode stage [0-9]+ failed.*without graphs"):
         got = _decode_logits(llm, _prompts(llm.config.vocab_size), 4)
     torch.testing.assert_close(got, ref, atol=1e-5, rtol=0)
-    assert not graphs.enabled and calls["n"] == 3
+    assert len(graphs.failed) == 1  # that stage, in every micro-batch, eager; the other stages captured once each
+    L, shapes = llm.config.num_layers, len(graphs._shapes)
+    assert graphs.captured == L * shapes and calls["n"] == graphs.captured + 1
 
 
 def test_new_shapes_capture_again_and_the_oldest_go(monkeypatch):
@@ -157,5 +159,9 @@ def test_cuda_graphs_give_the_eager_logits_on_cuda(preset, policy, monkeypatch):
             assert graphs.captured >= llm.config.num_layers + 1 and graphs.replayed > graphs.captured
     scale = out["off"].abs().max().item()
     eager = (out["off again"] - out["off"]).abs().max().item()
-    torch.testing.assert_close(out["on"], out["off"], atol=0.02 * scale, rtol=0,
+    # as close to eager as eager is to itself (on the H200: tiny-qwen3-moe, gpu, 0.50 of a 4.2 scale
+    # between two eager runs, 0.34 between graphed and eager), and never further than 2% of the scale
+    # when eager reproduces itself more closely than that
+    tol = max(0.02 * scale, 1.5 * eager)
+    torch.testing.assert_close(out["on"], out["off"], atol=tol, rtol=0,
                                msg=lambda m: f"{m}\n(eager against eager: max difference {eager:.4g}; scale {scale:.4g})")

@@ -12,8 +12,9 @@ MLP's :meth:`graph_key`), on first use: its inputs are copied into static buffer
 once eagerly as a warm-up (first-use allocations, packing, kernel selection), then it is captured
 and replayed; later uses copy their inputs in and replay. Its outputs are static buffers that the
 next replay of the same graph overwrites, which is why each micro-batch has graphs of its own.
-All graphs share one memory pool. A capture that fails turns the graphs off for the process with
-a warning; the stage runs eagerly, exactly as before.
+All graphs share one memory pool. A stage whose capture fails runs eagerly from then on, exactly
+as before (one warning names the first such stage and where it failed; on the H200, torch's
+``_grouped_mm`` copied from pageable host memory inside fp32 captures).
 
 ``WRITESCOPE_CUDA_GRAPHS``: ``on`` (the default, on CUDA devices) or ``off``.
 """
@@ -103,11 +104,13 @@ class StageGraphs:
 
     Attributes:
         captured, replayed: graphs captured, and replays, so far (tests, diagnostics).
-        enabled: False once a capture failed (then every stage runs eagerly).
+        enabled: False: every stage runs eagerly.
+        failed: the (stage, key) pairs whose capture failed; they run eagerly.
     """
 
     def __init__(self, capture=CudaCapture):
         self.capture, self.enabled, self.captured, self.replayed = capture, True, 0, 0
+        self.failed: set[tuple] = set()  # (stage, key) whose capture failed: eager from then on
         self._shapes: OrderedDict[tuple, dict] = OrderedDict()  # (group, tokens) -> {(stage, key): captured}
         self._pool = None
 
@@ -125,15 +128,17 @@ class StageGraphs:
         self._shapes[shape] = graphs  # the newest
         g = graphs.get((stage, key))
         if g is None:
+            if (stage, key) in self.failed:
+                return fn(*inputs)
             try:
                 g = self.capture(fn, inputs, self._pool)
-            except Exception as e:  # noqa: BLE001 - any capture failure: run eagerly from now on
-                self.enabled = False
-                self._shapes.clear()
-                where = [f"{Path(f.filename).name}:{f.lineno} {f.name}" for f in traceback.extract_tb(e.__traceback__)
-                         if "writescope" in f.filename][-3:]
-                warnings.warn(f"CUDA graph capture of decode stage {stage} failed ({str(e)[:200]}; at {' < '.join(reversed(where))}); "
-                              "decode runs without graphs", stacklevel=3)
+            except Exception as e:  # noqa: BLE001 - any capture failure: this stage runs eagerly from now on
+                self.failed.add((stage, key))
+                if len(self.failed) == 1:  # once: the same cause usually fails several stages
+                    where = [f"{Path(f.filename).name}:{f.lineno} {f.name}" for f in traceback.extract_tb(e.__traceback__)
+                             if "writescope" in f.filename][-3:]
+                    warnings.warn(f"CUDA graph capture of decode stage {stage} failed ({str(e)[:200]}; at {' < '.join(reversed(where))}); "
+                                  "such stages run without graphs", stacklevel=3)
                 return fn(*inputs)
             self._pool = g.pool
             graphs = {k: v for k, v in graphs.items() if k[0] != stage}  # an older key of this stage
