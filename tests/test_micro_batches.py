@@ -196,13 +196,16 @@ def test_bench_times_micro_batched_layers():
 @pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")
 @pytest.mark.parametrize("preset", ["tiny-qwen3-moe", "tiny-deepseek-v2"])
 def test_micro_batched_steps_on_cuda_match_whole_batches_and_never_wait(preset, monkeypatch):
-    """bf16 on CUDA (Triton kernels, native worker): micro-batched decode logits equal whole-batch
-    ones within bf16 rounding of the logits, and a micro-batched step's layers issue without a
-    host synchronisation (torch's sync debug mode raises on one)."""
+    """bf16 on CUDA (Triton kernels, native worker, CUDA graphs): micro-batched decode logits equal
+    whole-batch ones as closely as whole batches reproduce themselves (the experts' index_add_ adds
+    in bf16 with atomics: on the H200, two eager runs of tiny-qwen3-moe differed by up to 0.50 of a
+    4.2 scale in run 9, and micro-batched against whole batches by 0.51 in run 10) or within 2% of
+    the scale, and a micro-batched step's layers issue without a host synchronisation (torch's
+    sync debug mode raises on one)."""
     prompts, steps = [[5 + i % 50 for i in range(n)] for n in (90, 70, 33, 48)], 6
     logits = {}
-    for mb in ("1", "2"):
-        monkeypatch.setenv("WRITESCOPE_MICRO_BATCHES", mb)
+    for mb in ("1", "1 again", "2"):
+        monkeypatch.setenv("WRITESCOPE_MICRO_BATCHES", mb.split()[0])
         llm = LLM(preset, device="cuda", dtype="bf16", progress=False, policy="static:0.5", window=16)
         cache, model = llm.cache, llm.model
         slots = [cache.allocate(len(p) + steps + 8, prompt_len=len(p)) for p in prompts]
@@ -226,7 +229,9 @@ def test_micro_batched_steps_on_cuda_match_whole_batches_and_never_wait(preset, 
         for slot in slots:
             cache.free(slot)
     scale = logits["1"].abs().max().item()
-    torch.testing.assert_close(logits["2"], logits["1"], atol=0.02 * scale, rtol=0)
+    eager = (logits["1 again"] - logits["1"]).abs().max().item()  # whole batches against themselves (bf16 atomics)
+    torch.testing.assert_close(logits["2"], logits["1"], atol=max(0.02 * scale, 1.5 * eager), rtol=0,
+                               msg=lambda m: f"{m}\n(whole batches against themselves: {eager:.4g}; scale {scale:.4g})")
 
 
 def test_generate_records_the_main_threads_issue_and_wait_per_decode_step():
