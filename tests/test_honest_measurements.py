@@ -96,6 +96,20 @@ def test_calibrate_cli_flags_a_clamped_fit(tmp_path, monkeypatch, capsys, fake_l
     assert "CLAMPED" not in a_line
 
 
+def test_a_pinned_copy_rate_bounds_the_streamed_slope_within_five_percent():
+    """The streamed side may not beat the measured pinned copy by more than 5% (run 11 on the
+    H200: B at 73.0 GB/s in a split step, 1.32x the 55.4 GB/s copy, passed the old 1.5x margin)."""
+    link = lim.Limits(100.0, 55.4, "pinned host-to-device copy")
+    assert link.max_gbs("load")[0] == pytest.approx(1.05 * 55.4)
+    per_token = 1152  # the MLA latent in bf16
+    b = 15.774e-9  # run 11's slope: 73.0 GB/s
+    pts = [(L, L * b + 6.67e-4) for L in (8192, 32768, 131072)]
+    found = lim.problems("B and C_gpu", pts, per_token, *link.max_gbs("load"))
+    assert found and "73.0 GB/s is faster than 1.05x this machine's pinned host-to-device copy rate of 55.4 GB/s" in found[0]
+    slope, _ = lim.clamped(pts, per_token, link.max_gbs("load")[0])
+    assert per_token / slope / 1e9 == pytest.approx(1.05 * 55.4)
+
+
 def test_measured_limits_are_positive():
     got = lim.measure_limits(torch.device("cpu"), 1)
     assert got.host_read > 0 and got.load == got.host_read and got.load_path == "host read"
