@@ -165,3 +165,16 @@ def test_cuda_graphs_give_the_eager_logits_on_cuda(preset, policy, monkeypatch):
     tol = max(0.02 * scale, 1.5 * eager)
     torch.testing.assert_close(out["on"], out["off"], atol=tol, rtol=0,
                                msg=lambda m: f"{m}\n(eager against eager: max difference {eager:.4g}; scale {scale:.4g})")
+
+
+def test_replays_are_a_named_range_for_the_profile():
+    from torch.profiler import ProfilerActivity, profile
+
+    llm = LLM("tiny-qwen3-moe", progress=False, policy="gpu", window=D)
+    _with_graphs(llm)
+    prompts = _prompts(llm.config.vocab_size)
+    _decode_logits(llm, prompts, 2)  # captured
+    with profile(activities=[ProfilerActivity.CPU]) as prof:
+        _decode_logits(llm, prompts, 1)
+    names = {e.key for e in prof.key_averages()}
+    assert "decode.stage_graph" in names
