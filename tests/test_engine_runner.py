@@ -14,6 +14,7 @@ import pytest
 
 from writescope import LLM, SamplingParams
 from writescope.engine.runner import EngineCore
+from writescope.engine.scheduler import Scheduler
 from writescope.errors import ArgError
 
 PROMPTS = [list(range(3, 3 + n)) for n in (5, 17, 9, 30, 1, 12)]
@@ -259,3 +260,24 @@ def test_a_thousand_sequential_requests_leave_memory_flat_and_free_every_slot(po
     assert len(gc.get_objects()) - objects < 200
     assert _rss_bytes() - rss < 16 * 2**20
     llm.set_policy("resident")
+
+
+def test_n_choices_must_fit_together():
+    """``n`` choices of one prompt: those that may run at once (at most max_num_seqs) must fit
+    beside each other, else the request is refused naming ``n``; more wait their turn."""
+    seen = []
+
+    def fits(caps):
+        seen.append(list(caps))
+        return "two sequences at most" if len(caps) > 2 else None
+
+    s = Scheduler(2, 100, [], fits)
+    s.check_group(10, 5, 8)  # 8 choices, 2 at a time: fits
+    assert seen[-1] == [15, 15]
+    s3 = Scheduler(3, 100, [], fits)
+    with pytest.raises(ArgError, match=r"n=3 choices \(3 running at once\) cannot fit: two sequences at most") as e:
+        s3.check_group(10, 5, 3)
+    assert e.value.names == ("n",)
+    count = len(seen)
+    s3.check_group(10, 5, 1)  # one choice: checked by check() alone
+    assert len(seen) == count

@@ -147,8 +147,8 @@ BAD = [
     ("prompt as a number", {"prompt": 5}, 400, "prompt"),
     ("temperature out of range", {"temperature": 5}, 400, "temperature"),
     ("token id outside the vocabulary", {"prompt": [1, 99999]}, 400, "vocabulary"),
-    ("n > 1", {"n": 2}, 400, "n"),
-    ("stop strings", {"stop": ["\n"]}, 400, "stop_token_ids"),
+    ("n above 16", {"n": 17}, 400, "n: Input should be less than or equal to 16"),
+    ("five stop strings", {"stop": ["a", "b", "c", "d", "e"]}, 400, "stop: at most 4 stop strings"),
 ]
 
 

@@ -336,7 +336,10 @@ class LLM:
         (``{"prompt": ...}``, ``{"prompt_token_ids": [...]}``); or the ids as ``prompt_token_ids``.
         ``on_tokens`` is called with the new tokens as they are sampled:
         after the prefill and after every decode step (see :mod:`writescope.engine.streaming`).
-        Sampled requests without a seed use ``seed`` + their index in the batch.
+        Sampled requests without a seed use ``seed`` + their index in the batch. With
+        ``SamplingParams.stop`` a request's text ends before the first stop string it produces
+        (its ``token_ids`` keep the token that completed it); with ``SamplingParams.logprobs``
+        each output carries its tokens' logprobs (``RequestOutput.logprobs``).
 
         Raises:
             ValueError (``ArgError``, naming the argument): empty prompts, an id outside the
@@ -386,8 +389,9 @@ class LLM:
                 decode_tok_s=decode_tokens / decode_s if decode_tokens else 0.0,
                 peak_memory_bytes=peak,
             )
-            outputs.append(RequestOutput(self._next_request_id, texts[i], ids[i], r.output_ids, self.tokenizer.decode(r.output_ids),
-                                         r.finish_reason, metrics, r.kv_placement))
+            text = r.stops.text if r.stops is not None else self.tokenizer.decode(r.output_ids)  # stop strings: cut before the first
+            outputs.append(RequestOutput(self._next_request_id, texts[i], ids[i], r.output_ids, text, r.finish_reason, metrics,
+                                         r.kv_placement, r.logprobs))
             self._next_request_id += 1
         return outputs
 

@@ -4,6 +4,8 @@ from __future__ import annotations
 
 from dataclasses import asdict, dataclass, field
 
+from writescope.engine.logprobs import TokenLogprobs
+
 
 @dataclass
 class RequestMetrics:
@@ -28,7 +30,8 @@ class RequestMetrics:
 
 @dataclass
 class RequestOutput:
-    """One finished request. ``finish_reason`` is ``"stop"`` (end token) or ``"length"``."""
+    """One finished request. ``finish_reason`` is ``"stop"`` (end or stop token, or a stop string:
+    ``text`` ends before it) or ``"length"``."""
 
     request_id: int
     prompt: str | None
@@ -40,6 +43,9 @@ class RequestOutput:
     #: tokens of this request's KV per region when it finished (``window``, ``compute``,
     #: ``load``); None under the ``resident`` policy
     kv_placement: dict[str, int] | None = field(default=None, repr=False)
+    #: with ``SamplingParams.logprobs``: one :class:`~writescope.engine.logprobs.TokenLogprobs`
+    #: per token of ``token_ids``; else None
+    logprobs: list[TokenLogprobs] | None = field(default=None, repr=False)
 
     def to_dict(self) -> dict:
         return asdict(self)

@@ -8,7 +8,9 @@ from dataclasses import dataclass, field
 
 import torch
 
+from writescope.engine.logprobs import TokenLogprobs
 from writescope.engine.sampling import SamplingParams
+from writescope.engine.stop_strings import StopStrings
 
 WAITING, PREFILLING, RUNNING, FINISHED = "waiting", "prefilling", "running", "finished"
 
@@ -27,13 +29,17 @@ class Request:
         slot: its KV cache slot once admitted, None before and after.
         num_prefilled: prompt tokens already in the cache (tokens).
         output_ids: generated token ids.
-        finish_reason: ``stop`` (end or stop token), ``length`` (max_tokens), ``abort``
+        finish_reason: ``stop`` (end or stop token, or a stop string), ``length`` (max_tokens), ``abort``
             (cancelled), ``error`` (failed inside the engine; ``error`` says why).
         generator: its sampling generator (None for greedy requests).
         first_token_at, last_token_at: ``time.perf_counter()`` of its first and last token
             (TTFT, inter-token latency).
         kv_placement: tokens of its KV per region (``window``, ``compute``, ``load``) when its
             slot was freed, under a partitioned policy; else None.
+        stops: its decoded text checked for ``params.stop`` (None without stop strings: then
+            nothing is decoded in the engine).
+        logprobs: one :class:`TokenLogprobs` per output token when ``params.logprobs`` asks
+            (None otherwise).
     """
 
     request_id: str
@@ -52,6 +58,8 @@ class Request:
     kv_placement: dict[str, int] | None = None
     pending_ttft: float | None = None  # latencies not yet handed out in a StepOutput
     pending_itl: list[float] = field(default_factory=list)
+    stops: StopStrings | None = None
+    logprobs: list[TokenLogprobs] | None = None
 
     @property
     def capacity(self) -> int:
@@ -78,6 +86,10 @@ class StepOutput:
         prompt_tokens, output_tokens: the request's totals so far (tokens).
         ttft_s: seconds from arrival to the first token, on the output that carries it.
         itl_s: seconds between each of this output's later tokens and the token before it.
+        text: for a request with stop strings, the text this output adds (held back while a stop
+            string may still claim it; the pieces concatenate to the final text, which ends
+            before the stop string); None without stop strings (decode ``new_token_ids``).
+        logprobs: with ``params.logprobs``, one :class:`TokenLogprobs` per new token; else None.
     """
 
     request_id: str
@@ -88,6 +100,8 @@ class StepOutput:
     output_tokens: int = 0
     ttft_s: float | None = None
     itl_s: tuple[float, ...] = ()
+    text: str | None = None
+    logprobs: tuple[TokenLogprobs, ...] | None = None
 
     @property
     def finished(self) -> bool:

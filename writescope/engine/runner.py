@@ -10,6 +10,13 @@ batch's decode forward fails the requests of that batch (their KV may be half wr
 engine goes on with new requests. Greedy outputs equal ``LLM.generate``'s for the same prompts
 (same model, cache and sampler; tests/test_engine_runner.py).
 
+Stop strings and logprobs are per request and cost nothing to the others: a request with
+``params.stop`` has its output decoded here, token by token, and stops at the first stop string
+(:mod:`writescope.engine.stop_strings`; its outputs carry the text, ``StepOutput.text``); a
+batch with a request asking for ``params.logprobs`` samples through
+:func:`~writescope.engine.sampling.sample_with_logprobs` (the logprobs come back in the
+sampler's one read-back), any other batch through :func:`~writescope.engine.sampling.sample`.
+
 Offline (``offline=True``, what ``LLM.generate`` drives): the batch is admitted whole
 (:meth:`EngineCore.admit_all`: the policy told the batch size, then every slot allocated), the
 first step prefills every prompt (``llm._prefill``: chunks packed across the requests) and
@@ -32,10 +39,12 @@ from tqdm import tqdm
 
 from writescope.attention.metadata import ForwardBatch
 from writescope.budget.memory import available_memory
+from writescope.engine.logprobs import TokenLogprobs
 from writescope.engine.prompts import check_token_ids
 from writescope.engine.request import FINISHED, Request, StepOutput
-from writescope.engine.sampling import SamplingParams, sample
+from writescope.engine.sampling import SamplingParams, sample, sample_with_logprobs
 from writescope.engine.scheduler import Scheduler
+from writescope.engine.stop_strings import StopStrings
 from writescope.kvcache.inplace import InplaceKVCache
 
 PROGRESS_MIN_PROMPT_TOKENS = 2048  # show a prefill progress bar from this many prompt tokens
@@ -93,6 +102,10 @@ class EngineCore:
             self.scheduler.check(len(prompt_ids), params.max_tokens)
         n = next(self._ids)
         req = Request(request_id if request_id is not None else f"req-{n}", list(prompt_ids), params)
+        if params.stop:
+            req.stops = StopStrings(self.llm.tokenizer.decode, params.stop)
+        if params.logprobs is not None:
+            req.logprobs = []
         if not params.greedy:
             req.generator = torch.Generator(device=self.llm.device)
             req.generator.manual_seed(params.seed if params.seed is not None else self.llm.seed + n)
@@ -198,9 +211,9 @@ class EngineCore:
         req.num_prefilled += take
         if req.num_prefilled < len(req.prompt_ids):
             return None
-        tok = sample(logits, [req.params], [req.generator])[0]
-        self._append(req, tok)
-        return tok
+        toks, lps = self._sample(logits, [req])
+        self._append(req, toks[0], lps[0])
+        return toks[0]
 
     def _prefill_all(self) -> list[StepOutput]:
         """Offline: prefill every admitted prompt (``llm._prefill``, which ``writescope bench
@@ -208,10 +221,10 @@ class EngineCore:
         the requests that go on decode from the next step."""
         reqs = list(self.scheduler.prefilling)
         logits = self.llm._prefill([r.prompt_ids for r in reqs], [r.slot for r in reqs])
-        toks = sample(logits, [r.params for r in reqs], [r.generator for r in reqs])
-        for r, t in zip(reqs, toks):
+        toks, lps = self._sample(logits, reqs)
+        for r, t, lp in zip(reqs, toks, lps):
             r.num_prefilled = len(r.prompt_ids)
-            self._append(r, t)
+            self._append(r, t, lp)
             self.scheduler.prefilled(r)
         if self.r_trace is not None:
             self.r_trace.append(self._r_point(0, reqs))
@@ -230,19 +243,33 @@ class EngineCore:
         inp = torch.tensor([r.output_ids[-1] for r in running], device=llm.device)
         logits = llm.model(inp, batch, llm.cache)
         t1 = time.perf_counter()  # the step is issued; sampling reads the logits back (waits for the device)
-        toks = sample(logits, [r.params for r in running], [r.generator for r in running])
+        toks, lps = self._sample(logits, running)
         self.decode_host.append((t1 - t0, time.perf_counter() - t1))
-        for r, t in zip(running, toks):
-            self._append(r, t)
+        for r, t, lp in zip(running, toks, lps):
+            self._append(r, t, lp)
         if self.r_trace is not None:
             self.r_trace.append(self._r_point(len(running[0].output_ids) - 1, running))
         if llm.step_hook is not None:
             llm.step_hook()
         return toks
 
-    def _append(self, req: Request, tok: int) -> None:
+    @staticmethod
+    def _sample(logits: torch.Tensor, reqs: list[Request]) -> tuple[list[int], list[TokenLogprobs | None]]:
+        """One token per request (and its logprobs where asked; else None). Without logprobs in
+        the batch this is :func:`sample` (looked up at call time: benchmarks/policy_consistency.py
+        replaces it)."""
+        params, gens = [r.params for r in reqs], [r.generator for r in reqs]
+        if all(p.logprobs is None for p in params):
+            return sample(logits, params, gens), [None] * len(reqs)
+        return sample_with_logprobs(logits, params, gens)
+
+    def _append(self, req: Request, tok: int, logprobs: TokenLogprobs | None = None) -> None:
         now = time.perf_counter()
         req.output_ids.append(tok)
+        if req.logprobs is not None:
+            req.logprobs.append(logprobs)
+        if req.stops is not None:
+            req.stops.push(tok)
         if req.last_token_at is None:
             req.first_token_at = now
             req.pending_ttft = now - req.arrival
@@ -252,9 +279,12 @@ class EngineCore:
 
     # ------------------------------------------------------------ outputs
     def _output(self, req: Request, toks: list[int], reason: str | None = None) -> StepOutput:
-        """The output of ``toks`` (this step's new tokens) with the latencies since the last one."""
+        """The output of ``toks`` (this step's new tokens, the newest of ``req.output_ids``) with
+        the latencies since the last one, the text they add (stop strings) and their logprobs."""
+        text = req.stops.take(final=reason is not None) if req.stops is not None else None
+        lps = tuple(req.logprobs[len(req.logprobs) - len(toks):]) if req.logprobs is not None else None
         out = StepOutput(req.request_id, tuple(toks), reason, req.error, len(req.prompt_ids), len(req.output_ids),
-                         req.pending_ttft, tuple(req.pending_itl))
+                         req.pending_ttft, tuple(req.pending_itl), text, lps)
         req.pending_ttft, req.pending_itl = None, []
         return out
 

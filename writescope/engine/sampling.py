@@ -1,4 +1,5 @@
-"""Sampling parameters (shaped like vLLM's ``SamplingParams``) and the sampler."""
+"""Sampling parameters (shaped like vLLM's ``SamplingParams``) and the sampler (with the sampled
+tokens' logprobs, for the requests that ask: :mod:`writescope.engine.logprobs`)."""
 
 from __future__ import annotations
 
@@ -6,6 +7,7 @@ from dataclasses import dataclass
 
 import torch
 
+from writescope.engine.logprobs import MAX_LOGPROBS, TokenLogprobs, logprob_rows, unpack
 from writescope.errors import ArgError
 
 
@@ -20,6 +22,12 @@ class SamplingParams:
         seed: per-request random seed (sampling only); ``None`` uses the engine seed + index.
         ignore_eos: keep generating after an end-of-sequence token (benchmarks).
         stop_token_ids: extra token ids that end a request.
+        stop: strings that end a request (a string or a sequence of them, non-empty): its text
+            ends before the first one it contains (:mod:`writescope.engine.stop_strings`);
+            finish_reason ``stop``.
+        logprobs: None: no logprobs; k in [0, MAX_LOGPROBS]: each generated token's logprob and
+            the k most likely tokens' (log_softmax of the raw logits, before temperature:
+            :mod:`writescope.engine.logprobs`).
 
     Raises:
         ValueError: on construction, for any value outside the ranges above.
@@ -31,6 +39,8 @@ class SamplingParams:
     seed: int | None = None
     ignore_eos: bool = False
     stop_token_ids: tuple[int, ...] = ()
+    stop: tuple[str, ...] = ()
+    logprobs: int | None = None
 
     def __post_init__(self) -> None:
         if not isinstance(self.max_tokens, int) or self.max_tokens < 1:
@@ -40,10 +50,32 @@ class SamplingParams:
         if not 0 < self.top_p <= 1:
             raise ArgError(f"top_p must be in (0, 1], got {self.top_p!r}", "top_p")
         object.__setattr__(self, "stop_token_ids", tuple(self.stop_token_ids))
+        stop = (self.stop,) if isinstance(self.stop, str) else tuple(self.stop)
+        if not all(isinstance(s, str) and s for s in stop):
+            raise ArgError(f"stop strings must be non-empty strings, got {stop!r}", "stop")
+        object.__setattr__(self, "stop", stop)
+        if self.logprobs is not None and (isinstance(self.logprobs, bool) or not isinstance(self.logprobs, int)
+                                          or not 0 <= self.logprobs <= MAX_LOGPROBS):
+            raise ArgError(f"logprobs must be None or an integer in [0, {MAX_LOGPROBS}], got {self.logprobs!r}", "logprobs")
 
     @property
     def greedy(self) -> bool:
         return self.temperature == 0
+
+
+def _pick(logits: torch.Tensor, params: list[SamplingParams], generators: list[torch.Generator | None]) -> torch.Tensor:
+    """The sampled ids, ``[batch]`` int64 on ``logits.device`` (not read back yet)."""
+    out = logits.argmax(dim=-1)  # [B]
+    for i, (p, g) in enumerate(zip(params, generators)):
+        if p.greedy:
+            continue
+        probs = torch.softmax(logits[i] / p.temperature, dim=-1)  # [V]
+        if p.top_p < 1:
+            sorted_p, order = torch.sort(probs, descending=True)
+            keep = torch.cumsum(sorted_p, dim=0) - sorted_p < p.top_p  # always keeps the top token
+            probs = torch.zeros_like(probs).scatter_(0, order[keep], sorted_p[keep])
+        out[i] = torch.multinomial(probs, 1, generator=g)[0]
+    return out
 
 
 def sample(logits: torch.Tensor, params: list[SamplingParams], generators: list[torch.Generator | None]) -> list[int]:
@@ -57,14 +89,23 @@ def sample(logits: torch.Tensor, params: list[SamplingParams], generators: list[
     Returns:
         token ids, ``len == batch``.
     """
-    out = logits.argmax(dim=-1)  # [B]
-    for i, (p, g) in enumerate(zip(params, generators)):
-        if p.greedy:
-            continue
-        probs = torch.softmax(logits[i] / p.temperature, dim=-1)  # [V]
-        if p.top_p < 1:
-            sorted_p, order = torch.sort(probs, descending=True)
-            keep = torch.cumsum(sorted_p, dim=0) - sorted_p < p.top_p  # always keeps the top token
-            probs = torch.zeros_like(probs).scatter_(0, order[keep], sorted_p[keep])
-        out[i] = torch.multinomial(probs, 1, generator=g)[0]
-    return out.tolist()
+    return _pick(logits, params, generators).tolist()
+
+
+def sample_with_logprobs(logits: torch.Tensor, params: list[SamplingParams], generators: list[torch.Generator | None]
+                         ) -> tuple[list[int], list[TokenLogprobs | None]]:
+    """:func:`sample`, and for each row whose params ask (``logprobs`` not None) its token's
+    logprobs (None for the others). The ids and the logprobs come back to the host in one copy,
+    the one :func:`sample` makes anyway (:mod:`writescope.engine.logprobs`)."""
+    toks = _pick(logits, params, generators)
+    rows = [i for i, p in enumerate(params) if p.logprobs is not None]
+    if not rows:
+        return toks.tolist(), [None] * len(params)
+    ks = [params[i].logprobs for i in rows]
+    k = min(max(ks), logits.shape[-1])
+    host = torch.cat([toks.double(), logprob_rows(logits, toks, rows, k).flatten()]).tolist()  # the one read-back
+    ids = [int(t) for t in host[: len(params)]]
+    lps: list[TokenLogprobs | None] = [None] * len(params)
+    for row, lp in zip(rows, unpack(host[len(params) :], ids, rows, [min(x, k) for x in ks], k)):
+        lps[row] = lp
+    return ids, lps

@@ -62,6 +62,22 @@ class Scheduler:
         if why is not None:
             raise ArgError(f"the request's KV cache cannot fit: {why}", "max_tokens")
 
+    def check_group(self, prompt_len: int, max_tokens: int, n: int) -> None:
+        """Refuse ``n`` choices of one prompt (checked alone with :meth:`check`) whose KV could
+        never be held at once: ``min(n, max_num_seqs)`` of them (those that may run together)
+        must fit beside each other with nothing else running. Fewer fit now: they wait, as any
+        request does.
+
+        Raises:
+            ArgError: naming ``n`` and the memory.
+        """
+        together = min(n, self.max_num_seqs)
+        if together > 1:
+            why = self.fits([prompt_len + max_tokens] * together)
+            if why is not None:
+                raise ArgError(f"the KV cache of n={n} choices ({together} running at once) cannot fit: {why}: lower n or "
+                               "max_tokens", "n")
+
     def add(self, req: Request) -> None:
         """Queue a request (checked with :meth:`check` first)."""
         req.status = WAITING
@@ -123,10 +139,13 @@ class Scheduler:
         self.running.append(req)
 
     def stop_reason(self, req: Request) -> str | None:
-        """``stop`` (an end token unless ignore_eos, or a stop token), ``length`` (max_tokens or
-        max_model_len reached), or None: go on."""
+        """``stop`` (an end token unless ignore_eos, a stop token, or a stop string completed by
+        the last token: ``req.stops``), ``length`` (max_tokens or max_model_len reached), or
+        None: go on. A stop string completed by the last allowed token is ``stop``."""
         sp, last = req.params, req.output_ids[-1]
         if (last in self.eos and not sp.ignore_eos) or last in sp.stop_token_ids:
+            return "stop"
+        if req.stops is not None and req.stops.stopped:
             return "stop"
         if len(req.output_ids) >= sp.max_tokens or len(req.prompt_ids) + len(req.output_ids) >= self.max_model_len:
             return "length"

@@ -8,7 +8,17 @@ needs ``Authorization: Bearer KEY`` (401 otherwise). Errors are OpenAI's JSON sh
 prompt beyond the limits), 401, 404 for an unknown model, 503 with Retry-After when the queue is
 full or the model is loading, 500 when the engine failed on the request.
 
-A client that disconnects cancels its request: the engine frees its KV at its next step.
+Sampling fields: OpenAI's ``max_tokens`` (chat: also ``max_completion_tokens``), ``temperature``,
+``top_p``, ``seed``, ``stop`` (up to 4 strings: the text ends before the first one generated,
+finish_reason ``stop``; streamed text never shows a stop string's beginning before it is known not
+to be one), ``n`` (1-16 independent choices, choice i sampled with seed + i; streamed chunks are
+tagged with their choice's index, each choice gets its own final chunk), ``logprobs`` (completions:
+0-5 top tokens in the legacy shape; chat: ``logprobs: true`` and ``top_logprobs`` 0-5; log_softmax
+of the raw logits, before temperature, as vLLM gives by default: writescope/serve/logprobs.py);
+vLLM's ``ignore_eos``, ``stop_token_ids`` and ``return_token_ids``. Shapes: writescope/serve/choices.py.
+
+A client that disconnects cancels its request (all its choices): the engine frees their KV at its
+next step; a choice that fails inside the engine cancels the others.
 """
 
 from __future__ import annotations
@@ -29,7 +39,7 @@ from writescope.engine.sampling import SamplingParams
 from writescope.errors import ArgError
 from writescope.serve.async_engine import AsyncEngine, EngineDead, QueueFull
 from writescope.serve.chat_template import ChatTemplate
-from writescope.serve.detokenizer import Detokenizer
+from writescope.serve.choices import Choice, ResponseFormat, usage
 from writescope.serve.metrics import ServeMetrics
 from writescope.serve.protocol import ChatCompletionRequest, CompletionRequest
 
@@ -142,7 +152,8 @@ def build_app(state: ServerState, on_shutdown=None) -> FastAPI:
 
     def _params(body, max_tokens: int) -> SamplingParams:
         return SamplingParams(max_tokens=max_tokens, temperature=float(body.temperature), top_p=float(body.top_p),
-                              seed=body.seed, ignore_eos=body.ignore_eos, stop_token_ids=tuple(body.stop_token_ids))
+                              seed=body.seed, ignore_eos=body.ignore_eos, stop_token_ids=tuple(body.stop_token_ids),
+                              stop=body.stop_strings, logprobs=body.top_logprobs_count)
 
     def _check_model(body) -> None:
         if body.model != state.model_name:
@@ -153,10 +164,10 @@ def build_app(state: ServerState, on_shutdown=None) -> FastAPI:
         if max_tokens is None:  # chat without a limit: the rest of the context
             max_tokens = max(1, engine.max_model_len - len(ids))
         try:
-            return engine.submit(ids, _params(body, max_tokens))
-        except ArgError as e:
-            raise APIError(400, e.worded({"prompt": "prompt", "max_tokens": "max_tokens", "max_model_len": "max_model_len"}),
-                           "invalid_request_error", e.names[0] if e.names else None) from None
+            return engine.submit(ids, _params(body, max_tokens), body.n)
+        except ArgError as e:  # named with the body's fields
+            raise APIError(400, e.worded({name: name for name in e.names}), "invalid_request_error",
+                           e.names[0] if e.names else None) from None
         except ValueError as e:
             raise APIError(400, str(e)) from None
         except QueueFull as e:
@@ -185,29 +196,22 @@ def build_app(state: ServerState, on_shutdown=None) -> FastAPI:
 
     async def _respond(request: Request, engine: AsyncEngine, stream, body, chat: bool):
         rid = ("chatcmpl-" if chat else "cmpl-") + uuid.uuid4().hex[:24]
-        created = int(time.time())
+        fmt = ResponseFormat(chat, rid, int(time.time()), state.model_name, state.tokenizer, body.return_token_ids,
+                             body.top_logprobs_count is not None)
         if body.stream:
-            gen = _sse(request, engine, stream, body, chat, rid, created)
+            gen = _sse(engine, stream, body, fmt)
             return StreamingResponse(gen, media_type="text/event-stream", headers={"Cache-Control": "no-cache"})
-        ids, last = await _collect(request, engine, stream)
-        if last is None:  # disconnected: nobody reads this
+        choices, failed = await _collect(request, engine, stream)
+        if choices is None:  # disconnected: nobody reads this
             return Response(status_code=499)
-        if last.finish_reason == "error":
-            raise APIError(500, f"the request failed inside the engine: {last.error}", "server_error")
-        text = state.tokenizer.decode(ids)
-        choice = {"index": 0, "finish_reason": last.finish_reason, "logprobs": None}
-        if chat:
-            choice["message"] = {"role": "assistant", "content": text}
-        else:
-            choice["text"] = text
-        if body.return_token_ids:
-            choice["token_ids"] = ids
-        return {"id": rid, "object": "chat.completion" if chat else "text_completion", "created": created,
-                "model": state.model_name, "choices": [choice], "usage": _usage(last)}
+        if failed is not None:
+            raise APIError(500, f"the request failed inside the engine: {failed.error}", "server_error")
+        return fmt.response(choices)
 
-    async def _collect(request: Request, engine: AsyncEngine, stream):
-        """All tokens and the last output; (ids, None) when the client went away first."""
-        ids: list[int] = []
+    async def _collect(request: Request, engine: AsyncEngine, stream) -> tuple[list[Choice] | None, object]:
+        """(every choice, None) once all finished; (choices, the failed output) when one failed
+        (the others are cancelled); (None, None) when the client went away first."""
+        choices = [Choice(i, state.tokenizer, streaming=False) for i in range(stream.n)]
         gone = asyncio.ensure_future(_disconnected(request))
         try:
             while True:
@@ -215,68 +219,62 @@ def build_app(state: ServerState, on_shutdown=None) -> FastAPI:
                 done, _ = await asyncio.wait({get, gone}, return_when=asyncio.FIRST_COMPLETED)
                 if get not in done:
                     get.cancel()
-                    engine.abort(stream.request_id)
-                    return ids, None
-                out = get.result()
-                ids.extend(out.new_token_ids)
-                if out.finished:
-                    return ids, out
+                    engine.cancel(stream)
+                    return None, None
+                index, out = get.result()
+                choices[index].add([out])
+                if out.finish_reason == "error":
+                    engine.cancel(stream)
+                    return choices, out
+                if stream.seen(out):
+                    return choices, None
         except asyncio.CancelledError:
-            engine.abort(stream.request_id)
+            engine.cancel(stream)
             raise
         finally:
             gone.cancel()
 
-    async def _sse(request: Request, engine: AsyncEngine, stream, body, chat: bool, rid: str, created: int):
-        obj = "chat.completion.chunk" if chat else "text_completion"
-        detok = Detokenizer(state.tokenizer)
+    async def _sse(engine: AsyncEngine, stream, body, fmt: ResponseFormat):
         include_usage = body.stream_options is not None and body.stream_options.include_usage
-
-        def chunk(text: str | None, finish: str | None, ids=(), role: bool = False, usage=None) -> str:
-            if chat:
-                delta = {"role": "assistant", "content": ""} if role else ({} if text is None else {"content": text})
-                choice = {"index": 0, "delta": delta, "logprobs": None, "finish_reason": finish}
-            else:
-                choice = {"index": 0, "text": text or "", "logprobs": None, "finish_reason": finish}
-            if body.return_token_ids and not role:
-                choice["token_ids"] = list(ids)
-            msg = {"id": rid, "object": obj, "created": created, "model": state.model_name, "choices": [choice]}
-            if usage is not None:
-                msg["usage"] = usage
-            return f"data: {json.dumps(msg, ensure_ascii=False)}\n\n"
-
-        finished = False
+        choices = [Choice(i, state.tokenizer, streaming=True) for i in range(stream.n)]
+        complete = False
         try:
-            if chat:
-                yield chunk(None, None, role=True)
-            async for out in stream:
-                # coalesce what is already queued (a slow reader gets fewer, larger chunks)
-                outs = [out]
-                while not out.finished and not stream.queue.empty():
-                    out = stream.queue.get_nowait()
-                    outs.append(out)
-                ids = [t for o in outs for t in o.new_token_ids]
-                text = detok.add(ids)
-                if out.finished:
-                    finished = True
-                    if out.finish_reason == "error":
-                        err = {"message": f"the request failed inside the engine: {out.error}", "type": "server_error",
-                               "param": None, "code": 500}
-                        yield f"data: {json.dumps({'error': err})}\n\n"
+            if fmt.chat:
+                for c in choices:
+                    yield fmt.chunk(c, role=True)
+            failed = None
+            while failed is None and not complete:
+                # take what is queued already (a slow reader gets fewer, larger chunks), per choice in order
+                items = [await stream.queue.get()]
+                while not stream.queue.empty():
+                    items.append(stream.queue.get_nowait())
+                per_choice: dict[int, list] = {}
+                for index, out in items:
+                    per_choice.setdefault(index, []).append(out)
+                    complete = stream.seen(out) or complete
+                for index, outs in per_choice.items():
+                    if outs[-1].finish_reason == "error":
+                        failed = outs[-1]
                         break
-                    text += detok.flush()
-                    if text or ids:
-                        yield chunk(text, None, ids)
-                    yield chunk(None if chat else "", out.finish_reason, usage=_usage(out))
-                    if include_usage:
-                        yield f"data: {json.dumps({'id': rid, 'object': obj, 'created': created, 'model': state.model_name, 'choices': [], 'usage': _usage(out)})}\n\n"
-                    break
-                if text or (ids and body.return_token_ids):
-                    yield chunk(text, None, ids)
+                    c = choices[index]
+                    delta = c.add(outs)
+                    if fmt.worth_sending(delta, c.finished):
+                        yield fmt.chunk(c, delta)
+                    if c.finished:  # the last choice to finish carries the response's usage
+                        done = all(x.finished for x in choices)
+                        yield fmt.chunk(c, finish=c.last.finish_reason, usage=usage(choices) if done else None)
+            if failed is not None:
+                engine.cancel(stream)  # the other choices, at once (before writing to a client that may be slow)
+                complete = True  # nothing left to cancel
+                err = {"message": f"the request failed inside the engine: {failed.error}", "type": "server_error",
+                       "param": None, "code": 500}
+                yield f"data: {json.dumps({'error': err})}\n\n"
+            elif include_usage:
+                yield fmt.usage_chunk(usage(choices))
             yield "data: [DONE]\n\n"
         finally:
-            if not finished:  # the client went away (the generator was closed or cancelled)
-                engine.abort(stream.request_id)
+            if not complete:  # the client went away (the generator was closed or cancelled)
+                engine.cancel(stream)
 
     return app
 
@@ -313,7 +311,3 @@ async def _disconnected(request: Request) -> None:
         if msg["type"] == "http.disconnect":
             return
 
-
-def _usage(out) -> dict:
-    return {"prompt_tokens": out.prompt_tokens, "completion_tokens": out.output_tokens,
-            "total_tokens": out.prompt_tokens + out.output_tokens}

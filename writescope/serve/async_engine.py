@@ -1,10 +1,14 @@
 """The engine thread: one background thread owns the model and runs :class:`EngineCore` steps;
 HTTP handlers (on the asyncio event loop) talk to it through thread-safe queues.
 
-Handler -> engine: :meth:`AsyncEngine.submit` and :meth:`AsyncEngine.abort` put messages on an
+Handler -> engine: :meth:`AsyncEngine.submit` and :meth:`AsyncEngine.cancel` put messages on an
 inbox (``queue.SimpleQueue``); the thread takes them between steps, and blocks on the inbox when
 it has nothing to run (no polling). Engine -> handler: each request's :class:`StepOutput`\\ s go to
 its :class:`RequestStream`, an ``asyncio.Queue`` fed with ``loop.call_soon_threadsafe``.
+
+A request with ``n`` choices is ``n`` engine requests of one prompt (choice i samples with
+``seed + i`` when a seed is given), submitted and cancelled together: they take ``n`` places in
+the waiting queue (all or none), and their outputs come on one stream, tagged with their index.
 """
 
 from __future__ import annotations
@@ -15,11 +19,12 @@ import queue
 import threading
 import time
 import traceback
+from dataclasses import replace
 
 from writescope.engine.request import StepOutput
 from writescope.engine.runner import EngineCore
 from writescope.engine.sampling import SamplingParams
-from writescope.errors import plural
+from writescope.errors import ArgError, plural
 
 
 class QueueFull(Exception):
@@ -31,28 +36,40 @@ class EngineDead(Exception):
 
 
 class RequestStream:
-    """One request's outputs, read on the event loop that submitted it."""
+    """The outputs of one HTTP request's ``n`` choices (engine requests ``request_ids``, choice
+    ``i`` is ``request_ids[i]``), read on the event loop that submitted it: ``queue`` holds
+    ``(choice index, StepOutput)``."""
 
-    def __init__(self, request_id: str, loop: asyncio.AbstractEventLoop):
-        self.request_id = request_id
+    def __init__(self, request_ids: list[str], loop: asyncio.AbstractEventLoop):
+        self.request_ids = list(request_ids)
         self.loop = loop
-        self.queue: asyncio.Queue[StepOutput] = asyncio.Queue()
+        self.queue: asyncio.Queue[tuple[int, StepOutput]] = asyncio.Queue()
         self.arrival = time.perf_counter()
+        self._open = len(self.request_ids)  # choices not finished yet (read on the loop)
 
-    def put(self, out: StepOutput) -> None:
+    @property
+    def n(self) -> int:
+        return len(self.request_ids)
+
+    def put(self, index: int, out: StepOutput) -> None:
         """From the engine thread."""
         try:
-            self.loop.call_soon_threadsafe(self.queue.put_nowait, out)
+            self.loop.call_soon_threadsafe(self.queue.put_nowait, (index, out))
         except RuntimeError:  # the loop is closed: nobody is reading
             pass
 
+    def seen(self, out: StepOutput) -> bool:
+        """Count ``out`` (taken from ``queue``); True once every choice has finished."""
+        self._open -= out.finished
+        return self._open == 0
+
     async def __aiter__(self):
-        """Outputs until the request finishes (the last has ``finish_reason``)."""
-        while True:
-            out = await self.queue.get()
-            yield out
-            if out.finished:
-                return
+        """``(index, output)`` until every choice has finished (the last output of each has
+        ``finish_reason``)."""
+        while self._open:
+            index, out = await self.queue.get()
+            self.seen(out)
+            yield index, out
 
 
 class AsyncEngine:
@@ -76,7 +93,7 @@ class AsyncEngine:
         self.max_queue = max_queue
         self.metrics = metrics
         self._inbox: queue.SimpleQueue = queue.SimpleQueue()
-        self._streams: dict[str, RequestStream] = {}  # engine thread only
+        self._streams: dict[str, tuple[RequestStream, int]] = {}  # request id -> (its stream, its choice); engine thread only
         self._lock = threading.Lock()
         self._waiting: set[str] = set()  # submitted, not admitted yet (under _lock)
         self._ids = itertools.count()
@@ -97,30 +114,45 @@ class AsyncEngine:
         self._thread.start()
 
     # ------------------------------------------------------------ handler side
-    def submit(self, prompt_ids: list[int], params: SamplingParams) -> RequestStream:
-        """Queue a request (call on the event loop); returns its stream.
+    def submit(self, prompt_ids: list[int], params: SamplingParams, n: int = 1) -> RequestStream:
+        """Queue ``n`` choices of one prompt (call on the event loop); returns their stream.
+        Choice ``i`` samples with ``params.seed + i`` when a seed is given (else each its own
+        engine seed), so the choices differ under sampling and are reproducible.
 
         Raises:
-            ArgError: a request that could never run (see :meth:`EngineCore.make_request`).
-            QueueFull: ``max_queue`` requests already wait.
+            ArgError: a request that could never run (see :meth:`EngineCore.make_request`), ``n``
+                below 1 or above ``max_queue``, or ``n`` choices whose KV could never be held at
+                once (:meth:`Scheduler.check_group`).
+            QueueFull: fewer than ``n`` places are left of ``max_queue``.
             EngineDead: the engine stopped.
         """
         if not self._alive:
             raise EngineDead(self.error or "the engine is shut down")
-        req = self.core.make_request(prompt_ids, params, request_id=f"req-{next(self._ids)}")
+        if n < 1 or n > max(1, self.max_queue):
+            raise ArgError(f"n must be in [1, {max(1, self.max_queue)}] (--max-queue {self.max_queue}), got {n}", "n")
+        choices = [params if params.seed is None or i == 0 else replace(params, seed=params.seed + i) for i in range(n)]
+        reqs = [self.core.make_request(prompt_ids, p, request_id=f"req-{next(self._ids)}", checked=i > 0)
+                for i, p in enumerate(choices)]  # the first is checked; the others are the same request
+        if n > 1:
+            self.core.scheduler.check_group(len(prompt_ids), params.max_tokens, n)
         with self._lock:
-            if len(self._waiting) >= self.max_queue:
-                raise QueueFull(f"{plural(len(self._waiting), 'request')} already wait for admission "
-                                f"(--max-queue {self.max_queue}): try again later")
-            self._waiting.add(req.request_id)
-        stream = RequestStream(req.request_id, asyncio.get_running_loop())
-        stream.arrival = req.arrival
-        self._inbox.put(("add", req, stream))
+            if len(self._waiting) + n > self.max_queue:
+                waiting = plural(len(self._waiting), "request")
+                raise QueueFull(f"{waiting} already wait for admission (--max-queue {self.max_queue})"
+                                + (f", no room for n={n} more" if n > 1 else "") + ": try again later")
+            self._waiting.update(r.request_id for r in reqs)
+        stream = RequestStream([r.request_id for r in reqs], asyncio.get_running_loop())
+        stream.arrival = reqs[0].arrival
+        self._inbox.put(("add", reqs, stream))
         return stream
 
     def abort(self, request_id: str) -> None:
         """Cancel a request (its KV is freed by the engine thread); unknown ids are ignored."""
-        self._inbox.put(("abort", request_id, None))
+        self._inbox.put(("abort", [request_id], None))
+
+    def cancel(self, stream: RequestStream) -> None:
+        """Cancel every choice of ``stream`` (finished ones are ignored); their KV is freed."""
+        self._inbox.put(("abort", stream.request_ids, None))
 
     def shutdown(self, timeout: float | None = 60.0) -> None:
         """Cancel every request, free their KV and stop the thread (waits up to ``timeout`` s)."""
@@ -151,12 +183,14 @@ class AsyncEngine:
                 outs: list[StepOutput] = []
                 for kind, a, b in msgs:
                     if kind == "add":
-                        self._streams[a.request_id] = b
-                        self.core.add(a)
+                        for i, req in enumerate(a):
+                            self._streams[req.request_id] = (b, i)
+                            self.core.add(req)
                     elif kind == "abort":
-                        out = self.core.abort(a)
-                        if out is not None:
-                            outs.append(out)
+                        for rid in a:
+                            out = self.core.abort(rid)
+                            if out is not None:
+                                outs.append(out)
                     else:
                         stop = True
                 if stop:
@@ -171,8 +205,8 @@ class AsyncEngine:
             try:
                 self._publish(self.core.abort_all())
             finally:
-                for rid, s in list(self._streams.items()):
-                    s.put(StepOutput(rid, finish_reason="error", error=self.error))
+                for rid, (s, i) in list(self._streams.items()):
+                    s.put(i, StepOutput(rid, finish_reason="error", error=self.error))
                 self._streams.clear()
         finally:
             self._alive = False
@@ -183,12 +217,12 @@ class AsyncEngine:
         with self._lock:
             self._waiting &= waiting_now | {rid for rid in self._waiting if rid not in self._streams}
         for out in outs:
-            stream = self._streams.get(out.request_id)
+            stream, index = self._streams.get(out.request_id, (None, 0))
             if self.metrics is not None:
                 e2e = time.perf_counter() - stream.arrival if out.finished and stream is not None else None
                 self.metrics.observe(out, e2e)
             if stream is not None:
-                stream.put(out)
+                stream.put(index, out)
                 if out.finished:
                     del self._streams[out.request_id]
         if self.metrics is not None:

@@ -1,4 +1,6 @@
-"""Incremental detokenization for streaming: text deltas that never split a multi-byte character."""
+"""Incremental detokenization for streaming: text deltas that never split a multi-byte character.
+(A request with stop strings is decoded in the engine instead, which cuts its text at the stop
+string: :mod:`writescope.engine.stop_strings`.)"""
 
 from __future__ import annotations
 

@@ -2,17 +2,23 @@
 strict types (``"max_tokens": "10"`` is refused, not coerced), ranges, and sizes.
 
 Fields the server does not read are ignored (clients send many); those it cannot honour
-(``n`` > 1, ``stop`` strings, ``logprobs``) are refused with a message naming them.
+(``echo``) are refused with a message naming them. ``stop`` is a string or up to MAX_STOP
+non-empty strings; ``n`` is 1..MAX_N; completions' ``logprobs`` is 0..MAX_TOP_LOGPROBS (the
+legacy API's limit), chat's is a bool with ``top_logprobs`` 0..MAX_TOP_LOGPROBS beside it.
 """
 
 from __future__ import annotations
 
 from typing import Annotated, Literal, Union
 
-from pydantic import BaseModel, ConfigDict, Field, StrictBool, StrictFloat, StrictInt, StrictStr, model_validator
+from pydantic import (BaseModel, ConfigDict, Field, StrictBool, StrictFloat, StrictInt, StrictStr, ValidationInfo, field_validator,
+                      model_validator)
 
 MAX_PROMPT_CHARS = 4 * 2**20  # a prompt of more characters is refused before tokenization
 MAX_MESSAGES = 4096
+MAX_STOP = 4  # stop strings per request (OpenAI's limit)
+MAX_N = 16  # choices per request
+MAX_TOP_LOGPROBS = 5  # top logprobs per token (the completions API's limit; chat's too here)
 
 Number = Union[StrictInt, StrictFloat]
 TokenIds = Annotated[list[Annotated[StrictInt, Field(ge=0)]], Field(min_length=1)]
@@ -32,24 +38,29 @@ class _Common(BaseModel):
     max_tokens: StrictInt | None = Field(None, ge=1)
     temperature: Number = Field(1.0, ge=0, le=2)
     top_p: Number = Field(1.0, gt=0, le=1)
-    n: StrictInt = Field(1, ge=1, le=1, description="one choice per request")
+    n: StrictInt = Field(1, ge=1, le=MAX_N)  # independent choices of one prompt (choice i samples with seed + i)
     seed: StrictInt | None = None
     stream: StrictBool = False
     stream_options: StreamOptions | None = None
     stop: StrictStr | list[StrictStr] | None = None
-    logprobs: StrictBool | StrictInt | None = None
     # vLLM's extensions
     ignore_eos: StrictBool = False
     stop_token_ids: list[Annotated[StrictInt, Field(ge=0)]] = Field(default_factory=list, max_length=1024)
     return_token_ids: StrictBool = False  # each choice also carries its token ids (``token_ids``)
 
-    @model_validator(mode="after")
-    def _unsupported(self):
-        if self.stop:
-            raise ValueError("stop strings are not supported yet: use stop_token_ids (token ids that end the output)")
-        if self.logprobs:
-            raise ValueError("logprobs are not supported")
-        return self
+    @field_validator("stop")
+    @classmethod
+    def _stop(cls, v):
+        stops = [v] if isinstance(v, str) else (v or [])
+        if len(stops) > MAX_STOP:
+            raise ValueError(f"at most {MAX_STOP} stop strings, got {len(stops)}")
+        if not all(stops):
+            raise ValueError("a stop string must not be empty")
+        return v
+
+    @property
+    def stop_strings(self) -> tuple[str, ...]:
+        return (self.stop,) if isinstance(self.stop, str) else tuple(self.stop or ())
 
 
 class CompletionRequest(_Common):
@@ -58,6 +69,12 @@ class CompletionRequest(_Common):
     prompt: Annotated[StrictStr, Field(max_length=MAX_PROMPT_CHARS)] | TokenIds
     max_tokens: StrictInt | None = Field(16, ge=1)  # OpenAI's default
     echo: StrictBool = False
+    logprobs: StrictInt | None = Field(None, ge=0, le=MAX_TOP_LOGPROBS)  # the legacy shape: tokens, token_logprobs, ...
+
+    @property
+    def top_logprobs_count(self) -> int | None:
+        """Top logprobs per token to compute (None: no logprobs)."""
+        return self.logprobs
 
     @model_validator(mode="after")
     def _echo(self):
@@ -86,6 +103,19 @@ class ChatCompletionRequest(_Common):
 
     messages: list[ChatMessage] = Field(min_length=1, max_length=MAX_MESSAGES)
     max_completion_tokens: StrictInt | None = Field(None, ge=1)  # the newer name of max_tokens
+    logprobs: StrictBool | None = False  # {"content": [{token, logprob, bytes, top_logprobs}]}
+    top_logprobs: StrictInt | None = Field(None, ge=0, le=MAX_TOP_LOGPROBS)
+
+    @field_validator("top_logprobs")
+    @classmethod
+    def _top_logprobs(cls, v, info: ValidationInfo):
+        if v is not None and not info.data.get("logprobs"):
+            raise ValueError("top_logprobs needs logprobs: true")
+        return v
+
+    @property
+    def top_logprobs_count(self) -> int | None:
+        return (self.top_logprobs or 0) if self.logprobs else None
 
     @property
     def max_new(self) -> int | None:

@@ -1,0 +1,549 @@
+"""``stop`` strings, ``n`` choices and ``logprobs`` in ``writescope serve`` (writescope/serve/) and
+in the engine under it (SamplingParams.stop / .logprobs), on a real loopback server over the tiny
+preset.
+
+References come from a second, independent ``LLM`` of the same preset (the same seeded synthetic
+weights), so they can be computed at any time while the served model belongs to the engine thread:
+offline ``generate`` for texts and tokens, and the model's own prefill logits (one prefill per
+position, not the engine's decode step or sampler) for logprobs. Stop strings are cut out of the
+greedy reference text (one spanning two tokens, one inside a token), so nothing depends on what
+the synthetic model happens to say. No test depends on timing: waits poll a condition.
+"""
+
+from __future__ import annotations
+
+import json
+import threading
+
+import pytest
+
+pytest.importorskip("fastapi")
+httpx = pytest.importorskip("httpx")
+
+import torch  # noqa: E402
+from prometheus_client.parser import text_string_to_metric_families  # noqa: E402
+
+from writescope import LLM, SamplingParams  # noqa: E402
+from writescope.engine.stop_strings import StopStrings  # noqa: E402
+from writescope.errors import ArgError  # noqa: E402
+from writescope.serve.app import ServerState, build_app  # noqa: E402
+from writescope.serve.async_engine import AsyncEngine  # noqa: E402
+from writescope.serve.chat_template import ChatTemplate  # noqa: E402
+from writescope.serve.server import ServerThread  # noqa: E402
+
+MODEL = "tiny-qwen3-moe"
+MAX_LEN = 2048
+WAIT_S = 120  # safety net only: every wait below polls a condition
+PROMPT = "hello"
+NEW = 24  # greedy reference length
+NEVER = "\x00never\x00"  # a stop string the model does not produce
+CHAT = [{"role": "user", "content": "hi"}]
+
+
+def _llm():
+    return LLM(MODEL, device="cpu", progress=False, max_model_len=MAX_LEN, prefill_chunk_tokens=16)
+
+
+@pytest.fixture(scope="module")
+def llm():
+    """The served model (owned by the server's engine thread once it starts)."""
+    return _llm()
+
+
+@pytest.fixture(scope="module")
+def ref_llm():
+    """An independent instance for references (same preset and seed: the same weights)."""
+    return _llm()
+
+
+@pytest.fixture(scope="module")
+def greedy(ref_llm):
+    return ref_llm.generate([PROMPT], SamplingParams(max_tokens=NEW))[0]
+
+
+@pytest.fixture(scope="module")
+def server(llm):
+    state = ServerState(MODEL)
+    engine = AsyncEngine(llm, max_num_seqs=8, max_queue=64)
+    state.ready(engine, llm.tokenizer)
+    srv = ServerThread(build_app(state)).start()
+    srv.engine, srv.state = engine, state
+    yield srv
+    srv.stop()
+    assert not engine._thread.is_alive() and llm.cache.active_slots == []
+
+
+# ---------------------------------------------------------------- helpers
+def wait_until(cond, what: str) -> None:
+    ev = threading.Event()
+    for _ in range(int(WAIT_S / 0.02)):
+        if cond():
+            return
+        ev.wait(0.02)
+    raise AssertionError(f"timed out waiting for {what}")
+
+
+def metrics(url: str) -> dict:
+    """{(sample name, labels): value} of /metrics."""
+    text = httpx.get(url + "/metrics").text
+    return {(s.name, tuple(sorted(s.labels.items()))): s.value for f in text_string_to_metric_families(text) for s in f.samples}
+
+
+def post(server, path: str, **body) -> httpx.Response:
+    return httpx.post(server.url + path, json={"model": MODEL, **body}, timeout=WAIT_S)
+
+
+def complete(server, **body) -> dict:
+    r = post(server, "/v1/completions", **body)
+    assert r.status_code == 200, r.text
+    return r.json()
+
+
+def sse(text: str) -> list[dict]:
+    """The JSON events of a server-sent-event body, checking it ends with exactly one [DONE]."""
+    data = [ln[len("data: "):] for ln in text.splitlines() if ln.startswith("data: ")]
+    assert data and data[-1] == "[DONE]" and data.count("[DONE]") == 1, data[-3:]
+    return [json.loads(d) for d in data[:-1]]
+
+
+def stream(server, path: str = "/v1/completions", **body) -> list[dict]:
+    r = post(server, path, stream=True, **body)
+    assert r.status_code == 200, r.text
+    return sse(r.text)
+
+
+def per_choice(events: list[dict], chat: bool = False) -> dict[int, dict]:
+    """{index: {"text", "finish" (list of finish reasons seen), "ids", "logprobs" (chunks' logprobs), "texts" (running)}}."""
+    out: dict[int, dict] = {}
+    for e in events:
+        for c in e["choices"]:
+            s = out.setdefault(c["index"], {"text": "", "finish": [], "ids": [], "logprobs": [], "texts": []})
+            s["text"] += (c["delta"].get("content") or "") if chat else c["text"]
+            s["texts"].append(s["text"])
+            s["ids"] += c.get("token_ids", [])
+            if c["finish_reason"] is not None:
+                s["finish"].append(c["finish_reason"])
+            if c["logprobs"] is not None:
+                s["logprobs"].append(c["logprobs"])
+    return out
+
+
+def token_texts(tok, ids: list[int]) -> list[str]:
+    return [tok.decode([t]) for t in ids]
+
+
+def spanning_stop(tok, ids: list[int]) -> tuple[str, int, str]:
+    """(a stop string made of the end of one token's text and the start of the next's, the tokens
+    generated up to the one completing it, the text before it), from greedy ``ids``."""
+    texts, text = token_texts(tok, ids), tok.decode(ids)
+    assert "".join(texts) == text
+    for k in range(1, len(ids) - 1):
+        a, b = texts[k], texts[k + 1]
+        start = len("".join(texts[: k + 1])) - 2
+        if len(a) >= 2 and len(b) >= 2 and text.find(a[-2:] + b[:2]) == start:
+            return a[-2:] + b[:2], k + 2, text[:start]
+    raise AssertionError(f"no token boundary to put a stop string on in {texts}")
+
+
+def inner_stop(tok, ids: list[int], after: int) -> tuple[str, int, str]:
+    """A stop string inside one token's text (text after it in that token is cut too), in a
+    token from index ``after`` on."""
+    texts, text = token_texts(tok, ids), tok.decode(ids)
+    for k in range(after, len(ids)):
+        start = len("".join(texts[:k])) + 1
+        if len(texts[k]) >= 4 and text.find(texts[k][1:3]) == start:
+            return texts[k][1:3], k + 1, text[:start]
+    raise AssertionError(f"no token of 4+ characters in {texts[after:]}")
+
+
+def reference_logprobs(ref_llm, prompt_ids: list[int], out_ids: list[int]) -> torch.Tensor:
+    """``[len(out_ids), vocab]``: log_softmax of the model's logits for each output position,
+    each from a prefill of the prompt and the output before it (the model's forward alone: not
+    the engine's decode step, nor its sampler or logprob code)."""
+    rows, real = [], ref_llm._prefill
+
+    def capture(ids, slots):
+        logits = real(ids, slots)
+        rows.append(logits[0].float().clone())
+        return logits
+
+    ref_llm._prefill = capture
+    try:
+        for j in range(len(out_ids)):
+            ref_llm.generate(prompt_token_ids=[prompt_ids + out_ids[:j]], sampling_params=SamplingParams(max_tokens=1))
+    finally:
+        del ref_llm._prefill  # the class's method again
+    return torch.log_softmax(torch.stack(rows), dim=-1)
+
+
+# ---------------------------------------------------------------- the engine alone
+def test_stop_strings_hold_back_what_a_stop_string_may_claim(ref_llm, greedy):
+    """Token by token, take() never hands out text past where the stop string starts, and the
+    pieces concatenate to the text before it."""
+    tok = ref_llm.tokenizer
+    stop, n_tokens, before = spanning_stop(tok, greedy.token_ids)
+    s = StopStrings(tok.decode, (NEVER, stop))
+    out, stopped_at = "", None
+    for i, t in enumerate(greedy.token_ids):
+        if s.push(t):
+            stopped_at = i + 1
+            break
+        out += s.take(final=False)
+        assert before.startswith(out), (out, before)
+        assert len(out) <= len(s.detok.text) - (len(NEVER) - 1) or out == ""  # the longest stop's length - 1 held back
+    out += s.take(final=True)
+    assert (stopped_at, out, s.text, s.matched) == (n_tokens, before, before, stop)
+    # never matched: everything comes out at the end
+    s = StopStrings(tok.decode, (NEVER,))
+    pieces = [s.take(final=False) for t in greedy.token_ids if not s.push(t)]
+    assert "".join(pieces) + s.take(final=True) == greedy.text and not s.stopped
+
+
+def test_sampling_params_check_stop_and_logprobs():
+    assert SamplingParams(stop="x").stop == ("x",)
+    assert SamplingParams(stop=["a", "b"]).stop == ("a", "b")
+    for bad in ("", ["a", ""]):
+        with pytest.raises(ArgError, match="stop"):
+            SamplingParams(stop=bad)
+    for bad in (-1, 21, True, 2.0):
+        with pytest.raises(ArgError, match="logprobs"):
+            SamplingParams(logprobs=bad)
+
+
+def test_offline_generate_with_stop_and_logprobs(ref_llm, greedy):
+    tok = ref_llm.tokenizer
+    stop, n_tokens, before = spanning_stop(tok, greedy.token_ids)
+    inner, n_inner, before_inner = inner_stop(tok, greedy.token_ids, 1)
+    outs = ref_llm.generate([PROMPT] * 3, [SamplingParams(max_tokens=NEW, stop=stop),
+                                           SamplingParams(max_tokens=NEW, stop=[NEVER, inner]),
+                                           SamplingParams(max_tokens=NEW, stop=NEVER, logprobs=2)])
+    assert (outs[0].text, outs[0].finish_reason, outs[0].token_ids) == (before, "stop", greedy.token_ids[:n_tokens])
+    assert (outs[1].text, outs[1].finish_reason, len(outs[1].token_ids)) == (before_inner, "stop", n_inner)
+    assert (outs[2].text, outs[2].finish_reason, outs[2].token_ids) == (greedy.text, "length", greedy.token_ids)
+    assert outs[0].logprobs is None
+    lps = outs[2].logprobs
+    assert [lp.token_id for lp in lps] == greedy.token_ids and all(len(lp.top) == 2 for lp in lps)
+    assert all(lp.top[0] == (lp.token_id, lp.logprob) for lp in lps)  # greedy: the chosen token is the most likely
+
+
+# ---------------------------------------------------------------- stop strings over HTTP
+def test_stop_string_spanning_two_tokens(server, ref_llm, greedy):
+    stop, n_tokens, before = spanning_stop(ref_llm.tokenizer, greedy.token_ids)
+    offline = ref_llm.generate([PROMPT], SamplingParams(max_tokens=NEW, stop=stop))[0]
+    assert offline.text == before and offline.finish_reason == "stop"
+    for form in (stop, [stop], [NEVER, stop]):
+        body = complete(server, prompt=PROMPT, max_tokens=NEW, temperature=0, stop=form, return_token_ids=True)
+        c = body["choices"][0]
+        assert (c["text"], c["finish_reason"], c["token_ids"]) == (offline.text, "stop", offline.token_ids)
+        assert body["usage"]["completion_tokens"] == n_tokens == len(offline.token_ids)  # the completing token counts
+        events = stream(server, prompt=PROMPT, max_tokens=NEW, temperature=0, stop=form, return_token_ids=True,
+                        stream_options={"include_usage": True})
+        got = per_choice(events)[0]
+        assert got["text"] == before and got["finish"] == ["stop"] and got["ids"] == offline.token_ids
+        assert all(before.startswith(t) for t in got["texts"])  # no chunk ever showed the stop string's start
+        assert events[-1]["usage"]["completion_tokens"] == n_tokens
+
+
+def test_stop_strings_in_a_list_and_inside_a_token(server, ref_llm, greedy):
+    tok = ref_llm.tokenizer
+    inner, n_inner, before_inner = inner_stop(tok, greedy.token_ids, 1)
+    later = greedy.text[len(before_inner) + 3 :][:3]  # further on: the earlier one wins
+    offline = ref_llm.generate([PROMPT], SamplingParams(max_tokens=NEW, stop=[later, NEVER, inner]))[0]
+    assert offline.text == before_inner and len(offline.token_ids) == n_inner
+    for streamed in (False, True):
+        body = {"prompt": PROMPT, "max_tokens": NEW, "temperature": 0, "stop": [later, NEVER, inner]}
+        if streamed:
+            got = per_choice(stream(server, **body))[0]
+            text, finish = got["text"], got["finish"]
+            assert all(before_inner.startswith(t) for t in got["texts"])
+        else:
+            c = complete(server, **body)["choices"][0]
+            text, finish = c["text"], [c["finish_reason"]]
+        assert (text, finish) == (offline.text, ["stop"])
+
+
+def test_stop_string_that_never_occurs(server, greedy):
+    for streamed in (False, True):
+        body = {"prompt": PROMPT, "max_tokens": NEW, "temperature": 0, "stop": [NEVER, "\x01\x02"]}
+        if streamed:
+            got = per_choice(stream(server, **body))[0]
+            assert (got["text"], got["finish"]) == (greedy.text, ["length"])
+        else:
+            body = complete(server, **body)
+            assert (body["choices"][0]["text"], body["choices"][0]["finish_reason"]) == (greedy.text, "length")
+            assert body["usage"]["completion_tokens"] == NEW
+
+
+def test_chat_stop_string(server, ref_llm):
+    ids = ref_llm.tokenizer.encode(ChatTemplate().render(CHAT))
+    ref = ref_llm.generate(prompt_token_ids=[ids], sampling_params=SamplingParams(max_tokens=12))[0]
+    stop, n_tokens, before = spanning_stop(ref_llm.tokenizer, ref.token_ids)
+    r = post(server, "/v1/chat/completions", messages=CHAT, max_tokens=12, temperature=0, stop=stop)
+    assert r.status_code == 200, r.text
+    c = r.json()["choices"][0]
+    assert (c["message"]["content"], c["finish_reason"]) == (before, "stop")
+    assert r.json()["usage"]["completion_tokens"] == n_tokens
+    got = per_choice(stream(server, "/v1/chat/completions", messages=CHAT, max_tokens=12, temperature=0, stop=stop), chat=True)[0]
+    assert (got["text"], got["finish"]) == (before, ["stop"])
+
+
+# ---------------------------------------------------------------- n choices
+def test_n_greedy_gives_equal_choices(server, greedy):
+    one = complete(server, prompt=PROMPT, max_tokens=8, temperature=0)
+    body = complete(server, prompt=PROMPT, max_tokens=8, temperature=0, n=3)
+    assert [c["index"] for c in body["choices"]] == [0, 1, 2]
+    assert [c["text"] for c in body["choices"]] == [one["choices"][0]["text"]] * 3 == [greedy.text[: len(one["choices"][0]["text"])]] * 3
+    u = body["usage"]
+    assert u["prompt_tokens"] == one["usage"]["prompt_tokens"] and u["completion_tokens"] == 3 * 8
+    assert u["total_tokens"] == u["prompt_tokens"] + u["completion_tokens"]
+
+
+def test_n_sampled_with_a_seed_is_reproducible(server):
+    body = {"prompt": PROMPT, "max_tokens": 10, "temperature": 1.0, "seed": 7, "n": 3, "return_token_ids": True}
+    a, b = complete(server, **body), complete(server, **body)
+    ids = [c["token_ids"] for c in a["choices"]]
+    assert ids == [c["token_ids"] for c in b["choices"]]
+    assert len({tuple(x) for x in ids}) > 1  # seeds 7, 8, 9: not all the same
+    for i in range(3):  # choice i is the request with seed + i
+        single = complete(server, **{**body, "n": 1, "seed": 7 + i})
+        assert single["choices"][0]["token_ids"] == ids[i]
+    assert a["usage"]["completion_tokens"] == sum(len(x) for x in ids)
+
+
+def test_n_streamed_interleaves_complete_choices(server):
+    body = {"prompt": PROMPT, "max_tokens": 10, "temperature": 1.0, "seed": 3, "n": 2, "return_token_ids": True}
+    whole = complete(server, **body)
+    events = stream(server, **body, stream_options={"include_usage": True})
+    got = per_choice(events)
+    assert sorted(got) == [0, 1]
+    for c in whole["choices"]:
+        g = got[c["index"]]
+        assert (g["text"], g["ids"], g["finish"]) == (c["text"], c["token_ids"], [c["finish_reason"]])
+    assert events[-1]["choices"] == [] and events[-1]["usage"] == whole["usage"]
+    assert whole["usage"]["completion_tokens"] == 20
+    chat = stream(server, "/v1/chat/completions", messages=CHAT, max_tokens=5, temperature=0, n=2)
+    roles = [c["index"] for e in chat for c in e["choices"] if c["delta"].get("role") == "assistant"]
+    got = per_choice(chat, chat=True)
+    assert sorted(roles) == [0, 1] and got[0]["text"] == got[1]["text"] and got[0]["finish"] == got[1]["finish"] == ["length"]
+
+
+def test_n_with_stop_and_logprobs(server, greedy, ref_llm):
+    stop, n_tokens, before = spanning_stop(ref_llm.tokenizer, greedy.token_ids)
+    body = complete(server, prompt=PROMPT, max_tokens=NEW, temperature=0, n=2, stop=stop, logprobs=1)
+    for c in body["choices"]:
+        assert (c["text"], c["finish_reason"], len(c["logprobs"]["tokens"])) == (before, "stop", n_tokens)
+    assert body["usage"]["completion_tokens"] == 2 * n_tokens
+
+
+# ---------------------------------------------------------------- logprobs
+def test_completion_logprobs_equal_the_model_s_log_softmax(server, ref_llm, greedy):
+    prompt_ids = ref_llm.tokenizer.encode(PROMPT)
+    body = complete(server, prompt=PROMPT, max_tokens=8, temperature=0, logprobs=5, return_token_ids=True)
+    c = body["choices"][0]
+    ids, lp = c["token_ids"], c["logprobs"]
+    assert ids == greedy.token_ids[:8]
+    ref = reference_logprobs(ref_llm, prompt_ids, ids)
+    assert len(lp["tokens"]) == len(lp["token_logprobs"]) == len(lp["top_logprobs"]) == len(lp["text_offset"]) == len(ids)
+    assert lp["tokens"] == token_texts(ref_llm.tokenizer, ids)
+    for i, t in enumerate(ids):
+        assert lp["token_logprobs"][i] == pytest.approx(ref[i, t].item(), abs=1e-4)
+        top = list(lp["top_logprobs"][i].items())
+        assert [v for _, v in top] == sorted((v for _, v in top), reverse=True)
+        assert top[0] == (lp["tokens"][i], lp["token_logprobs"][i])  # greedy: the chosen token is the argmax
+        assert [v for _, v in top] == pytest.approx(ref[i].topk(len(top)).values.tolist(), abs=1e-4)
+    assert lp["text_offset"] == [sum(map(len, lp["tokens"][:i])) for i in range(len(ids))]
+    # streamed: the chunks' logprobs concatenate to the same
+    events = stream(server, prompt=PROMPT, max_tokens=8, temperature=0, logprobs=5, return_token_ids=True)
+    chunks = per_choice(events)[0]["logprobs"]
+    for key in ("tokens", "token_logprobs", "top_logprobs", "text_offset"):
+        assert [x for ch in chunks for x in ch[key]] == lp[key], key
+    for e in events:  # each chunk carries its own tokens' logprobs
+        ch = e["choices"][0]
+        assert len(ch["token_ids"]) == (len(ch["logprobs"]["tokens"]) if ch["logprobs"] else 0)
+
+
+def test_logprobs_are_of_the_raw_logits_under_sampling(server, ref_llm):
+    """Temperature 1.7: the logprobs are still log_softmax of the raw logits (vLLM's default), and
+    a sampled token outside the top k is added to its top_logprobs (up to k + 1 entries)."""
+    prompt_ids = ref_llm.tokenizer.encode(PROMPT)
+    body = complete(server, prompt=PROMPT, max_tokens=8, temperature=1.7, seed=5, logprobs=2, return_token_ids=True)
+    c = body["choices"][0]
+    ref = reference_logprobs(ref_llm, prompt_ids, c["token_ids"])
+    for i, t in enumerate(c["token_ids"]):
+        assert c["logprobs"]["token_logprobs"][i] == pytest.approx(ref[i, t].item(), abs=1e-4)
+        top = c["logprobs"]["top_logprobs"][i]
+        assert c["logprobs"]["tokens"][i] in top and 2 <= len(top) <= 3
+        assert list(top.values()) == sorted(top.values(), reverse=True)
+    zero = complete(server, prompt=PROMPT, max_tokens=4, temperature=0, logprobs=0)["choices"][0]["logprobs"]
+    assert [list(t) for t in zero["top_logprobs"]] == [[tok] for tok in zero["tokens"]]  # k = 0: the chosen token alone
+
+
+def test_chat_logprobs(server, ref_llm):
+    tok = ref_llm.tokenizer
+    ids = tok.encode(ChatTemplate().render(CHAT))
+    r = post(server, "/v1/chat/completions", messages=CHAT, max_tokens=6, temperature=0, logprobs=True, top_logprobs=3,
+             return_token_ids=True)
+    assert r.status_code == 200, r.text
+    c = r.json()["choices"][0]
+    content = c["logprobs"]["content"]
+    assert len(content) == len(c["token_ids"]) == r.json()["usage"]["completion_tokens"]
+    ref = reference_logprobs(ref_llm, ids, c["token_ids"])
+    for i, (t, e) in enumerate(zip(c["token_ids"], content)):
+        assert e["token"] == tok.decode([t]) and e["bytes"] == list(e["token"].encode("utf-8"))
+        assert e["logprob"] == pytest.approx(ref[i, t].item(), abs=1e-4)
+        top = e["top_logprobs"]
+        assert len(top) == 3 and [x["logprob"] for x in top] == sorted((x["logprob"] for x in top), reverse=True)
+        assert (top[0]["token"], top[0]["logprob"]) == (e["token"], e["logprob"])
+        assert all(x["bytes"] == list(x["token"].encode("utf-8")) for x in top)
+    plain = post(server, "/v1/chat/completions", messages=CHAT, max_tokens=3, temperature=0, logprobs=True).json()
+    assert all(e["top_logprobs"] == [] for e in plain["choices"][0]["logprobs"]["content"])
+    assert post(server, "/v1/chat/completions", messages=CHAT, max_tokens=3).json()["choices"][0]["logprobs"] is None
+    events = stream(server, "/v1/chat/completions", messages=CHAT, max_tokens=6, temperature=0, logprobs=True, top_logprobs=3)
+    streamed = [x for ch in per_choice(events, chat=True)[0]["logprobs"] for x in ch["content"]]
+    assert streamed == content
+
+
+# ---------------------------------------------------------------- the official client
+def test_openai_client_parses_stop_n_and_logprobs(server, ref_llm, greedy):
+    openai = pytest.importorskip("openai")
+    client = openai.OpenAI(base_url=server.url + "/v1", api_key="unused", timeout=WAIT_S, max_retries=0)
+    stop, n_tokens, before = spanning_stop(ref_llm.tokenizer, greedy.token_ids)
+    c = client.completions.create(model=MODEL, prompt=PROMPT, max_tokens=NEW, temperature=0, stop=[stop], n=2, logprobs=3)
+    assert [ch.index for ch in c.choices] == [0, 1] and all(ch.text == before and ch.finish_reason == "stop" for ch in c.choices)
+    lp = c.choices[0].logprobs
+    assert len(lp.tokens) == len(lp.token_logprobs) == len(lp.text_offset) == n_tokens and len(lp.top_logprobs[0]) == 3
+    assert c.usage.completion_tokens == 2 * n_tokens
+    texts = {0: "", 1: ""}
+    for ch in client.completions.create(model=MODEL, prompt=PROMPT, max_tokens=NEW, temperature=0, stop=stop, n=2, stream=True):
+        for x in ch.choices:
+            texts[x.index] += x.text
+    assert texts == {0: before, 1: before}
+    chat = client.chat.completions.create(model=MODEL, messages=CHAT, max_tokens=4, temperature=0, n=2, logprobs=True,
+                                          top_logprobs=2, stop=[NEVER])
+    assert len(chat.choices) == 2 and chat.choices[0].message.content == chat.choices[1].message.content
+    entry = chat.choices[0].logprobs.content[0]
+    assert isinstance(entry.logprob, float) and len(entry.top_logprobs) == 2 and entry.top_logprobs[0].token == entry.token
+
+
+# ---------------------------------------------------------------- bad values
+BAD = [
+    ("five stop strings", "/v1/completions", {"stop": ["a", "b", "c", "d", "e"]}, "stop"),
+    ("an empty stop string", "/v1/completions", {"stop": ""}, "stop"),
+    ("an empty stop string in a list", "/v1/chat/completions", {"stop": ["x", ""]}, "stop"),
+    ("a stop that is not a string", "/v1/completions", {"stop": [3]}, "stop"),
+    ("n = 0", "/v1/completions", {"n": 0}, "n"),
+    ("n = 17", "/v1/chat/completions", {"n": 17}, "n"),
+    ("logprobs = 6", "/v1/completions", {"logprobs": 6}, "logprobs"),
+    ("logprobs = -1", "/v1/completions", {"logprobs": -1}, "logprobs"),
+    ("logprobs as a bool in completions", "/v1/completions", {"logprobs": True}, "logprobs"),
+    ("top_logprobs = 6", "/v1/chat/completions", {"logprobs": True, "top_logprobs": 6}, "top_logprobs"),
+    ("top_logprobs without logprobs", "/v1/chat/completions", {"top_logprobs": 2}, "top_logprobs"),
+    ("logprobs as a number in chat", "/v1/chat/completions", {"logprobs": 3}, "logprobs"),
+]
+
+
+@pytest.mark.parametrize("case", BAD, ids=[c[0] for c in BAD])
+def test_bad_values_get_400_naming_the_field(server, case):
+    _, path, change, field = case
+    body = {"prompt": "hi"} if path == "/v1/completions" else {"messages": CHAT}
+    r = post(server, path, max_tokens=2, **body, **change)
+    assert r.status_code == 400, r.text
+    msg = r.json()["error"]["message"]
+    assert msg.split(":")[0].split(".")[0] == field or f" {field} " in f" {msg} ", msg
+
+
+def test_n_above_the_queue_limit_is_refused(llm, server):
+    state = ServerState(MODEL)
+    engine = AsyncEngine(llm, max_num_seqs=2, max_queue=3)
+    state.ready(engine, llm.tokenizer)
+    try:
+        wait_until(lambda: server.engine.snapshot()["running"] == 0, "the module server to be idle")  # they share the model
+        with ServerThread(build_app(state)) as srv:
+            r = post(srv, "/v1/completions", prompt="hi", max_tokens=2, n=4)
+            assert r.status_code == 400 and "n must be in [1, 3]" in r.json()["error"]["message"], r.text
+            assert r.json()["error"]["param"] == "n"
+    finally:
+        engine.shutdown()
+
+
+# ---------------------------------------------------------------- admission and cancellation with n
+def test_n_takes_n_places_in_the_queue(llm, server):
+    """An engine whose steps are held: a request of n=2 waits in 2 places of --max-queue 3, so
+    another n=2 is refused whole (503) while n=1 still fits."""
+    state = ServerState(MODEL)
+    engine = AsyncEngine(llm, max_num_seqs=1, max_queue=3)
+    release, real = threading.Event(), engine.core.step
+
+    def held_step():
+        release.wait(WAIT_S)
+        return real()
+
+    engine.core.step = held_step
+    state.ready(engine, llm.tokenizer)
+    wait_until(lambda: server.engine.snapshot()["running"] == 0, "the module server to be idle")
+    with ServerThread(build_app(state)) as srv:
+        results: list = []
+
+        def send(n):
+            results.append(post(srv, "/v1/completions", prompt="queued", max_tokens=3, n=n))
+
+        first = threading.Thread(target=send, args=(2,))
+        first.start()
+        wait_until(lambda: engine.snapshot()["waiting"] == 2, "the two choices to wait")
+        r = post(srv, "/v1/completions", prompt="queued", max_tokens=3, n=2)
+        assert r.status_code == 503 and "no room for n=2" in r.json()["error"]["message"], r.text
+        assert engine.snapshot()["waiting"] == 2  # none of the refused request's choices was queued
+        second = threading.Thread(target=send, args=(1,))
+        second.start()
+        wait_until(lambda: engine.snapshot()["waiting"] == 3, "the third place to be taken")
+        release.set()
+        first.join(WAIT_S)
+        second.join(WAIT_S)
+        assert sorted((x.status_code, len(x.json()["choices"])) for x in results) == [(200, 1), (200, 2)]
+    assert llm.cache.active_slots == []
+
+
+@pytest.mark.parametrize("streamed", [False, True], ids=["whole", "streamed"])
+def test_a_failing_choice_cancels_the_others(server, monkeypatch, streamed):
+    """One of three choices fails in its prefill: the request gets 500 (streamed: an error event,
+    then [DONE]), the other two are cancelled (counted as aborted; they could not have finished:
+    ~2,000 tokens each), their KV freed."""
+    core, tok = server.engine.core, server.state.tokenizer
+    real, seen = core._prefill_chunk, []
+    boom = tok.encode("boom boom")
+
+    def prefill(req):
+        if req.prompt_ids == boom and req.num_prefilled == 0:
+            seen.append(req.request_id)
+            if len(seen) == 2:
+                raise RuntimeError("injected failure")
+        return real(req)
+
+    monkeypatch.setattr(core, "_prefill_chunk", prefill)
+    key = ("writescope:request_success_total", (("finished_reason", "abort"),))
+    wait_until(lambda: server.engine.snapshot()["running"] == 0, "the server to be idle")
+    before = metrics(server.url).get(key, 0)
+    r = post(server, "/v1/completions", prompt="boom boom", max_tokens=MAX_LEN - 10, ignore_eos=True, n=3, stream=streamed)
+    if streamed:
+        assert r.status_code == 200
+        errors = [e["error"] for e in sse(r.text) if "error" in e]
+        assert len(errors) == 1 and errors[0]["code"] == 500 and "injected failure" in errors[0]["message"]
+    else:
+        assert r.status_code == 500 and "injected failure" in r.json()["error"]["message"]
+    wait_until(lambda: metrics(server.url).get(key, 0) == before + 2, "the two other choices to be aborted")
+    wait_until(lambda: server.engine.snapshot()["kv_slots"] == 0, "their KV to be freed")
+    assert complete(server, prompt="fine", max_tokens=3, n=2)["usage"]["completion_tokens"] == 6
+
+
+def test_disconnect_cancels_every_choice(server):
+    key = ("writescope:request_success_total", (("finished_reason", "abort"),))
+    wait_until(lambda: server.engine.snapshot()["running"] == 0, "the server to be idle")
+    before = metrics(server.url).get(key, 0)
+    body = {"model": MODEL, "prompt": "a long one", "max_tokens": MAX_LEN - 100, "ignore_eos": True, "stream": True, "n": 2}
+    with httpx.Client(timeout=WAIT_S) as client:
+        with client.stream("POST", server.url + "/v1/completions", json=body) as r:
+            for line in r.iter_lines():
+                if line.startswith("data: "):
+                    break  # a token in: then hang up
+    wait_until(lambda: metrics(server.url).get(key, 0) == before + 2, "both choices to be aborted")
+    wait_until(lambda: server.engine.snapshot()["kv_slots"] == 0, "their KV to be freed")
