@@ -127,6 +127,8 @@ def test_graphs_switch_is_checked(monkeypatch):
     monkeypatch.setenv("WRITESCOPE_CUDA_GRAPHS", "maybe")
     with pytest.raises(ValueError, match="WRITESCOPE_CUDA_GRAPHS='maybe'"):
         graphs_mod.graphs_wanted(torch.device("cpu"))
+    with pytest.raises(ValueError, match="WRITESCOPE_CUDA_GRAPHS='maybe'"):  # when the model is built, not at its first decode
+        LLM("tiny-qwen3-moe", progress=False, policy="gpu", window=D)
 
 
 def test_generate_with_graphs_gives_the_same_tokens():
@@ -178,3 +180,20 @@ def test_replays_are_a_named_range_for_the_profile():
         _decode_logits(llm, prompts, 1)
     names = {e.key for e in prof.key_averages()}
     assert "decode.stage_graph" in names
+
+
+def test_a_shrinking_micro_batched_batch_with_graphs_gives_the_eager_tokens(monkeypatch):
+    """Requests finish at different steps, so the micro-batches' shapes change mid-run and new
+    graphs are captured next to replays of older ones."""
+    lens = [12, 5, 8, 12]
+    prompts = _prompts(4096)
+    monkeypatch.setenv("WRITESCOPE_MICRO_BATCHES", "1")
+    ref_llm = LLM("tiny-deepseek-v2", progress=False, policy="static:0.5", window=D)
+    params = [SamplingParams(max_tokens=n, ignore_eos=True) for n in lens]
+    ref = [o.token_ids for o in ref_llm.generate(prompt_token_ids=prompts, sampling_params=params)]
+    monkeypatch.setenv("WRITESCOPE_MICRO_BATCHES", "2")
+    llm = LLM("tiny-deepseek-v2", progress=False, policy="static:0.5", window=D)
+    graphs = _with_graphs(llm)
+    got = [o.token_ids for o in llm.generate(prompt_token_ids=prompts, sampling_params=params)]
+    assert got == ref and [len(t) for t in got] == lens
+    assert len(graphs._shapes) >= 3  # the batch of 4, then of 3, then of 2: new shapes captured

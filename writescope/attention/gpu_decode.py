@@ -21,7 +21,7 @@ import torch
 from writescope.attention import gpu_kernel
 
 
-MAX_PLANS = 2  # plans kept: one per micro-batch of a step (CausalLM runs at most two)
+MAX_PLANS = 2  # plans kept: one per micro-batch of a step (models/decode_step.py runs at most two)
 
 
 @dataclass

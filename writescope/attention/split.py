@@ -56,7 +56,7 @@ class SplitStats:
     last_load_tokens: int = 0  # load-region (and prepared) tokens streamed by the last decode call
 
 
-@dataclass
+@dataclass(eq=False)  # compared by identity (InplaceKVCache keeps them in a list it removes from)
 class PendingDecode:
     """One layer's decode between :meth:`SplitDecoder.decode_begin` and ``decode_end``."""
 

@@ -79,7 +79,8 @@ class _TimedAttend:
     once the run is over: :meth:`seconds`), without CUDA by the wall clock (the calls are
     synchronous there). A layer's time runs from its first launch to its merge, so it includes
     its waits for streamed blocks and for the CPU partial, and in a micro-batched step (two
-    halves, models/causal_lm.py) the other half's work issued in between."""
+    halves, models/decode_step.py) the other half's work issued in between: then a row's GB/s
+    (the whole batch's bytes over one half's span) is not a read rate, and only TPOT compares."""
 
     def __init__(self, cache, device: torch.device):
         self.cache, self.device, self.times, self.events = cache, device, [], []

@@ -219,8 +219,9 @@ def format_r_trace(trace: list[dict], lines: int = 8) -> str:
 
 def format_timings(outs, policy: str = "resident", cpu_attention: str | None = None, decode_host=None) -> str:
     """The timings table; ``decode_host``: the main thread's (issue, wait) seconds per decode step
-    (:class:`~writescope.engine.runner.EngineCore`), shown as medians: a step whose wait is near
-    0 was bound by the thread issuing it, not by the device."""
+    (:class:`~writescope.engine.runner.EngineCore`), shown as medians. Issuing includes any host
+    wait inside the step (host experts read their routing back); without one, a step whose wait
+    is near 0 was bound by the thread issuing it, not by the device."""
     m = outs[0].metrics
     tpots = sorted(o.metrics.tpot_s for o in outs)
     rows = [

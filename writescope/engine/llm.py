@@ -359,7 +359,6 @@ class LLM:
         try:
             core.admit_all()
             self.r_trace = core.r_trace
-            self.decode_host = core.decode_host
             synchronize(self.device)
             t0 = time.perf_counter()
             while core.has_work():
@@ -369,6 +368,7 @@ class LLM:
                                for o in outs for j, t in enumerate(o.new_token_ids)])
             t_end = time.perf_counter()
         finally:
+            self.decode_host = list(core.decode_host)
             failed = [o.error for o in core.abort_all() if o.error]  # after an exception: free every slot
         if failed:
             raise RuntimeError(failed[0])

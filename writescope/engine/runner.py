@@ -33,6 +33,7 @@ from __future__ import annotations
 
 import itertools
 import time
+from collections import deque
 
 import torch
 from tqdm import tqdm
@@ -47,6 +48,7 @@ from writescope.engine.scheduler import Scheduler
 from writescope.engine.stop_strings import StopStrings
 from writescope.kvcache.inplace import InplaceKVCache
 
+DECODE_HOST_STEPS = 4096  # decode steps whose main-thread timings are kept (EngineCore.decode_host)
 PROGRESS_MIN_PROMPT_TOKENS = 2048  # show a prefill progress bar from this many prompt tokens
 
 
@@ -73,8 +75,9 @@ class EngineCore:
         self.llm = llm
         self.offline = offline
         self.r_trace: list[dict] | None = [] if offline and isinstance(llm.cache, InplaceKVCache) else None
-        # per decode step, the main thread's (seconds issuing the step, seconds then waiting for its logits)
-        self.decode_host: list[tuple[float, float]] = []
+        # per decode step, the main thread's (seconds issuing the step, seconds then waiting for its logits);
+        # the last DECODE_HOST_STEPS only (a server's engine lives as long as the server)
+        self.decode_host: deque[tuple[float, float]] = deque(maxlen=DECODE_HOST_STEPS)
         planned = llm.max_batch if llm.vram_plan is not None else None  # sequences the budget plan was sized for
         if max_num_seqs is None:
             max_num_seqs = planned or 32

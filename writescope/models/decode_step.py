@@ -14,7 +14,8 @@ stage 0 A, begin A0, stage 0 B, begin B0 | end A0, stage 1 A, begin A1, end B0, 
 
 so B's layer-l attention is queued (its CPU part included) before A's is waited for, and the CPU
 attends one group while the device runs the other's stages. Every sequence's arithmetic is that of
-the whole batch; only the order of issue changes. Stages run as CUDA graphs where they can
+the whole batch row by row, only split in two: the matrix products' shapes change, so results
+agree within rounding, not bit for bit. Stages run as CUDA graphs where they can
 (:class:`~writescope.models.graphs.StageGraphs`), else eagerly. On an error the begun attentions
 are waited for (``cache.abandon``) before it propagates.
 """
@@ -37,6 +38,7 @@ class DecodeStep:
         self._model = [model]  # not a submodule
         self.graphs: StageGraphs | None = None
         self._graphs_checked = False
+        graphs_wanted(torch.device("cpu"))  # a bad WRITESCOPE_CUDA_GRAPHS fails here, when the model is built
 
     def run(self, input_ids: torch.Tensor, batch: ForwardBatch, cache: KVCache, layer_callback: Callable[[int], None] | None = None):
         """Logits ``[B, vocab]`` float32 of a decode pass (every query length 1)."""

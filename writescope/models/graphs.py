@@ -11,8 +11,16 @@ A graph is captured per (stage, micro-batch, tokens, what the stage depends on b
 MLP's :meth:`graph_key`), on first use: its inputs are copied into static buffers, the stage runs
 once eagerly as a warm-up (first-use allocations, packing, kernel selection), then it is captured
 and replayed; later uses copy their inputs in and replay. Its outputs are static buffers that the
-next replay of the same graph overwrites, which is why each micro-batch has graphs of its own.
-All graphs share one memory pool. A stage whose capture fails runs eagerly from then on, exactly
+next replay of the same graph overwrites (and, in one pool, a later-captured graph's scratch may
+too, see below), which is why each micro-batch has graphs of its own and outputs are read before
+their micro-batch's next stage.
+The graphs of one micro-batch share one memory pool, a pool per micro-batch: graphs that share a
+pool must replay in the order they were captured (a later capture may put its outputs where an
+earlier graph keeps its scratch), and one micro-batch's stages always run in stage order, while
+two micro-batches' shapes may be captured at different steps (a batch that shrinks), so across
+micro-batches the order can change. Captures use torch's ``thread_local`` error mode: the prefill
+writer's and the CPU worker's threads may touch CUDA meanwhile. A stage whose capture fails runs
+eagerly from then on, exactly
 as before (one warning names the first such stage and where it failed; on the H200, torch's
 ``_grouped_mm`` copied from pageable host memory inside fp32 captures).
 
@@ -32,7 +40,7 @@ from torch.profiler import record_function
 
 from writescope.env import env_choice
 
-MAX_SHAPES = 8  # distinct (micro-batch, tokens) shapes kept; the oldest shape's graphs go first
+MAX_SHAPES = 32  # distinct (micro-batch, tokens) shapes kept (a server's batch sizes); the oldest shape's graphs go first
 
 
 def graphs_wanted(device: torch.device) -> bool:
@@ -55,7 +63,7 @@ class CudaCapture:
             fn(*self.static)
         cur.wait_stream(side)
         self.graph = torch.cuda.CUDAGraph()
-        with torch.cuda.graph(self.graph, pool=pool):
+        with torch.cuda.graph(self.graph, pool=pool, capture_error_mode="thread_local"):
             self.out = fn(*self.static)
         self.pool = self.graph.pool()
 
@@ -113,7 +121,7 @@ class StageGraphs:
         self.capture, self.enabled, self.captured, self.replayed = capture, True, 0, 0
         self.failed: set[tuple] = set()  # (stage, key) whose capture failed: eager from then on
         self._shapes: OrderedDict[tuple, dict] = OrderedDict()  # (group, tokens) -> {(stage, key): captured}
-        self._pool = None
+        self._pools: dict[int, object] = {}  # micro-batch -> its graphs' memory pool
 
     def run(self, stage: int, group: int, tokens: int, key, fn: Callable, inputs: tuple):
         """``fn(*inputs)``, through the graph of ``(stage, group, tokens, key)``; ``key`` None:
@@ -132,7 +140,7 @@ class StageGraphs:
             if (stage, key) in self.failed:
                 return fn(*inputs)
             try:
-                g = self.capture(fn, inputs, self._pool)
+                g = self.capture(fn, inputs, self._pools.get(group))
             except Exception as e:  # noqa: BLE001 - any capture failure: this stage runs eagerly from now on
                 self.failed.add((stage, key))
                 if len(self.failed) == 1:  # once: the same cause usually fails several stages
@@ -141,7 +149,7 @@ class StageGraphs:
                     warnings.warn(f"CUDA graph capture of decode stage {stage} failed ({str(e)[:200]}; at {' < '.join(reversed(where))}); "
                                   "such stages run without graphs", stacklevel=3)
                 return fn(*inputs)
-            self._pool = g.pool
+            self._pools[group] = g.pool
             graphs = {k: v for k, v in graphs.items() if k[0] != stage}  # an older key of this stage
             graphs[(stage, key)] = g
             self._shapes[shape] = graphs

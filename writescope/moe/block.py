@@ -57,7 +57,7 @@ class SparseMoeBlock(nn.Module):
         popularity profile records, so it cannot be captured (models/graphs.py)."""
         if self.host_experts or self.routing_counts is not None or not self.grouped or self.packed is None:
             return None
-        return (id(self.packed), id(self.packed.w13))
+        return (self.packed.w13.data_ptr(), self.packed.w2.data_ptr(), tuple(self.packed.ids))  # not id(): ids are reused
 
     def offload_experts(self, ids) -> None:
         """Move routed experts ``ids`` to host memory; their tokens are then computed on the CPU
