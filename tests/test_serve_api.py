@@ -21,7 +21,6 @@ pytest.importorskip("fastapi")
 httpx = pytest.importorskip("httpx")
 
 import torch  # noqa: E402
-from prometheus_client.parser import text_string_to_metric_families  # noqa: E402
 
 from writescope import LLM, SamplingParams  # noqa: E402
 from writescope.engine.stop_strings import StopStrings  # noqa: E402
@@ -30,10 +29,10 @@ from writescope.serve.app import ServerState, build_app  # noqa: E402
 from writescope.serve.async_engine import AsyncEngine  # noqa: E402
 from writescope.serve.chat_template import ChatTemplate  # noqa: E402
 from writescope.serve.server import ServerThread  # noqa: E402
+from serve_helpers import WAIT_S, metrics, start_server, stop_server, wait_until  # noqa: E402
 
 MODEL = "tiny-qwen3-moe"
 MAX_LEN = 2048
-WAIT_S = 120  # safety net only: every wait below polls a condition
 PROMPT = "hello"
 NEW = 24  # greedy reference length
 NEVER = "\x00never\x00"  # a stop string the model does not produce
@@ -63,32 +62,12 @@ def greedy(ref_llm):
 
 @pytest.fixture(scope="module")
 def server(llm):
-    state = ServerState(MODEL)
-    engine = AsyncEngine(llm, max_num_seqs=8, max_queue=64)
-    state.ready(engine, llm.tokenizer)
-    srv = ServerThread(build_app(state)).start()
-    srv.engine, srv.state = engine, state
+    srv = start_server(llm, MODEL)
     yield srv
-    srv.stop()
-    assert not engine._thread.is_alive() and llm.cache.active_slots == []
+    stop_server(srv, llm)
 
 
 # ---------------------------------------------------------------- helpers
-def wait_until(cond, what: str) -> None:
-    ev = threading.Event()
-    for _ in range(int(WAIT_S / 0.02)):
-        if cond():
-            return
-        ev.wait(0.02)
-    raise AssertionError(f"timed out waiting for {what}")
-
-
-def metrics(url: str) -> dict:
-    """{(sample name, labels): value} of /metrics."""
-    text = httpx.get(url + "/metrics").text
-    return {(s.name, tuple(sorted(s.labels.items()))): s.value for f in text_string_to_metric_families(text) for s in f.samples}
-
-
 def post(server, path: str, **body) -> httpx.Response:
     return httpx.post(server.url + path, json={"model": MODEL, **body}, timeout=WAIT_S)
 
