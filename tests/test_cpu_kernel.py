@@ -14,6 +14,7 @@ cases; both from ``PYTHONPATH=. python3 benchmarks/cpu_attention_error.py`` on t
 from __future__ import annotations
 
 import threading
+from pathlib import Path
 
 import pytest
 import torch
@@ -326,3 +327,26 @@ def test_the_kernels_build_where_a_compiler_and_ninja_are():
     if not (shutil.which("g++") and shutil.which("ninja")):
         pytest.skip("no g++ or ninja here")
     assert kernel.kernel_available() and cpu_experts.kernel_available()
+
+
+def test_the_build_message_comes_only_when_a_build_is_needed(monkeypatch, capsys):
+    from writescope.native import build
+
+    ext = build.Extension("writescope_test_ext", Path("/nonexistent"), ("x.cpp",), "nothing")
+    monkeypatch.setattr(build, "load", lambda *a: object())
+    monkeypatch.setattr(build, "is_cached", lambda *a: True)
+    assert ext.build(True, "CPU attention", "about a minute")
+    assert "building" not in capsys.readouterr().err  # loaded from torch's cache: nothing to announce
+    ext = build.Extension("writescope_test_ext", Path("/nonexistent"), ("x.cpp",), "nothing")
+    monkeypatch.setattr(build, "is_cached", lambda *a: False)
+    assert ext.build(True, "CPU attention", "about a minute")
+    assert "CPU attention: building the C++ kernel (once per machine, about a minute)" in capsys.readouterr().err
+
+
+def test_a_cached_build_is_recognised():
+    from writescope.native import build
+
+    ext = [v for v in vars(kernel).values() if isinstance(v, build.Extension)][0]
+    if ext.get() is None:
+        pytest.skip("the kernel does not build here")
+    assert ext.cached()  # just built (or loaded): torch's cache holds this very source

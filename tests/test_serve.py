@@ -60,13 +60,16 @@ def sse(lines) -> list[dict]:
 # ---------------------------------------------------------------- equality under concurrency
 def test_concurrent_streaming_clients_match_offline_generate(server, offline):
     async def one(client, i):
-        body = {"model": MODEL, "prompt": TEXTS[i], "max_tokens": 12, "temperature": 0, "stream": True, "return_token_ids": True}
+        body = {"model": MODEL, "prompt": TEXTS[i], "max_tokens": 12, "temperature": 0, "stream": True, "return_token_ids": True,
+                "stream_options": {"include_usage": True}}
         async with client.stream("POST", server.url + "/v1/completions", json=body) as r:
             assert r.status_code == 200, await r.aread()
             events = sse([ln async for ln in r.aiter_lines()])
         ids = [t for e in events for c in e["choices"] for t in c.get("token_ids", [])]
         text = "".join(c["text"] for e in events for c in e["choices"])
-        return ids, text, events[-1]
+        assert [("usage" in e) for e in events] == [False] * (len(events) - 1) + [True]  # usage once, in its own last event
+        assert events[-1]["choices"] == []
+        return ids, text, {**events[-2], "usage": events[-1]["usage"]}
 
     async def main():
         async with httpx.AsyncClient(timeout=WAIT_S) as client:

@@ -25,10 +25,7 @@ def load(name: str, directory: Path, sources: tuple[str, ...], failure: str):
     # checkout: torch rebuilds a name whose include paths changed, so two checkouts on one machine
     # (git worktrees) under one name rebuilt each other's extension, and a build killed midway left
     # its lock for every later process to wait on
-    name = f"{name}_{_cpu_tag()}_{hashlib.sha1(str(NATIVE_DIR.resolve()).encode()).hexdigest()[:6]}"
-    files = [directory / s for s in sources] + [NATIVE_DIR / s for s in SHARED]
-    digest = hashlib.sha256(b"".join(f.read_bytes() for f in files)).hexdigest()
-    source = (directory / sources[0]).read_text() + f"\n// sources digest {digest}\n"
+    name, source = _named_source(name, directory, sources)
     try:
         from torch.utils.cpp_extension import load_inline
 
@@ -37,6 +34,27 @@ def load(name: str, directory: Path, sources: tuple[str, ...], failure: str):
     except Exception as e:  # noqa: BLE001 - no compiler, or the build failed
         warnings.warn(f"{name} could not be built ({str(e)[:300]}); {failure}", stacklevel=3)
         return None
+
+
+def _named_source(name: str, directory: Path, sources: tuple[str, ...]) -> tuple[str, str]:
+    """The build's name (with the CPU and checkout tags) and its source text (with the digest)."""
+    name = f"{name}_{_cpu_tag()}_{hashlib.sha1(str(NATIVE_DIR.resolve()).encode()).hexdigest()[:6]}"
+    files = [directory / s for s in sources] + [NATIVE_DIR / s for s in SHARED]
+    digest = hashlib.sha256(b"".join(f.read_bytes() for f in files)).hexdigest()
+    return name, (directory / sources[0]).read_text() + f"\n// sources digest {digest}\n"
+
+
+def is_cached(name: str, directory: Path, sources: tuple[str, ...]) -> bool:
+    """Whether torch's extension cache holds this build of these sources already (its library and
+    the very source it was built from), so :func:`load` only loads it."""
+    try:
+        from torch.utils.cpp_extension import _get_build_directory
+
+        name, source = _named_source(name, directory, sources)
+        build = Path(_get_build_directory(name, False))
+        return (build / f"{name}.so").exists() and (build / "main.cpp").read_text().endswith(source)  # (load_inline prepends its include)
+    except Exception:  # noqa: BLE001 - an unknown cache layout: say it builds
+        return False
 
 
 class Extension:
@@ -55,15 +73,19 @@ class Extension:
             self.tried = True
         return self._module
 
+    def cached(self) -> bool:
+        """Whether the first :meth:`get` will only load a cached build (no compile)."""
+        return is_cached(*self.args[:3])
+
     def build(self, progress: bool, what: str, takes: str) -> bool:
         """Build now (the first time on a machine takes ``takes``), saying so on stderr with
         ``progress`` (``what``: the kernel's role, e.g. "CPU attention"); whether it built."""
         import sys
         import time
 
-        if progress and not self.tried:
-            print(f"{what}: building the C++ kernel (once per machine, {takes}) ...", file=sys.stderr, flush=True)
         t0 = time.perf_counter()
+        if progress and not self.tried and not self.cached():
+            print(f"{what}: building the C++ kernel (once per machine, {takes}) ...", file=sys.stderr, flush=True)
         ok = self.get() is not None
         if ok and progress and time.perf_counter() - t0 > 1.0:
             print(f"{what}: C++ kernel ready in {time.perf_counter() - t0:.1f} s", file=sys.stderr, flush=True)

@@ -260,9 +260,8 @@ def build_app(state: ServerState, on_shutdown=None) -> FastAPI:
                     delta = c.add(outs)
                     if fmt.worth_sending(delta, c.finished):
                         yield fmt.chunk(c, delta)
-                    if c.finished:  # the last choice to finish carries the response's usage
-                        done = all(x.finished for x in choices)
-                        yield fmt.chunk(c, finish=c.last.finish_reason, usage=usage(choices) if done else None)
+                    if c.finished:  # usage comes once, in its own last event, if asked for (as OpenAI's API does)
+                        yield fmt.chunk(c, finish=c.last.finish_reason)
             if failed is not None:
                 engine.cancel(stream)  # the other choices, at once (before writing to a client that may be slow)
                 complete = True  # nothing left to cancel

@@ -133,8 +133,7 @@ class ResponseFormat:
                 "usage": usage(choices)}
 
     # ------------------------------------------------------------ streamed
-    def chunk(self, c: Choice, delta: Delta | None = None, finish: str | None = None, role: bool = False,
-              usage: dict | None = None) -> str:
+    def chunk(self, c: Choice, delta: Delta | None = None, finish: str | None = None, role: bool = False) -> str:
         """One SSE event for choice ``c``: the role (chat's first), a delta, or its finish."""
         lps = self._logprobs(c, delta.logprobs, True) if delta is not None else None
         if self.chat:
@@ -144,10 +143,7 @@ class ResponseFormat:
             choice = {"index": c.index, "text": delta.text if delta is not None else "", "logprobs": lps, "finish_reason": finish}
         if self.return_token_ids and not role:
             choice["token_ids"] = list(delta.ids) if delta is not None else []
-        msg = {**self._head("chat.completion.chunk" if self.chat else "text_completion"), "choices": [choice]}
-        if usage is not None:
-            msg["usage"] = usage
-        return sse(msg)
+        return sse({**self._head("chat.completion.chunk" if self.chat else "text_completion"), "choices": [choice]})
 
     def usage_chunk(self, usage: dict) -> str:
         """``stream_options.include_usage``'s last event: no choices, the response's usage."""

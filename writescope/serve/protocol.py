@@ -53,7 +53,7 @@ class _Common(BaseModel):
     def _stop(cls, v):
         stops = [v] if isinstance(v, str) else (v or [])
         if len(stops) > MAX_STOP:
-            raise ValueError(f"at most {MAX_STOP} stop strings, got {len(stops)}")
+            raise ValueError(f"at most {MAX_STOP} stop strings, not {len(stops)}")
         if not all(stops):
             raise ValueError("a stop string must not be empty")
         return v
