@@ -197,3 +197,20 @@ def test_a_shrinking_micro_batched_batch_with_graphs_gives_the_eager_tokens(monk
     got = [o.token_ids for o in llm.generate(prompt_token_ids=prompts, sampling_params=params)]
     assert got == ref and [len(t) for t in got] == lens
     assert len(graphs._shapes) >= 3  # the batch of 4, then of 3, then of 2: new shapes captured
+
+
+def test_repacked_experts_are_captured_again():
+    """Moving experts re-packs a block: its stage's key (the packed tensors' addresses and experts)
+    follows, so no graph is replayed that reads a pack which is gone."""
+    llm = LLM("tiny-qwen3-moe", progress=False, policy="gpu", window=D)
+    graphs = _with_graphs(llm)
+    prompts = _prompts(llm.config.vocab_size)
+    _decode_logits(llm, prompts, 3)
+    block = llm.model.model.layers[0].mlp_module
+    block.offload_experts([0])  # packs again without expert 0 ...
+    block.offload_experts([])  # ... and again with it: new tensors
+    got = _decode_logits(llm, prompts, 3)
+    stage1 = [k for k in graphs._shapes[(0, len(prompts))] if k[0] == 1]
+    assert stage1 == [(1, block.graph_key())]  # the graph replayed is the one of the current pack
+    ref = LLM("tiny-qwen3-moe", progress=False, policy="gpu", window=D)
+    torch.testing.assert_close(got, _decode_logits(ref, prompts, 3), atol=1e-5, rtol=0)

@@ -57,7 +57,8 @@ class SparseMoeBlock(nn.Module):
         popularity profile records, so it cannot be captured (models/graphs.py)."""
         if self.host_experts or self.routing_counts is not None or not self.grouped or self.packed is None:
             return None
-        return (self.packed.w13.data_ptr(), self.packed.w2.data_ptr(), tuple(self.packed.ids))  # not id(): ids are reused
+        p = self.packed  # what a captured stage reads of it, by address (a graph reads addresses, not objects)
+        return (p.w13.data_ptr(), p.w2.data_ptr(), p.slot_of.data_ptr(), tuple(p.ids))
 
     def offload_experts(self, ids) -> None:
         """Move routed experts ``ids`` to host memory; their tokens are then computed on the CPU
