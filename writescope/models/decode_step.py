@@ -38,6 +38,7 @@ class DecodeStep:
         self._model = [model]  # not a submodule
         self.graphs: StageGraphs | None = None
         self._graphs_checked = False
+        self._fns: list[Callable] | None = None  # the L + 1 stage functions, made on the first pass
         graphs_wanted(torch.device("cpu"))  # a bad WRITESCOPE_CUDA_GRAPHS fails here, when the model is built
 
     def run(self, input_ids: torch.Tensor, batch: ForwardBatch, cache: KVCache, layer_callback: Callable[[int], None] | None = None):
@@ -54,14 +55,15 @@ class DecodeStep:
         subs = [batch.sub(a, b) if len(groups) > 1 else batch for a, b in groups]
         ids = [input_ids[a:b] for a, b in groups]
         css = [(cos[a:b], sin[a:b]) for a, b in groups]
-        keys = [()] + [layer.graph_key() for layer in layers]  # stage l's MLP is layer l-1's
+        if self._fns is None:
+            self._fns = [self._stage_fn(model, l) for l in range(L + 1)]
+        fns = self._fns
+        keys = None if self.graphs is None else [()] + [layer.graph_key() for layer in layers]  # stage l's MLP is layer l-1's
 
         def stage(l, g, *inputs):
-            T = groups[g][1] - groups[g][0]
-            fn = self._stage_fn(model, l)
-            if self.graphs is None:
-                return fn(*inputs)
-            return self.graphs.run(l, g, T, keys[l], fn, inputs)
+            if keys is None:
+                return fns[l](*inputs)
+            return self.graphs.run(l, g, groups[g][1] - groups[g][0], keys[l], fns[l], inputs)
 
         xs, pending, logits = [None] * len(groups), [None] * len(groups), [None] * len(groups)
         try:
