@@ -18,6 +18,7 @@
 #   bash benchmarks/h200_session.sh peer       # DSV2 checkpoint written from the GPU, transformers' offloaded cache vs writescope (run 5)
 #   bash benchmarks/h200_session.sh amx        # the AMX-marked tests (the C++ kernels' AMX paths on the host's Xeon)
 #   bash benchmarks/h200_session.sh cpu-attention  # CPU attention at full scale: the kernel's paths, the flash op, a plain read; under a H2D copy
+#     (CPU_ATT_FLAGS: more benchmarks/cpu_attention.py flags, e.g. "--tunings 2,12 --copy-tunings 2,12 --no-flash")
 #   bash benchmarks/h200_session.sh calibrate MODEL  # writescope calibrate for MODEL's KV shape (A, B, C, r(L) at 2K-128K, batch 16)
 #   bash benchmarks/h200_session.sh tpot MODEL # full-size MODEL under 32 GiB, machine text, TPOT of each policy one after another
 #     (TPOT_BATCH 16, TPOT_CONTEXT 32k, TPOT_NEW 24 new tokens, TPOT_POLICIES gpu,writescope, TPOT_TAG a file-name suffix,
@@ -60,7 +61,7 @@ part() {
     amx)
       timeout "$(tmo 200)" python3 -m pytest -m amx -v -p no:cacheprovider tests 2>&1 | tee "$out/amx_tests_h200.log" | tail -30 ;;
     cpu-attention)
-      timeout "$(tmo 300)" python3 benchmarks/cpu_attention.py --out "$out/cpu_attention_h200" 2>&1 | tee "$out/cpu_attention_h200.log" | tail -24 ;;
+      timeout "$(tmo 300)" python3 benchmarks/cpu_attention.py --out "$out/cpu_attention_h200" ${CPU_ATT_FLAGS:-} 2>&1 | tee "$out/cpu_attention_h200.log" | tail -24 ;;
     tpot)
       for pol in ${TPOT_POLICIES:-gpu writescope}; do
         local f="$out/tpot_${m}_${TPOT_BATCH:-16}x${TPOT_CONTEXT:-32k}_${pol/:/_}${TPOT_TAG:-}"

@@ -13,6 +13,7 @@ cases; both from ``PYTHONPATH=. python3 benchmarks/cpu_attention_error.py`` on t
 
 from __future__ import annotations
 
+import re
 import threading
 from pathlib import Path
 
@@ -130,7 +131,9 @@ def test_bf16_on_the_portable_path(monkeypatch):
     check(o, lse, q, kv, 0.125, 64, 1e-5)  # fp32 arithmetic on bf16 values: exact up to fp32 rounding
 
 
-@pytest.fixture(params=[1, 2, 3, 4, 6], ids=["linear-first", "qk-prefetch", "both", "pv-direct", "pv-direct-prefetch"])
+@pytest.fixture(params=[1, 2, 3, 4, 6, 8, 12, 28, 44],
+                ids=["linear-first", "qk-prefetch", "both", "pv-direct", "pv-direct-prefetch", "paced", "paced-pv-direct", "paced-l1-pv-direct",
+                     "paced-far-pv-direct"])
 def tuning(request):
     """The bf16 paths' orders of work within a chunk (cpu_kernel.cpp, Tuning), each exact."""
     ext = kernel._extension()
@@ -242,6 +245,31 @@ def test_paths_are_checked_and_named(monkeypatch):
     assert kernel.prepare(progress=False) == "C++ kernel (portable)"
     monkeypatch.delenv("WRITESCOPE_CPU_ISA")
     assert kernel.prepare(progress=False) == f"C++ kernel ({kernel.best_path()})"
+
+
+def test_tuning_from_the_environment(monkeypatch):
+    """WRITESCOPE_CPU_TUNING: checked before any work (named in the error), applied on the
+    extension's first use, shown in prepare's words and in the calibration's backend key."""
+    if not kernel.kernel_available():
+        pytest.skip("no C++ compiler")
+    for bad in ("fast", "64", "-1", "1.5"):
+        monkeypatch.setenv("WRITESCOPE_CPU_TUNING", bad)
+        with pytest.raises(ValueError, match=rf"WRITESCOPE_CPU_TUNING='{re.escape(bad)}': use an integer 0 to 63"):
+            kernel.prepare(progress=False)
+    monkeypatch.setenv("WRITESCOPE_CPU_TUNING", "12")
+    assert kernel.tuning_from_env() == 12
+    assert kernel.prepare(progress=False) == f"C++ kernel ({kernel.best_path()}, tuning 12)"
+    assert kernel.backend_key().endswith(" tuning 12")
+    ext = kernel._extension()
+    monkeypatch.setattr(kernel, "_tuning_applied", False)  # as on a fresh process's first use
+    old = ext.set_tuning(2)
+    try:
+        kernel._extension()
+        assert ext.set_tuning(old) == 12
+    finally:
+        ext.set_tuning(old)
+    monkeypatch.delenv("WRITESCOPE_CPU_TUNING")
+    assert kernel.tuning_from_env() is None and "tuning" not in kernel.backend_key()
 
 
 def test_the_binding_releases_the_gil():

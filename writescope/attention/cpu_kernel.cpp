@@ -49,11 +49,14 @@ static int64_t choose(int64_t req, bool bf16, int64_t dk, int64_t dv) {
 //   QK_PREFETCH   software prefetch (into L2) of the next 64 keys during the AMX scores
 //   PV_DIRECT     AMX values product on V's rows where they lie (no re-packing into key pairs; two
 //                 products per tile, even and odd columns; needs dv % 32 == 0)
+//   PACED         (AMX) software prefetch spread over every product step of a chunk, one chunk ahead
+//                 (prefetch_pacer.h), in place of QK_PREFETCH's bursts during the scores;
+//                 PACED_L1: into L1 rather than L2; PACED_FAR: two chunks ahead
 // and, to time a chunk's stages by leaving one out (the results are then wrong; benchmarks only):
 //   SKIP_SCORES, SKIP_SOFTMAX (softmax and the packing of p), SKIP_PACK_V, SKIP_VALUES.
 // Default QK_PREFETCH: measured on the H200 host, benchmarks/results/cpu_attention.md.
 // TEST_FAIL (tests only): every call fails inside the kernel, as a failed allocation would.
-enum Tuning : int64_t { LINEAR_FIRST = 1, QK_PREFETCH = 2, PV_DIRECT = 4, SKIP_SCORES = 64, SKIP_SOFTMAX = 128, SKIP_PACK_V = 256,
+enum Tuning : int64_t { LINEAR_FIRST = 1, QK_PREFETCH = 2, PV_DIRECT = 4, PACED = 8, PACED_L1 = 16, PACED_FAR = 32, SKIP_SCORES = 64, SKIP_SOFTMAX = 128, SKIP_PACK_V = 256,
                         SKIP_VALUES = 512, TEST_FAIL = 1 << 20 };
 static std::atomic<int64_t> g_tuning{QK_PREFETCH};
 static std::atomic<uint64_t> g_sink{0};
@@ -174,6 +177,15 @@ static void portion(const Plan& P, int64_t sg, int64_t j0, int64_t j1, int64_t s
   const bool own_v = !(P.v[i] == P.k[i] && P.vrs[i] == P.krs[i] && P.vhs[i] == P.khs[i]);  // MLA: V is K's first dv columns
   const int64_t tuning = P.tuning;
   uint64_t sink = 0;
+  const bool amx_isa = P.isa == AMX || P.isa == AMX_EMULATED;
+  const int64_t krow = P.krs[i] * es, vrow = P.vrs[i] * es, ahead = (tuning & PACED_FAR ? 2 : 1) * CH;
+  Pacer pf;  // no streams unless PACED: every tick returns at once
+  if (amx_isa && (tuning & PACED)) {
+    pf.l1 = tuning & PACED_L1;
+    pf.add(kbase + j0 * krow, kbase + j1 * krow);
+    if (own_v) pf.add(vbase + j0 * vrow, vbase + j1 * vrow);
+  }
+  const bool burst = (tuning & QK_PREFETCH) && !pf.on();
   for (int64_t c0 = j0; c0 < j1; c0 += CH) {
     const int64_t m = std::min(CH, j1 - c0);
     const char* K = kbase + c0 * P.krs[i] * es;
@@ -189,15 +201,21 @@ static void portion(const Plan& P, int64_t sg, int64_t j0, int64_t j1, int64_t s
       const uint16_t* Vb = reinterpret_cast<const uint16_t*>(V);
       const bool direct = P.permuted;
       const bool linear = tuning & LINEAR_FIRST;
-      const uint16_t* Vpf = (tuning & QK_PREFETCH) && own_v ? Vb : nullptr;
+      const uint16_t* Vpf = burst && own_v ? Vb : nullptr;
+      if (pf.on()) {  // this chunk's products carry the lines up to `ahead` keys past its end
+        const int64_t e = c0 + m + ahead, blocks = (m + 15) / 16;
+        const char* target[2] = {kbase + e * krow, vbase + e * vrow};
+        const int64_t qk = blocks * (dk / 32), pv = direct ? blocks * (dv / 16) : (m + 31) / 32 * (dv / 16);
+        pf.plan(target, qk + pv);
+      }
       if (linear) {  // read the chunk once in address order: V into vb, then what of K the packing did not read
         if (!direct && !(tuning & SKIP_PACK_V)) avx::pack_v(Vb, P.vrs[i], m, dv, vb);
         sink ^= own_v || direct ? avx::touch(Kb, P.krs[i], m, 0, dk) : avx::touch(Kb, P.krs[i], m, dv, dk);
         if (own_v && direct) sink ^= avx::touch(Vb, P.vrs[i], m, 0, dv);
       }
       if (!(tuning & SKIP_SCORES)) {
-        if (P.isa == AMX) amx::scores(qb, Kb, P.krs[i], m, dk, s, kt, Vpf, P.vrs[i], dv, tuning & QK_PREFETCH);
-        else if (P.isa == AMX_EMULATED) amx_emu::scores(qb, Kb, P.krs[i], m, dk, s, kt, Vpf, P.vrs[i], dv, tuning & QK_PREFETCH);
+        if (P.isa == AMX) amx::scores(qb, Kb, P.krs[i], m, dk, s, kt, Vpf, P.vrs[i], dv, burst, pf);
+        else if (P.isa == AMX_EMULATED) amx_emu::scores(qb, Kb, P.krs[i], m, dk, s, kt, Vpf, P.vrs[i], dv, burst, pf);
         else avx::scores(qb, dkp, gn, Kb, P.krs[i], m, dk, s);
       }
       if (!(tuning & SKIP_SOFTMAX)) {
@@ -207,10 +225,10 @@ static void portion(const Plan& P, int64_t sg, int64_t j0, int64_t j1, int64_t s
       }
       if (!linear && !direct && !(tuning & SKIP_PACK_V)) avx::pack_v(Vb, P.vrs[i], m, dv, vb);
       if (!(tuning & SKIP_VALUES)) {
-        if (direct && P.isa == AMX) amx::values_direct(pa, Vb, P.vrs[i], m, dv, vt, oc);
-        else if (direct) amx_emu::values_direct(pa, Vb, P.vrs[i], m, dv, vt, oc);
-        else if (P.isa == AMX) amx::values(pa, vb, m, dv, oc);
-        else if (P.isa == AMX_EMULATED) amx_emu::values(pa, vb, m, dv, oc);
+        if (direct && P.isa == AMX) amx::values_direct(pa, Vb, P.vrs[i], m, dv, vt, oc, pf);
+        else if (direct) amx_emu::values_direct(pa, Vb, P.vrs[i], m, dv, vt, oc, pf);
+        else if (P.isa == AMX) amx::values(pa, vb, m, dv, oc, pf);
+        else if (P.isa == AMX_EMULATED) amx_emu::values(pa, vb, m, dv, oc, pf);
         else avx::values(pa, vb, m, dv, gn, oc);
       }
     }

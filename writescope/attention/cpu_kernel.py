@@ -43,13 +43,44 @@ CHUNK = 256  # keys per chunk of a portion (its scores, p and packed values stay
 PATHS = build.PATHS  # index = the extension's path number; the last (amx-emulated) is for tests
 
 _DIR = Path(__file__).parent
-_SOURCES = ("cpu_kernel.cpp", "cpu_kernel_avx512.h", "cpu_kernel_amx.h", "cpu_kernel_amx_tiles.h", "cpu_worker.h")
+_SOURCES = ("cpu_kernel.cpp", "cpu_kernel_avx512.h", "cpu_kernel_amx.h", "cpu_kernel_amx_tiles.h", "prefetch_pacer.h", "cpu_worker.h")
 
 _EXTENSION = build.Extension("writescope_cpu_attention_v2", _DIR, _SOURCES, "using torch's flash op")
 
 
+TUNING_ENV = "WRITESCOPE_CPU_TUNING"
+_tuning_applied = False
+
+
+def tuning_from_env() -> int | None:
+    """``WRITESCOPE_CPU_TUNING``: the bf16 paths' tuning flags (cpu_kernel.cpp, ``Tuning``: 1
+    linear first, 2 scores prefetch, 4 values on V in place, 8 paced prefetch, 16 paced into L1,
+    32 paced two chunks ahead), an integer 0 to 63; None where unset (the kernel's default).
+
+    Raises:
+        ValueError: not an integer in 0..63 (the timing-only flags from 64 up are refused).
+    """
+    raw = os.environ.get(TUNING_ENV, "").strip()
+    if not raw:
+        return None
+    try:
+        value = int(raw, 0)
+    except ValueError:
+        value = -1
+    if not 0 <= value <= 63:
+        raise ValueError(f"{TUNING_ENV}={raw!r}: use an integer 0 to 63 (cpu_kernel.cpp, Tuning), or leave it unset for the default")
+    return value
+
+
 def _extension():
-    return _EXTENSION.get()
+    global _tuning_applied
+    ext = _EXTENSION.get()
+    if ext is not None and not _tuning_applied:
+        value = tuning_from_env()
+        _tuning_applied = True
+        if value is not None:
+            ext.set_tuning(value)
+    return ext
 
 
 def kernel_available() -> bool:
@@ -97,17 +128,18 @@ def backend_key() -> str:
     if not kernel_selected():
         return "flash"
     req = requested_path()
-    return f"kernel {PATHS[req] if req >= 0 else best_path()}"
+    tuning = tuning_from_env()
+    return f"kernel {PATHS[req] if req >= 0 else best_path()}" + ("" if tuning is None else f" tuning {tuning}")
 
 
 def prepare(progress: bool = True) -> str:
-    """Check ``WRITESCOPE_CPU_ATTENTION`` and ``WRITESCOPE_CPU_ISA`` and build the kernel now
+    """Check ``WRITESCOPE_CPU_ATTENTION``, ``WRITESCOPE_CPU_ISA`` and ``WRITESCOPE_CPU_TUNING`` and build the kernel now
     (about a minute the first time on a machine, then cached by torch), so the build is neither
     timed as part of a decode step nor met after the weights load. Returns the CPU attention in
     use, in words.
 
     Raises:
-        ValueError: either variable has an unknown value, or ``WRITESCOPE_CPU_ISA`` names a path
+        ValueError: a variable has an unknown value, or ``WRITESCOPE_CPU_ISA`` names a path
             this CPU lacks (names it and what the CPU offers).
     """
     value = os.environ.get("WRITESCOPE_CPU_ATTENTION", "kernel")
@@ -116,6 +148,7 @@ def prepare(progress: bool = True) -> str:
     if value.lower() == "flash":
         return "torch's flash op"
     req = requested_path()
+    tuning = tuning_from_env()
     if req == PATHS.index("amx-emulated"):
         raise ValueError("WRITESCOPE_CPU_ISA=amx-emulated is a test path (AMX tiles emulated, slow): use auto, amx, avx512bf16 or portable")
     if not _EXTENSION.build(progress, "CPU attention", "about a minute"):
@@ -123,7 +156,7 @@ def prepare(progress: bool = True) -> str:
     best = best_path()
     if req > PATHS.index(best):
         raise ValueError(f"WRITESCOPE_CPU_ISA={PATHS[req]}: this CPU offers at most {best}; unset it or choose a lower path")
-    return f"C++ kernel ({PATHS[req] if req >= 0 else best})"
+    return f"C++ kernel ({PATHS[req] if req >= 0 else best}" + ("" if tuning is None else f", tuning {tuning}") + ")"
 
 
 def usable(q: torch.Tensor, kv: list) -> bool:

@@ -15,6 +15,7 @@
 #include <cstring>
 
 #include "amx.h"
+#include "prefetch_pacer.h"
 
 #pragma GCC push_options
 #pragma GCC target("amx-tile,amx-bf16,avx512f,avx512bw,avx512vl,avx512dq,avx512bf16,fma")

@@ -25,7 +25,7 @@ static void pack_q(const float* q, int64_t gn, int64_t dk, uint16_t* bq) {
 // values in rows of their own (V != nullptr), this block's value rows.
 template <int NB>
 static inline void qk_tiles(const uint16_t* K, int64_t krs, int64_t nks, const uint16_t* bq, float* s, const uint16_t* V, int64_t vrs, int64_t dv,
-                            bool prefetch) {
+                            bool prefetch, Pacer& pf) {
   WS_TZ(0);
   if constexpr (NB > 1) WS_TZ(1);
   if constexpr (NB > 2) WS_TZ(2);
@@ -38,6 +38,7 @@ static inline void qk_tiles(const uint16_t* K, int64_t krs, int64_t nks, const u
     if constexpr (NB > 1) { WS_TL(5, K + 16 * krs + 32 * k, stride); WS_TDP(1, 5, 6); }
     if constexpr (NB > 2) { WS_TL(7, K + 32 * krs + 32 * k, stride); WS_TDP(2, 7, 6); }
     if constexpr (NB > 3) { WS_TL(4, K + 48 * krs + 32 * k, stride); WS_TDP(3, 4, 6); }
+    pf.tick(NB);
     if (NB == 4 && prefetch) {
       for (int i = 0; i < 64; ++i)
         _mm_prefetch(reinterpret_cast<const char*>(reinterpret_cast<uintptr_t>(K) + ((64 + i) * krs + 32 * k) * 2), _MM_HINT_T1);
@@ -54,21 +55,21 @@ static inline void qk_tiles(const uint16_t* K, int64_t krs, int64_t nks, const u
 
 // s [m, 16] = scores of the chunk's m keys; the last m % 16 rows go through kt ([16, dk], zero padded)
 static void scores(const uint16_t* bq, const uint16_t* K, int64_t krs, int64_t m, int64_t dk, float* s, uint16_t* kt,
-                   const uint16_t* V, int64_t vrs, int64_t dv, bool prefetch) {
+                   const uint16_t* V, int64_t vrs, int64_t dv, bool prefetch, Pacer& pf) {
   const int64_t nks = dk / 32;
   int64_t j = 0;
-  for (; j + 64 <= m; j += 64) qk_tiles<4>(K + j * krs, krs, nks, bq, s + 16 * j, V == nullptr ? nullptr : V + j * vrs, vrs, dv, prefetch);
-  for (; j + 16 <= m; j += 16) qk_tiles<1>(K + j * krs, krs, nks, bq, s + 16 * j, nullptr, vrs, dv, false);
+  for (; j + 64 <= m; j += 64) qk_tiles<4>(K + j * krs, krs, nks, bq, s + 16 * j, V == nullptr ? nullptr : V + j * vrs, vrs, dv, prefetch, pf);
+  for (; j + 16 <= m; j += 16) qk_tiles<1>(K + j * krs, krs, nks, bq, s + 16 * j, nullptr, vrs, dv, false, pf);
   if (j < m) {
     std::memset(kt, 0, sizeof(uint16_t) * 16 * dk);
     for (int64_t i = 0; j + i < m; ++i) std::memcpy(kt + i * dk, K + (j + i) * krs, sizeof(uint16_t) * dk);
-    qk_tiles<1>(kt, dk, nks, bq, s + 16 * j, nullptr, vrs, dv, false);
+    qk_tiles<1>(kt, dk, nks, bq, s + 16 * j, nullptr, vrs, dv, false, pf);
   }
 }
 
 // oc[:, 16 c0 ... 16 (c0 + N)] = P V for N column tiles
 template <int N>
-static inline void pv_tiles(const uint16_t* pa, const uint16_t* vb, int64_t steps, int64_t nct, int64_t c0, float* oc, int64_t dv) {
+static inline void pv_tiles(const uint16_t* pa, const uint16_t* vb, int64_t steps, int64_t nct, int64_t c0, float* oc, int64_t dv, Pacer& pf) {
   WS_TZ(0);
   if constexpr (N > 1) WS_TZ(1);
   if constexpr (N > 2) WS_TZ(2);
@@ -81,6 +82,7 @@ static inline void pv_tiles(const uint16_t* pa, const uint16_t* vb, int64_t step
     if constexpr (N > 1) { WS_TL(6, b + 512, 64); WS_TDP(1, 4, 6); }
     if constexpr (N > 2) { WS_TL(7, b + 1024, 64); WS_TDP(2, 4, 7); }
     if constexpr (N > 3) { WS_TL(5, b + 1536, 64); WS_TDP(3, 4, 5); }
+    pf.tick(N);
   }
   const int64_t stride = dv * 4;
   WS_TS(0, oc + 16 * c0, stride);
@@ -90,14 +92,14 @@ static inline void pv_tiles(const uint16_t* pa, const uint16_t* vb, int64_t step
 }
 
 // oc [16, dv] = P V over the chunk's m keys
-static void values(const uint16_t* pa, const uint16_t* vb, int64_t m, int64_t dv, float* oc) {
+static void values(const uint16_t* pa, const uint16_t* vb, int64_t m, int64_t dv, float* oc, Pacer& pf) {
   const int64_t steps = (m + 31) / 32, nct = dv / 16;
   int64_t c0 = 0;
-  for (; c0 + 4 <= nct; c0 += 4) pv_tiles<4>(pa, vb, steps, nct, c0, oc, dv);
+  for (; c0 + 4 <= nct; c0 += 4) pv_tiles<4>(pa, vb, steps, nct, c0, oc, dv, pf);
   switch (nct - c0) {
-    case 3: pv_tiles<3>(pa, vb, steps, nct, c0, oc, dv); break;
-    case 2: pv_tiles<2>(pa, vb, steps, nct, c0, oc, dv); break;
-    case 1: pv_tiles<1>(pa, vb, steps, nct, c0, oc, dv); break;
+    case 3: pv_tiles<3>(pa, vb, steps, nct, c0, oc, dv, pf); break;
+    case 2: pv_tiles<2>(pa, vb, steps, nct, c0, oc, dv, pf); break;
+    case 1: pv_tiles<1>(pa, vb, steps, nct, c0, oc, dv, pf); break;
     default: break;
   }
 }
@@ -109,7 +111,7 @@ static void values(const uint16_t* pa, const uint16_t* vb, int64_t m, int64_t dv
 // m % 16 rows go through vt ([16, dv], zero padded). Needs dv % 32 == 0.
 template <int NG>
 static inline void pv_direct_tiles(const uint16_t* pe, const uint16_t* V, int64_t vrs, int64_t m, const uint16_t* vt, int64_t dv, int64_t c0,
-                                   float* oc) {
+                                   float* oc, Pacer& pf) {
   WS_TZ(0);
   WS_TZ(1);
   if constexpr (NG > 1) { WS_TZ(2); WS_TZ(3); }
@@ -128,6 +130,7 @@ static inline void pv_direct_tiles(const uint16_t* pe, const uint16_t* V, int64_
       WS_TDP(2, 4, 7);
       WS_TDP(3, 5, 7);
     }
+    pf.tick(2 * NG);
   }
   const int64_t st = dv * 4;
   WS_TS(0, oc + c0, st);
@@ -135,14 +138,14 @@ static inline void pv_direct_tiles(const uint16_t* pe, const uint16_t* V, int64_
   if constexpr (NG > 1) { WS_TS(2, oc + c0 + 32, st); WS_TS(3, oc + c0 + 48, st); }
 }
 
-static void values_direct(const uint16_t* pe, const uint16_t* V, int64_t vrs, int64_t m, int64_t dv, uint16_t* vt, float* oc) {
+static void values_direct(const uint16_t* pe, const uint16_t* V, int64_t vrs, int64_t m, int64_t dv, uint16_t* vt, float* oc, Pacer& pf) {
   if (m % 16) {
     const int64_t j = m / 16 * 16;
     std::memset(vt, 0, sizeof(uint16_t) * 16 * dv);
     for (int64_t i = 0; j + i < m; ++i) std::memcpy(vt + i * dv, V + (j + i) * vrs, sizeof(uint16_t) * dv);
   }
   int64_t c0 = 0;
-  for (; c0 + 64 <= dv; c0 += 64) pv_direct_tiles<2>(pe, V, vrs, m, vt, dv, c0, oc);
-  if (c0 < dv) pv_direct_tiles<1>(pe, V, vrs, m, vt, dv, c0, oc);
+  for (; c0 + 64 <= dv; c0 += 64) pv_direct_tiles<2>(pe, V, vrs, m, vt, dv, c0, oc, pf);
+  if (c0 < dv) pv_direct_tiles<1>(pe, V, vrs, m, vt, dv, c0, oc, pf);
 }
 
