@@ -147,8 +147,9 @@ def test_generate_with_graphs_gives_the_same_tokens():
 @pytest.mark.parametrize("policy", ["static:0.5", "gpu"])
 def test_cuda_graphs_give_the_eager_logits_on_cuda(preset, policy, monkeypatch):
     """bf16: graphed and eager decode agree within 2% of the logits' scale. (The eager path itself
-    is not bit-reproducible on CUDA: the experts' index_add_ adds in bf16 with atomics; the two
-    eager runs' difference is in the message for comparison.)"""
+    is not bit-reproducible on CUDA: the experts' index_add_ adds with atomics, in any order. It
+    adds in fp32 since run 12, where bf16 additions had moved a near-tie of the router and with it
+    a logit by 0.51 of a 4.2 scale; the two eager runs' difference is in the message.)"""
     prompts = _prompts(4096)
     out = {}
     for mode in ("off", "off again", "on"):

@@ -196,42 +196,46 @@ def test_bench_times_micro_batched_layers():
 @pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")
 @pytest.mark.parametrize("preset", ["tiny-qwen3-moe", "tiny-deepseek-v2"])
 def test_micro_batched_steps_on_cuda_match_whole_batches_and_never_wait(preset, monkeypatch):
-    """bf16 on CUDA (Triton kernels, native worker, CUDA graphs): micro-batched decode logits equal
-    whole-batch ones as closely as whole batches reproduce themselves (the experts' index_add_ adds
-    in bf16 with atomics: on the H200, two eager runs of tiny-qwen3-moe differed by up to 0.50 of a
-    4.2 scale in run 9, and micro-batched against whole batches by 0.51 in run 10) or within 2% of
-    the scale, and a micro-batched step's layers issue without a host synchronisation (torch's
-    sync debug mode raises on one)."""
+    """On CUDA (Triton kernels, native worker, CUDA graphs): micro-batched decode logits equal
+    whole-batch ones within fp32 rounding, and in bf16 a micro-batched step's layers issue without
+    a host synchronisation (torch's sync debug mode raises on one).
+
+    The logits are compared in fp32: in bf16 the halves' matrix products round differently from
+    the whole batch's, and a token whose router scores nearly tie then takes another expert (on
+    the dev CPU, tiny-qwen3-moe in bf16 moved 0.52 of a 4.2 logit scale at one (step, sequence)
+    that way, every other row within 0.03; runs 10-12 on the H200 met the same 0.51)."""
     prompts, steps = [[5 + i % 50 for i in range(n)] for n in (90, 70, 33, 48)], 6
     logits = {}
-    for mb in ("1", "1 again", "2"):
-        monkeypatch.setenv("WRITESCOPE_MICRO_BATCHES", mb.split()[0])
-        llm = LLM(preset, device="cuda", dtype="bf16", progress=False, policy="static:0.5", window=16)
-        cache, model = llm.cache, llm.model
-        slots = [cache.allocate(len(p) + steps + 8, prompt_len=len(p)) for p in prompts]
-        with torch.inference_mode():
-            batch = ForwardBatch.build(slots, [len(p) for p in prompts], [0] * len(prompts), "cuda")
-            out = model(torch.tensor([t for p in prompts for t in p], device="cuda"), batch, cache)
-            rows, nxt = [], torch.tensor([p[-1] for p in prompts], device="cuda")
-            for s in range(steps):
-                batch = ForwardBatch.build(slots, [1] * len(prompts), [len(p) + s for p in prompts], "cuda")
-                torch.cuda.synchronize()
-                quiet = s >= 2 and (len(prompts[0]) + s) % 16 not in (0, 15)  # warm, and no window evicted into the compute region
-                if quiet:
-                    torch.cuda.set_sync_debug_mode("error")
-                try:
-                    out = model(nxt, batch, cache)
-                finally:
-                    torch.cuda.set_sync_debug_mode("default")
-                rows.append(out.float())
-        torch.cuda.synchronize()
-        logits[mb] = torch.stack(rows)
-        for slot in slots:
-            cache.free(slot)
-    scale = logits["1"].abs().max().item()
-    eager = (logits["1 again"] - logits["1"]).abs().max().item()  # whole batches against themselves (bf16 atomics)
-    torch.testing.assert_close(logits["2"], logits["1"], atol=max(0.02 * scale, 1.5 * eager), rtol=0,
-                               msg=lambda m: f"{m}\n(whole batches against themselves: {eager:.4g}; scale {scale:.4g})")
+    for dtype in ("fp32", "bf16"):
+        for mb in ("1", "2"):
+            monkeypatch.setenv("WRITESCOPE_MICRO_BATCHES", mb)
+            llm = LLM(preset, device="cuda", dtype=dtype, progress=False, policy="static:0.5", window=16)
+            cache, model = llm.cache, llm.model
+            slots = [cache.allocate(len(p) + steps + 8, prompt_len=len(p)) for p in prompts]
+            with torch.inference_mode():
+                batch = ForwardBatch.build(slots, [len(p) for p in prompts], [0] * len(prompts), "cuda")
+                out = model(torch.tensor([t for p in prompts for t in p], device="cuda"), batch, cache)
+                rows, nxt = [], torch.tensor([p[-1] for p in prompts], device="cuda")
+                for s in range(steps):
+                    batch = ForwardBatch.build(slots, [1] * len(prompts), [len(p) + s for p in prompts], "cuda")
+                    torch.cuda.synchronize()
+                    # bf16 (the fp32 experts read routing back to the host), warm, and no window evicted into the compute region
+                    quiet = dtype == "bf16" and s >= 2 and (len(prompts[0]) + s) % 16 not in (0, 15)
+                    if quiet:
+                        torch.cuda.set_sync_debug_mode("error")
+                    try:
+                        out = model(nxt, batch, cache)
+                    finally:
+                        torch.cuda.set_sync_debug_mode("default")
+                    rows.append(out.float())
+            torch.cuda.synchronize()
+            logits[dtype, mb] = torch.stack(rows)
+            for slot in slots:
+                cache.free(slot)
+    scale = logits["fp32", "1"].abs().max().item()
+    torch.testing.assert_close(logits["fp32", "2"], logits["fp32", "1"], atol=1e-3 * scale, rtol=0,
+                               msg=lambda m: f"{m}\n(fp32; scale {scale:.4g})")
+    assert torch.isfinite(logits["bf16", "2"]).all()
 
 
 def test_generate_records_the_main_threads_issue_and_wait_per_decode_step():

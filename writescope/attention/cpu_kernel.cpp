@@ -54,11 +54,12 @@ static int64_t choose(int64_t req, bool bf16, int64_t dk, int64_t dv) {
 //                 PACED_L1: into L1 rather than L2; PACED_FAR: two chunks ahead
 // and, to time a chunk's stages by leaving one out (the results are then wrong; benchmarks only):
 //   SKIP_SCORES, SKIP_SOFTMAX (softmax and the packing of p), SKIP_PACK_V, SKIP_VALUES.
-// Default QK_PREFETCH: measured on the H200 host, benchmarks/results/cpu_attention.md.
+// Default PACED | PV_DIRECT (12), with chunks of 128 keys (cpu_kernel.py, CHUNK): the fastest of the
+// variants measured side by side on the H200 host (benchmarks/results/cpu_attention.md, run 5).
 // TEST_FAIL (tests only): every call fails inside the kernel, as a failed allocation would.
 enum Tuning : int64_t { LINEAR_FIRST = 1, QK_PREFETCH = 2, PV_DIRECT = 4, PACED = 8, PACED_L1 = 16, PACED_FAR = 32, SKIP_SCORES = 64, SKIP_SOFTMAX = 128, SKIP_PACK_V = 256,
                         SKIP_VALUES = 512, TEST_FAIL = 1 << 20 };
-static std::atomic<int64_t> g_tuning{QK_PREFETCH};
+static std::atomic<int64_t> g_tuning{PACED | PV_DIRECT};
 static std::atomic<uint64_t> g_sink{0};
 
 // ---------------------------------------------------------------- per-thread scratch

@@ -15,8 +15,10 @@ and values serves all of its query heads.
 
 Three paths, chosen at run time from the CPU's flags (``WRITESCOPE_CPU_ISA`` forces one):
 - ``amx``: AMX-BF16 tiles (Intel Sapphire Rapids and later; the H200 host). Scores as K Q^T with
-  the keys as the A tile read in place (16 keys x 32 columns), values as P V with V re-packed per
-  chunk into bf16 key pairs (in cache). Needs bf16 KV, dk % 32 == 0, dv % 16 == 0 (else
+  the keys as the A tile read in place (16 keys x 32 columns), values as P V on V's rows where
+  they lie (two products per tile, even and odd columns; dv % 32 == 0, else V is re-packed per
+  chunk into bf16 key pairs), with software prefetch paced over the whole chunk, one chunk ahead
+  (prefetch_pacer.h; ``WRITESCOPE_CPU_TUNING`` picks other orders, for benchmarks). Needs bf16 KV, dk % 32 == 0, dv % 16 == 0 (else
   ``avx512bf16``). The tile permission is asked once per process (arch_prctl ARCH_REQ_XCOMP_PERM);
   if refused, the path is not offered.
 - ``avx512bf16``: AVX512-BF16 dot products (``vdpbf16ps``) for both products (AMD Zen 4, the CI
@@ -39,7 +41,7 @@ import torch
 
 from writescope.native import build
 
-CHUNK = 256  # keys per chunk of a portion (its scores, p and packed values stay in L1/L2)
+CHUNK = 128  # keys per chunk of a portion (its scores, p and values stay in L2; 128 measured faster than 256 on the H200 host)
 PATHS = build.PATHS  # index = the extension's path number; the last (amx-emulated) is for tests
 
 _DIR = Path(__file__).parent

@@ -133,7 +133,9 @@ class SparseMoeBlock(nn.Module):
             weights, ids = route(x, self.gate.weight, self.cfg, self.deepseek)  # [T, K] f32, [T, K]
             if self.routing_counts is not None:  # a popularity profile is recording (on the device, no wait)
                 self.routing_counts += torch.bincount(ids.flatten(), minlength=self.cfg.num_experts)
-        out = torch.zeros_like(x)  # [T, D]
+        # [T, D] float32: the experts' outputs summed without a bf16 rounding per addition (the
+        # order of CUDA's atomic adds then changes the sum by fp32 rounding, not bf16's)
+        out = torch.zeros(x.shape, dtype=torch.float32, device=x.device)
         if not self.grouped:
             self.packed = None
         elif self.packed is None:
@@ -145,10 +147,11 @@ class SparseMoeBlock(nn.Module):
         return self._split_forward(x, weights, ids, out)
 
     def _shared(self, x, out):
+        """The routed sum ``out`` (float32) plus the shared experts', rounded once to x's dtype."""
         if not self.cfg.n_shared_experts:
-            return out
+            return out.to(x.dtype)
         with record_function("moe.shared_experts"):
-            return out + self.shared_experts(x)
+            return (out + self.shared_experts(x)).to(x.dtype)
 
     def _split_forward(self, x, weights, ids, out):
         """Some experts on the host (or no grouped GEMM): device experts issued first, then the
@@ -189,7 +192,7 @@ class SparseMoeBlock(nn.Module):
                     continue
                 tok = token_of[starts[e] : starts[e + 1]]
                 y = self.experts[e](x[tok])  # [n, D]
-                out.index_add_(0, tok, (y * w_sorted[starts[e] : starts[e + 1], None].to(y.dtype)))
+                out.index_add_(0, tok, (y * w_sorted[starts[e] : starts[e + 1], None].to(y.dtype)).to(out.dtype))
         if streamed:  # issued before the CPU starts on the rest: copies and GEMMs run meanwhile
             with record_function("moe.streamed_experts"):
                 run_streamed(self.host_pack, streamed, [token_of[starts[e] : starts[e + 1]] for e in streamed],
@@ -200,7 +203,7 @@ class SparseMoeBlock(nn.Module):
                 y = self._host_experts(host, [counts[e] for e in host], x_host, w_host)
                 if self.expert_work is not None:  # E, tracked: CPU seconds per expert weight byte
                     self.expert_work.observe(time.perf_counter() - t0, len(host) * self.host_pack.expert_nbytes)
-            out.index_add_(0, host_tok, y.to(x.device))
+            out.index_add_(0, host_tok, y.to(x.device).to(out.dtype))
         return self._shared(x, out)
 
     def uses_host_kernel(self, dtype: torch.dtype) -> bool:

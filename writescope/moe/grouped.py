@@ -117,7 +117,7 @@ class PackedExperts:
         Args:
             x: ``[T, D]`` tokens on the device.
             weights: ``[T, K]`` float32 routing weights; ids: ``[T, K]`` int64 expert ids.
-            out: ``[T, D]``, x's dtype; accumulated into in place.
+            out: ``[T, D]``, float32 (or x's dtype); accumulated into in place.
         """
         K, G = ids.shape[1], len(self.ids)
         slot = self.slot_of[ids.flatten()]  # [T*K]
@@ -136,4 +136,4 @@ class PackedExperts:
             y.mul_(w_sorted[start:stop, None].to(y.dtype))
             # rows past the last group (host experts) are never computed: overwrite, never multiply, them
             y.masked_fill_((slot_sorted[start:stop] >= G)[:, None], 0)
-            out.index_add_(0, token_of, y)
+            out.index_add_(0, token_of, y.to(out.dtype))

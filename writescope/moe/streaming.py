@@ -75,7 +75,7 @@ def run_streamed(host_pack, experts: list[int], rows: list[torch.Tensor], weight
             ``w2`` and ``ids`` (expert id per packed slot).
         experts: expert ids to stream; rows[i] ``[n_i]`` int64 (device) the token rows of
             expert i, weights[i] ``[n_i]`` float32 (device) their routing weights.
-        x: ``[T, D]`` tokens; out: ``[T, D]`` accumulated into (same dtype).
+        x: ``[T, D]`` tokens; out: ``[T, D]`` accumulated into (float32, or x's dtype).
     """
     D, I = host_pack.hidden, host_pack.inter
     ws = WeightSlots.for_shape(x.device, x.dtype, D, I)
@@ -105,7 +105,7 @@ def run_streamed(host_pack, experts: list[int], rows: list[torch.Tensor], weight
         w = torch.cat(weights[first : first + n]).to(x.dtype)
         offs = offs_all[first : first + n]
         y = grouped_swiglu(x[tok], ws.w13[b, :n], ws.w2[b, :n], offs, I)
-        out.index_add_(0, tok, y.mul_(w[:, None]))
+        out.index_add_(0, tok, y.mul_(w[:, None]).to(out.dtype))
         if ws.cuda:
             done = torch.cuda.Event()
             done.record(cur)
