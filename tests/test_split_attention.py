@@ -658,3 +658,24 @@ def test_an_error_on_the_device_side_waits_for_the_worker_and_is_the_one_raised(
         cache.attend(0, torch.randn(1, 4, 8), torch.randn(1, 2, 8), torch.randn(1, 2, 8), fb, 0.1)
     assert finished == [True]  # the worker was done before the error left decode
     cache.close()
+
+
+def test_pingpong_buffers_from_the_environment(monkeypatch):
+    """WRITESCOPE_PINGPONG_BUFFERS sets the spec's default (so the budget, the cache and the
+    calibration agree), enters the calibration's machine key, and a bad value is named."""
+    from writescope.config import KVLayout
+    from writescope.kvcache.spec import PartitionSpec
+    from writescope.scheduler.calibrate import machine_key
+
+    layout = KVLayout(kv_heads=2, k_dim=16, v_dim=16, shared_kv=False)
+    base_key = machine_key(torch.device("cpu"))
+    assert PartitionSpec(layout, 2, torch.float32).pingpong_buffers == 2
+    monkeypatch.setenv("WRITESCOPE_PINGPONG_BUFFERS", "6")
+    spec = PartitionSpec(layout, 2, torch.float32)
+    assert spec.pingpong_buffers == 6 and spec.pingpong_total_bytes() == 6 * spec.pingpong_blocks * spec.block_bytes
+    assert PartitionSpec(layout, 2, torch.float32, pingpong_buffers=3).pingpong_buffers == 3  # an explicit count wins
+    assert "|6 ping-pong buffers" in machine_key(torch.device("cpu")) and "ping-pong" not in base_key
+    for bad in ("0", "many", "65"):
+        monkeypatch.setenv("WRITESCOPE_PINGPONG_BUFFERS", bad)
+        with pytest.raises(ValueError, match=f"WRITESCOPE_PINGPONG_BUFFERS='{bad}': use an integer from 1 to 64"):
+            PartitionSpec(layout, 2, torch.float32)

@@ -9,7 +9,8 @@ contiguous (docs/DESIGN.md section 3).
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+import os
+from dataclasses import dataclass, field
 
 import torch
 
@@ -17,6 +18,29 @@ from writescope.config import KVLayout
 
 DEFAULT_WINDOW = 256  # D, tokens (docs/DESIGN.md section 3)
 DEFAULT_PINGPONG_BYTES = 64 * 2**20  # bytes per ping-pong buffer
+DEFAULT_PINGPONG_BUFFERS = 2
+PINGPONG_ENV = "WRITESCOPE_PINGPONG_BUFFERS"
+
+
+def pingpong_buffers_from_env() -> int:
+    """``WRITESCOPE_PINGPONG_BUFFERS``: how many ping-pong buffers the load region streams through
+    (default 2). More let the copies of layer l+1's blocks run on while layer l waits for its CPU
+    part (a ring of about one layer's load blocks decouples the link from that wait), at
+    ``DEFAULT_PINGPONG_BYTES`` of device memory each, counted in the budget.
+
+    Raises:
+        ValueError: not an integer from 1 to 64 (names the value).
+    """
+    raw = os.environ.get(PINGPONG_ENV, "").strip()
+    if not raw:
+        return DEFAULT_PINGPONG_BUFFERS
+    try:
+        n = int(raw)
+    except ValueError:
+        n = 0
+    if not 1 <= n <= 64:
+        raise ValueError(f"{PINGPONG_ENV}={raw!r}: use an integer from 1 to 64 (default {DEFAULT_PINGPONG_BUFFERS})")
+    return n
 
 
 @dataclass(frozen=True)
@@ -49,19 +73,21 @@ class PartitionSpec:
         num_layers: layers with a KV cache.
         dtype: element type of all regions.
         window: D, tokens per D-window and per block (default 256).
-        pingpong_buffers: GPU buffers the load region streams through (>= 2 for overlap).
+        pingpong_buffers: GPU buffers the load region streams through (>= 2 for overlap; default
+            ``WRITESCOPE_PINGPONG_BUFFERS`` or 2).
         pingpong_bytes: bytes per ping-pong buffer; rounded down to whole blocks (at least one).
         roofline: calibrated A, B, C (the scheduler issue fills it; unused by static policies).
 
     Raises:
-        ValueError: window < 1, pingpong_buffers < 1, or GQA keys and values of unequal width.
+        ValueError: window < 1, pingpong_buffers < 1 (or a bad ``WRITESCOPE_PINGPONG_BUFFERS``), or GQA keys and
+            values of unequal width.
     """
 
     layout: KVLayout
     num_layers: int
     dtype: torch.dtype
     window: int = DEFAULT_WINDOW
-    pingpong_buffers: int = 2
+    pingpong_buffers: int = field(default_factory=pingpong_buffers_from_env)
     pingpong_bytes: int = DEFAULT_PINGPONG_BYTES
     roofline: Roofline | None = None
 
