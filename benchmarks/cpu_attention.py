@@ -159,7 +159,7 @@ def main() -> None:
             variants = [(c, t, a.threads) for t in (map(int, a.tunings.split(",")) if sweep else [default_tuning])
                         for c in ([int(c) for c in a.chunks.split(",")] if sweep else [cpu_kernel.CHUNK])]
             if sweep:
-                variants += [(cpu_kernel.CHUNK, base | int(x), a.threads) for base in (default_tuning, 4 | default_tuning)
+                variants += [(cpu_kernel.CHUNK, base | int(x), a.threads) for base in sorted({default_tuning, 4 | default_tuning})
                              for x in a.ablations.split(",") if x]
                 if a.also_threads:
                     variants.append((cpu_kernel.CHUNK, default_tuning, a.also_threads))

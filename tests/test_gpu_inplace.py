@@ -155,6 +155,34 @@ def test_policies_give_resident_tokens_on_cuda(name):
     assert all(t == tokens["resident"] for t in tokens.values()), tokens
 
 
+@pytest.mark.parametrize("name", ["tiny-qwen3-moe", "tiny-deepseek-v2"])
+def test_load_region_read_in_place_on_cuda(name, monkeypatch):
+    """WRITESCOPE_LOAD_READ=in-place: the Triton fills read CUDA views of the pinned slabs over
+    PCIe; the same tokens as resident in fp32, no ping-pong buffers, and a view reads the
+    host's bytes."""
+    from writescope import LLM, SamplingParams
+    from writescope.kvcache.pinned import device_view
+
+    host = host_empty((3, 257), torch.bfloat16, pin=True)
+    host.copy_(torch.randn(3, 257).bfloat16())
+    view = device_view(host, torch.device("cuda"))
+    assert view.is_cuda and torch.equal((view.float() * 2).cpu(), host.float() * 2)
+    with pytest.raises(ValueError, match="page-locked"):
+        device_view(torch.zeros(4), torch.device("cuda"))
+    del view
+    unpin(host)
+    prompts = [list(range(5, 5 + n)) for n in (90, 33, 5)]
+    params = SamplingParams(max_tokens=40, ignore_eos=True)
+    ref = [o.token_ids for o in LLM(name, device="cuda", dtype="fp32", progress=False, policy="resident").generate(
+        prompt_token_ids=prompts, sampling_params=params)]
+    monkeypatch.setenv("WRITESCOPE_LOAD_READ", "in-place")
+    for policy in ["gpu", "static:0.5", "monolithic:0.5"]:
+        llm = LLM(name, device="cuda", dtype="fp32", progress=False, policy=policy, window=16, prefill_chunk_tokens=40)
+        assert [o.token_ids for o in llm.generate(prompt_token_ids=prompts, sampling_params=params)] == ref, policy
+        assert llm.cache.decoder.in_place and llm.cache.decoder._buffers == []
+        assert llm.cache.active_slots == []
+
+
 def test_host_hand_offs_do_not_wait_for_the_device():
     """q to the host and the CPU partial back are issued behind queued device work without the
     calling thread waiting for it (a waiting copy would drain the queue every layer)."""

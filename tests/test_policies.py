@@ -181,3 +181,35 @@ def test_pinned_check_covers_what_the_slabs_reserve(policy):
     finally:
         for s in slots:
             cache.free(s)
+
+
+@pytest.mark.parametrize("policy", ["gpu", "static:0.5", "monolithic:0.5"])
+def test_load_region_read_in_place_matches_resident(preset, policy, monkeypatch):
+    """WRITESCOPE_LOAD_READ=in-place: the load part attends each slab's run where it lies (on
+    the CPU stand-in, the host tensor itself; on CUDA a view of the pinned bytes), with no
+    ping-pong buffers and none in the budget: the same tokens and logits as resident."""
+    monkeypatch.setenv("WRITESCOPE_LOAD_READ", "in-place")
+    name, prompts, params, ref_tokens, ref_logits = preset
+    llm = LLM(name, progress=False, policy=policy, window=D, prefill_chunk_tokens=32)
+    assert llm.cache.spec.load_read == "in-place" and llm.cache.spec.pingpong_total_bytes() == 0
+    outs = llm.generate(prompt_token_ids=prompts, sampling_params=params)
+    assert [o.token_ids for o in outs] == ref_tokens
+    dec = llm.cache.decoder
+    if policy.startswith("monolithic"):  # its GPU share is re-laid out into staging every step, read in place from there
+        assert dec.stats.prepared_bytes > 0
+    else:
+        assert sum(o.kv_placement["load"] for o in outs) > 0  # the load region was used
+    assert dec.in_place and dec._buffers == [] and dec.stats.streamed_bytes > 0
+    logits = _teacher_forced_logits(llm, prompts, ref_tokens)
+    torch.testing.assert_close(logits, ref_logits, atol=LOGIT_TOL, rtol=0)
+
+
+def test_load_read_is_checked(monkeypatch):
+    from writescope.config import KVLayout
+    from writescope.kvcache.spec import PartitionSpec
+
+    monkeypatch.setenv("WRITESCOPE_LOAD_READ", "zero")
+    with pytest.raises(ValueError, match="WRITESCOPE_LOAD_READ='zero': use 'copy' \\(the default\\) or 'in-place'"):
+        PartitionSpec(KVLayout(1, 16, 16, False), 1, torch.float32)
+    with pytest.raises(ValueError, match="load_read must be one of copy, in-place, got 'x'"):
+        PartitionSpec(KVLayout(1, 16, 16, False), 1, torch.float32, load_read="x")

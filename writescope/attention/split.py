@@ -35,8 +35,10 @@ from writescope.attention.merge import merge_segments, merge_unchecked
 from writescope.attention.partial import attend_blocks, block_partials, cpu_attend
 from writescope.engine.threads import default_attention_threads, intra_op_threads
 from writescope.env import env_choice
-from writescope.kvcache.pinned import host_empty, unpin
+from writescope.kvcache.pinned import device_view, host_empty, unpin
 from writescope.kvcache.spec import PartitionSpec
+
+IN_PLACE_RUN = 1 << 20  # load blocks per run read in place: no ring to fit, so a whole slab per launch
 
 
 @dataclass
@@ -122,6 +124,8 @@ class SplitDecoder:
         self._evicted = True  # an eviction to the load region was issued since the copy stream last waited for them
         if self.cuda:
             self.copy_stream = torch.cuda.Stream(device)
+        self.in_place = spec.load_read == "in-place"  # the load region read where it lies (no ping-pong buffers)
+        self._stage_views: list[torch.Tensor | None] = [None, None]  # in place: CUDA views of the prepare buffers
 
     def warm_up(self, q_heads: int) -> None:
         """Compile the GPU side's Triton kernels for queries of ``q_heads`` heads now (the engine
@@ -238,7 +242,10 @@ class SplitDecoder:
         try:
             if self.time_gpu:  # after q's copy to the host was issued: the device part only
                 self._gpu_timer = self._start_gpu_timer()
-            sources = [(i, run) for i, sq in enumerate(seqs) for run in sq.load_runs(layer, 0, sq.n_load[layer], s.pingpong_blocks)]
+            if self.in_place:  # whole slabs' runs as CUDA views of the pinned bytes: one launch per run, no copies
+                sources = [(i, run) for i, sq in enumerate(seqs) for run in sq.load_runs(layer, 0, sq.n_load[layer], IN_PLACE_RUN, self.device)]
+            else:
+                sources = [(i, run) for i, sq in enumerate(seqs) for run in sq.load_runs(layer, 0, sq.n_load[layer], s.pingpong_blocks)]
             prepared = []
             if cpu_blocks is not None:
                 with record_function("attn.monolithic_prepare"):
@@ -263,9 +270,9 @@ class SplitDecoder:
             split = (sum(limits[i] for i in cpu_rows) * s.window, self._stats.last_load_tokens)
             if self.time_gpu:
                 self._gpu_timer, self._gpu_timer_done = self._stop_gpu_timer(self._gpu_timer), True
-            if prepared and self.cuda:  # the prepare buffer of this layer's parity is reused once these copies are done
+            if prepared and self.cuda:  # the prepare buffer of this layer's parity is reused once these copies (reads) are done
                 ev = torch.cuda.Event()
-                ev.record(self.copy_stream)
+                ev.record(torch.cuda.current_stream(self.device) if self.in_place else self.copy_stream)
                 self._stage_events[layer % 2] = ev
         except BaseException:  # never leave the worker reading a sequence the caller may free after an error,
             self._settle(fut, job)  # and report this error, not one the worker may meet as a consequence
@@ -391,11 +398,17 @@ class SplitDecoder:
             if buf is not None:
                 unpin(buf)
             buf = self._stage[slot] = host_empty((need, *s.block_shape()), s.dtype, pin=self.cuda)
+            self._stage_views[slot] = None
+        src, step = buf, s.pingpong_blocks
+        if self.in_place:  # the kernels read the staging buffer itself, one run per sequence
+            if self._stage_views[slot] is None:
+                self._stage_views[slot] = device_view(buf, self.device)
+            src, step = self._stage_views[slot], IN_PLACE_RUN
         out, off = [], 0
         for i, rows in runs:
             nb = rows.shape[2] // D
             buf[off : off + nb].copy_(rows.unflatten(2, (nb, D)).permute(2, 0, 1, 3, 4))
-            out += [(i, buf[a : min(off + nb, a + s.pingpong_blocks)]) for a in range(off, off + nb, s.pingpong_blocks)]
+            out += [(i, src[a : min(off + nb, a + step)]) for a in range(off, off + nb, step)]
             off += nb
         self._stats.prepare_seconds += time.perf_counter() - t0
         self._stats.prepared_bytes += off * s.block_bytes
@@ -420,6 +433,8 @@ class SplitDecoder:
         The copy stream waits for the compute stream only after prefill wrote load blocks, and
         for the evict stream only after an eviction into the load region; otherwise only for
         the buffer it refills, so the next layer's copies start while this one computes."""
+        if self.in_place:
+            return self._load_in_place(qg, sources, scale, evict_stream, plan)
         s = self.spec
         B, Hkv, G, _ = qg.shape
         fills = list(self._fills(sources))
@@ -472,6 +487,42 @@ class SplitDecoder:
                 self._free_events[b] = done
             start += total
         return None if plan is not None else merge_segments(o_blk, lse_blk, ids, B)
+
+    def _load_in_place(self, qg, sources, scale, evict_stream, plan=None):
+        """The load part read where it lies (``WRITESCOPE_LOAD_READ=in-place``): each run of
+        ``sources`` is a CUDA view of page-locked host blocks, attended by the same kernels as a
+        ping-pong fill, whose loads cross PCIe. Ordered on the current stream: after the
+        prefill's writes (same stream) and, once after an eviction into the load region, after
+        the evict stream. Returns as :meth:`_load_part`."""
+        s = self.spec
+        B = qg.shape[0]
+        if self.cuda and evict_stream is not None and self._evicted:
+            torch.cuda.current_stream(self.device).wait_stream(evict_stream)
+            self._evicted = False
+        self._load_written = False
+        if plan is None:
+            counts = [src.shape[0] for _, src in sources]
+            ids_host = torch.repeat_interleave(torch.tensor([i for i, _ in sources], dtype=torch.long), torch.tensor(counts, dtype=torch.long))
+            ids = self._to_device(ids_host)
+            acc = torch.promote_types(s.dtype, torch.float32)
+            q_blk = (qg.to(acc) * scale).index_select(0, ids)
+            o_parts, l_parts = [], []
+        start = 0
+        for _, src in sources:
+            n = src.shape[0]
+            if plan is not None:
+                self.gpu.fill(plan, qg, src, start, scale)
+            else:
+                k = src[:, 0]
+                v = src[:, 1] if s.parts == 2 else k[..., : s.layout.v_dim]
+                o, l = block_partials(q_blk[start : start + n], k, v)
+                o_parts.append(o)
+                l_parts.append(l)
+            self._stats.streamed_bytes += src.numel() * src.element_size()
+            start += n
+        if plan is not None or not sources:
+            return None
+        return merge_segments(torch.cat(o_parts), torch.cat(l_parts), ids, B)
 
     def _fills(self, sources):
         """Group runs ``(sequence index, [nb, parts, Hkv, D, dim])`` into buffer fills of at

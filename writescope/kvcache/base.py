@@ -93,7 +93,7 @@ class KVCache(ABC):
     def attend_begin(self, layer_id, q, k, v, batch: ForwardBatch, scale, sliding_window=None, prefill_attn=None):
         """Issue this layer's attention; :meth:`attend_end` with the returned handle gives the
         output. Same arguments and errors as :meth:`attend`; this default attends at once."""
-        return _Done(self.attend(layer_id, q, k, v, batch, scale, sliding_window, prefill_attn))
+        return AttendedNow(self.attend(layer_id, q, k, v, batch, scale, sliding_window, prefill_attn))
 
     def attend_end(self, handle) -> torch.Tensor:
         """The output of an :meth:`attend_begin` call: ``[T, q_heads, v_dim]`` in q's dtype."""
@@ -109,8 +109,9 @@ class KVCache(ABC):
         for whatever the begun calls still read, so the caller may free what they use."""
 
 
-class _Done:
-    """The handle of an attention computed at once."""
+class AttendedNow:
+    """The handle :meth:`KVCache.attend_begin` returns for an attention computed at once (its
+    output ready); caches that issue asynchronously return their own handles alongside it."""
 
     __slots__ = ("out",)
 

@@ -23,7 +23,7 @@ from torch.profiler import record_function
 from writescope.attention.metadata import ForwardBatch
 from writescope.attention.reference import attend_sequence
 from writescope.attention.split import SplitDecoder
-from writescope.kvcache.base import KVCache, _Done
+from writescope.kvcache.base import KVCache, AttendedNow
 from writescope.engine.threads import default_attention_threads
 from writescope.env import env_choice
 from writescope.kvcache.prefill_writer import PrefillWriter
@@ -178,10 +178,10 @@ class InplaceKVCache(KVCache):
         self.decoder.last_split = None  # a prefill: no decode split this layer (scheduler/expert_work.py)
         out = self._prefill_attend(layer_id, q, new, seqs, batch, scale, prefill_attn)
         self._evict_full(seqs, layer_id)
-        return _Done(out)
+        return AttendedNow(out)
 
     def attend_end(self, handle) -> torch.Tensor:
-        if isinstance(handle, _Done):
+        if isinstance(handle, AttendedNow):
             return handle.out
         self._pending.remove(handle.pending)
         out = self.decoder.decode_end(handle.pending)

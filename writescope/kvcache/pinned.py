@@ -55,6 +55,33 @@ def host_empty(shape: tuple[int, ...], dtype: torch.dtype, pin: bool) -> torch.T
     return t
 
 
+class _DeviceArray:
+    """A CUDA array interface over host bytes (for :func:`device_view`); holds the host tensor."""
+
+    def __init__(self, t: torch.Tensor):
+        self.host = t
+        self.__cuda_array_interface__ = {"data": (t.data_ptr(), False), "shape": (t.numel() * t.element_size(),), "typestr": "|u1",
+                                         "version": 3}
+
+
+def device_view(t: torch.Tensor, device: torch.device) -> torch.Tensor:
+    """A CUDA tensor over the bytes of the contiguous page-locked host tensor ``t`` (unified
+    addressing: a registered host page is read by kernels at its host address, over PCIe), same
+    shape and dtype; it keeps ``t`` alive. Without CUDA (``device`` not cuda) ``t`` itself.
+
+    Raises:
+        ValueError: ``t`` is not contiguous, or not page-locked on a CUDA device.
+    """
+    if device.type != "cuda":
+        return t
+    if not t.is_contiguous():
+        raise ValueError(f"device_view needs a contiguous host tensor, got strides {t.stride()} for {tuple(t.shape)}")
+    if not t.is_pinned():
+        raise ValueError(f"device_view needs page-locked host memory (host_empty with pin=True), got {tuple(t.shape)} unpinned")
+    raw = torch.as_tensor(_DeviceArray(t), device=device)  # [nbytes] uint8
+    return raw.view(t.dtype).view(t.shape)
+
+
 def unpin(t: torch.Tensor) -> None:
     """Undo :func:`host_empty`'s registration now (idempotent; a no-op for unpinned tensors)."""
     fin = getattr(t, "_writescope_unpin", None)

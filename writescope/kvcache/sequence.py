@@ -20,7 +20,7 @@ from dataclasses import dataclass
 
 import torch
 
-from writescope.kvcache.pinned import host_empty, unpin
+from writescope.kvcache.pinned import device_view, host_empty, unpin
 from writescope.kvcache.prefill_writer import STAGING_BUFFERS
 from writescope.kvcache.spec import PartitionSpec
 from writescope.scheduler.policies import COMPUTE, LOAD, PlacementPolicy, route_block
@@ -35,6 +35,7 @@ class LoadSlab:
     tensor: torch.Tensor  # [L, nblk, parts, kv_heads, D, dim]
     first: int
     pinned: bool
+    device_tensor: torch.Tensor | None = None  # the same bytes as a CUDA tensor (in-place reads), made on first use
 
     @property
     def nblk(self) -> int:
@@ -130,15 +131,22 @@ class SequenceKV:
                 return slab.tensor[layer, idx - slab.first]
         raise AssertionError(f"load block {idx} has no slab")
 
-    def load_runs(self, layer: int, start: int, stop: int, max_blocks: int) -> list[torch.Tensor]:
+    def load_runs(self, layer: int, start: int, stop: int, max_blocks: int, device: torch.device | None = None) -> list[torch.Tensor]:
         """Load blocks ``start .. stop - 1`` of ``layer`` as contiguous runs of at most
-        ``max_blocks`` blocks: each ``[nb, parts, kv_heads, D, dim]``, one copy each."""
+        ``max_blocks`` blocks: each ``[nb, parts, kv_heads, D, dim]``, one copy each. With a CUDA
+        ``device``: the same runs as CUDA tensors over the page-locked host bytes, for kernels
+        that read the load region in place (:func:`writescope.kvcache.pinned.device_view`)."""
         runs = []
         for slab in self.slabs:
             a, b = max(start, slab.first), min(stop, slab.first + slab.nblk)
+            src = slab.tensor
+            if device is not None and device.type == "cuda":
+                if slab.device_tensor is None:
+                    slab.device_tensor = device_view(slab.tensor, device)
+                src = slab.device_tensor
             for s in range(a, b, max_blocks):
                 e = min(b, s + max_blocks)
-                runs.append(slab.tensor[layer, s - slab.first : e - slab.first])
+                runs.append(src[layer, s - slab.first : e - slab.first])
         return runs
 
     def compute_kv(self, layer: int) -> tuple[torch.Tensor, torch.Tensor]:
@@ -170,6 +178,7 @@ class SequenceKV:
     def release(self) -> None:
         """Unregister pinned memory (the caller has synchronised pending copies)."""
         for slab in self.slabs:
+            slab.device_tensor = None
             if slab.pinned:
                 unpin(slab.tensor)
         if self.staging is not None and self.pin:

@@ -15,11 +15,29 @@ from dataclasses import dataclass, field
 import torch
 
 from writescope.config import KVLayout
+from writescope.env import env_choice
 
 DEFAULT_WINDOW = 256  # D, tokens (docs/DESIGN.md section 3)
 DEFAULT_PINGPONG_BYTES = 64 * 2**20  # bytes per ping-pong buffer
 DEFAULT_PINGPONG_BUFFERS = 2
 PINGPONG_ENV = "WRITESCOPE_PINGPONG_BUFFERS"
+
+
+LOAD_READ_ENV = "WRITESCOPE_LOAD_READ"
+LOAD_READS = ("copy", "in-place")
+
+
+def load_read_from_env() -> str:
+    """``WRITESCOPE_LOAD_READ``: how the GPU reads the load region in a decode step. ``copy`` (the
+    default): copied over PCIe into the ping-pong buffers on a copy stream, then attended there;
+    ``in-place``: the attention kernels read the page-locked blocks where they lie (unified
+    addressing), with no ping-pong buffers (their device memory goes to the budget) and no copy
+    stream.
+
+    Raises:
+        ValueError: another value (names it and the choices).
+    """
+    return env_choice(LOAD_READ_ENV, LOAD_READS)
 
 
 def pingpong_buffers_from_env() -> int:
@@ -76,6 +94,8 @@ class PartitionSpec:
         pingpong_buffers: GPU buffers the load region streams through (>= 2 for overlap; default
             ``WRITESCOPE_PINGPONG_BUFFERS`` or 2).
         pingpong_bytes: bytes per ping-pong buffer; rounded down to whole blocks (at least one).
+        load_read: ``copy`` or ``in-place`` (default ``WRITESCOPE_LOAD_READ`` or ``copy``): see
+            :func:`load_read_from_env`.
         roofline: calibrated A, B, C (the scheduler issue fills it; unused by static policies).
 
     Raises:
@@ -88,6 +108,7 @@ class PartitionSpec:
     dtype: torch.dtype
     window: int = DEFAULT_WINDOW
     pingpong_buffers: int = field(default_factory=pingpong_buffers_from_env)
+    load_read: str = field(default_factory=load_read_from_env)
     pingpong_bytes: int = DEFAULT_PINGPONG_BYTES
     roofline: Roofline | None = None
 
@@ -96,6 +117,8 @@ class PartitionSpec:
             raise ValueError(f"window D must be >= 1 token, got {self.window}")
         if self.pingpong_buffers < 1:
             raise ValueError(f"pingpong_buffers must be >= 1, got {self.pingpong_buffers}")
+        if self.load_read not in LOAD_READS:
+            raise ValueError(f"load_read must be one of {', '.join(LOAD_READS)}, got {self.load_read!r}")
         if not self.layout.shared_kv and self.layout.k_dim != self.layout.v_dim:
             raise ValueError(f"InplaceKVCache stores K and V in one block and needs equal widths, got {self.layout}")
 
@@ -136,7 +159,10 @@ class PartitionSpec:
         return batch * self.num_layers * self.block_bytes
 
     def pingpong_total_bytes(self) -> int:
-        """GPU bytes of all ping-pong buffers (shared by all layers and sequences)."""
+        """GPU bytes of all ping-pong buffers (shared by all layers and sequences); none when the
+        load region is read in place."""
+        if self.load_read == "in-place":
+            return 0
         return self.pingpong_buffers * self.pingpong_blocks * self.block_bytes
 
     def spill_tokens(self, capacity: int) -> int:

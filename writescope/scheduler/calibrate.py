@@ -54,7 +54,7 @@ from writescope.config import KVLayout
 from writescope.engine.timing import synchronized_seconds
 from writescope.errors import ArgError
 from writescope.kvcache.inplace import InplaceKVCache
-from writescope.kvcache.spec import DEFAULT_PINGPONG_BUFFERS, PartitionSpec, Roofline, pingpong_buffers_from_env
+from writescope.kvcache.spec import DEFAULT_PINGPONG_BUFFERS, PartitionSpec, Roofline, load_read_from_env, pingpong_buffers_from_env
 from writescope.paths import cache_dir
 from writescope.scheduler import limits as lim
 from writescope.scheduler.policies import StaticPolicy
@@ -70,7 +70,7 @@ HOST_FRACTION = 0.5  # a calibration point may use at most this fraction of the 
 def machine_key(device: torch.device) -> str:
     """CPU model, core count, torch threads, GPU name and, where selected (the default), the CPU
     attention kernel and its path instead of torch's flash op (``WRITESCOPE_CPU_ATTENTION``), and a
-    ping-pong buffer count other than the default: what A, B and C_split depend on. (Keys stored before the kernel was part of it stay valid for the flash op.)"""
+    ping-pong buffer count or load-region read other than the default: what A, B and C_split depend on. (Keys stored before the kernel was part of it stay valid for the flash op.)"""
     cpu = platform.processor() or platform.machine()
     try:
         with open("/proc/cpuinfo") as f:
@@ -82,6 +82,8 @@ def machine_key(device: torch.device) -> str:
     buffers = pingpong_buffers_from_env()
     if buffers != DEFAULT_PINGPONG_BUFFERS:  # how far the link runs ahead of a layer's CPU wait: B and C_split
         key += f"|{buffers} ping-pong buffers"
+    if load_read_from_env() != "copy":  # the load region read in place by the kernels: B and C_gpu
+        key += f"|load read {load_read_from_env()}"
     backend = cpu_kernel.backend_key()
     return key if backend == "flash" else f"{key}|cpu attention {backend}"
 
