@@ -1,6 +1,7 @@
-"""Expert phase of one MoE block: grouped GEMMs vs the per-expert loop, and the fraction of routed
-experts on the GPU (the rest computed on the CPU, or streamed to the GPU when an expert has at
-least writescope.moe.streaming.MIN_TOKENS tokens), for a decode batch and a long prefill chunk.
+"""Expert phase of one MoE block: grouped GEMMs vs the fused decode kernels (CUDA, decode sizes;
+writescope/moe/fused_decode.py) vs the per-expert loop, and the fraction of routed experts on the
+GPU (the rest computed on the CPU, or streamed to the GPU when an expert has at least
+writescope.moe.streaming.MIN_TOKENS tokens), for a decode batch and a long prefill chunk.
 Host experts are also run streamed whatever their tokens ("stream all", the decode default on
 CUDA) and split between streaming and the CPU ("stream share": ``SparseMoeBlock.stream_share``).
 (Until 0d63fa9 an opt-in pool of single-threaded CPU tasks was compared too, column "host
@@ -22,6 +23,7 @@ from __future__ import annotations
 
 import argparse
 import json
+import os
 import statistics
 from pathlib import Path
 
@@ -29,6 +31,7 @@ import torch
 
 from writescope.engine.model_loader import parse_dtype, resolve_config, resolve_device
 from writescope.engine.timing import synchronized_seconds
+from writescope.moe import fused_decode
 from writescope.moe.block import SparseMoeBlock
 from writescope.moe.router import route
 from writescope.moe.streaming import MIN_TOKENS
@@ -86,9 +89,12 @@ def main() -> None:
                 on_device = int(round(frac * E))
                 block.offload_experts(range(on_device, E))
                 share_path = f"grouped, stream share {args.stream_share:g}"
-                for path in ("grouped", "grouped, no streaming", "grouped, stream all", share_path, "loop"):
-                    if path != "grouped" and path != "loop" and on_device == E:
+                for path in ("grouped", "fused", "grouped, no streaming", "grouped, stream all", share_path, "loop"):
+                    if path not in ("grouped", "fused", "loop") and on_device == E:
                         continue  # nothing on the host to stream
+                    if path == "fused" and (on_device < E or T * cfg.moe.top_k > fused_decode.MAX_ROWS or device.type != "cuda"):
+                        continue  # the fused kernels: decode-sized, every expert on the GPU
+                    os.environ["WRITESCOPE_MOE_KERNEL"] = "fused" if path == "fused" else "grouped"
                     block.grouped, block.packed = path != "loop", None
                     block.stream_min_tokens = {"grouped": MIN_TOKENS, share_path: MIN_TOKENS, "grouped, stream all": 1}.get(path)
                     block.stream_share = args.stream_share if path == share_path else 0.0

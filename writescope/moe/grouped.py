@@ -22,6 +22,8 @@ from __future__ import annotations
 import torch
 import torch.nn.functional as F
 
+from writescope.moe import fused_decode
+
 _SUPPORTED: dict[tuple, bool] = {}
 ROW_CHUNK = 8192  # (token, expert) assignments per pair of grouped GEMMs
 
@@ -119,6 +121,9 @@ class PackedExperts:
             weights: ``[T, K]`` float32 routing weights; ids: ``[T, K]`` int64 expert ids.
             out: ``[T, D]``, float32 (or x's dtype); accumulated into in place.
         """
+        if out.dtype == torch.float32 and fused_decode.wanted(x, ids.numel()):  # decode: two Triton launches (fused_decode.py)
+            fused_decode.fused_experts_into(x, weights, ids, self.slot_of, self.w13, self.w2, self.inter, out)
+            return
         K, G = ids.shape[1], len(self.ids)
         slot = self.slot_of[ids.flatten()]  # [T*K]
         order = torch.argsort(slot, stable=True)
