@@ -69,6 +69,40 @@ def check_fused(device: str, dtype: torch.dtype) -> None:
         torch.testing.assert_close(out, 2 * before, rtol=1e-5, atol=1e-6)
 
 
+def check_block_in_place(device: str, dtype: torch.dtype) -> None:
+    """A MoE block (tiny-qwen3-moe's and tiny-deepseek-v2's shapes) with some experts on the host
+    and every hit one streamed (stream_share 1): with WRITESCOPE_MOE_KERNEL=fused its decode
+    forward reads them in place in the fused kernels, gives the grouped path's output within
+    TOL, and has a graph key (nothing read back to the host)."""
+    from writescope.engine.model_loader import resolve_config
+    from writescope.moe.block import SparseMoeBlock
+
+    for name in ("tiny-qwen3-moe", "tiny-deepseek-v2"):
+        cfg, _ = resolve_config(name)
+        torch.manual_seed(0)
+        block = SparseMoeBlock(cfg.moe, cfg.hidden_size, deepseek=cfg.model_type == "deepseek_v2").to(device, dtype)
+        with torch.no_grad():
+            for p in block.parameters():
+                p.normal_(0.0, 0.05)
+        E = cfg.moe.num_experts
+        for host in (range(1, E, 3), range(E)):  # some experts on the host; all of them
+            block.offload_experts(host)
+            block.pack()
+            block.stream_share = 1.0
+            x = torch.randn(5, cfg.hidden_size, device=device).to(dtype)
+            os.environ["WRITESCOPE_MOE_KERNEL"] = "grouped"
+            assert block.graph_key() is None  # the grouped path reads routing back for its host experts
+            with torch.no_grad():
+                ref = block(x).double()
+            os.environ["WRITESCOPE_MOE_KERNEL"] = "fused"
+            assert block.graph_key() is not None
+            with torch.no_grad():
+                got = block(x).double()
+            err = ((got - ref).norm() / ref.norm()).item()
+            assert err <= TOL, (name, len(host), err)
+        os.environ.pop("WRITESCOPE_MOE_KERNEL")
+
+
 def _interpreter_usable() -> str | None:
     if importlib.util.find_spec("triton") is None:
         return "Triton is not installed (CPU torch)"
@@ -81,7 +115,7 @@ def _interpreter_usable() -> str | None:
 
 @pytest.mark.skipif(_interpreter_usable() is not None, reason=str(_interpreter_usable()))
 def test_fused_experts_under_the_interpreter():
-    code = "import torch, tests.test_fused_experts as t\nt.check_fused('cpu', torch.float16)\n"
+    code = "import torch, tests.test_fused_experts as t\nt.check_fused('cpu', torch.float16)\nt.check_block_in_place('cpu', torch.float16)\n"
     env = dict(os.environ, TRITON_INTERPRET="1", PYTHONPATH=os.getcwd())
     r = subprocess.run([sys.executable, "-c", code], env=env, capture_output=True, text=True, timeout=900)
     assert r.returncode == 0, r.stdout[-3000:] + r.stderr[-6000:]
@@ -108,6 +142,7 @@ def test_fused_experts_on_cuda(monkeypatch):
     median (step, sequence) row within 3% of the logits' scale (a router near-tie may move a
     row further: the two paths round differently)."""
     check_fused("cuda", torch.bfloat16)
+    check_block_in_place("cuda", torch.bfloat16)  # the host experts' pack read over PCIe
     from writescope import LLM
     from writescope.attention.metadata import ForwardBatch
 

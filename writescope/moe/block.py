@@ -14,7 +14,8 @@ from torch.profiler import record_function
 from writescope.config import MoEConfig
 from writescope.engine.threads import intra_op_threads
 from writescope.layers.mlp import GatedMLP
-from writescope.moe import cpu_experts
+from writescope.kvcache.pinned import device_view
+from writescope.moe import cpu_experts, fused_decode
 from writescope.moe.grouped import PackedExperts, grouped_mm_supported
 from writescope.moe.streaming import MIN_TOKENS, run_streamed
 from writescope.moe.router import route
@@ -50,15 +51,38 @@ class SparseMoeBlock(nn.Module):
         # when set it replaces stream_share (the engine sets it for `--policy writescope`)
         self.expert_work = None
         self.routing_counts: torch.Tensor | None = None  # [E] int64 on the device while a profile records (moe/popularity.py)
+        self._host_views: tuple | None = None  # (w13, w2, slot_of) of the host pack as device tensors (reads in place)
 
     def graph_key(self):
-        """What a CUDA graph of this block depends on beyond shapes: the packed device experts; None
-        when a pass reads routing back to the host (host experts, the loop, no pack yet) or a
-        popularity profile records, so it cannot be captured (models/graphs.py)."""
-        if self.host_experts or self.routing_counts is not None or not self.grouped or self.packed is None:
+        """What a CUDA graph of this block depends on beyond shapes: the packed device experts (and,
+        read in place, the host pack); None when a pass reads routing back to the host (host
+        experts computed or streamed, the loop, no pack yet) or a popularity profile records, so
+        it cannot be captured (models/graphs.py)."""
+        if self.routing_counts is not None or not self.grouped:
+            return None
+        in_place = bool(self.host_experts) and self._host_in_place_configured()
+        if (self.host_experts and not in_place) or (self.packed is None and len(self.host_experts) < self.cfg.num_experts):
             return None
         p = self.packed  # what a captured stage reads of it, by address (a graph reads addresses, not objects)
-        return (p.w13.data_ptr(), p.w2.data_ptr(), p.slot_of.data_ptr(), tuple(p.ids))
+        key = () if p is None else (p.w13.data_ptr(), p.w2.data_ptr(), p.slot_of.data_ptr(), tuple(p.ids))
+        if in_place:
+            h = self.host_pack
+            key += (h.w13.data_ptr(), h.w2.data_ptr(), tuple(h.ids))
+        return key
+
+    def _host_in_place_configured(self) -> bool:
+        """Whether decode passes read the hit host experts' weights in place, over PCIe, inside the
+        fused kernels (``WRITESCOPE_MOE_KERNEL=fused``): only where every hit host expert would be
+        streamed anyway (``stream_share`` 1, no joint per-step split, room for streaming), so the
+        placement policy is unchanged; nothing is read back to the host and nothing is copied."""
+        return (self.host_pack is not None and self.stream_share >= 1.0 and self.expert_work is None and self.stream_min_tokens is not None
+                and fused_decode.env_fused())
+
+    def _host_device_views(self, device: torch.device) -> tuple:
+        if self._host_views is None:
+            h = self.host_pack
+            self._host_views = (device_view(h.w13, device), device_view(h.w2, device), h.slot_of.to(device))
+        return self._host_views
 
     def offload_experts(self, ids) -> None:
         """Move routed experts ``ids`` to host memory; their tokens are then computed on the CPU
@@ -72,7 +96,7 @@ class SparseMoeBlock(nn.Module):
         if bad:
             raise ValueError(f"expert ids {bad[:5]} outside [0, {self.cfg.num_experts})")
         device = self.gate.weight.device
-        was_packed, self.packed, self.host_pack = self.packed is not None, None, None
+        was_packed, self.packed, self.host_pack, self._host_views = self.packed is not None, None, None, None
         for e, expert in enumerate(self.experts):  # out first, then in: a re-placement never holds both on the device
             if e in ids:
                 expert.to("cpu")
@@ -109,6 +133,7 @@ class SparseMoeBlock(nn.Module):
 
     def _apply(self, fn, recurse=True):
         self.packed = None  # .to(device or dtype) moves the parameters one by one: pack again on the next forward
+        self._host_views = None
         return super()._apply(fn, recurse)
 
     def pack(self) -> bool:
@@ -143,6 +168,15 @@ class SparseMoeBlock(nn.Module):
         if self.packed is not None and not self.host_experts:
             with record_function("moe.device_experts"):
                 self.packed(x, weights, ids, out)
+            return self._shared(x, out)
+        if (self.host_experts and self._host_in_place_configured() and fused_decode.wanted(x, ids.numel())
+                and (self.packed is not None or len(self.host_experts) == self.cfg.num_experts)):
+            with record_function("moe.device_experts"):
+                if self.packed is not None:
+                    self.packed(x, weights, ids, out)  # the same fused kernels (wanted above)
+            with record_function("moe.host_experts_in_place"):
+                w13, w2, slot_of = self._host_device_views(x.device)
+                fused_decode.fused_experts_into(x, weights, ids, slot_of, w13, w2, self.cfg.intermediate_size, out)
             return self._shared(x, out)
         return self._split_forward(x, weights, ids, out)
 

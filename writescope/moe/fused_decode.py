@@ -40,6 +40,16 @@ MAX_ROWS = 1024  # (token, expert) assignments per call up to which the fused pa
 BLOCK_M, BLOCK_N, BLOCK_K = 16, 64, 128
 
 
+def env_fused() -> bool:
+    """``WRITESCOPE_MOE_KERNEL``: ``grouped`` (the default: torch's grouped GEMM) or ``fused`` (these
+    kernels for decode-sized calls; host experts that would be streamed are then read in place).
+
+    Raises:
+        ValueError: another value (names it and the choices).
+    """
+    return env_choice("WRITESCOPE_MOE_KERNEL", ("grouped", "fused")) == "fused"
+
+
 def wanted(x: torch.Tensor, rows: int) -> bool:
     """Whether a block's device experts take this path: ``WRITESCOPE_MOE_KERNEL=fused`` (default
     ``grouped``), Triton importable, x bf16 or fp16 on CUDA (or CPU under ``TRITON_INTERPRET=1``,
@@ -48,7 +58,7 @@ def wanted(x: torch.Tensor, rows: int) -> bool:
     Raises:
         ValueError: ``WRITESCOPE_MOE_KERNEL`` other than ``grouped`` or ``fused``.
     """
-    if env_choice("WRITESCOPE_MOE_KERNEL", ("grouped", "fused")) != "fused":
+    if not env_fused():
         return False
     if triton is None or x.dtype not in (torch.bfloat16, torch.float16) or rows > MAX_ROWS:
         return False
