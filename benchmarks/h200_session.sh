@@ -23,6 +23,8 @@
 #   bash benchmarks/h200_session.sh tpot MODEL # full-size MODEL under 32 GiB, machine text, TPOT of each policy one after another
 #     (TPOT_BATCH 16, TPOT_CONTEXT 32k, TPOT_NEW 24 new tokens, TPOT_POLICIES gpu,writescope, TPOT_TAG a file-name suffix,
 #      TPOT_FLAGS more generate flags)
+#   bash benchmarks/h200_session.sh variants MODEL  # one process, random KV: VAR_POLICIES rows such as writescope@WRITESCOPE_MICRO_BATCHES=2
+#     (VAR_BATCH 16, VAR_CONTEXT 32k, VAR_STEPS 12, VAR_REPEATS 2, VAR_BUDGET 32GiB, VAR_TAG a file-name suffix)
 #   bash benchmarks/h200_session.sh multi-user:MODEL  # issue 18: two request streams against writescope serve (needs fastapi, uvicorn,
 #     prometheus-client, httpx carried as wheels: the GPU machine has none)
 #   bash benchmarks/h200_session.sh joint MODEL  # issue 16: writescope's per-step expert split vs --expert-stream-share 1 and 0, and gpu
@@ -70,6 +72,12 @@ part() {
           --prefill-chunk-tokens 4096 --quiet ${TPOT_FLAGS:-} --output-json "$f.json" > "$f.log" 2>&1 || echo "$pol: exit $?"
         grep -E "TPOT|decode|r\(L\)|CPU attention|placement|VRAM" "$f.log" | sed "s/^/$pol: /" | head -8
       done ;;
+    variants)  # one model load, one process: the decode step under switch variants, the policies taking turns (bench POLICY@NAME=VALUE rows)
+      local f="$out/variants_${m}_${VAR_BATCH:-16}x${VAR_CONTEXT:-32k}${VAR_TAG:-}"
+      timeout "$(tmo 570)" python3 -m writescope.cli.main bench --model "$m" --synthetic --device cuda --vram-budget "${VAR_BUDGET:-32GiB}" \
+        --kv-fill random --batch "${VAR_BATCH:-16}" --context "${VAR_CONTEXT:-32k}" --steps "${VAR_STEPS:-12}" --repeats "${VAR_REPEATS:-2}" \
+        --policies "${VAR_POLICIES:-gpu,writescope,writescope@WRITESCOPE_MICRO_BATCHES=2,writescope@WRITESCOPE_MOE_KERNEL=fused}" --quiet \
+        --output-json "$f.json" 2>&1 | tee "$f.log" | tail -24 ;;
     multi-user)  # issue 18 item 5: two concurrent streams against the server, alone and together (MU_STREAMS, MU_POLICIES)
       timeout "$(tmo 400)" python3 benchmarks/multi_user.py --model "${m:-qwen3-30b-a3b}" --synthetic --device cuda --vram-budget 32GiB \
         --streams "${MU_STREAMS:-8x8k,4x8k}" --new-tokens "${MU_NEW:-32}" --policies "${MU_POLICIES:-gpu,static:0.25,writescope}" \

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import json
+import os
 
 import pytest
 
@@ -179,3 +180,40 @@ def test_bench_times_layers_without_synchronising(monkeypatch):
     row = runner.run_one(llm, cfg, 2, 40, "static:0.5")
     assert row.fits and row.attn_ms_per_layer > 0
     assert calls == [], f"{len(calls)} synchronisations inside the timed decode"
+
+
+def test_rows_run_under_their_own_switches(monkeypatch):
+    """POLICY@NAME=VALUE+...: the row's cache and forwards see its switches (two micro-batches,
+    the in-place load read), the environment is restored after it, and the tokens are those of
+    the plain policy; bad switches fail before any work, naming the switch."""
+    from writescope.bench import switches
+    from writescope.bench.runner import BenchConfig, run_one
+    from writescope.engine.llm import LLM
+
+    monkeypatch.delenv("WRITESCOPE_MICRO_BATCHES", raising=False)
+    monkeypatch.delenv("WRITESCOPE_LOAD_READ", raising=False)
+    assert switches.split("static:0.5@WRITESCOPE_MICRO_BATCHES=2+WRITESCOPE_LOAD_READ=in-place") == (
+        "static:0.5", {"WRITESCOPE_MICRO_BATCHES": "2", "WRITESCOPE_LOAD_READ": "in-place"})
+    assert switches.split("gpu") == ("gpu", {})
+    with pytest.raises(ValueError, match="WRITESCOPE_CUDA_GRAPHS is not a per-row switch"):
+        switches.check("gpu@WRITESCOPE_CUDA_GRAPHS=off")
+    with pytest.raises(ValueError, match="WRITESCOPE_MICRO_BATCHES='3'"):
+        switches.check("gpu@WRITESCOPE_MICRO_BATCHES=3")
+    with pytest.raises(ValueError, match="is not NAME=VALUE"):
+        switches.check("gpu@WRITESCOPE_MICRO_BATCHES")
+    llm = LLM("tiny-qwen3-moe", progress=False, policy="static:0.5", window=16)
+    cfg = BenchConfig([2], [64], ["static:0.5"], steps=3, window=16, warmup=False)
+    seen = {}
+    real = llm.generate
+
+    def spy(*a, **k):
+        seen["mb"], seen["in_place"] = llm.cache.micro_batches, llm.cache.decoder.in_place
+        return real(*a, **k)
+
+    monkeypatch.setattr(llm, "generate", spy)
+    row = run_one(llm, cfg, 2, 64, "static:0.5@WRITESCOPE_MICRO_BATCHES=2+WRITESCOPE_LOAD_READ=in-place")
+    assert row.fits and seen == {"mb": 2, "in_place": True}
+    assert row.extra["switches"] == {"WRITESCOPE_MICRO_BATCHES": "2", "WRITESCOPE_LOAD_READ": "in-place"}
+    assert "WRITESCOPE_MICRO_BATCHES" not in os.environ and "WRITESCOPE_LOAD_READ" not in os.environ
+    plain = run_one(llm, cfg, 2, 64, "static:0.5")
+    assert plain.fits and seen == {"mb": 1, "in_place": False}

@@ -27,6 +27,7 @@ from dataclasses import asdict, dataclass, field
 import torch
 from tqdm import tqdm
 
+from writescope.bench import switches
 from writescope.engine.llm import LLM
 from writescope.engine.sampling import SamplingParams
 from writescope.kvcache.inplace import InplaceKVCache
@@ -179,17 +180,21 @@ def run_one(llm: LLM, cfg: BenchConfig, batch: int, context: int, policy: str, r
     prompts = torch.randint(3, vocab, (batch, context), generator=g).tolist()
     params = SamplingParams(max_tokens=cfg.steps + 1, ignore_eos=True)
     timer = None
+    base, env = switches.split(policy)  # POLICY@NAME=VALUE+...: the row's own switches, for its cache and its forwards
+    if env:
+        row.extra["switches"] = env
     try:
-        llm.set_policy(policy, cfg.window, roofline=roofline)
-        timer = _TimedAttend(llm.cache, llm.device)
-        progress, llm.progress = llm.progress, False
-        if cfg.kv_fill == "random":
-            llm._prefill = _random_kv_prefill(llm, cfg.seed + batch + context)  # an instance attribute: removed below
-        try:
-            outs = llm.generate(prompt_token_ids=prompts, sampling_params=params)
-        finally:
-            llm.progress = progress
-            llm.__dict__.pop("_prefill", None)
+        with switches.applied(env):
+            llm.set_policy(base, cfg.window, roofline=roofline)
+            timer = _TimedAttend(llm.cache, llm.device)
+            progress, llm.progress = llm.progress, False
+            if cfg.kv_fill == "random":
+                llm._prefill = _random_kv_prefill(llm, cfg.seed + batch + context)  # an instance attribute: removed below
+            try:
+                outs = llm.generate(prompt_token_ids=prompts, sampling_params=params)
+            finally:
+                llm.progress = progress
+                llm.__dict__.pop("_prefill", None)
     except (ValueError, RuntimeError, torch.OutOfMemoryError) as e:
         reason = str(e).split("\n")[0]
         # the engine's advice names generate's flags; bench's requests are --context + --steps + 1 tokens

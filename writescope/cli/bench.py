@@ -18,7 +18,9 @@ def add_parser(sub) -> None:
     p.add_argument("--num-layers", type=int, default=None, help="keep only the first N decoder layers (synthetic weights; a shape benchmark)")
     p.add_argument("--batch", default="4", help="comma-separated batch sizes (default 4)")
     p.add_argument("--context", default="2k", help="comma-separated prompt lengths, k = 1024 (default 2k)")
-    p.add_argument("--policies", default="gpu,cpu,static:0.5,monolithic,writescope", help="comma-separated policies")
+    p.add_argument("--policies", default="gpu,cpu,static:0.5,monolithic,writescope",
+                   help="comma-separated policies; POLICY@NAME=VALUE+NAME=VALUE runs one under other switches (writescope/bench/switches.py), "
+                        "e.g. static:0.5@WRITESCOPE_MICRO_BATCHES=2")
     p.add_argument("--steps", type=int, default=8, help="decode steps per configuration (default 8)")
     p.add_argument("--repeats", type=int, default=3,
                    help="runs of every configuration, the policies taking turns (default 3): the table gives medians and "
@@ -73,11 +75,14 @@ def run(args: argparse.Namespace) -> int:
 
         if importlib.util.find_spec("matplotlib") is None:
             raise ValueError("--plot needs matplotlib: pip install matplotlib (or the project's [plot] extra)")
+    from writescope.bench import switches
+
     policies = [p.strip() for p in args.policies.split(",") if p.strip()]
-    needs_roofline = any(p.lower() in ("writescope", "monolithic") for p in policies)
+    needs_roofline = any(switches.split(p)[0].lower() in ("writescope", "monolithic") for p in policies)
     for p in policies:
-        if p.lower() not in ("writescope", "monolithic"):
-            parse_policy(p)  # a bad name fails before the model loads
+        switches.check(p)  # unknown switches and bad values fail before the model loads
+        if switches.split(p)[0].lower() not in ("writescope", "monolithic"):
+            parse_policy(switches.split(p)[0])  # a bad name fails before the model loads
     check_stream_share(args)
     check_output_file(args.output_json, "--output-json")  # before the model loads, not after the grid
     check_output_file(args.plot, "--plot")

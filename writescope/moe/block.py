@@ -64,7 +64,8 @@ class SparseMoeBlock(nn.Module):
         if (self.host_experts and not in_place) or (self.packed is None and len(self.host_experts) < self.cfg.num_experts):
             return None
         p = self.packed  # what a captured stage reads of it, by address (a graph reads addresses, not objects)
-        key = () if p is None else (p.w13.data_ptr(), p.w2.data_ptr(), p.slot_of.data_ptr(), tuple(p.ids))
+        # the kernels' choice too: a stage captured with one is never replayed for the other
+        key = (fused_decode.env_fused(),) + (() if p is None else (p.w13.data_ptr(), p.w2.data_ptr(), p.slot_of.data_ptr(), tuple(p.ids)))
         if in_place:
             h = self.host_pack
             key += (h.w13.data_ptr(), h.w2.data_ptr(), tuple(h.ids))

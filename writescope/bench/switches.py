@@ -1,0 +1,80 @@
+"""Per-row environment switches of ``writescope bench``: ``POLICY@NAME=VALUE+NAME=VALUE``.
+
+A grid row may run a policy under other settings of the switches that are read when a cache is
+made or on every forward, so variants compare in one process on the loaded weights (one model
+load, one random KV fill per row) instead of one process each, e.g.
+``--policies "static:0.5,static:0.5@WRITESCOPE_MICRO_BATCHES=2,gpu@WRITESCOPE_MOE_KERNEL=fused"``.
+
+Limits: the device-memory plan made at load stands (a switch that needs more device memory, such
+as more ping-pong buffers, is not re-planned, and may not fit where the default does); adaptive
+policies keep the roofline calibrated at load under the default switches; the CUDA graphs switch
+is read once per model, so it is not offered here.
+"""
+
+from __future__ import annotations
+
+import os
+from contextlib import contextmanager
+from typing import Callable, Iterator
+
+
+def _readers() -> dict[str, Callable[[], object]]:
+    from writescope.env import env_choice
+    from writescope.kvcache.inplace import _micro_batches
+    from writescope.kvcache.spec import load_read_from_env, pingpong_buffers_from_env
+    from writescope.moe.fused_decode import env_fused
+
+    return {
+        "WRITESCOPE_MICRO_BATCHES": _micro_batches,
+        "WRITESCOPE_MOE_KERNEL": env_fused,
+        "WRITESCOPE_LOAD_READ": load_read_from_env,
+        "WRITESCOPE_PINGPONG_BUFFERS": pingpong_buffers_from_env,
+        "WRITESCOPE_GPU_ATTENTION": lambda: env_choice("WRITESCOPE_GPU_ATTENTION", ("triton", "torch")),
+    }
+
+
+def split(entry: str) -> tuple[str, dict[str, str]]:
+    """``"static:0.5@A=1+B=x"`` -> ``("static:0.5", {"A": "1", "B": "x"})``; no ``@``: no switches.
+
+    Raises:
+        ValueError: an assignment without ``=`` or with an empty name (names the entry).
+    """
+    policy, _, rest = entry.partition("@")
+    switches: dict[str, str] = {}
+    for part in filter(None, (p.strip() for p in rest.split("+"))):
+        name, eq, value = part.partition("=")
+        if not eq or not name.strip():
+            raise ValueError(f"policy {entry!r}: switch {part!r} is not NAME=VALUE (e.g. static:0.5@WRITESCOPE_MICRO_BATCHES=2)")
+        switches[name.strip()] = value.strip()
+    return policy.strip(), switches
+
+
+def check(entry: str) -> None:
+    """Check an entry's switches before any work: known names, values their readers accept.
+
+    Raises:
+        ValueError: an unknown switch (names the ones offered), or a bad value (the reader's message).
+    """
+    _, switches = split(entry)
+    readers = _readers()
+    for name in switches:
+        if name not in readers:
+            raise ValueError(f"policy {entry!r}: {name} is not a per-row switch; use {', '.join(readers)}")
+    with applied(switches):
+        for name in switches:
+            readers[name]()
+
+
+@contextmanager
+def applied(switches: dict[str, str]) -> Iterator[None]:
+    """The environment with ``switches`` set, restored afterwards (also on errors)."""
+    old = {k: os.environ.get(k) for k in switches}
+    os.environ.update(switches)
+    try:
+        yield
+    finally:
+        for k, v in old.items():
+            if v is None:
+                os.environ.pop(k, None)
+            else:
+                os.environ[k] = v
