@@ -106,7 +106,7 @@ class EngineCore:
         n = next(self._ids)
         req = Request(request_id if request_id is not None else f"req-{n}", list(prompt_ids), params)
         if params.stop:
-            req.stops = StopStrings(self.llm.tokenizer.decode, params.stop)
+            req.stops = StopStrings(self.llm.tokenizer.decode, params.stop, params.include_stop_str_in_output)
         if params.logprobs is not None:
             req.logprobs = []
         if not params.greedy:
@@ -287,7 +287,7 @@ class EngineCore:
         text = req.stops.take(final=reason is not None) if req.stops is not None else None
         lps = tuple(req.logprobs[len(req.logprobs) - len(toks):]) if req.logprobs is not None else None
         out = StepOutput(req.request_id, tuple(toks), reason, req.error, len(req.prompt_ids), len(req.output_ids),
-                         req.pending_ttft, tuple(req.pending_itl), text, lps)
+                         req.pending_ttft, tuple(req.pending_itl), text, lps, req.stop_reason if reason is not None else None)
         req.pending_ttft, req.pending_itl = None, []
         return out
 

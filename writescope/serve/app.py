@@ -153,7 +153,8 @@ def build_app(state: ServerState, on_shutdown=None) -> FastAPI:
     def _params(body, max_tokens: int) -> SamplingParams:
         return SamplingParams(max_tokens=max_tokens, temperature=float(body.temperature), top_p=float(body.top_p),
                               seed=body.seed, ignore_eos=body.ignore_eos, stop_token_ids=tuple(body.stop_token_ids),
-                              stop=body.stop_strings, logprobs=body.top_logprobs_count)
+                              stop=body.stop_strings, logprobs=body.top_logprobs_count, n=body.n,
+                              include_stop_str_in_output=body.include_stop_str_in_output)
 
     def _check_model(body) -> None:
         if body.model != state.model_name:
@@ -164,7 +165,7 @@ def build_app(state: ServerState, on_shutdown=None) -> FastAPI:
         if max_tokens is None:  # chat without a limit: the rest of the context
             max_tokens = max(1, engine.max_model_len - len(ids))
         try:
-            return engine.submit(ids, _params(body, max_tokens), body.n)
+            return engine.submit(ids, _params(body, max_tokens))
         except ArgError as e:  # named with the body's fields
             raise APIError(400, e.worded({name: name for name in e.names}), "invalid_request_error",
                            e.names[0] if e.names else None) from None

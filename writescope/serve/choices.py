@@ -7,6 +7,9 @@ no stop string can still claim (``StepOutput.text``: the concatenation ends befo
 string); otherwise it is decoded here (streamed: :class:`~writescope.serve.detokenizer.Detokenizer`
 deltas; whole: ``tokenizer.decode`` of its tokens).
 
+Each choice carries vLLM's ``stop_reason`` beside OpenAI's ``finish_reason``: the stop string or
+the ``stop_token_ids`` token that ended it, else null (streamed: on its finishing chunk only).
+
 Usage: the prompt's tokens once, the completion tokens summed over the choices (each choice's
 tokens as generated, the ones that completed a stop string included).
 """
@@ -121,7 +124,8 @@ class ResponseFormat:
         """The non-streamed response of finished ``choices``."""
         body = []
         for c in choices:
-            d = {"index": c.index, "finish_reason": c.last.finish_reason, "logprobs": self._logprobs(c, c.logprobs, False)}
+            d = {"index": c.index, "finish_reason": c.last.finish_reason, "stop_reason": c.last.stop_reason,
+                 "logprobs": self._logprobs(c, c.logprobs, False)}
             if self.chat:
                 d["message"] = {"role": "assistant", "content": c.text()}
             else:
@@ -136,11 +140,13 @@ class ResponseFormat:
     def chunk(self, c: Choice, delta: Delta | None = None, finish: str | None = None, role: bool = False) -> str:
         """One SSE event for choice ``c``: the role (chat's first), a delta, or its finish."""
         lps = self._logprobs(c, delta.logprobs, True) if delta is not None else None
+        stop_reason = c.last.stop_reason if finish is not None else None
         if self.chat:
             d = {"role": "assistant", "content": ""} if role else ({} if delta is None else {"content": delta.text})
-            choice = {"index": c.index, "delta": d, "logprobs": lps, "finish_reason": finish}
+            choice = {"index": c.index, "delta": d, "logprobs": lps, "finish_reason": finish, "stop_reason": stop_reason}
         else:
-            choice = {"index": c.index, "text": delta.text if delta is not None else "", "logprobs": lps, "finish_reason": finish}
+            choice = {"index": c.index, "text": delta.text if delta is not None else "", "logprobs": lps, "finish_reason": finish,
+                      "stop_reason": stop_reason}
         if self.return_token_ids and not role:
             choice["token_ids"] = list(delta.ids) if delta is not None else []
         return sse({**self._head("chat.completion.chunk" if self.chat else "text_completion"), "choices": [choice]})

@@ -14,10 +14,11 @@ from typing import Annotated, Literal, Union
 from pydantic import (BaseModel, ConfigDict, Field, StrictBool, StrictFloat, StrictInt, StrictStr, ValidationInfo, field_validator,
                       model_validator)
 
+from writescope.engine.sampling import MAX_N  # noqa: F401 - choices per request (SamplingParams.n's limit)
+
 MAX_PROMPT_CHARS = 4 * 2**20  # a prompt of more characters is refused before tokenization
 MAX_MESSAGES = 4096
 MAX_STOP = 4  # stop strings per request (OpenAI's limit)
-MAX_N = 16  # choices per request
 MAX_TOP_LOGPROBS = 5  # top logprobs per token (the completions API's limit; chat's too here)
 
 Number = Union[StrictInt, StrictFloat]
@@ -47,6 +48,7 @@ class _Common(BaseModel):
     ignore_eos: StrictBool = False
     stop_token_ids: list[Annotated[StrictInt, Field(ge=0)]] = Field(default_factory=list, max_length=1024)
     return_token_ids: StrictBool = False  # each choice also carries its token ids (``token_ids``)
+    include_stop_str_in_output: StrictBool = False  # the stop string that ended the text stays in it
 
     @field_validator("stop")
     @classmethod
