@@ -101,8 +101,7 @@ class EngineCore:
                 ``max_model_len``, or KV that cannot fit even alone.
         """
         if not checked:
-            check_token_ids([prompt_ids], self.llm.config.vocab_size, "prompt")
-            self.scheduler.check(len(prompt_ids), params.max_tokens)
+            self.check(prompt_ids, params.max_tokens)
         n = next(self._ids)
         req = Request(request_id if request_id is not None else f"req-{n}", list(prompt_ids), params)
         if params.stop:
@@ -113,6 +112,17 @@ class EngineCore:
             req.generator = torch.Generator(device=self.llm.device)
             req.generator.manual_seed(params.seed if params.seed is not None else self.llm.seed + n)
         return req
+
+    def check(self, prompt_ids: list[int], max_tokens: int) -> None:
+        """Refuse a request of ``prompt_ids`` and ``max_tokens`` new tokens that could never run
+        (what :meth:`make_request` checks; safe to call from another thread, as it is).
+
+        Raises:
+            ArgError: an id outside the vocabulary, an empty prompt, prompt + max_tokens beyond
+                ``max_model_len``, or KV that cannot fit even alone.
+        """
+        check_token_ids([prompt_ids], self.llm.config.vocab_size, "prompt")
+        self.scheduler.check(len(prompt_ids), max_tokens)
 
     def add(self, req: Request) -> None:
         """Queue a request from :meth:`make_request`; it runs in a later :meth:`step`."""

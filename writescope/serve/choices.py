@@ -99,11 +99,14 @@ class ResponseFormat:
         tokenizer: decodes logprobs' tokens.
         return_token_ids: each choice (and chunk) also carries its ``token_ids`` (vLLM's extension).
         logprobs: the request asked for logprobs (each choice and chunk carries its tokens').
+        echo: completions' ``echo``: the prompt's text, put before each choice's
+            (:mod:`writescope.serve.echo`); None: no echo.
     """
 
-    def __init__(self, chat: bool, rid: str, created: int, model: str, tokenizer, return_token_ids: bool, logprobs: bool):
+    def __init__(self, chat: bool, rid: str, created: int, model: str, tokenizer, return_token_ids: bool, logprobs: bool,
+                 echo: str | None = None):
         self.chat, self.rid, self.created, self.model = chat, rid, created, model
-        self.return_token_ids, self.want_logprobs = return_token_ids, logprobs
+        self.return_token_ids, self.want_logprobs, self.echo = return_token_ids, logprobs, echo
         self.lp = LogprobFormatter(tokenizer)
 
     def _head(self, obj: str) -> dict:
@@ -129,7 +132,7 @@ class ResponseFormat:
             if self.chat:
                 d["message"] = {"role": "assistant", "content": c.text()}
             else:
-                d["text"] = c.text()
+                d["text"] = (self.echo or "") + c.text()
             if self.return_token_ids:
                 d["token_ids"] = c.ids
             body.append(d)
@@ -137,6 +140,14 @@ class ResponseFormat:
                 "usage": usage(choices)}
 
     # ------------------------------------------------------------ streamed
+    def opening(self, choices: list[Choice]) -> list[str]:
+        """The events before any choice's tokens: chat's role, or the echoed prompt, one per choice."""
+        if self.chat:
+            return [self.chunk(c, role=True) for c in choices]
+        if self.echo is not None:
+            return [self.chunk(c, Delta(self.echo, [], [])) for c in choices]
+        return []
+
     def chunk(self, c: Choice, delta: Delta | None = None, finish: str | None = None, role: bool = False) -> str:
         """One SSE event for choice ``c``: the role (chat's first), a delta, or its finish."""
         lps = self._logprobs(c, delta.logprobs, True) if delta is not None else None
