@@ -384,6 +384,7 @@ class LLM:
         t_first = max(r.first_token_at for r in reqs)  # all first tokens are sampled after the whole prefill
         prefill_s, decode_s = t_first - t0, t_end - t_first
         decode_tokens = sum(len(r.output_ids) - 1 for r in reqs)
+        prefilled = sum(len(r.prompt_ids) for r in reqs)  # every choice prefills its prompt
         choices = []
         for (i, c, _), r in zip(flat, reqs):
             n = len(r.output_ids)
@@ -393,15 +394,15 @@ class LLM:
                 ttft_s=prefill_s,
                 tpot_s=(r.last_token_at - t_first) / (n - 1) if n > 1 else 0.0,
                 e2e_s=r.last_token_at - t0,
-                prefill_tok_s=sum(len(r.prompt_ids) for r in reqs) / prefill_s,  # every choice prefills its prompt
+                prefill_tok_s=prefilled / prefill_s,
                 decode_tok_s=decode_tokens / decode_s if decode_tokens else 0.0,
                 peak_memory_bytes=peak,
             )
             text = r.stops.text if r.stops is not None else self.tokenizer.decode(r.output_ids)  # stop strings: cut at the first
             choices.append(CompletionOutput(c, text, r.output_ids, r.finish_reason, r.stop_reason, r.logprobs, metrics, r.kv_placement))
         outputs = []
-        for i, group_i in enumerate(group(flat, choices)):
-            outputs.append(RequestOutput.of(self._next_request_id, texts[i], ids[i], group_i))
+        for i, its in enumerate(group(flat, choices)):
+            outputs.append(RequestOutput.of(self._next_request_id, texts[i], ids[i], its))
             self._next_request_id += 1
         return outputs
 

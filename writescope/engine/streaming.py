@@ -119,8 +119,9 @@ class TextStreamer:
 
 
 class BatchProgress:
-    """``on_tokens`` for a batch: a tqdm bar of the tokens generated, with tok/s (from the first
-    token on) and the requests finished (as vLLM's ``LLM.generate`` shows), on stderr.
+    """``on_tokens`` for a batch of one choice per prompt (``SamplingParams.n`` = 1, as the CLI
+    runs): a tqdm bar of the tokens generated, with tok/s (from the first token on) and the
+    requests finished (as vLLM's ``LLM.generate`` shows), on stderr.
 
     Args:
         max_tokens: each request's ``max_tokens`` (the bar's total; a request that stops early
