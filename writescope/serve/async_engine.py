@@ -20,6 +20,7 @@ import queue
 import threading
 import time
 import traceback
+
 from writescope.engine.choices import expand
 from writescope.engine.request import StepOutput
 from writescope.engine.runner import EngineCore
