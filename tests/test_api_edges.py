@@ -89,8 +89,8 @@ def test_cli_errors_name_the_cli_flags(capsys, argv, named, not_named):
 
 # ------------------------------------------------------------------ documented public names
 DOCUMENTED = {  # README's API and the package rows of docs/ARCHITECTURE.md
-    "writescope": ["LLM", "SamplingParams", "RequestOutput", "RequestMetrics"],
-    "writescope.engine": ["LLM", "SamplingParams", "RequestOutput"],
+    "writescope": ["LLM", "SamplingParams", "RequestOutput", "CompletionOutput", "RequestMetrics"],
+    "writescope.engine": ["LLM", "SamplingParams", "RequestOutput", "CompletionOutput"],
     "writescope.config": ["ModelConfig", "AttentionConfig", "RopeConfig", "MoEConfig", "KVLayout"],
     "writescope.attention": ["ForwardBatch", "attend_sequence", "merge_states"],
     "writescope.layers": ["RMSNorm", "GatedMLP", "GQAAttention", "MLAAttention"],

@@ -12,7 +12,6 @@ the synthetic model happens to say. No test depends on timing: waits poll a cond
 
 from __future__ import annotations
 
-import json
 import threading
 
 import pytest
@@ -29,9 +28,10 @@ from writescope.serve.app import ServerState, build_app  # noqa: E402
 from writescope.serve.async_engine import AsyncEngine  # noqa: E402
 from writescope.serve.chat_template import ChatTemplate  # noqa: E402
 from writescope.serve.server import ServerThread  # noqa: E402
-from serve_helpers import WAIT_S, metrics, start_server, stop_server, wait_until  # noqa: E402
+from serve_helpers import (MODEL, WAIT_S, complete, metrics, per_choice, post, sse, start_server, stop_server,  # noqa: E402
+                           stream, wait_until)
+from stop_helpers import inner_stop, spanning_stop, token_texts  # noqa: E402
 
-MODEL = "tiny-qwen3-moe"
 MAX_LEN = 2048
 PROMPT = "hello"
 NEW = 24  # greedy reference length
@@ -68,73 +68,6 @@ def server(llm):
 
 
 # ---------------------------------------------------------------- helpers
-def post(server, path: str, **body) -> httpx.Response:
-    return httpx.post(server.url + path, json={"model": MODEL, **body}, timeout=WAIT_S)
-
-
-def complete(server, **body) -> dict:
-    r = post(server, "/v1/completions", **body)
-    assert r.status_code == 200, r.text
-    return r.json()
-
-
-def sse(text: str) -> list[dict]:
-    """The JSON events of a server-sent-event body, checking it ends with exactly one [DONE]."""
-    data = [ln[len("data: "):] for ln in text.splitlines() if ln.startswith("data: ")]
-    assert data and data[-1] == "[DONE]" and data.count("[DONE]") == 1, data[-3:]
-    return [json.loads(d) for d in data[:-1]]
-
-
-def stream(server, path: str = "/v1/completions", **body) -> list[dict]:
-    r = post(server, path, stream=True, **body)
-    assert r.status_code == 200, r.text
-    return sse(r.text)
-
-
-def per_choice(events: list[dict], chat: bool = False) -> dict[int, dict]:
-    """{index: {"text", "finish" (list of finish reasons seen), "ids", "logprobs" (chunks' logprobs), "texts" (running)}}."""
-    out: dict[int, dict] = {}
-    for e in events:
-        for c in e["choices"]:
-            s = out.setdefault(c["index"], {"text": "", "finish": [], "ids": [], "logprobs": [], "texts": []})
-            s["text"] += (c["delta"].get("content") or "") if chat else c["text"]
-            s["texts"].append(s["text"])
-            s["ids"] += c.get("token_ids", [])
-            if c["finish_reason"] is not None:
-                s["finish"].append(c["finish_reason"])
-            if c["logprobs"] is not None:
-                s["logprobs"].append(c["logprobs"])
-    return out
-
-
-def token_texts(tok, ids: list[int]) -> list[str]:
-    return [tok.decode([t]) for t in ids]
-
-
-def spanning_stop(tok, ids: list[int]) -> tuple[str, int, str]:
-    """(a stop string made of the end of one token's text and the start of the next's, the tokens
-    generated up to the one completing it, the text before it), from greedy ``ids``."""
-    texts, text = token_texts(tok, ids), tok.decode(ids)
-    assert "".join(texts) == text
-    for k in range(1, len(ids) - 1):
-        a, b = texts[k], texts[k + 1]
-        start = len("".join(texts[: k + 1])) - 2
-        if len(a) >= 2 and len(b) >= 2 and text.find(a[-2:] + b[:2]) == start:
-            return a[-2:] + b[:2], k + 2, text[:start]
-    raise AssertionError(f"no token boundary to put a stop string on in {texts}")
-
-
-def inner_stop(tok, ids: list[int], after: int) -> tuple[str, int, str]:
-    """A stop string inside one token's text (text after it in that token is cut too), in a
-    token from index ``after`` on."""
-    texts, text = token_texts(tok, ids), tok.decode(ids)
-    for k in range(after, len(ids)):
-        start = len("".join(texts[:k])) + 1
-        if len(texts[k]) >= 4 and text.find(texts[k][1:3]) == start:
-            return texts[k][1:3], k + 1, text[:start]
-    raise AssertionError(f"no token of 4+ characters in {texts[after:]}")
-
-
 def reference_logprobs(ref_llm, prompt_ids: list[int], out_ids: list[int]) -> torch.Tensor:
     """``[len(out_ids), vocab]``: log_softmax of the model's logits for each output position,
     each from a prefill of the prompt and the output before it (the model's forward alone: not

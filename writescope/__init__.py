@@ -8,8 +8,8 @@ Python API (shaped like vLLM's)::
 """
 
 from writescope.engine.llm import LLM
-from writescope.engine.outputs import RequestMetrics, RequestOutput
+from writescope.engine.outputs import CompletionOutput, RequestMetrics, RequestOutput
 from writescope.engine.sampling import SamplingParams
 
-__all__ = ["LLM", "SamplingParams", "RequestOutput", "RequestMetrics"]
+__all__ = ["LLM", "SamplingParams", "RequestOutput", "CompletionOutput", "RequestMetrics"]
 __version__ = "0.1.0"

@@ -2,7 +2,7 @@
 ``RequestOutput``; also exported by ``writescope``)."""
 
 from writescope.engine.llm import LLM
-from writescope.engine.outputs import RequestMetrics, RequestOutput
+from writescope.engine.outputs import CompletionOutput, RequestMetrics, RequestOutput
 from writescope.engine.sampling import SamplingParams
 
-__all__ = ["LLM", "SamplingParams", "RequestOutput", "RequestMetrics"]
+__all__ = ["LLM", "SamplingParams", "RequestOutput", "CompletionOutput", "RequestMetrics"]

@@ -16,7 +16,8 @@ from writescope.budget.plan import make_plan, parse_size
 from writescope.engine.model_loader import load_model, parse_dtype, resolve_config, resolve_device
 from writescope.layers.attention import mla_prefill_mode
 from writescope.errors import ArgError, plural
-from writescope.engine.outputs import RequestMetrics, RequestOutput
+from writescope.engine.choices import expand_batch, group
+from writescope.engine.outputs import CompletionOutput, RequestMetrics, RequestOutput
 from writescope.engine.prompts import check_token_ids, token_lists, too_long
 from writescope.engine.runner import EngineCore, prefill_batch
 from writescope.engine.sampling import SamplingParams
@@ -304,7 +305,7 @@ class LLM:
                 raise ArgError(f"{name}[{i}] is empty (0 tokens): give every request at least one token", name)
             if len(p) + sp.max_tokens > self.max_model_len:
                 raise too_long(name, i, len(p), sp.max_tokens, self.max_model_len, self.config.max_position_embeddings)
-        self._check_memory([len(p) + sp.max_tokens for p, sp in zip(ids, plist)])
+        self._check_memory([len(p) + sp.max_tokens for p, sp in zip(ids, plist) for _ in range(sp.n)])  # n slots each
         return texts, ids, plist
 
     def _check_memory(self, capacities: list[int]) -> None:
@@ -336,10 +337,15 @@ class LLM:
         (``{"prompt": ...}``, ``{"prompt_token_ids": [...]}``); or the ids as ``prompt_token_ids``.
         ``on_tokens`` is called with the new tokens as they are sampled:
         after the prefill and after every decode step (see :mod:`writescope.engine.streaming`).
-        Sampled requests without a seed use ``seed`` + their index in the batch. With
-        ``SamplingParams.stop`` a request's text ends before the first stop string it produces
-        (its ``token_ids`` keep the token that completed it); with ``SamplingParams.logprobs``
-        each output carries its tokens' logprobs (``RequestOutput.logprobs``).
+        Returns one :class:`RequestOutput` per prompt, in order, with its ``SamplingParams.n``
+        choices in ``outputs`` (its own fields are choice 0's). Each choice is a request of its
+        own (:mod:`writescope.engine.choices`: choice i seeded ``seed + i`` with a seed); sampled
+        choices without a seed use the engine's ``seed`` + their index among the batch's
+        choices (with n = 1, the prompt's index). ``on_tokens`` events carry the prompt's index
+        and the choice. With ``SamplingParams.stop`` a choice's text ends before the first stop
+        string it produces (after it with ``include_stop_str_in_output``; its ``token_ids`` keep
+        the token that completed it, ``stop_reason`` names it); with ``SamplingParams.logprobs``
+        each choice carries its tokens' logprobs (``CompletionOutput.logprobs``).
 
         Raises:
             ValueError (``ArgError``, naming the argument): empty prompts, an id outside the
@@ -352,8 +358,9 @@ class LLM:
         if self.device.type == "cuda":
             torch.cuda.reset_peak_memory_stats(self.device)
         core = EngineCore(self, offline=True)
-        reqs = [core.make_request(p, sp, checked=True) for p, sp in zip(ids, plist)]
-        index = {r.request_id: i for i, r in enumerate(reqs)}
+        flat = expand_batch(plist)  # (prompt, choice, params) of every choice
+        reqs = [core.make_request(ids[i], sp, checked=True) for i, _, sp in flat]
+        index = {r.request_id: k for k, r in enumerate(reqs)}
         for r in reqs:
             core.add(r)
         try:
@@ -364,8 +371,9 @@ class LLM:
             while core.has_work():
                 outs = sorted(core.step(), key=lambda o: index[o.request_id])
                 if on_tokens is not None:
-                    on_tokens([TokenEvent(index[o.request_id], t, o.finish_reason if j == len(o.new_token_ids) - 1 else None)
-                               for o in outs for j, t in enumerate(o.new_token_ids)])
+                    where = [flat[index[o.request_id]][:2] for o in outs]  # (prompt, choice)
+                    on_tokens([TokenEvent(i, t, o.finish_reason if j == len(o.new_token_ids) - 1 else None, c)
+                               for o, (i, c) in zip(outs, where) for j, t in enumerate(o.new_token_ids)])
             t_end = time.perf_counter()
         finally:
             self.decode_host = list(core.decode_host)
@@ -376,8 +384,9 @@ class LLM:
         t_first = max(r.first_token_at for r in reqs)  # all first tokens are sampled after the whole prefill
         prefill_s, decode_s = t_first - t0, t_end - t_first
         decode_tokens = sum(len(r.output_ids) - 1 for r in reqs)
-        outputs = []
-        for i, r in enumerate(reqs):
+        prefilled = sum(len(r.prompt_ids) for r in reqs)  # every choice prefills its prompt
+        choices = []
+        for (i, c, _), r in zip(flat, reqs):
             n = len(r.output_ids)
             metrics = RequestMetrics(
                 prompt_tokens=len(ids[i]),
@@ -385,13 +394,15 @@ class LLM:
                 ttft_s=prefill_s,
                 tpot_s=(r.last_token_at - t_first) / (n - 1) if n > 1 else 0.0,
                 e2e_s=r.last_token_at - t0,
-                prefill_tok_s=sum(map(len, ids)) / prefill_s,
+                prefill_tok_s=prefilled / prefill_s,
                 decode_tok_s=decode_tokens / decode_s if decode_tokens else 0.0,
                 peak_memory_bytes=peak,
             )
-            text = r.stops.text if r.stops is not None else self.tokenizer.decode(r.output_ids)  # stop strings: cut before the first
-            outputs.append(RequestOutput(self._next_request_id, texts[i], ids[i], r.output_ids, text, r.finish_reason, metrics,
-                                         r.kv_placement, r.logprobs))
+            text = r.stops.text if r.stops is not None else self.tokenizer.decode(r.output_ids)  # stop strings: cut at the first
+            choices.append(CompletionOutput(c, text, r.output_ids, r.finish_reason, r.stop_reason, r.logprobs, metrics, r.kv_placement))
+        outputs = []
+        for i, its in enumerate(group(flat, choices)):
+            outputs.append(RequestOutput.of(self._next_request_id, texts[i], ids[i], its))
             self._next_request_id += 1
         return outputs
 

@@ -1,4 +1,4 @@
-"""What ``LLM.generate`` returns: per-request tokens, text and metrics."""
+"""What ``LLM.generate`` returns: per prompt, its choices' tokens, text and metrics."""
 
 from __future__ import annotations
 
@@ -29,9 +29,37 @@ class RequestMetrics:
 
 
 @dataclass
+class CompletionOutput:
+    """One choice of a request (vLLM's ``CompletionOutput``).
+
+    ``finish_reason`` is ``"stop"`` (an end or stop token, or a stop string: ``text`` ends before
+    it, or after it with ``SamplingParams.include_stop_str_in_output``) or ``"length"``.
+    ``stop_reason`` (vLLM's): the stop string that ended the text, or the token of
+    ``SamplingParams.stop_token_ids`` that ended it; None otherwise (an end-of-sequence token, a
+    length limit). ``token_ids`` keep every generated token, the one completing a stop string
+    included.
+    """
+
+    index: int
+    text: str
+    token_ids: list[int]
+    finish_reason: str
+    stop_reason: str | int | None = None
+    #: with ``SamplingParams.logprobs``: one :class:`~writescope.engine.logprobs.TokenLogprobs`
+    #: per token of ``token_ids``; else None
+    logprobs: list[TokenLogprobs] | None = field(default=None, repr=False)
+    metrics: RequestMetrics | None = field(default=None, repr=False)
+    #: tokens of this choice's KV per region when it finished (``window``, ``compute``,
+    #: ``load``); None under the ``resident`` policy
+    kv_placement: dict[str, int] | None = field(default=None, repr=False)
+
+
+@dataclass
 class RequestOutput:
-    """One finished request. ``finish_reason`` is ``"stop"`` (end or stop token, or a stop string:
-    ``text`` ends before it) or ``"length"``."""
+    """One finished prompt: ``outputs`` holds its ``SamplingParams.n`` choices
+    (:class:`CompletionOutput`, by index: vLLM's shape). The fields beside it are choice 0's
+    (with ``n == 1`` the only one), so ``out.text`` reads as ``out.outputs[0].text``; see
+    :class:`CompletionOutput` for ``finish_reason`` and ``stop_reason``."""
 
     request_id: int
     prompt: str | None
@@ -40,12 +68,22 @@ class RequestOutput:
     text: str
     finish_reason: str
     metrics: RequestMetrics = field(repr=False)
-    #: tokens of this request's KV per region when it finished (``window``, ``compute``,
-    #: ``load``); None under the ``resident`` policy
+    #: choice 0's KV per region when it finished (``window``, ``compute``, ``load``); None under
+    #: the ``resident`` policy
     kv_placement: dict[str, int] | None = field(default=None, repr=False)
-    #: with ``SamplingParams.logprobs``: one :class:`~writescope.engine.logprobs.TokenLogprobs`
-    #: per token of ``token_ids``; else None
+    #: choice 0's logprobs (with ``SamplingParams.logprobs``; else None)
     logprobs: list[TokenLogprobs] | None = field(default=None, repr=False)
+    stop_reason: str | int | None = None
+    #: every choice, by index (``outputs[0]`` is the fields above)
+    outputs: list[CompletionOutput] = field(default_factory=list, repr=False)
+
+    @classmethod
+    def of(cls, request_id: int, prompt: str | None, prompt_token_ids: list[int],
+           choices: list[CompletionOutput]) -> "RequestOutput":
+        """The output of a prompt and its ``choices`` (at least one, by index)."""
+        c = choices[0]
+        return cls(request_id, prompt, prompt_token_ids, c.token_ids, c.text, c.finish_reason, c.metrics, c.kv_placement,
+                   c.logprobs, c.stop_reason, list(choices))
 
     def to_dict(self) -> dict:
         return asdict(self)

@@ -67,6 +67,18 @@ class Request:
         return len(self.prompt_ids) + self.params.max_tokens
 
     @property
+    def stop_reason(self) -> str | int | None:
+        """Once finished with ``stop``: the stop string that ended its text, or its last token if
+        that is one of ``params.stop_token_ids``; None otherwise (an end token, a length limit,
+        not finished). vLLM's ``stop_reason``."""
+        if self.finish_reason != "stop":
+            return None
+        if self.stops is not None and self.stops.stopped:
+            return self.stops.matched
+        last = self.output_ids[-1] if self.output_ids else None
+        return last if last in self.params.stop_token_ids else None
+
+    @property
     def context_len(self) -> int:
         """Tokens in its cache before its next decode step: prompt + generated - 1 (the last
         generated token is the next step's input)."""
@@ -90,6 +102,8 @@ class StepOutput:
             string may still claim it; the pieces concatenate to the final text, which ends
             before the stop string); None without stop strings (decode ``new_token_ids``).
         logprobs: with ``params.logprobs``, one :class:`TokenLogprobs` per new token; else None.
+        stop_reason: on the last output, :attr:`Request.stop_reason` (the stop string or stop
+            token id that ended it, or None).
     """
 
     request_id: str
@@ -102,6 +116,7 @@ class StepOutput:
     itl_s: tuple[float, ...] = ()
     text: str | None = None
     logprobs: tuple[TokenLogprobs, ...] | None = None
+    stop_reason: str | int | None = None
 
     @property
     def finished(self) -> bool:

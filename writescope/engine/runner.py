@@ -101,18 +101,28 @@ class EngineCore:
                 ``max_model_len``, or KV that cannot fit even alone.
         """
         if not checked:
-            check_token_ids([prompt_ids], self.llm.config.vocab_size, "prompt")
-            self.scheduler.check(len(prompt_ids), params.max_tokens)
+            self.check(prompt_ids, params.max_tokens)
         n = next(self._ids)
         req = Request(request_id if request_id is not None else f"req-{n}", list(prompt_ids), params)
         if params.stop:
-            req.stops = StopStrings(self.llm.tokenizer.decode, params.stop)
+            req.stops = StopStrings(self.llm.tokenizer.decode, params.stop, params.include_stop_str_in_output)
         if params.logprobs is not None:
             req.logprobs = []
         if not params.greedy:
             req.generator = torch.Generator(device=self.llm.device)
             req.generator.manual_seed(params.seed if params.seed is not None else self.llm.seed + n)
         return req
+
+    def check(self, prompt_ids: list[int], max_tokens: int) -> None:
+        """Refuse a request of ``prompt_ids`` and ``max_tokens`` new tokens that could never run
+        (what :meth:`make_request` checks; safe to call from another thread, as it is).
+
+        Raises:
+            ArgError: an id outside the vocabulary, an empty prompt, prompt + max_tokens beyond
+                ``max_model_len``, or KV that cannot fit even alone.
+        """
+        check_token_ids([prompt_ids], self.llm.config.vocab_size, "prompt")
+        self.scheduler.check(len(prompt_ids), max_tokens)
 
     def add(self, req: Request) -> None:
         """Queue a request from :meth:`make_request`; it runs in a later :meth:`step`."""
@@ -287,7 +297,7 @@ class EngineCore:
         text = req.stops.take(final=reason is not None) if req.stops is not None else None
         lps = tuple(req.logprobs[len(req.logprobs) - len(toks):]) if req.logprobs is not None else None
         out = StepOutput(req.request_id, tuple(toks), reason, req.error, len(req.prompt_ids), len(req.output_ids),
-                         req.pending_ttft, tuple(req.pending_itl), text, lps)
+                         req.pending_ttft, tuple(req.pending_itl), text, lps, req.stop_reason if reason is not None else None)
         req.pending_ttft, req.pending_itl = None, []
         return out
 

@@ -10,6 +10,8 @@ import torch
 from writescope.engine.logprobs import MAX_LOGPROBS, TokenLogprobs, logprob_rows, unpack
 from writescope.errors import ArgError
 
+MAX_N = 16  # choices per prompt (SamplingParams.n; the server's ``n`` too)
+
 
 @dataclass(frozen=True)
 class SamplingParams:
@@ -21,13 +23,18 @@ class SamplingParams:
         top_p: nucleus sampling mass in (0, 1]; 1 keeps the whole distribution.
         seed: per-request random seed (sampling only); ``None`` uses the engine seed + index.
         ignore_eos: keep generating after an end-of-sequence token (benchmarks).
-        stop_token_ids: extra token ids that end a request.
+        stop_token_ids: extra token ids that end a request (the output's ``stop_reason`` is the id).
         stop: strings that end a request (a string or a sequence of them, non-empty): its text
-            ends before the first one it contains (:mod:`writescope.engine.stop_strings`);
-            finish_reason ``stop``.
+            ends before the first one it contains, or after it with
+            ``include_stop_str_in_output`` (:mod:`writescope.engine.stop_strings`); finish_reason
+            ``stop``, the output's ``stop_reason`` that string.
         logprobs: None: no logprobs; k in [0, MAX_LOGPROBS]: each generated token's logprob and
             the k most likely tokens' (log_softmax of the raw logits, before temperature:
             :mod:`writescope.engine.logprobs`).
+        n: choices per prompt, in [1, MAX_N]: each its own request of the prompt, choice i
+            sampled with ``seed + i`` when ``seed`` is given (:mod:`writescope.engine.choices`).
+        include_stop_str_in_output: keep the stop string that ended the text in it (vLLM's
+            extension; the text still ends at that string's end).
 
     Raises:
         ValueError: on construction, for any value outside the ranges above.
@@ -41,6 +48,8 @@ class SamplingParams:
     stop_token_ids: tuple[int, ...] = ()
     stop: tuple[str, ...] = ()
     logprobs: int | None = None
+    n: int = 1
+    include_stop_str_in_output: bool = False
 
     def __post_init__(self) -> None:
         if not isinstance(self.max_tokens, int) or self.max_tokens < 1:
@@ -57,6 +66,11 @@ class SamplingParams:
         if self.logprobs is not None and (isinstance(self.logprobs, bool) or not isinstance(self.logprobs, int)
                                           or not 0 <= self.logprobs <= MAX_LOGPROBS):
             raise ArgError(f"logprobs must be None or an integer in [0, {MAX_LOGPROBS}], got {self.logprobs!r}", "logprobs")
+        if isinstance(self.n, bool) or not isinstance(self.n, int) or not 1 <= self.n <= MAX_N:
+            raise ArgError(f"n (choices per prompt) must be an integer in [1, {MAX_N}], got {self.n!r}", "n")
+        if not isinstance(self.include_stop_str_in_output, bool):
+            raise ArgError(f"include_stop_str_in_output must be True or False, got {self.include_stop_str_in_output!r}",
+                           "include_stop_str_in_output")
 
     @property
     def greedy(self) -> bool:

@@ -33,12 +33,14 @@ class TokenEvent:
     Attributes:
         index: the request's position in the batch (the order of the prompts).
         token_id: the new token.
-        finish_reason: ``"stop"`` or ``"length"`` when this token ends the request, else None.
+        finish_reason: ``"stop"`` or ``"length"`` when this token ends the request's choice, else None.
+        choice: which of the prompt's ``SamplingParams.n`` choices it belongs to (0 with n = 1).
     """
 
     index: int
     token_id: int
     finish_reason: str | None
+    choice: int = 0
 
 
 #: ``LLM.generate(on_tokens=...)``: called after the prefill (the first token of every request) and
@@ -108,17 +110,18 @@ class TextStreamer:
             self._write(self.header + "\n")
             self.header = None
         for e in events:
-            if e.index != 0:
-                raise ValueError(f"TextStreamer streams one request, got an event for request {e.index}: "
-                                 "use BatchProgress for a batch")
+            if e.index != 0 or e.choice != 0:
+                raise ValueError(f"TextStreamer streams one request of one choice, got an event for request {e.index}, "
+                                 f"choice {e.choice}: use BatchProgress for a batch")
             self._write(self.detok.push(e.token_id))
             if e.finish_reason is not None:
                 self._write(self.detok.finish())
 
 
 class BatchProgress:
-    """``on_tokens`` for a batch: a tqdm bar of the tokens generated, with tok/s (from the first
-    token on) and the requests finished (as vLLM's ``LLM.generate`` shows), on stderr.
+    """``on_tokens`` for a batch of one choice per prompt (``SamplingParams.n`` = 1, as the CLI
+    runs): a tqdm bar of the tokens generated, with tok/s (from the first token on) and the
+    requests finished (as vLLM's ``LLM.generate`` shows), on stderr.
 
     Args:
         max_tokens: each request's ``max_tokens`` (the bar's total; a request that stops early

@@ -14,8 +14,11 @@ finish_reason ``stop``; streamed text never shows a stop string's beginning befo
 to be one), ``n`` (1-16 independent choices, choice i sampled with seed + i; streamed chunks are
 tagged with their choice's index, each choice gets its own final chunk), ``logprobs`` (completions:
 0-5 top tokens in the legacy shape; chat: ``logprobs: true`` and ``top_logprobs`` 0-5; log_softmax
-of the raw logits, before temperature, as vLLM gives by default: writescope/serve/logprobs.py);
-vLLM's ``ignore_eos``, ``stop_token_ids`` and ``return_token_ids``. Shapes: writescope/serve/choices.py.
+of the raw logits, before temperature, as vLLM gives by default: writescope/serve/logprobs.py),
+completions' ``echo`` (the prompt's text before each choice's; ``max_tokens: 0`` gives the prompt
+alone; not with ``logprobs``: writescope/serve/echo.py); vLLM's ``ignore_eos``, ``stop_token_ids``,
+``include_stop_str_in_output`` and ``return_token_ids``. Each choice carries vLLM's ``stop_reason``
+(the stop string or stop token id that ended it, else null). Shapes: writescope/serve/choices.py.
 
 A client that disconnects cancels its request (all its choices): the engine frees their KV at its
 next step; a choice that fails inside the engine cancels the others.
@@ -40,6 +43,7 @@ from writescope.errors import ArgError
 from writescope.serve.async_engine import AsyncEngine, EngineDead, QueueFull
 from writescope.serve.chat_template import ChatTemplate
 from writescope.serve.choices import Choice, ResponseFormat, usage
+from writescope.serve.echo import prompt_only, prompt_text
 from writescope.serve.metrics import ServeMetrics
 from writescope.serve.protocol import ChatCompletionRequest, CompletionRequest
 
@@ -153,7 +157,8 @@ def build_app(state: ServerState, on_shutdown=None) -> FastAPI:
     def _params(body, max_tokens: int) -> SamplingParams:
         return SamplingParams(max_tokens=max_tokens, temperature=float(body.temperature), top_p=float(body.top_p),
                               seed=body.seed, ignore_eos=body.ignore_eos, stop_token_ids=tuple(body.stop_token_ids),
-                              stop=body.stop_strings, logprobs=body.top_logprobs_count)
+                              stop=body.stop_strings, logprobs=body.top_logprobs_count, n=body.n,
+                              include_stop_str_in_output=body.include_stop_str_in_output)
 
     def _check_model(body) -> None:
         if body.model != state.model_name:
@@ -164,7 +169,9 @@ def build_app(state: ServerState, on_shutdown=None) -> FastAPI:
         if max_tokens is None:  # chat without a limit: the rest of the context
             max_tokens = max(1, engine.max_model_len - len(ids))
         try:
-            return engine.submit(ids, _params(body, max_tokens), body.n)
+            if max_tokens == 0:  # echo alone (the protocol allows 0 with echo only): nothing for the engine to do
+                return prompt_only(engine, ids, body.n)
+            return engine.submit(ids, _params(body, max_tokens))
         except ArgError as e:  # named with the body's fields
             raise APIError(400, e.worded({name: name for name in e.names}), "invalid_request_error",
                            e.names[0] if e.names else None) from None
@@ -181,7 +188,8 @@ def build_app(state: ServerState, on_shutdown=None) -> FastAPI:
         _check_model(body)
         ids = state.tokenizer.encode(body.prompt) if isinstance(body.prompt, str) else list(body.prompt)
         stream = _submit(engine, ids, body.max_tokens, body)
-        return await _respond(request, engine, stream, body, chat=False)
+        echo = prompt_text(body.prompt, ids, state.tokenizer) if body.echo else None
+        return await _respond(request, engine, stream, body, chat=False, echo=echo)
 
     @app.post("/v1/chat/completions")
     async def chat_completions(body: ChatCompletionRequest, request: Request):
@@ -194,10 +202,10 @@ def build_app(state: ServerState, on_shutdown=None) -> FastAPI:
         stream = _submit(engine, state.tokenizer.encode(text), body.max_new, body)
         return await _respond(request, engine, stream, body, chat=True)
 
-    async def _respond(request: Request, engine: AsyncEngine, stream, body, chat: bool):
+    async def _respond(request: Request, engine: AsyncEngine, stream, body, chat: bool, echo: str | None = None):
         rid = ("chatcmpl-" if chat else "cmpl-") + uuid.uuid4().hex[:24]
         fmt = ResponseFormat(chat, rid, int(time.time()), state.model_name, state.tokenizer, body.return_token_ids,
-                             body.top_logprobs_count is not None)
+                             body.top_logprobs_count is not None, echo)
         if body.stream:
             gen = _sse(engine, stream, body, fmt)
             return StreamingResponse(gen, media_type="text/event-stream", headers={"Cache-Control": "no-cache"})
@@ -239,9 +247,8 @@ def build_app(state: ServerState, on_shutdown=None) -> FastAPI:
         choices = [Choice(i, state.tokenizer, streaming=True) for i in range(stream.n)]
         complete = False
         try:
-            if fmt.chat:
-                for c in choices:
-                    yield fmt.chunk(c, role=True)
+            for event in fmt.opening(choices):  # chat's roles, or the echoed prompt
+                yield event
             failed = None
             while failed is None and not complete:
                 # take what is queued already (a slow reader gets fewer, larger chunks), per choice in order

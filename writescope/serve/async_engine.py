@@ -6,9 +6,10 @@ inbox (``queue.SimpleQueue``); the thread takes them between steps, and blocks o
 it has nothing to run (no polling). Engine -> handler: each request's :class:`StepOutput`\\ s go to
 its :class:`RequestStream`, an ``asyncio.Queue`` fed with ``loop.call_soon_threadsafe``.
 
-A request with ``n`` choices is ``n`` engine requests of one prompt (choice i samples with
-``seed + i`` when a seed is given), submitted and cancelled together: they take ``n`` places in
-the waiting queue (all or none), and their outputs come on one stream, tagged with their index.
+A request with ``n`` choices (``SamplingParams.n``) is ``n`` engine requests of one prompt,
+expanded as ``LLM.generate`` expands them (:mod:`writescope.engine.choices`: choice i samples
+with ``seed + i`` when a seed is given), submitted and cancelled together: they take ``n`` places
+in the waiting queue (all or none), and their outputs come on one stream, tagged with their index.
 """
 
 from __future__ import annotations
@@ -19,8 +20,8 @@ import queue
 import threading
 import time
 import traceback
-from dataclasses import replace
 
+from writescope.engine.choices import expand
 from writescope.engine.request import StepOutput
 from writescope.engine.runner import EngineCore
 from writescope.engine.sampling import SamplingParams
@@ -114,23 +115,24 @@ class AsyncEngine:
         self._thread.start()
 
     # ------------------------------------------------------------ handler side
-    def submit(self, prompt_ids: list[int], params: SamplingParams, n: int = 1) -> RequestStream:
-        """Queue ``n`` choices of one prompt (call on the event loop); returns their stream.
-        Choice ``i`` samples with ``params.seed + i`` when a seed is given (else each its own
-        engine seed), so the choices differ under sampling and are reproducible.
+    def submit(self, prompt_ids: list[int], params: SamplingParams) -> RequestStream:
+        """Queue the ``params.n`` choices of one prompt (call on the event loop); returns their
+        stream. Choice ``i`` samples with ``params.seed + i`` when a seed is given (else each its
+        own engine seed), so the choices differ under sampling and are reproducible.
 
         Raises:
             ArgError: a request that could never run (see :meth:`EngineCore.make_request`), ``n``
-                below 1 or above ``max_queue``, or ``n`` choices whose KV could never be held at
-                once (:meth:`Scheduler.check_group`).
+                above ``max_queue``, or ``n`` choices whose KV could never be held at once
+                (:meth:`Scheduler.check_group`).
             QueueFull: fewer than ``n`` places are left of ``max_queue``.
             EngineDead: the engine stopped.
         """
         if not self._alive:
             raise EngineDead(self.error or "the engine is shut down")
-        if n < 1 or n > max(1, self.max_queue):
+        n = params.n
+        if n > max(1, self.max_queue):
             raise ArgError(f"n must be in [1, {max(1, self.max_queue)}] (--max-queue {self.max_queue}), got {n}", "n")
-        choices = [params if params.seed is None or i == 0 else replace(params, seed=params.seed + i) for i in range(n)]
+        choices = expand(params)
         reqs = [self.core.make_request(prompt_ids, p, request_id=f"req-{next(self._ids)}", checked=i > 0)
                 for i, p in enumerate(choices)]  # the first is checked; the others are the same request
         if n > 1:

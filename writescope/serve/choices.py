@@ -7,6 +7,9 @@ no stop string can still claim (``StepOutput.text``: the concatenation ends befo
 string); otherwise it is decoded here (streamed: :class:`~writescope.serve.detokenizer.Detokenizer`
 deltas; whole: ``tokenizer.decode`` of its tokens).
 
+Each choice carries vLLM's ``stop_reason`` beside OpenAI's ``finish_reason``: the stop string or
+the ``stop_token_ids`` token that ended it, else null (streamed: on its finishing chunk only).
+
 Usage: the prompt's tokens once, the completion tokens summed over the choices (each choice's
 tokens as generated, the ones that completed a stop string included).
 """
@@ -96,11 +99,14 @@ class ResponseFormat:
         tokenizer: decodes logprobs' tokens.
         return_token_ids: each choice (and chunk) also carries its ``token_ids`` (vLLM's extension).
         logprobs: the request asked for logprobs (each choice and chunk carries its tokens').
+        echo: completions' ``echo``: the prompt's text, put before each choice's
+            (:mod:`writescope.serve.echo`); None: no echo.
     """
 
-    def __init__(self, chat: bool, rid: str, created: int, model: str, tokenizer, return_token_ids: bool, logprobs: bool):
+    def __init__(self, chat: bool, rid: str, created: int, model: str, tokenizer, return_token_ids: bool, logprobs: bool,
+                 echo: str | None = None):
         self.chat, self.rid, self.created, self.model = chat, rid, created, model
-        self.return_token_ids, self.want_logprobs = return_token_ids, logprobs
+        self.return_token_ids, self.want_logprobs, self.echo = return_token_ids, logprobs, echo
         self.lp = LogprobFormatter(tokenizer)
 
     def _head(self, obj: str) -> dict:
@@ -121,11 +127,12 @@ class ResponseFormat:
         """The non-streamed response of finished ``choices``."""
         body = []
         for c in choices:
-            d = {"index": c.index, "finish_reason": c.last.finish_reason, "logprobs": self._logprobs(c, c.logprobs, False)}
+            d = {"index": c.index, "finish_reason": c.last.finish_reason, "stop_reason": c.last.stop_reason,
+                 "logprobs": self._logprobs(c, c.logprobs, False)}
             if self.chat:
                 d["message"] = {"role": "assistant", "content": c.text()}
             else:
-                d["text"] = c.text()
+                d["text"] = (self.echo or "") + c.text()
             if self.return_token_ids:
                 d["token_ids"] = c.ids
             body.append(d)
@@ -133,14 +140,24 @@ class ResponseFormat:
                 "usage": usage(choices)}
 
     # ------------------------------------------------------------ streamed
+    def opening(self, choices: list[Choice]) -> list[str]:
+        """The events before any choice's tokens: chat's role, or the echoed prompt, one per choice."""
+        if self.chat:
+            return [self.chunk(c, role=True) for c in choices]
+        if self.echo is not None:
+            return [self.chunk(c, Delta(self.echo, [], [])) for c in choices]
+        return []
+
     def chunk(self, c: Choice, delta: Delta | None = None, finish: str | None = None, role: bool = False) -> str:
         """One SSE event for choice ``c``: the role (chat's first), a delta, or its finish."""
         lps = self._logprobs(c, delta.logprobs, True) if delta is not None else None
+        stop_reason = c.last.stop_reason if finish is not None else None
         if self.chat:
             d = {"role": "assistant", "content": ""} if role else ({} if delta is None else {"content": delta.text})
-            choice = {"index": c.index, "delta": d, "logprobs": lps, "finish_reason": finish}
+            choice = {"index": c.index, "delta": d, "logprobs": lps, "finish_reason": finish, "stop_reason": stop_reason}
         else:
-            choice = {"index": c.index, "text": delta.text if delta is not None else "", "logprobs": lps, "finish_reason": finish}
+            choice = {"index": c.index, "text": delta.text if delta is not None else "", "logprobs": lps, "finish_reason": finish,
+                      "stop_reason": stop_reason}
         if self.return_token_ids and not role:
             choice["token_ids"] = list(delta.ids) if delta is not None else []
         return sse({**self._head("chat.completion.chunk" if self.chat else "text_completion"), "choices": [choice]})

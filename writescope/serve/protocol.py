@@ -1,10 +1,12 @@
 """Request bodies of the OpenAI API (the fields this server reads), validated by pydantic:
 strict types (``"max_tokens": "10"`` is refused, not coerced), ranges, and sizes.
 
-Fields the server does not read are ignored (clients send many); those it cannot honour
-(``echo``) are refused with a message naming them. ``stop`` is a string or up to MAX_STOP
-non-empty strings; ``n`` is 1..MAX_N; completions' ``logprobs`` is 0..MAX_TOP_LOGPROBS (the
-legacy API's limit), chat's is a bool with ``top_logprobs`` 0..MAX_TOP_LOGPROBS beside it.
+Fields the server does not read are ignored (clients send many); combinations it cannot honour
+(completions' ``echo`` with ``logprobs``: the prompt's logprobs are not computed) are refused with a
+message naming them. ``stop`` is a string or up to MAX_STOP non-empty strings; ``n`` is 1..MAX_N;
+completions' ``logprobs`` is 0..MAX_TOP_LOGPROBS (the legacy API's limit), chat's is a bool with
+``top_logprobs`` 0..MAX_TOP_LOGPROBS beside it; completions' ``max_tokens`` may be 0 with ``echo``
+only (the prompt back, nothing generated).
 """
 
 from __future__ import annotations
@@ -14,10 +16,11 @@ from typing import Annotated, Literal, Union
 from pydantic import (BaseModel, ConfigDict, Field, StrictBool, StrictFloat, StrictInt, StrictStr, ValidationInfo, field_validator,
                       model_validator)
 
+from writescope.engine.sampling import MAX_N  # noqa: F401 - choices per request (SamplingParams.n's limit)
+
 MAX_PROMPT_CHARS = 4 * 2**20  # a prompt of more characters is refused before tokenization
 MAX_MESSAGES = 4096
 MAX_STOP = 4  # stop strings per request (OpenAI's limit)
-MAX_N = 16  # choices per request
 MAX_TOP_LOGPROBS = 5  # top logprobs per token (the completions API's limit; chat's too here)
 
 Number = Union[StrictInt, StrictFloat]
@@ -47,6 +50,7 @@ class _Common(BaseModel):
     ignore_eos: StrictBool = False
     stop_token_ids: list[Annotated[StrictInt, Field(ge=0)]] = Field(default_factory=list, max_length=1024)
     return_token_ids: StrictBool = False  # each choice also carries its token ids (``token_ids``)
+    include_stop_str_in_output: StrictBool = False  # the stop string that ended the text stays in it
 
     @field_validator("stop")
     @classmethod
@@ -67,8 +71,8 @@ class CompletionRequest(_Common):
     """``POST /v1/completions``: ``prompt`` is one string or one list of token ids."""
 
     prompt: Annotated[StrictStr, Field(max_length=MAX_PROMPT_CHARS)] | TokenIds
-    max_tokens: StrictInt | None = Field(16, ge=1)  # OpenAI's default
-    echo: StrictBool = False
+    max_tokens: StrictInt | None = Field(16, ge=0)  # OpenAI's default; 0 with echo only
+    echo: StrictBool = False  # each choice's text starts with the prompt's
     logprobs: StrictInt | None = Field(None, ge=0, le=MAX_TOP_LOGPROBS)  # the legacy shape: tokens, token_logprobs, ...
 
     @property
@@ -76,10 +80,18 @@ class CompletionRequest(_Common):
         """Top logprobs per token to compute (None: no logprobs)."""
         return self.logprobs
 
+    @field_validator("logprobs")
+    @classmethod
+    def _logprobs(cls, v, info: ValidationInfo):
+        if v is not None and info.data.get("echo"):
+            raise ValueError("echo with logprobs is not supported (the prompt's logprobs, which echo would return, are not "
+                             "computed here): drop echo or logprobs")
+        return v
+
     @model_validator(mode="after")
-    def _echo(self):
-        if self.echo:
-            raise ValueError("echo is not supported")
+    def _max_tokens(self):
+        if self.max_tokens == 0 and not self.echo:
+            raise ValueError("max_tokens 0 generates nothing: give max_tokens >= 1, or echo: true to get the prompt back alone")
         return self
 
 
