@@ -261,14 +261,13 @@ def test_tuning_from_the_environment(monkeypatch):
     assert kernel.prepare(progress=False) == f"C++ kernel ({kernel.best_path()}, tuning 12)"
     assert kernel.backend_key().endswith(" tuning 12")
     ext = kernel._extension()
-    monkeypatch.setattr(kernel, "_tuning_applied", False)  # as on a fresh process's first use
-    old = ext.set_tuning(2)
-    try:
-        kernel._extension()
-        assert ext.set_tuning(old) == 12
-    finally:
-        ext.set_tuning(old)
-    monkeypatch.delenv("WRITESCOPE_CPU_TUNING")
+    assert ext.tuning() == 12
+    monkeypatch.setenv("WRITESCOPE_CPU_TUNING", "8")  # changed after the first use: applied on the next
+    kernel._extension()
+    assert ext.tuning() == 8 and kernel.backend_key().endswith(" tuning 8")
+    monkeypatch.delenv("WRITESCOPE_CPU_TUNING")  # gone: the kernel's own default again
+    kernel._extension()
+    assert ext.tuning() == 12  # PACED | PV_DIRECT (cpu_kernel.cpp)
     assert kernel.tuning_from_env() is None and "tuning" not in kernel.backend_key()
 
 

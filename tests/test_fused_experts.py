@@ -75,6 +75,7 @@ def check_block_in_place(device: str, dtype: torch.dtype) -> None:
     forward reads them in place in the fused kernels, gives the grouped path's output within
     TOL, and has a graph key (nothing read back to the host)."""
     from writescope.engine.model_loader import resolve_config
+    from writescope.moe import fused_decode
     from writescope.moe.block import SparseMoeBlock
 
     for name in ("tiny-qwen3-moe", "tiny-deepseek-v2"):
@@ -95,9 +96,25 @@ def check_block_in_place(device: str, dtype: torch.dtype) -> None:
             with torch.no_grad():
                 ref = block(x).double()
             os.environ["WRITESCOPE_MOE_KERNEL"] = "fused"
-            assert block.graph_key() is not None
-            with torch.no_grad():
-                got = block(x).double()
+            assert block.graph_key(x.shape[0]) is not None
+            calls = {"fused": 0}
+            real_fused, real_split = fused_decode.fused_experts_into, block._split_forward
+
+            def count(*a, **k):
+                calls["fused"] += 1
+                return real_fused(*a, **k)
+
+            def refuse(*a, **k):
+                raise AssertionError("the in-place path read routing back to the host (_split_forward)")
+
+            fused_decode.fused_experts_into, block._split_forward = count, refuse
+            try:
+                with torch.no_grad():
+                    got = block(x).double()
+            finally:
+                fused_decode.fused_experts_into = real_fused
+                del block._split_forward
+            assert calls["fused"] == (1 if len(host) == E else 2), calls  # the host pack (and the device pack)
             err = ((got - ref).norm() / ref.norm()).item()
             assert err <= TOL, (name, len(host), err)
         os.environ.pop("WRITESCOPE_MOE_KERNEL")

@@ -236,6 +236,9 @@ def test_micro_batched_steps_on_cuda_match_whole_batches_and_never_wait(preset, 
     torch.testing.assert_close(logits["fp32", "2"], logits["fp32", "1"], atol=1e-3 * scale, rtol=0,
                                msg=lambda m: f"{m}\n(fp32; scale {scale:.4g})")
     assert torch.isfinite(logits["bf16", "2"]).all()
+    # bf16: a router near-tie may move a (step, sequence) row; most rows stay within bf16 rounding
+    rows = (logits["bf16", "2"] - logits["bf16", "1"]).abs().amax(-1).flatten()
+    assert rows.median().item() <= 0.03 * logits["bf16", "1"].abs().max().item(), rows.tolist()
 
 
 def test_generate_records_the_main_threads_issue_and_wait_per_decode_step():

@@ -204,7 +204,7 @@ static void portion(const Plan& P, int64_t sg, int64_t j0, int64_t j1, int64_t s
       const bool linear = tuning & LINEAR_FIRST;
       const uint16_t* Vpf = burst && own_v ? Vb : nullptr;
       if (pf.on()) {  // this chunk's products carry the lines up to `ahead` keys past its end
-        const int64_t e = c0 + m + ahead, blocks = (m + 15) / 16;
+        const int64_t e = std::min(j1, c0 + m + ahead), blocks = (m + 15) / 16;
         const char* target[2] = {kbase + e * krow, vbase + e * vrow};
         const int64_t qk = blocks * (dk / 32), pv = direct ? blocks * (dv / 16) : (m + 31) / 32 * (dv / 16);
         pf.plan(target, qk + pv);
@@ -475,6 +475,7 @@ int64_t read_tensors(std::vector<at::Tensor> ts, int64_t threads) {
 
 int64_t path_for(int64_t isa, bool bf16, int64_t dk, int64_t dv) { return choose(isa, bf16, dk, dv); }
 int64_t set_tuning(int64_t flags) { return ws::g_tuning.exchange(flags); }
+int64_t get_tuning() { return ws::g_tuning.load(); }
 int64_t best() { return best_isa(); }
 
 static int32_t* flag_ptr(const at::Tensor& flags, int64_t index) {
@@ -512,6 +513,7 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
   m.def("path_for", &path_for, "the path attend takes for these inputs (0 portable, 1 avx512bf16, 2 amx, 3 amx-emulated)");
   m.def("best", &best, "the best path this CPU and OS offer");
   m.def("set_tuning", &set_tuning, "benchmarks: set the bf16 paths' tuning flags (cpu_kernel.cpp, Tuning); returns the old");
+  m.def("tuning", &get_tuning, "the bf16 paths' tuning flags now in use");
   m.def("read_probe", &read_tensors, "read every byte of the tensors once (a rate probe); returns a checksum", py::arg("ts"), py::arg("threads"),
         py::call_guard<py::gil_scoped_release>());
 }

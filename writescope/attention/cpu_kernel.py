@@ -51,7 +51,8 @@ _EXTENSION = build.Extension("writescope_cpu_attention_v2", _DIR, _SOURCES, "usi
 
 
 TUNING_ENV = "WRITESCOPE_CPU_TUNING"
-_tuning_applied = False
+_tuning_applied: str | None = None  # the variable's text last applied (None: not yet looked at)
+_default_tuning: int | None = None  # the extension's own default, restored when the variable goes
 
 
 def tuning_from_env() -> int | None:
@@ -75,13 +76,18 @@ def tuning_from_env() -> int | None:
 
 
 def _extension():
-    global _tuning_applied
+    """The built extension (None where it does not build), with ``WRITESCOPE_CPU_TUNING`` applied
+    whenever its text differs from what was last applied (unset: the kernel's own default)."""
+    global _tuning_applied, _default_tuning
     ext = _EXTENSION.get()
-    if ext is not None and not _tuning_applied:
-        value = tuning_from_env()
-        _tuning_applied = True
-        if value is not None:
-            ext.set_tuning(value)
+    if ext is not None:
+        raw = os.environ.get(TUNING_ENV, "").strip()
+        if raw != _tuning_applied:
+            value = tuning_from_env()  # raises on a bad value (prepare() checks it before any work)
+            if _default_tuning is None:
+                _default_tuning = ext.tuning()
+            ext.set_tuning(_default_tuning if value is None else value)
+            _tuning_applied = raw
     return ext
 
 

@@ -70,7 +70,8 @@ def device_view(t: torch.Tensor, device: torch.device) -> torch.Tensor:
     shape and dtype; it keeps ``t`` alive. Without CUDA (``device`` not cuda) ``t`` itself.
 
     Raises:
-        ValueError: ``t`` is not contiguous, or not page-locked on a CUDA device.
+        ValueError: ``t`` is not contiguous, not page-locked, or not addressable by ``device`` at its
+            host address.
     """
     if device.type != "cuda":
         return t
@@ -79,6 +80,9 @@ def device_view(t: torch.Tensor, device: torch.device) -> torch.Tensor:
     if not t.is_pinned():
         raise ValueError(f"device_view needs page-locked host memory (host_empty with pin=True), got {tuple(t.shape)} unpinned")
     raw = torch.as_tensor(_DeviceArray(t), device=device)  # [nbytes] uint8
+    if raw.data_ptr() != t.data_ptr():  # torch copied (another device asked for): not a view of the host bytes
+        raise ValueError(f"device_view: {device} cannot address this host memory at its host address (torch made a copy); "
+                         "use the device the memory was registered for")
     return raw.view(t.dtype).view(t.shape)
 
 

@@ -60,11 +60,11 @@ class DecoderLayer(nn.Module):
     def _mlp_residual(self, h) -> torch.Tensor:
         return h + getattr(self, self.mlp_name)(self.post_attention_layernorm(h))
 
-    def graph_key(self):
-        """What a CUDA graph of :meth:`post` depends on beyond shapes, or None when it cannot be
-        captured (an MLP that reads routing back to the host): see models/graphs.py."""
+    def graph_key(self, tokens: int | None = None):
+        """What a CUDA graph of :meth:`post` at ``tokens`` tokens depends on beyond shapes, or None
+        when it cannot be captured (an MLP that reads routing back to the host): see models/graphs.py."""
         mlp = self.mlp_module
-        return mlp.graph_key() if hasattr(mlp, "graph_key") else ()
+        return mlp.graph_key(tokens) if hasattr(mlp, "graph_key") else ()
 
 
 class _Backbone(nn.Module):

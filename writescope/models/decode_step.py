@@ -58,12 +58,13 @@ class DecodeStep:
         if self._fns is None:
             self._fns = [self._stage_fn(model, l) for l in range(L + 1)]
         fns = self._fns
-        keys = None if self.graphs is None else [()] + [layer.graph_key() for layer in layers]  # stage l's MLP is layer l-1's
+        # per micro-batch (its token count decides an MoE block's path); stage l's MLP is layer l-1's
+        keys = None if self.graphs is None else [[()] + [layer.graph_key(b - a) for layer in layers] for a, b in groups]
 
         def stage(l, g, *inputs):
             if keys is None:
                 return fns[l](*inputs)
-            return self.graphs.run(l, g, groups[g][1] - groups[g][0], keys[l], fns[l], inputs)
+            return self.graphs.run(l, g, groups[g][1] - groups[g][0], keys[g][l], fns[l], inputs)
 
         xs, pending, logits = [None] * len(groups), [None] * len(groups), [None] * len(groups)
         try:

@@ -114,12 +114,13 @@ class StageGraphs:
     Attributes:
         captured, replayed: graphs captured, and replays, so far (tests, diagnostics).
         enabled: False: every stage runs eagerly.
-        failed: the (stage, key) pairs whose capture failed; they run eagerly.
+        failed: the (stage, tokens, key) whose capture failed; they run eagerly (other token counts
+            still try).
     """
 
     def __init__(self, capture=CudaCapture):
         self.capture, self.enabled, self.captured, self.replayed = capture, True, 0, 0
-        self.failed: set[tuple] = set()  # (stage, key) whose capture failed: eager from then on
+        self.failed: set[tuple] = set()  # (stage, tokens, key) whose capture failed: eager from then on
         self._shapes: OrderedDict[tuple, dict] = OrderedDict()  # (group, tokens) -> {(stage, key): captured}
         self._pools: dict[int, object] = {}  # micro-batch -> its graphs' memory pool
 
@@ -137,12 +138,12 @@ class StageGraphs:
         self._shapes[shape] = graphs  # the newest
         g = graphs.get((stage, key))
         if g is None:
-            if (stage, key) in self.failed:
+            if (stage, tokens, key) in self.failed:
                 return fn(*inputs)
             try:
                 g = self.capture(fn, inputs, self._pools.get(group))
             except Exception as e:  # noqa: BLE001 - any capture failure: this stage runs eagerly from now on
-                self.failed.add((stage, key))
+                self.failed.add((stage, tokens, key))
                 if len(self.failed) == 1:  # once: the same cause usually fails several stages
                     where = [f"{Path(f.filename).name}:{f.lineno} {f.name}" for f in traceback.extract_tb(e.__traceback__)
                              if "writescope" in f.filename][-3:]

@@ -53,31 +53,43 @@ class SparseMoeBlock(nn.Module):
         self.routing_counts: torch.Tensor | None = None  # [E] int64 on the device while a profile records (moe/popularity.py)
         self._host_views: tuple | None = None  # (w13, w2, slot_of) of the host pack as device tensors (reads in place)
 
-    def graph_key(self):
-        """What a CUDA graph of this block depends on beyond shapes: the packed device experts (and,
-        read in place, the host pack); None when a pass reads routing back to the host (host
-        experts computed or streamed, the loop, no pack yet) or a popularity profile records, so
-        it cannot be captured (models/graphs.py)."""
+    def graph_key(self, tokens: int | None = None):
+        """What a CUDA graph of this block at ``tokens`` tokens depends on beyond shapes: the kernel
+        choice, the packed device experts and, read in place, the host pack and its slot table on
+        the device (a graph reads addresses, not objects); None when a pass reads routing back to
+        the host (host experts computed or streamed, the loop, no pack yet) or a popularity profile
+        records, so it cannot be captured (models/graphs.py)."""
         if self.routing_counts is not None or not self.grouped:
             return None
-        in_place = bool(self.host_experts) and self._host_in_place_configured()
-        if (self.host_experts and not in_place) or (self.packed is None and len(self.host_experts) < self.cfg.num_experts):
+        w = self.gate.weight
+        in_place = self._in_place_for(w.dtype, w.device, tokens)
+        if self.host_experts and not in_place:
             return None
-        p = self.packed  # what a captured stage reads of it, by address (a graph reads addresses, not objects)
+        if self.packed is None and not in_place:
+            return None
+        p = self.packed
         # the kernels' choice too: a stage captured with one is never replayed for the other
         key = (fused_decode.env_fused(),) + (() if p is None else (p.w13.data_ptr(), p.w2.data_ptr(), p.slot_of.data_ptr(), tuple(p.ids)))
         if in_place:
-            h = self.host_pack
-            key += (h.w13.data_ptr(), h.w2.data_ptr(), tuple(h.ids))
+            w13, w2, slot_of = self._host_device_views(w.device)
+            key += (w13.data_ptr(), w2.data_ptr(), slot_of.data_ptr(), tuple(self.host_pack.ids))
         return key
 
     def _host_in_place_configured(self) -> bool:
         """Whether decode passes read the hit host experts' weights in place, over PCIe, inside the
         fused kernels (``WRITESCOPE_MOE_KERNEL=fused``): only where every hit host expert would be
-        streamed anyway (``stream_share`` 1, no joint per-step split, room for streaming), so the
-        placement policy is unchanged; nothing is read back to the host and nothing is copied."""
-        return (self.host_pack is not None and self.stream_share >= 1.0 and self.expert_work is None and self.stream_min_tokens is not None
-                and fused_decode.env_fused())
+        streamed anyway (``stream_share`` 1, no joint per-step split, streaming possible here), so
+        the placement policy is unchanged; nothing is read back to the host and nothing is copied."""
+        return (self.host_pack is not None and self.grouped and self.stream_share >= 1.0 and self.expert_work is None
+                and fused_decode.env_fused() and self.why_not_streamed() is None)
+
+    def _in_place_for(self, dtype: torch.dtype, device: torch.device, tokens: int | None) -> bool:
+        """Whether a pass of ``tokens`` tokens (None: unknown, decode-sized) takes the in-place
+        path: configured, the fused kernels run for this dtype, device and row count, and the
+        device experts (if any) are packed."""
+        return (bool(self.host_experts) and self._host_in_place_configured()
+                and fused_decode.wanted_for(dtype, device, None if tokens is None else tokens * self.cfg.top_k)
+                and (self.packed is not None or len(self.host_experts) == self.cfg.num_experts))
 
     def _host_device_views(self, device: torch.device) -> tuple:
         if self._host_views is None:
@@ -170,8 +182,7 @@ class SparseMoeBlock(nn.Module):
             with record_function("moe.device_experts"):
                 self.packed(x, weights, ids, out)
             return self._shared(x, out)
-        if (self.host_experts and self._host_in_place_configured() and fused_decode.wanted(x, ids.numel())
-                and (self.packed is not None or len(self.host_experts) == self.cfg.num_experts)):
+        if self._in_place_for(x.dtype, x.device, x.shape[0]):
             with record_function("moe.device_experts"):
                 if self.packed is not None:
                     self.packed(x, weights, ids, out)  # the same fused kernels (wanted above)

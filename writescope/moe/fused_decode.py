@@ -14,10 +14,12 @@ through. Here every hit expert's weights are read once, by many small programs:
   scales each row by its routing weight (fp32) and adds it atomically into ``out [T, D]`` fp32 at
   the token's row (the sum over a token's experts then differs from run to run by fp32 rounding).
 
-Groups with no rows cost one program that loads two integers. Rows of host experts (slot G) are
+Groups with no rows cost one program that loads two integers; a group's rows are tiled by
+:func:`block_m` (one tile up to 64 tokens). Rows of host experts (slot G) are
 sorted after every group and never touched, as in :mod:`writescope.moe.grouped`. The formula is
 HF's (``Qwen3MoeSparseMoeBlock``: expert output x routing weight, summed); the rounding differs
-(fp32 through SiLU x up, one bf16 rounding of ``a``), within bf16 of the grouped path.
+(fp32 through SiLU x up, one bf16 rounding of ``a``, the weighted products and their sum in
+fp32), within bf16 of the grouped path.
 
 Shape legend: T tokens, K top-k, D hidden, I intermediate, G device expert slots.
 """
@@ -37,7 +39,7 @@ except ImportError:  # pragma: no cover - where Triton is absent
     triton = None
 
 MAX_ROWS = 1024  # (token, expert) assignments per call up to which the fused path is taken (decode)
-BLOCK_M, BLOCK_N, BLOCK_K = 16, 64, 128
+BLOCK_N, BLOCK_K = 64, 128  # BLOCK_M (rows per tile) follows the token count: see block_m
 
 
 def env_fused() -> bool:
@@ -51,18 +53,23 @@ def env_fused() -> bool:
 
 
 def wanted(x: torch.Tensor, rows: int) -> bool:
-    """Whether a block's device experts take this path: ``WRITESCOPE_MOE_KERNEL=fused`` (default
-    ``grouped``), Triton importable, x bf16 or fp16 on CUDA (or CPU under ``TRITON_INTERPRET=1``,
-    tests only), and at most ``MAX_ROWS`` assignments.
+    """Whether a block's device experts take this path for tokens ``x``: :func:`wanted_for`."""
+    return wanted_for(x.dtype, x.device, rows)
+
+
+def wanted_for(dtype: torch.dtype, device: torch.device, rows: int | None) -> bool:
+    """``WRITESCOPE_MOE_KERNEL=fused`` (default ``grouped``), Triton importable, bf16 or fp16 on
+    CUDA (or CPU under ``TRITON_INTERPRET=1``, tests only), and at most ``MAX_ROWS`` assignments
+    (``rows`` None: not checked).
 
     Raises:
         ValueError: ``WRITESCOPE_MOE_KERNEL`` other than ``grouped`` or ``fused``.
     """
     if not env_fused():
         return False
-    if triton is None or x.dtype not in (torch.bfloat16, torch.float16) or rows > MAX_ROWS:
+    if triton is None or dtype not in (torch.bfloat16, torch.float16) or (rows is not None and rows > MAX_ROWS):
         return False
-    return x.device.type == "cuda" or os.environ.get("TRITON_INTERPRET") == "1"
+    return device.type == "cuda" or os.environ.get("TRITON_INTERPRET") == "1"
 
 
 if triton is not None:
@@ -120,6 +127,14 @@ if triton is not None:
             tl.atomic_add(OUT + tok[:, None] * stride_ot + offs_n[None, :], acc, mask=r_mask[:, None] & n_mask[None, :])
 
 
+def block_m(tokens: int) -> int:
+    """Rows per tile for ``tokens`` tokens: 16, 32 or 64. A group holds at most one row per token
+    (a token's top-k experts are distinct), so up to 64 tokens every expert's weights are read
+    once; beyond, an expert with more than 64 rows reads them again per 64 (from L2 for device
+    experts, over PCIe for host experts read in place)."""
+    return 16 if tokens <= 16 else 32 if tokens <= 32 else 64
+
+
 def fused_experts_into(x: torch.Tensor, weights: torch.Tensor, ids: torch.Tensor, slot_of: torch.Tensor, w13: torch.Tensor,
                        w2: torch.Tensor, inter: int, out: torch.Tensor) -> None:
     """Add the device experts' weighted outputs into ``out`` (two launches, no host wait).
@@ -148,8 +163,9 @@ def fused_experts_into(x: torch.Tensor, weights: torch.Tensor, ids: torch.Tensor
     tok = (order // K).to(torch.int32)
     rw = weights.flatten()[order].float().contiguous()
     x = x.contiguous()
+    bm = block_m(T)
     act = torch.empty(T * K, inter, dtype=x.dtype, device=x.device)
     _gate_up[(G, triton.cdiv(inter, BLOCK_N))](x, tok, w13, ends, act, D, inter, x.stride(0), w13.stride(0), w13.stride(1), act.stride(0),
-                                               BLOCK_M=BLOCK_M, BLOCK_N=BLOCK_N, BLOCK_K=BLOCK_K)
+                                               BLOCK_M=bm, BLOCK_N=BLOCK_N, BLOCK_K=BLOCK_K)
     _down[(G, triton.cdiv(D, BLOCK_N))](act, tok, rw, w2, ends, out, D, inter, act.stride(0), w2.stride(0), w2.stride(1), out.stride(0),
-                                        BLOCK_M=BLOCK_M, BLOCK_N=BLOCK_N, BLOCK_K=BLOCK_K)
+                                        BLOCK_M=bm, BLOCK_N=BLOCK_N, BLOCK_K=BLOCK_K)
