@@ -170,15 +170,25 @@ def check_decoder(device: str, dtype: torch.dtype) -> None:
     """The split decode through the Triton launches: every policy within the tolerance of
     float64 over ragged lengths (empty load regions, exact multiples of D), with evictions;
     the step's metadata built once per step, not per layer."""
-    for layout, Hq in ((KVLayout(2, 64, 64, False), 8), (KVLayout(1, 48, 32, True), 4)):
-        for policy in ("gpu", "cpu", "static:0.5", "monolithic:0.5"):
-            errs, cache = _drive(device, dtype, layout, Hq, policy, [1, 15, 16, 17, 70], 20, 16, layers=3)
-            gpu = cache.decoder.gpu
-            assert gpu is not None, "the Triton path was not taken"
-            assert max(errs) <= TOL[dtype], (policy, errs)
-            assert gpu.plans_built <= 21, f"{policy}: {gpu.plans_built} plans for 21 steps of 3 layers"
-            assert cache.evicted_blocks >= 3
-            cache.close()
+    import os
+
+    for load_read in ("copy", "in-place"):  # WRITESCOPE_LOAD_READ: in place, one launch per layer for all load blocks
+        os.environ["WRITESCOPE_LOAD_READ"] = load_read
+        try:
+            for layout, Hq in ((KVLayout(2, 64, 64, False), 8), (KVLayout(1, 48, 32, True), 4)):
+                for policy in ("gpu", "cpu", "static:0.5", "monolithic:0.5"):
+                    errs, cache = _drive(device, dtype, layout, Hq, policy, [1, 15, 16, 17, 70], 20, 16, layers=3)
+                    gpu = cache.decoder.gpu
+                    assert gpu is not None, "the Triton path was not taken"
+                    assert cache.decoder.in_place == (load_read == "in-place")
+                    assert max(errs) <= TOL[dtype], (load_read, policy, errs)
+                    assert gpu.plans_built <= 21, f"{policy}: {gpu.plans_built} plans for 21 steps of 3 layers"
+                    assert cache.evicted_blocks >= 3
+                    if load_read == "in-place" and policy in ("gpu", "static:0.5"):
+                        assert any(p.load_offs is not None for p in gpu.plans.values()), "no one-launch load plan"
+                    cache.close()
+        finally:
+            os.environ.pop("WRITESCOPE_LOAD_READ", None)
 
 
 @pytest.mark.gpu

@@ -38,6 +38,8 @@ class StepPlan:
     o_l: torch.Tensor | None  # [P, Hkv, G, dv] float32
     l_l: torch.Tensor | None
     window_tokens: int
+    load_base: torch.Tensor | None = None  # in place: the block tensor the offsets count from
+    load_offs: torch.Tensor | None = None  # in place: [L, P] int64 element offsets of every layer's load blocks
 
 
 class GpuDecode:
@@ -50,16 +52,20 @@ class GpuDecode:
         self.plans: dict[tuple, StepPlan] = {}  # by signature, the newest last: one per micro-batch of the step
         self.plans_built = 0  # how many times metadata was built and copied (tests: once per step and micro-batch)
 
-    def step_plan(self, layer: int, qg: torch.Tensor, seqs: list, load_runs: list[tuple[int, int]]) -> StepPlan:
+    def step_plan(self, layer: int, qg: torch.Tensor, seqs: list, load_runs: list[tuple[int, int]], in_place: list | None = None) -> StepPlan:
         """The plan for this layer: the cached one when the signature matches, else a new one.
 
         Args:
             qg: ``[B, Hkv, G, dk]``.
             seqs: the batch's SequenceKV.
             load_runs: ``(sequence index, blocks)`` of every load-region source, in order.
+            in_place: the load region read in place: ``(sequence index, slab, lo, hi)`` per run,
+                the same runs as ``load_runs`` (slab ``[L, nblk, ...]`` a device view; blocks lo..hi-1):
+                the plan then holds every layer's block offsets for one launch per layer.
         """
         base = seqs[0].window
-        sig = (tuple((sq.window.data_ptr(), sq.win_len[layer]) for sq in seqs), tuple(load_runs), qg.shape, qg.dtype)
+        table_sig = None if in_place is None else tuple((i, t.data_ptr(), lo, hi) for i, t, lo, hi in in_place)
+        sig = (tuple((sq.window.data_ptr(), sq.win_len[layer]) for sq in seqs), tuple(load_runs), table_sig, qg.shape, qg.dtype)
         hit = self.plans.pop(sig, None)
         if hit is not None:
             self.plans[sig] = hit  # the newest again
@@ -94,11 +100,37 @@ class GpuDecode:
             o_l=torch.empty(P, Hkv, G, dv, **f32) if P else None, l_l=torch.empty(P, Hkv, G, **f32) if P else None,
             window_tokens=sum(lens),
         )
+        if in_place and P:
+            plan.load_base, plan.load_offs = self._load_offsets(in_place)
         self.plans_built += 1
         self.plans[sig] = plan
         while len(self.plans) > MAX_PLANS:  # the oldest: an earlier step's (its buffers are reused in stream order)
             self.plans.pop(next(iter(self.plans)))
         return plan
+
+    def _load_offsets(self, table: list) -> tuple[torch.Tensor, torch.Tensor]:
+        """``(base, offsets [L, P])``: block j of layer l of the runs in ``table`` lies
+        ``offsets[l, j]`` elements from ``base``'s first (all slabs share the block layout, so one
+        base addresses them all through unified addressing)."""
+        base = table[0][1][0]  # [nblk, parts, Hkv, D, dim]: layer 0 of the first slab
+        item, bptr = base.element_size(), base.data_ptr()
+        off0, lstride = [], []
+        for _, t, lo, hi in table:
+            p0, bs, ls = (t.data_ptr() - bptr) // item, t.stride(1), t.stride(0)
+            off0 += [p0 + b * bs for b in range(lo, hi)]
+            lstride += [ls] * (hi - lo)
+        L, P = self.spec.num_layers, len(off0)
+        pad = P % 2  # rows of an even length: every layer's row starts 16-byte aligned (one Triton variant)
+        offs = torch.tensor(off0 + [0] * pad, dtype=torch.int64)[None, :] + torch.arange(L, dtype=torch.int64)[:, None] * torch.tensor(
+            lstride + [0] * pad, dtype=torch.int64)[None, :]
+        if self.cuda:
+            offs = offs.pin_memory().to(self.device, non_blocking=True)
+        return base, offs[:, :P]
+
+    def load_in_place(self, plan: StepPlan, qg: torch.Tensor, layer: int, scale: float) -> None:
+        """Every load block of this layer, read in place over PCIe, one launch, into ``plan.o_l, plan.l_l``."""
+        gpu_kernel.block_partials_into(qg, plan.load_base, self.spec.parts, self.spec.layout.v_dim, scale, plan.o_l, plan.l_l,
+                                       offsets=plan.load_offs[layer], seq=plan.blk_seq, window=self.spec.window)
 
     def windows(self, plan: StepPlan, layer: int, qg: torch.Tensor, seqs: list, scale: float) -> None:
         """The window partials of all sequences, one launch, into ``plan.o_w, plan.l_w``."""

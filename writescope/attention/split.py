@@ -242,8 +242,10 @@ class SplitDecoder:
         try:
             if self.time_gpu:  # after q's copy to the host was issued: the device part only
                 self._gpu_timer = self._start_gpu_timer()
-            if self.in_place:  # whole slabs' runs as CUDA views of the pinned bytes: one launch per run, no copies
-                sources = [(i, run) for i, sq in enumerate(seqs) for run in sq.load_runs(layer, 0, sq.n_load[layer], IN_PLACE_RUN, self.device)]
+            table = None
+            if self.in_place:  # slab runs as CUDA views of the pinned bytes, no copies; with Triton one launch for them all
+                table = [(i, t, lo, hi) for i, sq in enumerate(seqs) for t, lo, hi in sq.load_slab_runs(sq.n_load[layer], self.device)]
+                sources = [(i, t[layer, lo:hi]) for i, t, lo, hi in table]
             else:
                 sources = [(i, run) for i, sq in enumerate(seqs) for run in sq.load_runs(layer, 0, sq.n_load[layer], s.pingpong_blocks)]
             prepared = []
@@ -253,7 +255,8 @@ class SplitDecoder:
             sources += prepared
             with record_function("attn.window"):
                 if fast:
-                    plan = self.gpu.step_plan(layer, qg, seqs, [(i, src.shape[0]) for i, src in sources])
+                    plan = self.gpu.step_plan(layer, qg, seqs, [(i, src.shape[0]) for i, src in sources],
+                                              None if table is None or prepared else table)
                     self.gpu.windows(plan, layer, qg, seqs, scale)
                     self._stats.window_tokens += plan.window_tokens
                     states = []
@@ -261,7 +264,7 @@ class SplitDecoder:
                     states = [self._window_part(layer, qg, seqs, scale)]
             if sources:
                 with record_function("attn.load_region"):
-                    part = self._load_part(qg, sources, scale, evict_stream, plan)
+                    part = self._load_part(qg, sources, scale, evict_stream, plan, layer)
                     if part is not None:
                         states.append(part)
             self._stats.last_load_tokens = sum(src.shape[0] for _, src in sources) * s.window
@@ -423,7 +426,7 @@ class SplitDecoder:
         v = win[:, 1].unsqueeze(1) if s.parts == 2 else k[..., : s.layout.v_dim]
         return attend_blocks(qg, k, v, scale, self._to_device(lens))
 
-    def _load_part(self, qg, sources, scale, evict_stream, plan=None):
+    def _load_part(self, qg, sources, scale, evict_stream, plan=None, layer=0):
         """Stream every sequence's load blocks through the ping-pong buffers. Runs of several
         sequences are packed into one buffer fill (one copy per run); each fill yields one
         partial per block, and all blocks are merged per sequence once at the end. With a
@@ -434,7 +437,7 @@ class SplitDecoder:
         for the evict stream only after an eviction into the load region; otherwise only for
         the buffer it refills, so the next layer's copies start while this one computes."""
         if self.in_place:
-            return self._load_in_place(qg, sources, scale, evict_stream, plan)
+            return self._load_in_place(qg, sources, scale, evict_stream, plan, layer)
         s = self.spec
         B, Hkv, G, _ = qg.shape
         fills = list(self._fills(sources))
@@ -488,12 +491,13 @@ class SplitDecoder:
             start += total
         return None if plan is not None else merge_segments(o_blk, lse_blk, ids, B)
 
-    def _load_in_place(self, qg, sources, scale, evict_stream, plan=None):
+    def _load_in_place(self, qg, sources, scale, evict_stream, plan=None, layer=0):
         """The load part read where it lies (``WRITESCOPE_LOAD_READ=in-place``): each run of
         ``sources`` is a CUDA view of page-locked host blocks, attended by the same kernels as a
-        ping-pong fill, whose loads cross PCIe. Ordered on the current stream: after the
-        prefill's writes (same stream) and, once after an eviction into the load region, after
-        the evict stream. Returns as :meth:`_load_part`."""
+        ping-pong fill, whose loads cross PCIe; with a plan that holds the step's block offsets
+        (:meth:`GpuDecode.step_plan`'s ``in_place``), all of them in one launch. Ordered on the
+        current stream: after the prefill's writes (same stream) and, once after an eviction into
+        the load region, after the evict stream. Returns as :meth:`_load_part`."""
         s = self.spec
         B = qg.shape[0]
         if self.cuda and evict_stream is not None and self._evicted:
@@ -507,6 +511,10 @@ class SplitDecoder:
             acc = torch.promote_types(s.dtype, torch.float32)
             q_blk = (qg.to(acc) * scale).index_select(0, ids)
             o_parts, l_parts = [], []
+        if plan is not None and plan.load_offs is not None:  # one launch over every sequence's load blocks
+            self.gpu.load_in_place(plan, qg, layer, scale)
+            self._stats.streamed_bytes += sum(src.numel() * src.element_size() for _, src in sources)
+            return None
         start = 0
         for _, src in sources:
             n = src.shape[0]

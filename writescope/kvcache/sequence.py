@@ -149,6 +149,23 @@ class SequenceKV:
                 runs.append(src[layer, s - slab.first : e - slab.first])
         return runs
 
+    def load_slab_runs(self, stop: int, device: torch.device) -> list[tuple[torch.Tensor, int, int]]:
+        """Load blocks ``0 .. stop - 1`` (every layer alike) as ``(slab, lo, hi)``: blocks ``lo ..
+        hi - 1`` of ``slab`` ``[L, nblk, parts, kv_heads, D, dim]``, a CUDA view of the pinned slab
+        on a CUDA ``device`` (else the slab itself), in block order."""
+        out = []
+        for slab in self.slabs:
+            a, b = 0, min(stop, slab.first + slab.nblk) - slab.first
+            if b <= a:
+                continue
+            t = slab.tensor
+            if device.type == "cuda":
+                if slab.device_tensor is None:
+                    slab.device_tensor = device_view(slab.tensor, device)
+                t = slab.device_tensor
+            out.append((t, a, b))
+        return out
+
     def compute_kv(self, layer: int) -> tuple[torch.Tensor, torch.Tensor]:
         """K ``[kv_heads, n, dk]`` and V ``[kv_heads, n, dv]`` views of the placed compute region."""
         n, reg = self.comp_tokens(layer), self.compute[layer]
