@@ -16,44 +16,10 @@ httpx = pytest.importorskip("httpx")
 
 from writescope import LLM, SamplingParams  # noqa: E402
 from writescope.serve.chat_template import ChatTemplate  # noqa: E402
-from serve_helpers import MODEL, WAIT_S, complete, per_choice, post, start_server, stop_server, stream, wait_until  # noqa: E402
+from serve_helpers import MODEL, WAIT_S, complete, per_choice, post, stream, wait_until  # noqa: E402
 from stop_helpers import inner_stop, spanning_stop  # noqa: E402
 
-MAX_LEN = 2048
-PROMPT = "hello"
-NEW = 24  # greedy reference length
-NEVER = "\x00never\x00"  # a stop string the model does not produce
-CHAT = [{"role": "user", "content": "hi"}]
-
-
-def _llm():
-    return LLM(MODEL, device="cpu", progress=False, max_model_len=MAX_LEN, prefill_chunk_tokens=16)
-
-
-@pytest.fixture(scope="module")
-def llm():
-    """The served model (owned by the server's engine thread once it starts)."""
-    return _llm()
-
-
-@pytest.fixture(scope="module")
-def ref_llm():
-    """An independent instance for references (same preset and seed: the same weights)."""
-    return _llm()
-
-
-@pytest.fixture(scope="module")
-def greedy(ref_llm):
-    out = ref_llm.generate([PROMPT], SamplingParams(max_tokens=NEW))[0]
-    assert out.finish_reason == "length"  # the references below need all NEW tokens
-    return out
-
-
-@pytest.fixture(scope="module")
-def server(llm):
-    srv = start_server(llm, MODEL)
-    yield srv
-    stop_server(srv, llm)
+from serve_fixtures import CHAT, MAX_LEN, NEVER, NEW, PROMPT, greedy, llm, ref_llm, server  # noqa: E402,F401
 
 
 def whole_and_streamed(server, **body) -> tuple[dict, dict]:
