@@ -262,3 +262,21 @@ def test_tensor_left_out_of_index(ckpt):
     del index["weight_map"][MISSING]  # still in its shard, but the loader would never read it
     (d / INDEX_NAME).write_text(json.dumps(index))
     expect_checkpoint_error(d, "1 missing tensor(s)", MISSING)
+
+
+@pytest.mark.parametrize("name,bad", [("WRITESCOPE_MOE_KERNEL", "foo"), ("WRITESCOPE_LOAD_READ", "bogus"),
+                                      ("WRITESCOPE_PINGPONG_BUFFERS", "abc"), ("WRITESCOPE_MICRO_BATCHES", "3"),
+                                      ("WRITESCOPE_GPU_ATTENTION", "cuda"), ("WRITESCOPE_CUDA_GRAPHS", "maybe"),
+                                      ("WRITESCOPE_PREFILL_LOAD_STREAM", "side"), ("WRITESCOPE_CPU_WORKER", "rust")])
+def test_a_bad_switch_fails_before_the_weights_load(name, bad, monkeypatch):
+    """Every WRITESCOPE_* switch is read when LLM starts, whatever the policy uses (resident
+    uses none of these), before the model is built: the error names the variable and value."""
+    import writescope.engine.llm as llm_mod
+
+    def never(*a, **k):
+        raise AssertionError("the model was being built before the bad switch was seen")
+
+    monkeypatch.setattr(llm_mod, "load_model", never)
+    monkeypatch.setenv(name, bad)
+    with pytest.raises(ValueError, match=f"{name}='{bad}'"):
+        LLM("tiny-qwen3-moe", policy="resident", progress=False)

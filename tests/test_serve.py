@@ -131,6 +131,7 @@ BAD = [
     ("token id outside the vocabulary", {"prompt": [1, 99999]}, 400, "vocabulary"),
     ("n above 16", {"n": 17}, 400, "n: Input should be less than or equal to 16"),
     ("five stop strings", {"stop": ["a", "b", "c", "d", "e"]}, 400, "stop: at most 4 stop strings"),
+    ("a list of prompts", {"prompt": ["a", "b"]}, 400, "one prompt per request"),
 ]
 
 

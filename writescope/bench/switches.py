@@ -18,19 +18,15 @@ from contextlib import contextmanager
 from typing import Callable, Iterator
 
 
-def _readers() -> dict[str, Callable[[], object]]:
-    from writescope.env import env_choice
-    from writescope.kvcache.inplace import _micro_batches
-    from writescope.kvcache.spec import load_read_from_env, pingpong_buffers_from_env
-    from writescope.moe.fused_decode import env_fused
+PER_ROW = ("WRITESCOPE_MICRO_BATCHES", "WRITESCOPE_MOE_KERNEL", "WRITESCOPE_LOAD_READ", "WRITESCOPE_PINGPONG_BUFFERS",
+           "WRITESCOPE_GPU_ATTENTION")  # read when a cache is made or on every forward
 
-    return {
-        "WRITESCOPE_MICRO_BATCHES": _micro_batches,
-        "WRITESCOPE_MOE_KERNEL": env_fused,
-        "WRITESCOPE_LOAD_READ": load_read_from_env,
-        "WRITESCOPE_PINGPONG_BUFFERS": pingpong_buffers_from_env,
-        "WRITESCOPE_GPU_ATTENTION": lambda: env_choice("WRITESCOPE_GPU_ATTENTION", ("triton", "torch")),
-    }
+
+def _readers() -> dict[str, Callable[[], object]]:
+    from writescope.engine.switches import readers
+
+    every = readers()
+    return {name: every[name] for name in PER_ROW}
 
 
 def split(entry: str) -> tuple[str, dict[str, str]]:
@@ -62,7 +58,10 @@ def check(entry: str) -> None:
             raise ValueError(f"policy {entry!r}: {name} is not a per-row switch; use {', '.join(readers)}")
     with applied(switches):
         for name in switches:
-            readers[name]()
+            try:
+                readers[name]()
+            except ValueError as e:
+                raise ValueError(f"policy {entry!r}: {e}") from None
 
 
 @contextmanager

@@ -22,6 +22,7 @@ from writescope.engine.prompts import check_token_ids, token_lists, too_long
 from writescope.engine.runner import EngineCore, prefill_batch
 from writescope.engine.sampling import SamplingParams
 from writescope.engine.streaming import OnTokens, TokenEvent
+from writescope.engine.switches import check_switches
 from writescope.engine.threads import default_attention_threads, default_expert_threads
 from writescope.engine.timing import synchronize
 from writescope.kvcache.base import KVCache
@@ -122,6 +123,7 @@ class LLM:
         if prefill_chunk_tokens < 1:
             raise ArgError(f"prefill_chunk_tokens must be >= 1, got {prefill_chunk_tokens}", "prefill_chunk_tokens")
         sizing = parse_policy(policy, roofline=Roofline(1.0, 1.0))  # fails before loading weights; sizes the budget plan
+        check_switches()  # every WRITESCOPE_* switch, whatever the policy uses, before anything is built
         if window < 1:
             raise ArgError(f"window (D) must be >= 1 token, got {window}", "window")
         if cpu_threads is not None and cpu_threads < 1:

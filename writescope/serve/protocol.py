@@ -72,6 +72,14 @@ class CompletionRequest(_Common):
 
     prompt: Annotated[StrictStr, Field(max_length=MAX_PROMPT_CHARS)] | TokenIds
     max_tokens: StrictInt | None = Field(16, ge=0)  # OpenAI's default; 0 with echo only
+
+    @field_validator("prompt", mode="before")
+    @classmethod
+    def _one_prompt(cls, v):
+        if isinstance(v, list) and v and all(isinstance(p, (str, list)) for p in v):
+            raise ValueError(f"one prompt per request (a string or a list of token ids), got a list of {len(v)} prompts: "
+                             "send one request per prompt, or use n for several choices of one")
+        return v
     echo: StrictBool = False  # each choice's text starts with the prompt's
     logprobs: StrictInt | None = Field(None, ge=0, le=MAX_TOP_LOGPROBS)  # the legacy shape: tokens, token_logprobs, ...
 
