@@ -249,3 +249,14 @@ def test_generate_records_the_main_threads_issue_and_wait_per_decode_step():
     assert len(llm.decode_host) == 4  # the first token comes from the prefill
     assert all(issue > 0 and wait >= 0 for issue, wait in llm.decode_host)
     assert "decode step, main thread (median)" in format_timings(outs, llm.policy_name, None, llm.decode_host)
+
+
+def test_generate_names_the_switches_it_ran_under(monkeypatch):
+    from writescope.cli.generate import format_timings
+
+    llm = LLM("tiny-qwen3-moe", progress=False, policy="static:0.5", window=D)
+    outs = llm.generate(prompt_token_ids=[[5, 6, 7]], sampling_params=SamplingParams(max_tokens=2))
+    monkeypatch.setenv("WRITESCOPE_MICRO_BATCHES", "2")
+    monkeypatch.setenv("WRITESCOPE_MOE_KERNEL", "grouped")
+    text = format_timings(outs, llm.policy_name, None, llm.decode_host)
+    assert "WRITESCOPE_MICRO_BATCHES=2" in text and "WRITESCOPE_MOE_KERNEL=grouped" in text

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import argparse
+import os
 import json
 from pathlib import Path
 
@@ -18,7 +19,6 @@ def core_plan(llm) -> str:
     """The CPU's work in a decode step, in words: who attends the compute region (the native
     worker's or the thread pool's threads, and the kernel's path), who computes host experts, and
     the thread that issues the GPU work (docs/DESIGN.md section 10)."""
-    import os
 
     from writescope.attention.split import _native_wanted
 
@@ -239,6 +239,9 @@ def format_timings(outs, policy: str = "resident", cpu_attention: str | None = N
         rows.insert(6, ("decode step, main thread (median)", f"issuing {issue:,.2f} ms, then waiting {wait:,.2f} ms"))
     if cpu_attention is not None and policy not in ("resident", "gpu"):  # only these never attend on the CPU
         rows.append(("CPU attention", cpu_attention))
+    switches = sorted(f"{k}={v}" for k, v in os.environ.items() if k.startswith("WRITESCOPE_"))
+    if switches:  # what the run was steered by (benchmark logs then say it)
+        rows.append(("switches (environment)", ", ".join(switches)))
     if outs[0].kv_placement is not None:
         tot = {k: sum(o.kv_placement[k] for o in outs) for k in outs[0].kv_placement}
         n = max(1, sum(tot.values()))
