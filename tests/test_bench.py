@@ -213,6 +213,7 @@ def test_rows_run_under_their_own_switches(monkeypatch):
     monkeypatch.setattr(llm, "generate", spy)
     row = run_one(llm, cfg, 2, 64, "static:0.5@WRITESCOPE_MICRO_BATCHES=2+WRITESCOPE_LOAD_READ=in-place")
     assert row.fits and seen == {"mb": 2, "in_place": True}
+    assert row.extra["issue_ms"] > 0 and row.extra["wait_ms"] >= 0  # the main thread's issue and wait per step, in the JSON
     assert row.extra["switches"] == {"WRITESCOPE_MICRO_BATCHES": "2", "WRITESCOPE_LOAD_READ": "in-place"}
     assert "WRITESCOPE_MICRO_BATCHES" not in os.environ and "WRITESCOPE_LOAD_READ" not in os.environ
     plain = run_one(llm, cfg, 2, 64, "static:0.5")

@@ -206,6 +206,9 @@ def run_one(llm: LLM, cfg: BenchConfig, batch: int, context: int, policy: str, r
     finally:
         if timer is not None:
             timer.remove()
+    if llm.decode_host:  # the main thread's issue and wait per decode step (a wait near 0: issue-bound)
+        row.extra["issue_ms"] = statistics.median(i for i, _ in llm.decode_host) * 1e3
+        row.extra["wait_ms"] = statistics.median(w for _, w in llm.decode_host) * 1e3
     m = outs[0].metrics
     row.prefill_tok_s, row.decode_tok_s = (0.0 if cfg.kv_fill == "random" else m.prefill_tok_s), m.decode_tok_s
     row.extra["kv_fill"] = cfg.kv_fill
