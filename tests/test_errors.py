@@ -267,7 +267,8 @@ def test_tensor_left_out_of_index(ckpt):
 @pytest.mark.parametrize("name,bad", [("WRITESCOPE_MOE_KERNEL", "foo"), ("WRITESCOPE_LOAD_READ", "bogus"),
                                       ("WRITESCOPE_PINGPONG_BUFFERS", "abc"), ("WRITESCOPE_MICRO_BATCHES", "3"),
                                       ("WRITESCOPE_GPU_ATTENTION", "cuda"), ("WRITESCOPE_CUDA_GRAPHS", "maybe"),
-                                      ("WRITESCOPE_PREFILL_LOAD_STREAM", "side"), ("WRITESCOPE_CPU_WORKER", "rust")])
+                                      ("WRITESCOPE_PREFILL_LOAD_STREAM", "side"), ("WRITESCOPE_CPU_WORKER", "rust"),
+                                      ("WRITESCOPE_MLA_PREFILL", "both"), ("WRITESCOPE_EXPERT_ISA", "avx1024")])
 def test_a_bad_switch_fails_before_the_weights_load(name, bad, monkeypatch):
     """Every WRITESCOPE_* switch is read when LLM starts, whatever the policy uses (resident
     uses none of these), before the model is built: the error names the variable and value."""

@@ -258,5 +258,6 @@ def test_generate_names_the_switches_it_ran_under(monkeypatch):
     outs = llm.generate(prompt_token_ids=[[5, 6, 7]], sampling_params=SamplingParams(max_tokens=2))
     monkeypatch.setenv("WRITESCOPE_MICRO_BATCHES", "2")
     monkeypatch.setenv("WRITESCOPE_MOE_KERNEL", "grouped")
+    monkeypatch.setenv("WRITESCOPE_API_KEY", "sk-secret")  # not a switch: never printed
     text = format_timings(outs, llm.policy_name, None, llm.decode_host)
-    assert "WRITESCOPE_MICRO_BATCHES=2" in text and "WRITESCOPE_MOE_KERNEL=grouped" in text
+    assert "WRITESCOPE_MICRO_BATCHES=2" in text and "WRITESCOPE_MOE_KERNEL=grouped" in text and "sk-secret" not in text

@@ -325,3 +325,11 @@ def test_busy_fractions_from_the_decoder_s_totals():
         assert get("writescope:link_busy_fraction") == pytest.approx(1000 * 2e-8)
     finally:
         cache.close()
+
+
+def test_a_batch_of_one_prompt_is_that_prompt(server):
+    """``["hi"]`` (and ``[[ids]]``), as OpenAI clients send one prompt, gives that prompt's answer."""
+    body = {"model": MODEL, "max_tokens": 3, "temperature": 0}
+    one = httpx.post(server.url + "/v1/completions", json={**body, "prompt": "hi"}, timeout=WAIT_S).json()
+    listed = httpx.post(server.url + "/v1/completions", json={**body, "prompt": ["hi"]}, timeout=WAIT_S).json()
+    assert listed["choices"][0]["text"] == one["choices"][0]["text"]

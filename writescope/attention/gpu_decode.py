@@ -40,6 +40,8 @@ class StepPlan:
     window_tokens: int
     load_base: torch.Tensor | None = None  # in place: the block tensor the offsets count from
     load_offs: torch.Tensor | None = None  # in place: [L, P] int64 element offsets of every layer's load blocks
+    win_aligned: bool = False  # every window offset (and layer stride) a multiple of 8 elements
+    load_aligned: bool = False  # every load offset a multiple of 8 elements
 
 
 class GpuDecode:
@@ -51,6 +53,7 @@ class GpuDecode:
         self.cuda = device.type == "cuda"
         self.plans: dict[tuple, StepPlan] = {}  # by signature, the newest last: one per micro-batch of the step
         self.plans_built = 0  # how many times metadata was built and copied (tests: once per step and micro-batch)
+        self._offsets: tuple | None = None  # (load table signature, (base, offsets, aligned)) of the in-place read
 
     def step_plan(self, layer: int, qg: torch.Tensor, seqs: list, load_runs: list[tuple[int, int]], in_place: list | None = None) -> StepPlan:
         """The plan for this layer: the cached one when the signature matches, else a new one.
@@ -64,7 +67,7 @@ class GpuDecode:
                 the plan then holds every layer's block offsets for one launch per layer.
         """
         base = seqs[0].window
-        table_sig = None if in_place is None else tuple((i, t.data_ptr(), lo, hi) for i, t, lo, hi in in_place)
+        table_sig = None if in_place is None else tuple((i, t.data_ptr(), t.stride(0), lo, hi) for i, t, lo, hi in in_place)
         sig = (tuple((sq.window.data_ptr(), sq.win_len[layer]) for sq in seqs), tuple(load_runs), table_sig, qg.shape, qg.dtype)
         hit = self.plans.pop(sig, None)
         if hit is not None:
@@ -100,18 +103,23 @@ class GpuDecode:
             o_l=torch.empty(P, Hkv, G, dv, **f32) if P else None, l_l=torch.empty(P, Hkv, G, **f32) if P else None,
             window_tokens=sum(lens),
         )
+        plan.win_aligned = all(o % 8 == 0 for o in offs) and base.stride(0) % 8 == 0
         if in_place and P:
-            plan.load_base, plan.load_offs = self._load_offsets(in_place)
+            plan.load_base, plan.load_offs, plan.load_aligned = self._load_offsets(table_sig, in_place)
         self.plans_built += 1
         self.plans[sig] = plan
         while len(self.plans) > MAX_PLANS:  # the oldest: an earlier step's (its buffers are reused in stream order)
             self.plans.pop(next(iter(self.plans)))
         return plan
 
-    def _load_offsets(self, table: list) -> tuple[torch.Tensor, torch.Tensor]:
-        """``(base, offsets [L, P])``: block j of layer l of the runs in ``table`` lies
+    def _load_offsets(self, sig: tuple, table: list) -> tuple[torch.Tensor, torch.Tensor, bool]:
+        """``(base, offsets [L, P], aligned)``: block j of layer l of the runs in ``table`` lies
         ``offsets[l, j]`` elements from ``base``'s first (all slabs share the block layout, so one
-        base addresses them all through unified addressing)."""
+        base addresses them all through unified addressing); ``aligned``: all multiples of 8.
+        Kept for the table's signature ``sig`` (a plan is rebuilt every step as the windows grow;
+        the load blocks change only at evictions)."""
+        if self._offsets is not None and self._offsets[0] == sig:
+            return self._offsets[1]
         base = table[0][1][0]  # [nblk, parts, Hkv, D, dim]: layer 0 of the first slab
         item, bptr = base.element_size(), base.data_ptr()
         off0, lstride = [], []
@@ -123,21 +131,30 @@ class GpuDecode:
         pad = P % 2  # rows of an even length: every layer's row starts 16-byte aligned (one Triton variant)
         offs = torch.tensor(off0 + [0] * pad, dtype=torch.int64)[None, :] + torch.arange(L, dtype=torch.int64)[:, None] * torch.tensor(
             lstride + [0] * pad, dtype=torch.int64)[None, :]
+        aligned = all(o % 8 == 0 for o in off0) and all(x % 8 == 0 for x in lstride)
         if self.cuda:
             offs = offs.pin_memory().to(self.device, non_blocking=True)
-        return base, offs[:, :P]
+        self._offsets = (sig, (base, offs[:, :P], aligned))
+        return self._offsets[1]
+
+    def forget(self) -> None:
+        """Drop the cached plans and load offsets (they hold views of sequences' memory): call when
+        a sequence is freed, after the device is done with it."""
+        self.plans.clear()
+        self._offsets = None
 
     def load_in_place(self, plan: StepPlan, qg: torch.Tensor, layer: int, scale: float) -> None:
         """Every load block of this layer, read in place over PCIe, one launch, into ``plan.o_l, plan.l_l``."""
         gpu_kernel.block_partials_into(qg, plan.load_base, self.spec.parts, self.spec.layout.v_dim, scale, plan.o_l, plan.l_l,
-                                       offsets=plan.load_offs[layer], seq=plan.blk_seq, window=self.spec.window)
+                                       offsets=plan.load_offs[layer], seq=plan.blk_seq, window=self.spec.window,
+                                       offsets_aligned=plan.load_aligned)
 
     def windows(self, plan: StepPlan, layer: int, qg: torch.Tensor, seqs: list, scale: float) -> None:
         """The window partials of all sequences, one launch, into ``plan.o_w, plan.l_w``."""
         base = seqs[0].window
         gpu_kernel.block_partials_into(qg, base, self.spec.parts, self.spec.layout.v_dim, scale, plan.o_w, plan.l_w,
                                        offsets=plan.win_off, layer_off=layer * base.stride(0), lengths=plan.win_len,
-                                       window=self.spec.window)
+                                       window=self.spec.window, offsets_aligned=plan.win_aligned)
 
     def fill(self, plan: StepPlan, qg: torch.Tensor, buf: torch.Tensor, start: int, scale: float) -> None:
         """Partials of the ``buf.shape[0]`` blocks of one ping-pong fill ``buf`` ``[nb, parts,
@@ -164,8 +181,13 @@ class GpuDecode:
         o, l = torch.empty(1, Hkv, G, dv, dtype=torch.float32, device=dev), torch.empty(1, Hkv, G, dtype=torch.float32, device=dev)
         ints = torch.zeros(4, dtype=torch.int32, device=dev)
         starts = torch.zeros(2, dtype=torch.int64, device=dev)
-        gpu_kernel.block_partials_into(q, blk, s.parts, dv, 1.0, o, l, offsets=torch.zeros(1, dtype=torch.int64, device=dev),
-                                       lengths=ints[:1], window=s.window)
+        zero_off = torch.zeros(2, dtype=torch.int64, device=dev)[:1]
+        for aligned in (False, True):  # the windows (offsets and lengths), and the in-place load read (offsets and sequences)
+            gpu_kernel.block_partials_into(q, blk, s.parts, dv, 1.0, o, l, offsets=zero_off, lengths=ints[:1], window=s.window,
+                                           offsets_aligned=aligned)
+            if s.load_read == "in-place":
+                gpu_kernel.block_partials_into(q, blk, s.parts, dv, 1.0, o, l, offsets=zero_off, seq=ints, window=s.window,
+                                               offsets_aligned=aligned)
         gpu_kernel.block_partials_into(q, blk, s.parts, dv, 1.0, o, l, seq=ints)
         out = torch.empty(1, q_heads, dv, dtype=dtype, device=dev)
         for load in (None, (o, l)):

@@ -75,13 +75,16 @@ if triton is not None:
         stride_qb, stride_qh, stride_qg,
         stride_ob, stride_oh, stride_og, stride_lb, stride_lh,
         out_base, sm_scale, G, dk, dv, D,
-        USE_OFF: tl.constexpr, HAS_SEQ: tl.constexpr, HAS_LEN: tl.constexpr, V_IN_K: tl.constexpr,
+        USE_OFF: tl.constexpr, OFF_ALIGN: tl.constexpr, HAS_SEQ: tl.constexpr, HAS_LEN: tl.constexpr, V_IN_K: tl.constexpr,
         BLOCK_G: tl.constexpr, DK_A: tl.constexpr, DK_B: tl.constexpr, BLOCK_DV: tl.constexpr, BLOCK_N: tl.constexpr,
     ):
         pid = tl.program_id(0)
         h = tl.program_id(1)
         if USE_OFF:
-            base = KV + tl.load(OFF + pid) + layer_off
+            off = tl.load(OFF + pid) + layer_off
+            if OFF_ALIGN:  # every offset a multiple of 8 elements (16 bytes): vector loads, as for consecutive blocks
+                off = tl.multiple_of(off, 8)
+            base = KV + off
         else:
             base = KV + pid.to(tl.int64) * blk_stride
         if HAS_SEQ:
@@ -223,7 +226,8 @@ def _tiles(dk: int, dv: int, parts: int, G: int) -> dict:
 
 def block_partials_into(q: torch.Tensor, kv: torch.Tensor, parts: int, dv: int, scale: float, o: torch.Tensor, lse: torch.Tensor,
                         out_base: int = 0, count: int | None = None, offsets: torch.Tensor | None = None, layer_off: int = 0,
-                        seq: torch.Tensor | None = None, lengths: torch.Tensor | None = None, window: int | None = None) -> None:
+                        seq: torch.Tensor | None = None, lengths: torch.Tensor | None = None, window: int | None = None,
+                        offsets_aligned: bool = False) -> None:
     """Partial attention of each block's sequence query over the block, written into ``o, lse``.
 
     Args:
@@ -243,6 +247,9 @@ def block_partials_into(q: torch.Tensor, kv: torch.Tensor, parts: int, dv: int, 
             ``seq[out_base + j]``; None: block j is sequence j.
         lengths: ``[count]`` int32 valid keys of each block (0..D); None: all D.
         window: D when ``kv`` is not a block tensor (with ``offsets``).
+        offsets_aligned: the caller guarantees every offset (plus ``layer_off``) is a multiple of 8
+            elements, so the kernel's loads can be 16-byte vectors (without it, loads through
+            offsets the compiler cannot see are scalar).
     """
     count = (kv.shape[0] if offsets is None else offsets.shape[0]) if count is None else count
     if count == 0:
@@ -260,7 +267,8 @@ def block_partials_into(q: torch.Tensor, kv: torch.Tensor, parts: int, dv: int, 
         q.stride(0), q.stride(1), q.stride(2),
         o.stride(0), o.stride(1), o.stride(2), lse.stride(0), lse.stride(1),
         out_base, scale, G, dk, dv, D,
-        USE_OFF=offsets is not None, HAS_SEQ=seq is not None, HAS_LEN=lengths is not None, **tiles,
+        USE_OFF=offsets is not None, OFF_ALIGN=offsets is not None and offsets_aligned, HAS_SEQ=seq is not None, HAS_LEN=lengths is not None,
+        **tiles,
     )
 
 

@@ -177,7 +177,9 @@ class SplitDecoder:
             for t in self._stage:
                 if t is not None:
                     unpin(t)
-            self._stage = [None, None]
+            self._stage, self._stage_views = [None, None], [None, None]
+            if self.gpu is not None:
+                self.gpu.forget()
 
     def buffers(self) -> list[torch.Tensor]:
         """The ping-pong buffers ``[pingpong_blocks, parts, kv_heads, D, dim]``, made on first use."""

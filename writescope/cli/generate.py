@@ -239,7 +239,9 @@ def format_timings(outs, policy: str = "resident", cpu_attention: str | None = N
         rows.insert(6, ("decode step, main thread (median)", f"issuing {issue:,.2f} ms, then waiting {wait:,.2f} ms"))
     if cpu_attention is not None and policy not in ("resident", "gpu"):  # only these never attend on the CPU
         rows.append(("CPU attention", cpu_attention))
-    switches = sorted(f"{k}={v}" for k, v in os.environ.items() if k.startswith("WRITESCOPE_"))
+    from writescope.engine.switches import NAMES  # the runtime's switches only (never e.g. WRITESCOPE_API_KEY)
+
+    switches = sorted(f"{k}={os.environ[k]}" for k in NAMES if k in os.environ)
     if switches:  # what the run was steered by (benchmark logs then say it)
         rows.append(("switches (environment)", ", ".join(switches)))
     if outs[0].kv_placement is not None:

@@ -59,6 +59,8 @@ class SamplingParams:
         if not 0 < self.top_p <= 1:
             raise ArgError(f"top_p must be in (0, 1], got {self.top_p!r}", "top_p")
         object.__setattr__(self, "stop_token_ids", tuple(self.stop_token_ids))
+        if self.stop is None:  # as vLLM: no stop strings
+            object.__setattr__(self, "stop", ())
         if not isinstance(self.stop, (str, list, tuple)):
             raise ArgError(f"stop must be a string or a sequence of strings, got {self.stop!r}", "stop")
         stop = (self.stop,) if isinstance(self.stop, str) else tuple(self.stop)

@@ -4,8 +4,8 @@ Each switch has one reader next to the code it steers (it names the variable, th
 choices when the value is bad); this module only gathers them, so ``LLM`` can read every one
 when it starts instead of failing at the first forward, minutes later, or never under a policy
 that does not use it. ``WRITESCOPE_CPU_ATTENTION``, ``WRITESCOPE_CPU_ISA`` and
-``WRITESCOPE_CPU_TUNING`` are checked by :func:`writescope.attention.cpu_kernel.prepare`, and
-``WRITESCOPE_EXPERT_ISA`` by :func:`writescope.moe.cpu_experts.prepare` (they also build kernels).
+``WRITESCOPE_CPU_TUNING`` are checked by :func:`writescope.attention.cpu_kernel.prepare`, which
+``LLM`` calls before the weights load too (it also builds the kernel).
 """
 
 from __future__ import annotations
@@ -19,6 +19,8 @@ def readers() -> dict[str, Callable[[], object]]:
     """Switch name -> its reader (raises ValueError on a bad value)."""
     from writescope.attention.split import _native_wanted
     from writescope.env import env_choice
+    from writescope.layers.attention import mla_prefill_mode
+    from writescope.moe import cpu_experts
     from writescope.kvcache.inplace import _micro_batches, _prefill_load_on_evict_stream
     from writescope.kvcache.spec import load_read_from_env, pingpong_buffers_from_env
     from writescope.models.graphs import graphs_wanted
@@ -33,7 +35,23 @@ def readers() -> dict[str, Callable[[], object]]:
         "WRITESCOPE_CUDA_GRAPHS": lambda: graphs_wanted(torch.device("cpu")),
         "WRITESCOPE_PREFILL_LOAD_STREAM": _prefill_load_on_evict_stream,
         "WRITESCOPE_CPU_WORKER": _native_wanted,
+        "WRITESCOPE_GPU_TILES": _tiles,
+        "WRITESCOPE_MLA_PREFILL": mla_prefill_mode,
+        "WRITESCOPE_EXPERT_ISA": cpu_experts.requested_path,
     }
+
+
+def _tiles():
+    from writescope.attention import gpu_kernel
+
+    return gpu_kernel.tile_settings()
+
+
+# every switch by name (those cpu_kernel.prepare checks too), for what a run prints it ran under
+NAMES = ("WRITESCOPE_MICRO_BATCHES", "WRITESCOPE_MOE_KERNEL", "WRITESCOPE_LOAD_READ", "WRITESCOPE_PINGPONG_BUFFERS",
+         "WRITESCOPE_GPU_ATTENTION", "WRITESCOPE_CUDA_GRAPHS", "WRITESCOPE_PREFILL_LOAD_STREAM", "WRITESCOPE_CPU_WORKER",
+         "WRITESCOPE_GPU_TILES", "WRITESCOPE_MLA_PREFILL", "WRITESCOPE_EXPERT_ISA", "WRITESCOPE_CPU_ATTENTION", "WRITESCOPE_CPU_ISA",
+         "WRITESCOPE_CPU_TUNING")
 
 
 def check_switches() -> None:

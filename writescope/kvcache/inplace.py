@@ -112,6 +112,8 @@ class InplaceKVCache(KVCache):
         finally:
             if self.cuda:  # every stream: copies into or out of its pinned memory must be done
                 torch.cuda.synchronize(self.device)
+            if self.decoder.gpu is not None:  # cached plans hold views of its slabs (the in-place read)
+                self.decoder.gpu.forget()
             seq.release()
 
     def close(self) -> None:

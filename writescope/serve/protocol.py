@@ -76,6 +76,8 @@ class CompletionRequest(_Common):
     @field_validator("prompt", mode="before")
     @classmethod
     def _one_prompt(cls, v):
+        if isinstance(v, list) and len(v) == 1 and isinstance(v[0], (str, list)):  # a batch of one, as OpenAI clients send
+            return v[0]
         if isinstance(v, list) and v and all(isinstance(p, (str, list)) for p in v):
             raise ValueError(f"one prompt per request (a string or a list of token ids), got a list of {len(v)} prompts: "
                              "send one request per prompt, or use n for several choices of one")
