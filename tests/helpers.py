@@ -84,3 +84,30 @@ def ours_prefill_then_decode(model, prompts: list[list[int]], continuations: lis
         for i in range(len(prompts)):
             decode[i].append(out[i])
     return prefill, [torch.stack(d) if d else torch.empty(0) for d in decode]
+
+
+def interpreter_unusable() -> str | None:
+    """Why Triton's interpreter (``TRITON_INTERPRET=1``, CPU tensors) cannot run the kernels'
+    checks here, or None when it can."""
+    import importlib.util
+
+    if importlib.util.find_spec("triton") is None:
+        return "Triton is not installed (CPU torch): the torch path stands in"
+    import numpy
+
+    if tuple(int(x) for x in numpy.__version__.split(".")[:2]) >= (2, 4):
+        return f"Triton 3.6's interpreter fails on numpy {numpy.__version__} (scalar conversion); needs numpy < 2.4"
+    return None
+
+
+def run_under_interpreter(code: str, timeout: int) -> None:
+    """Run ``code`` in a fresh Python with ``TRITON_INTERPRET=1`` (the interpreter is chosen when
+    Triton is imported, so not in this process); fails the test with its output on an error."""
+    import os
+    import subprocess
+    import sys
+
+    here = os.path.dirname(os.path.abspath(__file__))  # tests/, for the checks' own `from helpers import`
+    env = dict(os.environ, TRITON_INTERPRET="1", PYTHONPATH=os.pathsep.join((os.getcwd(), here)))
+    r = subprocess.run([sys.executable, "-c", code], env=env, capture_output=True, text=True, timeout=timeout)
+    assert r.returncode == 0, r.stdout[-3000:] + r.stderr[-6000:]

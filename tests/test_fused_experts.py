@@ -10,13 +10,12 @@ grouped path rounds its GEMM outputs).
 
 from __future__ import annotations
 
-import importlib.util
 import os
-import subprocess
-import sys
 
 import pytest
 import torch
+
+from helpers import interpreter_unusable, run_under_interpreter
 
 TOL = 1e-2
 
@@ -120,22 +119,10 @@ def check_block_in_place(device: str, dtype: torch.dtype) -> None:
         os.environ.pop("WRITESCOPE_MOE_KERNEL")
 
 
-def _interpreter_usable() -> str | None:
-    if importlib.util.find_spec("triton") is None:
-        return "Triton is not installed (CPU torch)"
-    import numpy
-
-    if tuple(int(v) for v in numpy.__version__.split(".")[:2]) >= (2, 4):
-        return f"Triton 3.6's interpreter fails on numpy {numpy.__version__}; needs numpy < 2.4"
-    return None
-
-
-@pytest.mark.skipif(_interpreter_usable() is not None, reason=str(_interpreter_usable()))
+@pytest.mark.skipif(interpreter_unusable() is not None, reason=str(interpreter_unusable()))
 def test_fused_experts_under_the_interpreter():
     code = "import torch, tests.test_fused_experts as t\nt.check_fused('cpu', torch.float16)\nt.check_block_in_place('cpu', torch.float16)\n"
-    env = dict(os.environ, TRITON_INTERPRET="1", PYTHONPATH=os.getcwd())
-    r = subprocess.run([sys.executable, "-c", code], env=env, capture_output=True, text=True, timeout=900)
-    assert r.returncode == 0, r.stdout[-3000:] + r.stderr[-6000:]
+    run_under_interpreter(code, timeout=900)
 
 
 def test_the_switch_is_checked_and_off_by_default(monkeypatch):

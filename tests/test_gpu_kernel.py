@@ -13,13 +13,12 @@ rounding at 1 (bf16 2^-8 * 4 = 1.6e-2, fp16 2^-11 * 4 = 2e-3) on the output, lse
 
 from __future__ import annotations
 
-import importlib.util
 import os
-import subprocess
-import sys
 
 import pytest
 import torch
+
+from helpers import interpreter_unusable, run_under_interpreter
 
 from writescope.attention.metadata import ForwardBatch
 from writescope.config import KVLayout
@@ -203,26 +202,14 @@ def test_fused_split_decode_on_cuda_matches_float64():
     check_decoder("cuda", torch.bfloat16)
 
 
-def _interpreter_usable() -> str | None:
-    if importlib.util.find_spec("triton") is None:
-        return "Triton is not installed (CPU torch): the torch path stands in"
-    import numpy
-
-    if tuple(int(x) for x in numpy.__version__.split(".")[:2]) >= (2, 4):
-        return f"Triton 3.6's interpreter fails on numpy {numpy.__version__} (scalar conversion); needs numpy < 2.4"
-    return None
-
-
-@pytest.mark.skipif(_interpreter_usable() is not None, reason=str(_interpreter_usable()))
+@pytest.mark.skipif(interpreter_unusable() is not None, reason=str(interpreter_unusable()))
 def test_triton_kernels_under_the_interpreter():
     code = (
         "import torch, tests.test_gpu_kernel as t\n"
         "t.check_kernels('cpu', torch.float16)\n"
         "t.check_decoder('cpu', torch.float16)\n"
     )
-    env = dict(os.environ, TRITON_INTERPRET="1", PYTHONPATH=os.getcwd())
-    r = subprocess.run([sys.executable, "-c", code], env=env, capture_output=True, text=True, timeout=1500)
-    assert r.returncode == 0, r.stdout[-3000:] + r.stderr[-6000:]
+    run_under_interpreter(code, timeout=1500)
 
 
 @pytest.mark.gpu
