@@ -441,16 +441,10 @@ class SplitDecoder:
         if self.in_place:
             return self._load_in_place(qg, sources, scale, evict_stream, plan, layer)
         s = self.spec
-        B, Hkv, G, _ = qg.shape
+        B = qg.shape[0]
         fills = list(self._fills(sources))
         if plan is None:
-            runs = [(i, src.shape[0]) for fill in fills for i, src in fill]
-            ids_host = torch.repeat_interleave(torch.tensor([i for i, _ in runs]), torch.tensor([n for _, n in runs]))  # [blocks]
-            ids = self._to_device(ids_host)
-            acc = torch.promote_types(s.dtype, torch.float32)
-            o_blk = torch.empty(len(ids_host), Hkv, G, s.layout.v_dim, dtype=acc, device=self.device)
-            lse_blk = torch.empty(len(ids_host), Hkv, G, dtype=acc, device=self.device)
-            q_blk = (qg.to(acc) * scale).index_select(0, ids)  # [blocks, Hkv, G, dk]
+            ids, q_blk, o_blk, lse_blk = self._torch_blocks(qg, [(i, src.shape[0]) for fill in fills for i, src in fill], scale)
         bufs = self.buffers()
         cur = torch.cuda.current_stream(self.device) if self.cuda else None
         if self.cuda:
@@ -507,12 +501,7 @@ class SplitDecoder:
             self._evicted = False
         self._load_written = False
         if plan is None:
-            counts = [src.shape[0] for _, src in sources]
-            ids_host = torch.repeat_interleave(torch.tensor([i for i, _ in sources], dtype=torch.long), torch.tensor(counts, dtype=torch.long))
-            ids = self._to_device(ids_host)
-            acc = torch.promote_types(s.dtype, torch.float32)
-            q_blk = (qg.to(acc) * scale).index_select(0, ids)
-            o_parts, l_parts = [], []
+            ids, q_blk, o_blk, lse_blk = self._torch_blocks(qg, [(i, src.shape[0]) for i, src in sources], scale)
         if plan is not None and plan.load_offs is not None:  # one launch over every sequence's load blocks
             self.gpu.load_in_place(plan, qg, layer, scale)
             self._stats.streamed_bytes += sum(src.numel() * src.element_size() for _, src in sources)
@@ -525,14 +514,23 @@ class SplitDecoder:
             else:
                 k = src[:, 0]
                 v = src[:, 1] if s.parts == 2 else k[..., : s.layout.v_dim]
-                o, l = block_partials(q_blk[start : start + n], k, v)
-                o_parts.append(o)
-                l_parts.append(l)
+                o_blk[start : start + n], lse_blk[start : start + n] = block_partials(q_blk[start : start + n], k, v)
             self._stats.streamed_bytes += src.numel() * src.element_size()
             start += n
-        if plan is not None or not sources:
-            return None
-        return merge_segments(torch.cat(o_parts), torch.cat(l_parts), ids, B)
+        return None if plan is not None else merge_segments(o_blk, lse_blk, ids, B)
+
+    def _torch_blocks(self, qg, runs, scale):
+        """The plain-torch load part's inputs for ``runs`` ``(sequence index, blocks)`` in order:
+        ``(ids [blocks]`` each block's sequence on the device, ``q_blk [blocks, Hkv, G, dk]`` its
+        scaled query, and empty partial buffers ``o_blk, lse_blk)`` in the accumulation dtype."""
+        s = self.spec
+        _, Hkv, G, _ = qg.shape
+        ids = self._to_device(torch.repeat_interleave(torch.tensor([i for i, _ in runs], dtype=torch.long),
+                                                      torch.tensor([n for _, n in runs], dtype=torch.long)))
+        acc = torch.promote_types(s.dtype, torch.float32)
+        o_blk = torch.empty(ids.shape[0], Hkv, G, s.layout.v_dim, dtype=acc, device=self.device)
+        lse_blk = torch.empty(ids.shape[0], Hkv, G, dtype=acc, device=self.device)
+        return ids, (qg.to(acc) * scale).index_select(0, ids), o_blk, lse_blk
 
     def _fills(self, sources):
         """Group runs ``(sequence index, [nb, parts, Hkv, D, dim])`` into buffer fills of at
