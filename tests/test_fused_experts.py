@@ -125,13 +125,19 @@ def test_fused_experts_under_the_interpreter():
     run_under_interpreter(code, timeout=900)
 
 
-def test_the_switch_is_checked_and_off_by_default(monkeypatch):
+def test_the_switch_is_checked_and_on_by_default(monkeypatch):
     from writescope.moe import fused_decode
 
     x = torch.zeros(2, 8, dtype=torch.bfloat16)
-    assert not fused_decode.wanted(x, 4)  # default: grouped
+    monkeypatch.delenv("WRITESCOPE_MOE_KERNEL", raising=False)
+    monkeypatch.delenv("TRITON_INTERPRET", raising=False)
+    assert fused_decode.env_fused()  # default: fused
+    assert not fused_decode.wanted(x, 4)  # but never for CPU tensors outside the interpreter
+    monkeypatch.setenv("WRITESCOPE_MOE_KERNEL", "grouped")
+    assert not fused_decode.env_fused()
+    assert not fused_decode.wanted_for(torch.bfloat16, torch.device("cuda"), 4)
     monkeypatch.setenv("WRITESCOPE_MOE_KERNEL", "fast")
-    with pytest.raises(ValueError, match="WRITESCOPE_MOE_KERNEL='fast': use 'grouped' \\(the default\\) or 'fused'"):
+    with pytest.raises(ValueError, match="WRITESCOPE_MOE_KERNEL='fast': use 'fused' \\(the default\\) or 'grouped'"):
         fused_decode.wanted(x, 4)
     monkeypatch.setenv("WRITESCOPE_MOE_KERNEL", "fused")
     assert not fused_decode.wanted(x.float(), 4)  # fp32: grouped

@@ -183,3 +183,32 @@ def test_the_expert_split_is_chosen_in_decode_only_and_balances_the_expert_phase
     assert work.observed and work.x.value == pytest.approx(1e8)  # seeded with the first sample, not averaged from 0
     work.overlap = True  # with the phases overlapping, the KV already on each side counts
     assert work.choose([10**7] * 10) == streamed_count([10**7] * 10, 16 * 32768 * 2e-8, 16 * 32768 * 2e-8, work.costs())
+
+
+def test_writescope_reads_host_experts_in_place_where_the_fused_kernels_can(monkeypatch):
+    """Where every hosted block reads its hit host experts in place (the fused decode kernels on
+    CUDA), ``writescope`` attaches no per-step expert split (r(L) is the KV-only one) and says so;
+    where one block cannot, the split stays."""
+    from writescope.moe.block import SparseMoeBlock
+
+    llm = _half_on_host_llm()
+    rf = Roofline(a=1e-9, b=1e-3, c_cpu=0.0, c_gpu=0.0)
+    monkeypatch.setattr(SparseMoeBlock, "reads_host_experts_in_place", lambda self: True)
+    llm.set_policy("writescope", roofline=rf)
+    assert llm.expert_work is None and llm.policy.experts is None
+    assert all(b.expert_work is None for b in _blocks(llm))
+    assert llm.host_experts_in_decode() == "host experts read in place over PCIe by the fused decode kernels"
+    first = next(b for b in _blocks(llm) if b.host_experts)
+    monkeypatch.setattr(SparseMoeBlock, "reads_host_experts_in_place", lambda self: self is not first)
+    llm.set_policy("writescope", roofline=rf)
+    assert llm.expert_work is not None and "joint roofline" in llm.host_experts_in_decode()
+
+
+def test_reads_host_experts_in_place_follows_the_configuration(monkeypatch):
+    """The real check on this machine: CPU tensors outside the Triton interpreter never take the
+    fused path, so no block reads in place; with the kernel switch on ``grouped`` neither."""
+    llm = _half_on_host_llm(share=1.0)
+    monkeypatch.delenv("TRITON_INTERPRET", raising=False)
+    hosted = [b for b in _blocks(llm) if b.host_experts]
+    assert hosted and not any(b.reads_host_experts_in_place() for b in hosted)
+    assert llm.host_experts_in_decode() != "host experts read in place over PCIe by the fused decode kernels"

@@ -266,8 +266,10 @@ class LLM:
             return "no routed experts in host memory"
         if getattr(self, "expert_work", None) is not None:
             return "host experts split between streaming and the CPU each decode step by the joint roofline (--policy writescope)"
+        hosted = [b for b in self._moe_blocks if b.host_experts]
+        if all(b.reads_host_experts_in_place() for b in hosted):  # implies share 1 (block._host_in_place_configured)
+            return "host experts read in place over PCIe by the fused decode kernels"
         if share == 0:
-            hosted = [b for b in self._moe_blocks if b.host_experts]
             why = ""
             if min(b.stream_share for b in hosted) > 0:  # asked for streaming, but a block cannot: say why
                 why = next(f" ({w})" for w in map(SparseMoeBlock.why_not_streamed, hosted) if w is not None)

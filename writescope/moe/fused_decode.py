@@ -1,10 +1,15 @@
-"""The device experts of a decode step in two Triton launches (``WRITESCOPE_MOE_KERNEL=fused``).
+"""The device experts of a decode step in two Triton launches (``WRITESCOPE_MOE_KERNEL=fused``, the
+default; ``grouped`` takes torch's grouped GEMM instead).
 
 Why: a decode step routes few (token, expert) assignments per block (DeepSeek-V2-Lite, 16 tokens
 x top-6 = 96 over 64 experts), and torch's grouped GEMM read the activated experts' weights at
 556-867 GB/s on the H200, 13-21% of its HBM bound (benchmarks/results/experts_h200.md). Between
 two layers' attentions of a split step that expert phase is most of the hand-over the CPU waits
-through. Here every hit expert's weights are read once, by many small programs:
+through. Here every hit expert's weights are read once, by many small programs (measured on the
+H200, run 17 of benchmarks/results/gpu_decode_h200.md: DeepSeek-V2-Lite's 16-token expert phase
+0.87 ms against 1.11 ms grouped; whole 16 x 32K steps 281 ms against 317 for ``writescope``, 323
+against 413 for ``gpu``; Qwen3-30B-A3B 4 x 32K with its host experts read in place 304 ms against
+343 ms streamed for ``static:0.5``):
 
 - ``_gate_up``: one program per (expert slot g, tile of BLOCK_N intermediate columns) runs over
   its group's assignment rows (sorted by slot) in blocks of BLOCK_M, gathers their tokens' x
@@ -43,13 +48,14 @@ BLOCK_N, BLOCK_K = 64, 128  # BLOCK_M (rows per tile) follows the token count: s
 
 
 def env_fused() -> bool:
-    """``WRITESCOPE_MOE_KERNEL``: ``grouped`` (the default: torch's grouped GEMM) or ``fused`` (these
-    kernels for decode-sized calls; host experts that would be streamed are then read in place).
+    """``WRITESCOPE_MOE_KERNEL``: ``fused`` (the default: these kernels for decode-sized calls; host
+    experts that would be streamed are then read in place) or ``grouped`` (torch's grouped GEMM, and
+    host experts streamed by copies).
 
     Raises:
         ValueError: another value (names it and the choices).
     """
-    return env_choice("WRITESCOPE_MOE_KERNEL", ("grouped", "fused")) == "fused"
+    return env_choice("WRITESCOPE_MOE_KERNEL", ("fused", "grouped")) == "fused"
 
 
 def wanted(x: torch.Tensor, rows: int) -> bool:
@@ -58,7 +64,7 @@ def wanted(x: torch.Tensor, rows: int) -> bool:
 
 
 def wanted_for(dtype: torch.dtype, device: torch.device, rows: int | None) -> bool:
-    """``WRITESCOPE_MOE_KERNEL=fused`` (default ``grouped``), Triton importable, bf16 or fp16 on
+    """``WRITESCOPE_MOE_KERNEL=fused`` (the default), Triton importable, bf16 or fp16 on
     CUDA (or CPU under ``TRITON_INTERPRET=1``, tests only), and at most ``MAX_ROWS`` assignments
     (``rows`` None: not checked).
 
