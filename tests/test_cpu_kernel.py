@@ -383,3 +383,31 @@ def test_a_cached_build_is_recognised():
     if ext.get() is None:
         pytest.skip("the kernel does not build here")
     assert ext.cached()  # just built (or loaded): torch's cache holds this very source
+
+
+def test_a_build_killed_midway_leaves_no_lock_that_blocks_the_next(tmp_path, monkeypatch):
+    """torch's ``lock`` file left in a build directory by a killed build is removed (with a
+    warning) under writescope's own flock, which its holder's death releases; while one process
+    holds that flock, another cannot take it."""
+    import fcntl
+    import subprocess
+    import sys
+
+    from torch.utils.cpp_extension import _get_build_directory
+
+    from writescope.native import build
+
+    monkeypatch.setenv("TORCH_EXTENSIONS_DIR", str(tmp_path))
+    d = Path(_get_build_directory("writescope_lock_test", False))
+    d.mkdir(parents=True, exist_ok=True)
+    (d / "lock").write_text("")  # what a killed build leaves
+    with pytest.warns(UserWarning, match="stopped midway left this lock; removed it"):
+        with build._build_lock("writescope_lock_test"):
+            assert not (d / "lock").exists()
+            probe = ("import fcntl, sys\nf = open(sys.argv[1], 'w')\n"
+                     "try:\n    fcntl.flock(f, fcntl.LOCK_EX | fcntl.LOCK_NB)\nexcept BlockingIOError:\n    sys.exit(3)\n")
+            held = subprocess.run([sys.executable, "-c", probe, str(d.parent / f"{d.name}.flock")], timeout=60)
+            assert held.returncode == 3  # the other process sees the build in progress
+    free = open(d.parent / f"{d.name}.flock", "w")
+    fcntl.flock(free, fcntl.LOCK_EX | fcntl.LOCK_NB)  # released on leaving
+    free.close()

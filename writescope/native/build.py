@@ -3,6 +3,7 @@ digest) and reading which of its paths an environment variable asks for."""
 
 from __future__ import annotations
 
+import contextlib
 import hashlib
 import os
 import warnings
@@ -29,11 +30,38 @@ def load(name: str, directory: Path, sources: tuple[str, ...], failure: str):
     try:
         from torch.utils.cpp_extension import load_inline
 
-        return load_inline(name, cpp_sources=[source], extra_include_paths=[str(directory), str(NATIVE_DIR)],
-                           extra_cflags=["-O3", "-march=native", "-fopenmp"], extra_ldflags=["-fopenmp"], verbose=False)
+        with _build_lock(name):
+            return load_inline(name, cpp_sources=[source], extra_include_paths=[str(directory), str(NATIVE_DIR)],
+                               extra_cflags=["-O3", "-march=native", "-fopenmp"], extra_ldflags=["-fopenmp"], verbose=False)
     except Exception as e:  # noqa: BLE001 - no compiler, or the build failed
         warnings.warn(f"{name} could not be built ({str(e)[:300]}); {failure}", stacklevel=3)
         return None
+
+
+@contextlib.contextmanager
+def _build_lock(name: str):
+    """Hold an advisory lock (``fcntl.flock``) on ``<build directory>.flock`` around a build. The
+    kernel releases it when its process dies, which torch's own ``lock`` file (created inside the
+    build directory, deleted at the end of a build) does not: a build killed midway (a timeout on a
+    test run) left that file, and every later process waited on it forever. Under this lock no other
+    writescope build of ``name`` runs, so a ``lock`` file found there is stale and is removed, with
+    a warning."""
+    import fcntl
+
+    from torch.utils.cpp_extension import _get_build_directory
+
+    build = Path(_get_build_directory(name, False))
+    build.parent.mkdir(parents=True, exist_ok=True)
+    with open(build.parent / f"{build.name}.flock", "w") as f:
+        fcntl.flock(f, fcntl.LOCK_EX)  # another process building it: wait for that one (it finishes or dies)
+        try:
+            stale = build / "lock"
+            if stale.exists():
+                warnings.warn(f"{stale}: a build of {name} stopped midway left this lock; removed it", stacklevel=4)
+                stale.unlink(missing_ok=True)
+            yield
+        finally:
+            fcntl.flock(f, fcntl.LOCK_UN)
 
 
 def _named_source(name: str, directory: Path, sources: tuple[str, ...]) -> tuple[str, str]:
