@@ -15,7 +15,7 @@ The engine marks its parts with ``torch.profiler.record_function``:
 | ``moe.router`` / ``moe.device_experts`` / ``moe.host_experts`` / ``moe.shared_experts`` | main | expert phase |
 | ``moe.tokens_to_host`` | main | the host experts' tokens copied to the host (waits for the device) |
 | ``moe.streamed_experts`` | main | host experts whose weights are streamed to the device and computed there |
-| ``moe.host_experts_in_place`` | main | host experts read in place over PCIe by the fused kernels (``WRITESCOPE_MOE_KERNEL=fused``) |
+| ``moe.host_experts_in_place`` | main | host experts read in place over PCIe by the fused kernels (``WRITESCOPE_MOE_KERNEL=fused``, the default) |
 | ``decode.stage_graph`` | main | a decode stage replayed as a CUDA graph (models/graphs.py): the projections, norms and expert phase of the stages captured, whose own ranges (``moe.*``) then do not appear; ``WRITESCOPE_CUDA_GRAPHS=off`` splits them again |
 
 For each, per step: CPU wall time (time spent inside the range on its thread, including waiting
