@@ -36,6 +36,9 @@ def test_bench_grid_json_and_plot(tmp_path, monkeypatch, capsys):
     assert by[(100, "monolithic:0.5")]["prepare_ms_per_layer"] > 0  # half the blocks re-laid out every step
     assert by[(100, "monolithic:0.5")]["r_deployed"] == 0.5 and by[(100, "writescope")]["r_deployed"] is not None
     assert doc["roofline"]["a"] > 0
+    cal = doc["calibration"]  # the stored calibration behind r: its fitted values and measured points
+    assert cal["a"] == doc["roofline"]["a"] and cal["c_cpu"] == doc["roofline"]["c_cpu"]
+    assert len(cal["points"]["cpu"]) >= 2 and all(t > 0 and sec > 0 for t, sec in cal["points"]["cpu"])
     assert out_png.read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
 
 

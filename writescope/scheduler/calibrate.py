@@ -261,6 +261,16 @@ def load(device: torch.device, shape: str) -> Roofline | None:
     return Roofline(**fields)
 
 
+def stored_entry(device: torch.device, shape: str) -> dict | None:
+    """The whole stored calibration of this machine and shape (the fitted values, the measured
+    points per side, the limits, what was implausible, when it was measured), or None: what a
+    benchmark keeps next to its rows, so that a surprising r can be traced to its points."""
+    try:
+        return json.loads(store_path().read_text())[machine_key(device)][shape]
+    except (OSError, ValueError, KeyError):
+        return None
+
+
 def save(device: torch.device, shape: str, roofline: Roofline, detail: dict) -> Path:
     path = store_path()
     path.parent.mkdir(parents=True, exist_ok=True)
