@@ -215,6 +215,8 @@ def test_calibration_measures_stores_and_reloads(tmp_path, monkeypatch):
     # streaming alone (share 0) at each context, and the split's cost beyond its slower side
     assert [t for t, _ in detail["points"]["alone"]] == [2 * L for L in (64, 128, 256)]
     assert all(s > 0 for _, s in detail["points"]["alone"]) and len(detail["points"]["split_overhead"]) == 6
+    assert [t for t, _ in detail["points"]["alone_gpu"]] == [2 * L for L in (64, 128, 256)]
+    assert all(s > 0 for _, s in detail["points"]["alone_gpu"])
     assert r.b_alone > 0 and r.c_gpu_alone >= 0 and r.c_split >= 0
     with pytest.raises(ValueError, match="both sides"):
         calibrate(layout, 4, torch.float32, dev, window=16, batch=2, contexts=(64, 128), steps=1, progress=False, shares=(0.0,))

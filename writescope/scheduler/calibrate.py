@@ -115,7 +115,8 @@ def calibrate(
     streaming alone at share 0), and a fit still outside them is clamped to them.
 
     Returns:
-        ``(roofline, detail)``: detail holds the measured points ``(tokens, seconds)`` per side,
+        ``(roofline, detail)``: detail holds the measured points ``(tokens, seconds)`` per side
+        (``alone_gpu``: the device time of the share-0 steps, next to their wall time ``alone``),
         the contexts and shares used, ``limits`` (the measured rates, GB/s) and ``implausible``
         (what stayed impossible after the re-measures, one sentence each; empty when nothing did).
 
@@ -136,17 +137,18 @@ def calibrate(
         raise ArgError(f"calibration needs two contexts that fit host memory; of {contexts} (batch {batch}) only {fit} fit: "
                        "lower batch", "batch")
     limits = lim.measure_limits(device, batch * max(fit) * per_token)
-    points = {"cpu": [], "gpu": [], "alone": [], "split_overhead": []}
+    points = {"cpu": [], "gpu": [], "alone": [], "alone_gpu": [], "split_overhead": []}
     bar = tqdm(total=(len(shares) + 1) * len(fit), desc="calibrate", disable=not progress)
 
     def measure(series: str) -> None:  # "alone": share 0; "split": the split shares
-        for key in ("alone",) if series == "alone" else ("cpu", "gpu", "split_overhead"):
+        for key in ("alone", "alone_gpu") if series == "alone" else ("cpu", "gpu", "split_overhead"):
             points[key] = []
         for share in (0.0,) if series == "alone" else shares:
             for L in fit:
                 cpu, gpu, wall, overhead = _measure(layout, q_heads, dtype, device, window, share, batch, L, steps, cpu_threads)
                 if share == 0:
                     points["alone"].append((gpu[0], wall))
+                    points["alone_gpu"].append(gpu)  # its device time alone: wall minus this is the issue and hand-over both paths pay
                 else:
                     points["cpu"].append(cpu)
                     points["gpu"].append(gpu)
