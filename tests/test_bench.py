@@ -221,3 +221,25 @@ def test_rows_run_under_their_own_switches(monkeypatch):
     assert "WRITESCOPE_MICRO_BATCHES" not in os.environ and "WRITESCOPE_LOAD_READ" not in os.environ
     plain = run_one(llm, cfg, 2, 64, "static:0.5")
     assert plain.fits and seen == {"mb": 1, "in_place": False}
+
+
+def test_the_warm_up_runs_every_batch_size_and_policy_unmeasured(monkeypatch):
+    """CUDA graphs are captured per decode token count, so the grid warms up at each of its batch
+    sizes (short context, two steps, the grid's KV fill) for each policy, before the first
+    measured row; the measured rows are exactly the grid's."""
+    from writescope.bench import runner
+
+    calls = []
+
+    def fake(llm, cfg, b, c, p, roofline=None):
+        calls.append((b, c, p, cfg.steps, cfg.kv_fill, cfg.warmup))
+        return runner.BenchRow(batch=b, context=c, policy=p)
+
+    monkeypatch.setattr(runner, "run_one", fake)
+    cfg = runner.BenchConfig([4, 16, 4], [1000, 3000], ["gpu", "static:0.5"], steps=5, window=16, progress=False, kv_fill="random")
+    rows = runner.run_grid(None, cfg)
+    warm = [(b, c, p) for b, c, p, steps, fill, w in calls if steps == 2]
+    assert warm == [(4, 32, "gpu"), (4, 32, "static:0.5"), (16, 32, "gpu"), (16, 32, "static:0.5")]
+    assert all(fill == "random" and not w for *_, fill, w in calls[:4])
+    assert calls[4:] and all(steps == 5 for _, _, _, steps, _, _ in calls[4:])
+    assert [(r.batch, r.context, r.policy) for r in rows] == [(b, c, p) for b in (4, 16, 4) for c in (1000, 3000) for p in ("gpu", "static:0.5")]
