@@ -76,7 +76,7 @@ part() {
       local f="$out/variants_${m}_${VAR_BATCH:-16}x${VAR_CONTEXT:-32k}${VAR_TAG:-}"
       timeout "$(tmo 570)" python3 -m writescope.cli.main bench --model "$m" --synthetic --device cuda --vram-budget "${VAR_BUDGET:-32GiB}" \
         --kv-fill random --batch "${VAR_BATCH:-16}" --context "${VAR_CONTEXT:-32k}" --steps "${VAR_STEPS:-12}" --repeats "${VAR_REPEATS:-2}" \
-        --policies "${VAR_POLICIES:-gpu,writescope,writescope@WRITESCOPE_MICRO_BATCHES=2,writescope@WRITESCOPE_MOE_KERNEL=fused}" --quiet \
+        --policies "${VAR_POLICIES:-gpu,writescope,writescope@WRITESCOPE_MICRO_BATCHES=2,writescope@WRITESCOPE_PINGPONG_BUFFERS=4}" --quiet \
         --output-json "$f.json" 2>&1 | tee "$f.log" | tail -24 ;;
     multi-user)  # issue 18 item 5: two concurrent streams against the server, alone and together (MU_STREAMS, MU_POLICIES)
       timeout "$(tmo 400)" python3 benchmarks/multi_user.py --model "${m:-qwen3-30b-a3b}" --synthetic --device cuda --vram-budget 32GiB \

@@ -411,3 +411,40 @@ def test_a_build_killed_midway_leaves_no_lock_that_blocks_the_next(tmp_path, mon
     free = open(d.parent / f"{d.name}.flock", "w")
     fcntl.flock(free, fcntl.LOCK_EX | fcntl.LOCK_NB)  # released on leaving
     free.close()
+
+
+def test_every_build_goes_through_the_lock_and_falls_back_without_it(monkeypatch, tmp_path):
+    """``load`` builds inside ``_build_lock`` into the directory it yields; where no flock can be
+    had (a file system without them), the build still runs, with a warning, under torch's lock."""
+    import contextlib
+    import fcntl
+
+    import torch.utils.cpp_extension as cpp
+
+    from writescope.native import build
+
+    monkeypatch.setenv("TORCH_EXTENSIONS_DIR", str(tmp_path))
+    entered, seen = [], {}
+
+    @contextlib.contextmanager
+    def spy(name):
+        entered.append(name)
+        yield tmp_path / "dir"
+
+    monkeypatch.setattr(build, "_build_lock", spy)
+    monkeypatch.setattr(cpp, "load_inline", lambda name, **kw: seen.update(kw) or "module")
+    src = tmp_path / "x.cpp"
+    src.write_text("// nothing\n")
+    assert build.load("writescope_spy", tmp_path, ("x.cpp",), "nothing") == "module"
+    assert len(entered) == 1 and entered[0].startswith("writescope_spy_") and seen["build_directory"] == str(tmp_path / "dir")
+    monkeypatch.undo()
+
+    monkeypatch.setenv("TORCH_EXTENSIONS_DIR", str(tmp_path))
+
+    def no_flock(*a):
+        raise OSError(38, "Function not implemented")
+
+    monkeypatch.setattr(fcntl, "flock", no_flock)
+    with pytest.warns(UserWarning, match="building without writescope's build lock"):
+        with build._build_lock("writescope_noflock") as d:
+            assert d is None

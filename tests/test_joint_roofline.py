@@ -193,22 +193,52 @@ def test_writescope_reads_host_experts_in_place_where_the_fused_kernels_can(monk
 
     llm = _half_on_host_llm()
     rf = Roofline(a=1e-9, b=1e-3, c_cpu=0.0, c_gpu=0.0)
-    monkeypatch.setattr(SparseMoeBlock, "reads_host_experts_in_place", lambda self: True)
+    monkeypatch.setattr(SparseMoeBlock, "reads_host_experts_in_place", lambda self, tokens=None: True)
     llm.set_policy("writescope", roofline=rf)
     assert llm.expert_work is None and llm.policy.experts is None
     assert all(b.expert_work is None for b in _blocks(llm))
     assert llm.host_experts_in_decode() == "host experts read in place over PCIe by the fused decode kernels"
     first = next(b for b in _blocks(llm) if b.host_experts)
-    monkeypatch.setattr(SparseMoeBlock, "reads_host_experts_in_place", lambda self: self is not first)
+    monkeypatch.setattr(SparseMoeBlock, "reads_host_experts_in_place", lambda self, tokens=None: self is not first)
     llm.set_policy("writescope", roofline=rf)
     assert llm.expert_work is not None and "joint roofline" in llm.host_experts_in_decode()
 
 
-def test_reads_host_experts_in_place_follows_the_configuration(monkeypatch):
-    """The real check on this machine: CPU tensors outside the Triton interpreter never take the
-    fused path, so no block reads in place; with the kernel switch on ``grouped`` neither."""
-    llm = _half_on_host_llm(share=1.0)
-    monkeypatch.delenv("TRITON_INTERPRET", raising=False)
-    hosted = [b for b in _blocks(llm) if b.host_experts]
-    assert hosted and not any(b.reads_host_experts_in_place() for b in hosted)
-    assert llm.host_experts_in_decode() != "host experts read in place over PCIe by the fused decode kernels"
+def test_the_real_in_place_check_decides_whether_writescope_splits(monkeypatch):
+    """The blocks' own check (no stand-in): an fp16 model with half its experts on the host and
+    every hit host expert streamed (CUDA's default share), the fused kernels asked for (the check
+    only: no kernel runs here). writescope attaches no split; it does with the ``grouped``
+    switch, with a ``max_batch`` whose decode steps could exceed the kernels' row limit, but not
+    after a move dropped the blocks' packs."""
+    import writescope.engine.llm as engine
+    from writescope import LLM
+    from writescope.budget.plan import make_plan
+    from writescope.moe import fused_decode
+    from writescope.presets import preset_config
+    from writescope.scheduler.policies import StaticPolicy
+
+    monkeypatch.setenv("TRITON_INTERPRET", "1")
+    monkeypatch.setenv("WRITESCOPE_MOE_KERNEL", "fused")
+    monkeypatch.setenv("WRITESCOPE_GPU_ATTENTION", "torch")  # no attention kernel in this process's (non-interpreted) Triton
+    monkeypatch.setattr(fused_decode, "triton", fused_decode.triton or object())
+    monkeypatch.setattr(engine, "default_stream_share", lambda device: 1.0)
+    cfg = preset_config("tiny-qwen3-moe")
+    base = make_plan(cfg, torch.float16, 2**40, 2, cfg.max_position_embeddings, 0, StaticPolicy(0.5), 16)
+    half = base.gpu_min + (base.experts_total // 2 + 8) * base.expert_bytes
+    llm = LLM("tiny-qwen3-moe", progress=False, policy="static:0.5", window=16, vram_budget=half, max_batch=2, dtype="fp16")
+    rf = Roofline(a=1e-9, b=1e-3, c_cpu=0.0, c_gpu=0.0)
+    in_place = "host experts read in place over PCIe by the fused decode kernels"
+    assert llm.host_experts_in_decode() == in_place  # static:0.5: no split to attach either way
+    llm.set_policy("writescope", roofline=rf)
+    assert llm.expert_work is None and llm.host_experts_in_decode() == in_place
+    monkeypatch.setenv("WRITESCOPE_MOE_KERNEL", "grouped")
+    llm.set_policy("writescope", roofline=rf)
+    assert llm.expert_work is not None and "joint roofline" in llm.host_experts_in_decode()
+    monkeypatch.setenv("WRITESCOPE_MOE_KERNEL", "fused")
+    llm.max_batch = fused_decode.MAX_ROWS // cfg.moe.top_k + 1  # a step of this many tokens takes the copies
+    llm.set_policy("writescope", roofline=rf)
+    assert llm.expert_work is not None
+    llm.max_batch = 2
+    llm.model.to(llm.device)  # drops every block's pack until the next forward
+    llm.set_policy("writescope", roofline=rf)
+    assert llm.expert_work is None and llm.host_experts_in_decode() == in_place

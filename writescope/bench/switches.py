@@ -3,7 +3,7 @@
 A grid row may run a policy under other settings of the switches that are read when a cache is
 made or on every forward, so variants compare in one process on the loaded weights (one model
 load, one random KV fill per row) instead of one process each, e.g.
-``--policies "static:0.5,static:0.5@WRITESCOPE_MICRO_BATCHES=2,gpu@WRITESCOPE_MOE_KERNEL=fused"``.
+``--policies "static:0.5,static:0.5@WRITESCOPE_MICRO_BATCHES=2,gpu@WRITESCOPE_MOE_KERNEL=grouped"``.
 
 Limits: the device-memory plan made at load stands (a switch that needs more device memory, such
 as more ping-pong buffers, is not re-planned, and may not fit where the default does); adaptive

@@ -68,8 +68,11 @@ class LLM:
             16-token step took 1.6-5.3x less time streamed than on the CPU:
             benchmarks/results/e2e.md, "Expert phase"), 0 without CUDA, where there is nothing
             to stream to
-            (:attr:`writescope.moe.block.SparseMoeBlock.stream_share`). Not given and policy
-            ``writescope``: the joint roofline splits them each step (scheduler/joint.py).
+            (:attr:`writescope.moe.block.SparseMoeBlock.stream_share`). On CUDA the streamed ones
+            are read in place by the fused decode kernels (``WRITESCOPE_MOE_KERNEL``). Not given,
+            policy ``writescope`` and no in-place read (``grouped``, fp32, no Triton, or a
+            ``max_batch`` beyond the kernels' row limit): the joint roofline splits them each step
+            (scheduler/joint.py, scheduler/expert_work.py).
         expert_profile: with ``vram_budget``, which routed experts stay on the device: an
             :class:`~writescope.moe.popularity.ExpertProfile` or the path of one (the most chosen
             of each layer); None: the lowest ids.
@@ -241,7 +244,8 @@ class LLM:
         self.attention_threads = cpu_threads or default_attention_threads(self.device)  # what the CPU attention uses
         self.policy_name = "resident" if parsed is None else parsed.name
         self.expert_work = attach_expert_work(parsed, getattr(cache, "decoder", None), self._moe_blocks,
-                                              self.config.kv_layout.bytes_per_token(self.dtype.itemsize), self._expert_share_fixed)
+                                              self.config.kv_layout.bytes_per_token(self.dtype.itemsize), self._expert_share_fixed,
+                                              self.max_batch)
 
     @property
     def expert_stream_share(self) -> float | None:
@@ -267,7 +271,7 @@ class LLM:
         if getattr(self, "expert_work", None) is not None:
             return "host experts split between streaming and the CPU each decode step by the joint roofline (--policy writescope)"
         hosted = [b for b in self._moe_blocks if b.host_experts]
-        if all(b.reads_host_experts_in_place() for b in hosted):  # implies share 1 (block._host_in_place_configured)
+        if all(b.reads_host_experts_in_place(self.max_batch) for b in hosted):  # implies share 1 (block._host_in_place_configured)
             return "host experts read in place over PCIe by the fused decode kernels"
         if share == 0:
             why = ""

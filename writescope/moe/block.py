@@ -83,11 +83,15 @@ class SparseMoeBlock(nn.Module):
         return (self.host_pack is not None and self.grouped and self.stream_share >= 1.0 and self.expert_work is None
                 and fused_decode.env_fused() and self.why_not_streamed() is None)
 
-    def reads_host_experts_in_place(self) -> bool:
-        """Whether this block's decode passes read their hit host experts in place (over PCIe,
-        inside the fused kernels) as it is configured now: see :meth:`_in_place_for`."""
+    def reads_host_experts_in_place(self, tokens: int | None = None) -> bool:
+        """Whether this block's decode passes of up to ``tokens`` tokens (None: not checked) read
+        their hit host experts in place (over PCIe, inside the fused kernels) as it is configured
+        now: see :meth:`_in_place_for`. Packs the device experts first where a move dropped the
+        pack (as the next forward would), so the answer does not depend on when it is asked."""
         w = self.gate.weight
-        return self._in_place_for(w.dtype, w.device, None)
+        if self.grouped and self.packed is None and self.host_experts:
+            self.pack()
+        return self._in_place_for(w.dtype, w.device, tokens)
 
     def _in_place_for(self, dtype: torch.dtype, device: torch.device, tokens: int | None) -> bool:
         """Whether a pass of ``tokens`` tokens (None: unknown, decode-sized) takes the in-place

@@ -8,8 +8,8 @@ two layers' attentions of a split step that expert phase is most of the hand-ove
 through. Here every hit expert's weights are read once, by many small programs (measured on the
 H200, run 17 of benchmarks/results/gpu_decode_h200.md: DeepSeek-V2-Lite's 16-token expert phase
 0.87 ms against 1.11 ms grouped; whole 16 x 32K steps 281 ms against 317 for ``writescope``, 323
-against 413 for ``gpu``; Qwen3-30B-A3B 4 x 32K with its host experts read in place 304 ms against
-343 ms streamed for ``static:0.5``):
+against 413 for ``gpu``; run 18: Qwen3-30B-A3B 4 x 32K with its host experts read in place 304 ms
+against 343 ms streamed for ``static:0.5``):
 
 - ``_gate_up``: one program per (expert slot g, tile of BLOCK_N intermediate columns) runs over
   its group's assignment rows (sorted by slot) in blocks of BLOCK_M, gathers their tokens' x
@@ -65,7 +65,8 @@ def wanted(x: torch.Tensor, rows: int) -> bool:
 
 def wanted_for(dtype: torch.dtype, device: torch.device, rows: int | None) -> bool:
     """``WRITESCOPE_MOE_KERNEL=fused`` (the default), Triton importable, bf16 or fp16 on
-    CUDA (or CPU under ``TRITON_INTERPRET=1``, tests only), and at most ``MAX_ROWS`` assignments
+    CUDA (or CPU under ``TRITON_INTERPRET=1`` with the switch set to ``fused`` by name, tests
+    only), and at most ``MAX_ROWS`` assignments
     (``rows`` None: not checked).
 
     Raises:
@@ -75,7 +76,11 @@ def wanted_for(dtype: torch.dtype, device: torch.device, rows: int | None) -> bo
         return False
     if triton is None or dtype not in (torch.bfloat16, torch.float16) or (rows is not None and rows > MAX_ROWS):
         return False
-    return device.type == "cuda" or os.environ.get("TRITON_INTERPRET") == "1"
+    if device.type == "cuda":
+        return True
+    # CPU tensors only under Triton's interpreter (tests), and only when asked for by name: the
+    # interpreter is far too slow to be a default
+    return os.environ.get("TRITON_INTERPRET") == "1" and os.environ.get("WRITESCOPE_MOE_KERNEL", "").strip().lower() == "fused"
 
 
 if triton is not None:

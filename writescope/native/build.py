@@ -30,9 +30,10 @@ def load(name: str, directory: Path, sources: tuple[str, ...], failure: str):
     try:
         from torch.utils.cpp_extension import load_inline
 
-        with _build_lock(name):
+        with _build_lock(name) as build:
             return load_inline(name, cpp_sources=[source], extra_include_paths=[str(directory), str(NATIVE_DIR)],
-                               extra_cflags=["-O3", "-march=native", "-fopenmp"], extra_ldflags=["-fopenmp"], verbose=False)
+                               extra_cflags=["-O3", "-march=native", "-fopenmp"], extra_ldflags=["-fopenmp"], verbose=False,
+                               build_directory=None if build is None else str(build))
     except Exception as e:  # noqa: BLE001 - no compiler, or the build failed
         warnings.warn(f"{name} could not be built ({str(e)[:300]}); {failure}", stacklevel=3)
         return None
@@ -40,28 +41,41 @@ def load(name: str, directory: Path, sources: tuple[str, ...], failure: str):
 
 @contextlib.contextmanager
 def _build_lock(name: str):
-    """Hold an advisory lock (``fcntl.flock``) on ``<build directory>.flock`` around a build. The
-    kernel releases it when its process dies, which torch's own ``lock`` file (created inside the
-    build directory, deleted at the end of a build) does not: a build killed midway (a timeout on a
-    test run) left that file, and every later process waited on it forever. Under this lock no other
-    writescope build of ``name`` runs, so a ``lock`` file found there is stale and is removed, with
-    a warning."""
-    import fcntl
+    """Hold an advisory lock (``fcntl.flock``) on ``<build directory>.flock`` around a build,
+    yielding the build directory (None where the lock cannot be had: the build then goes on
+    under torch's own lock alone, with a warning). The kernel releases the flock when its process
+    dies, which torch's own ``lock`` file (created inside the build directory, deleted at the end
+    of a build) is not: a build killed midway (a timeout on a test run) left that file, and every
+    later process waited on it forever. Under this lock no other writescope build of ``name`` on
+    this machine runs, so a ``lock`` file found there is stale and is removed, with a warning.
+    (An extension cache shared by several machines over a file system whose flocks are local
+    would defeat this; keep ``TORCH_EXTENSIONS_DIR`` per machine.)"""
+    try:
+        import fcntl
 
-    from torch.utils.cpp_extension import _get_build_directory
+        from torch.utils.cpp_extension import _get_build_directory
 
-    build = Path(_get_build_directory(name, False))
-    build.parent.mkdir(parents=True, exist_ok=True)
-    with open(build.parent / f"{build.name}.flock", "w") as f:
-        fcntl.flock(f, fcntl.LOCK_EX)  # another process building it: wait for that one (it finishes or dies)
+        build = Path(_get_build_directory(name, False))
+        build.mkdir(parents=True, exist_ok=True)
+        f = open(build.parent / f"{build.name}.flock", "w")
         try:
-            stale = build / "lock"
-            if stale.exists():
-                warnings.warn(f"{stale}: a build of {name} stopped midway left this lock; removed it", stacklevel=4)
-                stale.unlink(missing_ok=True)
-            yield
-        finally:
-            fcntl.flock(f, fcntl.LOCK_UN)
+            fcntl.flock(f, fcntl.LOCK_EX)  # another process building it: wait for that one (it finishes or dies)
+        except OSError:
+            f.close()
+            raise
+    except (ImportError, OSError, AttributeError) as e:  # no flock on this file system, or torch moved its helper
+        warnings.warn(f"{name}: building without writescope's build lock ({e})", stacklevel=4)
+        yield None
+        return
+    try:
+        stale = build / "lock"
+        if stale.exists():
+            stale.unlink(missing_ok=True)
+            warnings.warn(f"{stale}: a build of {name} stopped midway left this lock; removed it", stacklevel=4)
+        yield build
+    finally:
+        fcntl.flock(f, fcntl.LOCK_UN)
+        f.close()
 
 
 def _named_source(name: str, directory: Path, sources: tuple[str, ...]) -> tuple[str, str]:

@@ -141,18 +141,21 @@ def measure_cpu_expert_cost(block, experts: int = 8, reps: int = 3) -> float:
     return statistics.median(times[1:]) / (len(host) * block.host_pack.expert_nbytes)
 
 
-def attach_expert_work(policy, decoder, blocks: list, kv_bytes_per_token: int, fixed_share: bool) -> ExpertWork | None:
+def attach_expert_work(policy, decoder, blocks: list, kv_bytes_per_token: int, fixed_share: bool,
+                       decode_tokens: int | None = None) -> ExpertWork | None:
     """Give the ``writescope`` policy and the MoE blocks with host experts one :class:`ExpertWork`
     (the joint roofline), or detach it: for another policy, when the user fixed the expert stream
     share (``--expert-stream-share``, the fixed baseline), when no block can stream its host
     experts (then the CPU computes them all and r(L) is the KV-only one), or when every hosted
-    block reads its hit host experts in place inside the fused decode kernels
-    (:meth:`SparseMoeBlock.reads_host_experts_in_place`; r(L) is then the KV-only one too).
+    block reads its hit host experts in place inside the fused decode kernels for every decode
+    step up to ``decode_tokens`` tokens (:meth:`SparseMoeBlock.reads_host_experts_in_place`; r(L)
+    is then the KV-only one too; a batch whose assignments could exceed the kernels' row limit
+    keeps the split for all of its steps).
 
     Why the in-place read wins over the per-step split where it runs: the split must read each
     layer's routing back to the host (a device wait in every MoE layer, no CUDA graph for the
     block) and computes the CPU's experts on the issuing thread, while the in-place read issues
-    nothing per expert. Measured on the H200 (run 17, benchmarks/results/gpu_decode_h200.md),
+    nothing per expert. Measured on the H200 (run 18, benchmarks/results/gpu_decode_h200.md),
     Qwen3-30B-A3B 4 x 32K under 32 GiB, one process: ``writescope`` with the split 428 ms per
     step, the same KV share (``static:0.5``) with its host experts read in place 304 ms.
     ``WRITESCOPE_MOE_KERNEL=grouped`` brings the split back.
@@ -163,6 +166,8 @@ def attach_expert_work(policy, decoder, blocks: list, kv_bytes_per_token: int, f
         blocks: every SparseMoeBlock of the model.
         kv_bytes_per_token: KV bytes of one token of one layer (G = B / this).
         fixed_share: the user gave an expert stream share.
+        decode_tokens: the most tokens a decode step runs (the engine's ``max_batch``), None: not
+            checked.
 
     Returns:
         The attached ExpertWork, or None.
@@ -174,7 +179,7 @@ def attach_expert_work(policy, decoder, blocks: list, kv_bytes_per_token: int, f
     if fixed_share or not isinstance(policy, WriteScopePolicy):
         return None
     hosted = [b for b in blocks if b.host_experts and b.streams_host_experts()]
-    if not hosted or all(b.reads_host_experts_in_place() for b in hosted):
+    if not hosted or all(b.reads_host_experts_in_place(decode_tokens) for b in hosted):
         return None
     cfg = hosted[0].cfg
     total = sum(b.cfg.num_experts for b in blocks)
