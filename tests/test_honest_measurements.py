@@ -193,6 +193,9 @@ def test_bench_cli_repeats_every_configuration_with_the_policies_taking_turns(tm
         def roofline(self, window):
             return Roofline(1e-9, 1e-9)
 
+        def stored_calibration(self, window):
+            return None
+
     order = []
 
     def run_one(llm, cfg, batch, context, policy, roofline=None):

@@ -67,7 +67,6 @@ def run(args: argparse.Namespace) -> int:
     from writescope.bench.runner import BenchConfig, run_grid
     from writescope.engine.llm import LLM
     from writescope.engine.model_loader import capped_model_len
-    from writescope.scheduler.calibrate import shape_key, stored_entry
     from writescope.scheduler.policies import parse_policy
 
     batches, contexts = parse_tokens(args.batch, "--batch"), parse_tokens(args.context, "--context")
@@ -108,8 +107,7 @@ def run(args: argparse.Namespace) -> int:
         print(f"note: the first {args.num_layers} layer(s) of {args.model} hold no MoE block (dense layers first): "
               "raise --num-layers for the expert phase", flush=True)
     roofline = llm.roofline(args.window) if needs_roofline else None
-    calibration = None if roofline is None else stored_entry(
-        llm.device, shape_key(llm.config.kv_layout, llm.config.attention.q_heads, llm.dtype, args.window))
+    calibration = None if roofline is None else llm.stored_calibration(args.window)
     if llm.vram_plan is not None:
         print(f"{llm.vram_plan.placement_line()} ({llm.host_experts_in_decode()})", flush=True)
     cfg = BenchConfig(batches, contexts, grid_policies, args.steps, args.window, args.h2d_gbs, args.cpu_gbs, progress=not args.quiet,

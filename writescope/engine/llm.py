@@ -287,6 +287,15 @@ class LLM:
         (once per machine and shape; see :mod:`writescope.scheduler.calibrate`)."""
         return self._roofline(self.config, window, cpu_threads)
 
+    def stored_calibration(self, window: int = DEFAULT_WINDOW) -> dict | None:
+        """The stored calibration entry behind :meth:`roofline` for this model's KV shape (its
+        fitted values, measured points and limits: :func:`writescope.scheduler.calibrate.stored_entry`),
+        or None where none is stored."""
+        from writescope.scheduler.calibrate import shape_key, stored_entry
+
+        cfg = self.config
+        return stored_entry(self.device, shape_key(cfg.kv_layout, cfg.attention.q_heads, self.dtype, window))
+
     def _roofline(self, cfg, window: int, cpu_threads: int | None) -> Roofline:
         """Kept per (window, cpu_threads): under a budget the first lookup happens before the
         weights load, and a later one must not measure under the cap."""

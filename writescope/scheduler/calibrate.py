@@ -22,7 +22,14 @@ at R = 0.25-0.31 at 16K-32K where the uncontended costs said 0.44).
 For the split check (:func:`writescope.scheduler.roofline.split_pays`) every step's wall time is
 taken too (synchronised before and after the whole step on CUDA): at share 0 (streaming alone, no CPU part) its
 line against the streamed tokens gives B_alone and C_gpu_alone; at the split shares the median of
-wall time minus the slower side's time gives C_split.
+wall time minus the slower side's time is the loop's hand-over (``detail["loop_handover_s"]``).
+It is not the roofline's C_split (left 0): this loop runs attention only, and there the hand-over
+(q to the CPU, its flag back, the merge, the next layer's q) is 1.7-2.4 ms per layer on the H200,
+while in whole-model steps, where each layer has its projections and experts to run, the split's
+time outside attention matched streaming alone's within 0.5 ms per layer and its attention
+matched the larger of its two sides within 15% (benchmarks/results/gpu_decode_h200.md, runs
+20-21). Counted, the loop's figure kept r = 0 on Qwen3-30B-A3B 4 x 32K (run 21), where a share
+of 0.5 ran 1.20x faster than streaming alone.
 
 Least-squares lines through the medians; slopes floored at 1e-12 s, intercepts at 0. A fit that
 cannot be true (:mod:`writescope.scheduler.limits`: faster than this machine's measured host read
@@ -62,7 +69,9 @@ from writescope.scheduler.policies import StaticPolicy
 CUDA_CONTEXTS = (4096, 16384, 32768)  # tokens per sequence: the per-token costs dominate the fixed ones
 CPU_CONTEXTS = (512, 1024, 2048)
 STEP_LAYERS = 3  # layers of one calibration step, timed whole (issue 15: no synchronisation between layers)
-METHOD = f"whole steps of {STEP_LAYERS} layers"  # stored with a calibration; one measured otherwise is measured again
+# stored with a calibration; one measured otherwise is measured again (", no loop C_split": before it, C_split
+# held the attention-only loop's hand-over, which kept splits that pay at r = 0)
+METHOD = f"whole steps of {STEP_LAYERS} layers, no loop C_split"
 SHARES = (0.25, 0.5)  # CPU shares measured: around where split steps run
 HOST_FRACTION = 0.5  # a calibration point may use at most this fraction of the available host memory
 
@@ -117,6 +126,7 @@ def calibrate(
     Returns:
         ``(roofline, detail)``: detail holds the measured points ``(tokens, seconds)`` per side
         (``alone_gpu``: the device time of the share-0 steps, next to their wall time ``alone``),
+        ``loop_handover_s`` (seconds per layer a split step of this loop took beyond its slower side),
         the contexts and shares used, ``limits`` (the measured rates, GB/s) and ``implausible``
         (what stayed impossible after the re-measures, one sentence each; empty when nothing did).
 
@@ -177,9 +187,10 @@ def calibrate(
     implausible = [p for found in wrong().values() for p in found]
     (a, c_cpu), (b, c_gpu), (b_alone, c_gpu_alone) = (
         lim.clamped(points[key], per_token, limits.max_gbs(side)[0]) for key, side, _ in fits.values())
-    c_split = max(0.0, statistics.median(points["split_overhead"]))
-    roofline = Roofline(a, b, c_cpu, c_gpu, b_alone, c_gpu_alone, c_split)
+    handover = max(0.0, statistics.median(points["split_overhead"]))  # the loop's; not C_split (module docstring)
+    roofline = Roofline(a, b, c_cpu, c_gpu, b_alone, c_gpu_alone, 0.0)
     return roofline, {"points": points, "batch": batch, "steps": steps, "contexts": fit, "shares": list(shares),
+                      "loop_handover_s": handover,
                       "limits": {"host_read_gbs": limits.host_read, "load_gbs": limits.load, "load_path": limits.load_path},
                       "implausible": implausible}
 

@@ -12,13 +12,14 @@ and the two sides finish together at
 A is re-estimated from every measured CPU step (it drifts with concurrent requests and CPU
 experts); B and the C's come from calibration.
 
-Beyond the paper, a split must pay: a split step also costs C_split beyond its slower side, and
-streaming alone runs at its own, uncontended rate (B_alone, C_gpu_alone; host memory bandwidth is
-not shared with CPU reads then). Where max(T_cpu(r), T_gpu(r)) + C_split >= B_alone L + C_gpu_alone,
-the share is 0 (:func:`split_pays`). Why: in the H200 whole-model decode grid
-(benchmarks/results/e2e.md) streaming alone beat every measured split, and at batch 16 every split
-ran 0.7-4.0 ms per layer slower than the max of its sides as eq. 2 predicts them. C_split is
-calibrated at one batch (16) like the other inputs.
+Beyond the paper, a split must pay: streaming alone runs at its own, uncontended rate (B_alone,
+C_gpu_alone; host memory bandwidth is not shared with CPU reads then), and a split step may cost
+C_split beyond its slower side. Where max(T_cpu(r), T_gpu(r)) + C_split >= B_alone L + C_gpu_alone,
+the share is 0 (:func:`split_pays`). Why: in the first H200 whole-model decode grid
+(benchmarks/results/e2e.md), whose step waited on the host between the halves, streaming alone
+beat every measured split. Calibration leaves C_split at 0 since the asynchronous step made the
+hand-over hide behind each layer's other work (writescope/scheduler/calibrate.py says how that was
+measured); a roofline given by hand may still set it.
 """
 
 from __future__ import annotations
