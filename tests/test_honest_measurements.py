@@ -55,7 +55,13 @@ def test_problems_names_what_cannot_be_true():
     good = [(1000, 2e-4 + 1000 * 20e-9), (4000, 2e-4 + 4000 * 20e-9)]
     assert lim.problems("B", good, TOKEN_BYTES, 20.0, "x") == []
     assert lim.clamped(good, TOKEN_BYTES, 20.0) == pytest.approx((20e-9, 2e-4))
-    assert lim.clamped(flat, TOKEN_BYTES, 20.0) == pytest.approx((TOKEN_BYTES / 20e9, 5e-3))
+    # a flat line held at the limit's slope passes through the points' mean (7/3 of 1000 tokens)
+    assert lim.clamped(flat, TOKEN_BYTES, 20.0) == pytest.approx((TOKEN_BYTES / 20e9, 5e-3 - TOKEN_BYTES / 20e9 * 7000 / 3))
+    # a fit faster than the limit: the slope held, the fixed cost fitted again for it (not kept)
+    fast_line = [(x, 1e-3 + x * 1e-9) for x in (1000, 2000, 4000)]  # 256 GB/s at 256 bytes a token
+    s, c = lim.clamped(fast_line, TOKEN_BYTES, 20.0)
+    assert s == pytest.approx(TOKEN_BYTES / 20e9)
+    assert c == pytest.approx(max(0.0, sum(y - s * x for x, y in fast_line) / 3)) and c < 1e-3
 
 
 def test_an_impossible_fit_is_measured_again_then_kept(monkeypatch, fake_limits):
@@ -76,8 +82,8 @@ def test_a_fit_still_impossible_after_the_remeasure_is_clamped_and_flagged(monke
     assert calls.count(0.0) == 6 and len(calls) == 12
     assert len(detail["implausible"]) == 1 and "does not grow with the tokens" in detail["implausible"][0]
     assert detail["implausible"][0].startswith("B alone and C_gpu alone (streaming alone): ")
-    # no faster than the limit (2 x 10 GB/s), no fixed cost above the fastest step (5 ms)
-    assert r.b_alone == pytest.approx(TOKEN_BYTES / 20e9) and r.c_gpu_alone == pytest.approx(5e-3)
+    # no faster than the limit (2 x 10 GB/s), the fixed cost fitted again for that slope (through the mean)
+    assert r.b_alone == pytest.approx(TOKEN_BYTES / 20e9) and r.c_gpu_alone == pytest.approx(5e-3 - TOKEN_BYTES / 20e9 * 7000 / 3)
     assert r.a == pytest.approx(40e-9)  # the plausible fits are left as they are
 
 
