@@ -5,8 +5,10 @@ events ending in ``data: [DONE]``, or not), ``GET /v1/models``, ``GET /health`` 
 model loads, 200 when ready), ``GET /metrics`` (Prometheus text). With an API key, ``/v1/*``
 needs ``Authorization: Bearer KEY`` (401 otherwise). Errors are OpenAI's JSON shape
 ``{"error": {"message", "type", "param", "code"}}``: 400 for a bad body (JSON, types, ranges, a
-prompt beyond the limits), 401, 404 for an unknown model, 503 with Retry-After when the queue is
-full or the model is loading, 500 when the engine failed on the request.
+prompt beyond the limits, an unknown field, one of OpenAI's fields this server does not implement
+at a value that would change the result: writescope/serve/protocol.py), 401, 404 for an unknown
+model, 503 with Retry-After when the queue is full or the model is loading, 500 when the engine
+failed on the request.
 
 Sampling fields: OpenAI's ``max_tokens`` (chat: also ``max_completion_tokens``), ``temperature``,
 ``top_p``, ``seed``, ``stop`` (up to 4 strings: the text ends before the first one generated,
@@ -45,7 +47,7 @@ from writescope.serve.chat_template import ChatTemplate
 from writescope.serve.choices import Choice, ResponseFormat, usage
 from writescope.serve.echo import prompt_only, prompt_text
 from writescope.serve.metrics import ServeMetrics
-from writescope.serve.protocol import ChatCompletionRequest, CompletionRequest
+from writescope.serve.protocol import VALUE_WORDED, ChatCompletionRequest, CompletionRequest
 
 RETRY_AFTER_S = 1  # what a 503 tells the client to wait (seconds)
 MAX_BODY_BYTES = 16 * 2**20
@@ -96,7 +98,8 @@ def _validation_message(exc: RequestValidationError) -> tuple[str, str | None]:
         where = ".".join(loc) or "body"
         param = param or (loc[0] if loc else None)
         msg = e.get("msg", "invalid").removeprefix("Value error, ")
-        got = f" (got {e['input']!r:.60})" if "input" in e and e.get("type") != "missing" and loc else ""
+        worded = e.get("type") in ("missing", *VALUE_WORDED)  # the message says the value (or there is none)
+        got = f" (got {e['input']!r:.60})" if "input" in e and not worded and loc else ""
         parts.append(f"{where}: {msg}{got}")
     return "; ".join(parts), param
 
