@@ -14,9 +14,10 @@ Sampling fields: OpenAI's ``max_tokens`` (chat: also ``max_completion_tokens``),
 ``top_p``, ``seed``, ``stop`` (up to 4 strings: the text ends before the first one generated,
 finish_reason ``stop``; streamed text never shows a stop string's beginning before it is known not
 to be one), ``n`` (1-16 independent choices, choice i sampled with seed + i; streamed chunks are
-tagged with their choice's index, each choice gets its own final chunk), ``logprobs`` (completions:
-0-5 top tokens in the legacy shape; chat: ``logprobs: true`` and ``top_logprobs`` 0-5; log_softmax
-of the raw logits, before temperature, as vLLM gives by default: writescope/serve/logprobs.py),
+tagged with their choice's index, each choice gets its own final chunk, which carries its last
+tokens with ``finish_reason``), ``logprobs`` (completions: 0-5 top tokens in the legacy shape;
+chat: ``logprobs: true`` and ``top_logprobs`` 0-5; log_softmax of the raw logits, before
+temperature, as vLLM gives by default: writescope/serve/logprobs.py),
 completions' ``echo`` (the prompt's text before each choice's; ``max_tokens: 0`` gives the prompt
 alone; not with ``logprobs``: writescope/serve/echo.py); vLLM's ``ignore_eos``, ``stop_token_ids``,
 ``include_stop_str_in_output`` and ``return_token_ids``. Each choice carries vLLM's ``stop_reason``
@@ -254,12 +255,8 @@ def build_app(state: ServerState, on_shutdown=None) -> FastAPI:
                 yield event
             failed = None
             while failed is None and not complete:
-                # take what is queued already (a slow reader gets fewer, larger chunks), per choice in order
-                items = [await stream.queue.get()]
-                while not stream.queue.empty():
-                    items.append(stream.queue.get_nowait())
                 per_choice: dict[int, list] = {}
-                for index, out in items:
+                for index, out in await stream.queued():  # a slow reader gets fewer, larger chunks
                     per_choice.setdefault(index, []).append(out)
                     complete = stream.seen(out) or complete
                 for index, outs in per_choice.items():
@@ -268,10 +265,10 @@ def build_app(state: ServerState, on_shutdown=None) -> FastAPI:
                         break
                     c = choices[index]
                     delta = c.add(outs)
-                    if fmt.worth_sending(delta, c.finished):
+                    if c.finished:  # its last tokens go with finish_reason: their text may be empty (a stop string's end)
+                        yield fmt.chunk(c, delta, finish=c.last.finish_reason)  # usage: once, in its own last event, if asked
+                    elif fmt.worth_sending(delta):
                         yield fmt.chunk(c, delta)
-                    if c.finished:  # usage comes once, in its own last event, if asked for (as OpenAI's API does)
-                        yield fmt.chunk(c, finish=c.last.finish_reason)
             if failed is not None:
                 engine.cancel(stream)  # the other choices, at once (before writing to a client that may be slow)
                 complete = True  # nothing left to cancel
