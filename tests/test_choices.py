@@ -1,6 +1,6 @@
-"""``SamplingParams.n`` (several choices per prompt), ``include_stop_str_in_output`` and
-``stop_reason`` in offline ``LLM.generate`` (writescope/engine/choices.py, outputs.py,
-stop_strings.py), over the tiny preset on the CPU.
+"""``SamplingParams.n`` (several choices per prompt), ``include_stop_str_in_output``,
+``stop_reason`` and ``cumulative_logprob`` in offline ``LLM.generate`` (writescope/engine/choices.py,
+outputs.py, stop_strings.py), over the tiny preset on the CPU.
 
 References are the engine's own single-choice runs: choice i of a seeded request must generate
 what a request of one choice seeded ``seed + i`` does, greedy choices what greedy decoding does.
@@ -9,6 +9,8 @@ depends on what the synthetic model happens to say.
 """
 
 from __future__ import annotations
+
+import math
 
 import pytest
 
@@ -165,3 +167,27 @@ def test_stop_reason_of_an_end_token_is_none_of_a_stop_token_its_id():
     assert r.stop_reason == eos
     r = Request("r", [1], SamplingParams(stop_token_ids=(5,)), output_ids=[5], finish_reason="length")
     assert r.stop_reason is None
+
+
+# ---------------------------------------------------------------- cumulative_logprob
+def test_cumulative_logprob_is_the_sum_of_the_sampled_tokens_logprobs(llm, greedy):
+    """With logprobs: the sum of the logprobs each choice carries (every token's, the one completing
+    a stop string included), whatever the top count; None without logprobs, in the same batch."""
+    stop, n_tokens, _ = spanning_stop(llm.tokenizer, greedy.token_ids)
+    outs = llm.generate([PROMPT] * 5, [SamplingParams(max_tokens=NEW, logprobs=0),
+                                       SamplingParams(max_tokens=NEW, logprobs=5),
+                                       SamplingParams(max_tokens=NEW, temperature=1.3, seed=4, n=2, logprobs=2),
+                                       SamplingParams(max_tokens=NEW, stop=stop, logprobs=1),
+                                       SamplingParams(max_tokens=NEW, temperature=1.0, seed=1, n=2)])
+    with_lps = [c for o in outs[:4] for c in o.outputs]
+    for c in with_lps:
+        assert [lp.token_id for lp in c.logprobs] == c.token_ids
+        assert c.cumulative_logprob == pytest.approx(math.fsum(lp.logprob for lp in c.logprobs), rel=1e-6, abs=1e-6)
+        assert c.cumulative_logprob < 0
+    assert len(outs[3].outputs[0].logprobs) == n_tokens  # ended by the stop string: its completing token counts
+    assert outs[0].cumulative_logprob == pytest.approx(outs[1].cumulative_logprob, rel=1e-6)  # the sampled tokens' alone
+    sampled = outs[2].outputs
+    assert sampled[0].token_ids != sampled[1].token_ids and sampled[0].cumulative_logprob != sampled[1].cumulative_logprob
+    assert [o.cumulative_logprob for o in outs] == [o.outputs[0].cumulative_logprob for o in outs]  # the output's: choice 0's
+    assert outs[0].to_dict()["outputs"][0]["cumulative_logprob"] == outs[0].cumulative_logprob
+    assert [(c.logprobs, c.cumulative_logprob) for c in outs[4].outputs] == [(None, None)] * 2 and outs[4].cumulative_logprob is None

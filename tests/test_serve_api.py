@@ -25,12 +25,12 @@ from writescope import LLM, SamplingParams  # noqa: E402
 from writescope.engine.stop_strings import StopStrings  # noqa: E402
 from writescope.errors import ArgError  # noqa: E402
 from writescope.serve.app import ServerState, build_app  # noqa: E402
-from writescope.serve.async_engine import AsyncEngine  # noqa: E402
+from writescope.serve.async_engine import AsyncEngine, RequestStream  # noqa: E402
 from writescope.serve.chat_template import ChatTemplate  # noqa: E402
 from writescope.serve.server import ServerThread  # noqa: E402
 from serve_helpers import (MODEL, WAIT_S, complete, metrics, per_choice, post, sse,  # noqa: E402
                            stream, wait_until)
-from stop_helpers import inner_stop, spanning_stop, token_texts  # noqa: E402
+from stop_helpers import inner_stop, spanning_stop, stop_at_a_token_start, token_texts  # noqa: E402
 
 from serve_fixtures import CHAT, MAX_LEN, NEVER, NEW, PROMPT, greedy, llm, ref_llm, server  # noqa: E402,F401
 
@@ -166,6 +166,52 @@ def test_chat_stop_string(server, ref_llm):
     assert r.json()["usage"]["completion_tokens"] == n_tokens
     got = per_choice(stream(server, "/v1/chat/completions", messages=CHAT, max_tokens=12, temperature=0, stop=stop), chat=True)[0]
     assert (got["text"], got["finish"]) == (before, ["stop"])
+
+
+@pytest.mark.parametrize("one_by_one", [True, False], ids=["one-output-per-read", "as-queued"])
+def test_the_token_completing_a_stop_string_sends_no_empty_chunk(server, ref_llm, greedy, monkeypatch, one_by_one):
+    """A stop string of 2 characters that ends on a token's first one: 1 character (its first) is
+    held back before that token, so the token adds no text. Its output goes with the finishing
+    chunk: every chunk before that one has text (completions and chat, the stop string cut or
+    kept), and the streamed text is the whole response's. ``one_by_one``: the stream reads each
+    engine output alone (as when the client reads faster than the engine steps), where the empty
+    chunk came from; else as queued."""
+    read: list = []  # the engine outputs, as read one by one
+    if one_by_one:
+        async def one_output(self):
+            read.append(await self.queue.get())
+            return [read[-1]]
+
+        monkeypatch.setattr(RequestStream, "queued", one_output)
+    tok = ref_llm.tokenizer
+    chat_ids = tok.encode(ChatTemplate().render(CHAT))
+    chat_ref = ref_llm.generate(prompt_token_ids=[chat_ids], sampling_params=SamplingParams(max_tokens=NEW))[0]
+    for path, ref_ids, body in (("/v1/completions", greedy.token_ids, {"prompt": PROMPT}),
+                                ("/v1/chat/completions", chat_ref.token_ids, {"messages": CHAT})):
+        chat = path == "/v1/chat/completions"
+        stop, n_tokens, before = stop_at_a_token_start(tok, ref_ids, 4)  # past the first output (the prefill's token and more)
+        for include in (False, True):
+            req = {**body, "max_tokens": NEW, "temperature": 0, "stop": stop, "include_stop_str_in_output": include}
+            r = post(server, path, **req)
+            assert r.status_code == 200, r.text
+            whole = r.json()["choices"][0]
+            text = whole["message"]["content"] if chat else whole["text"]
+            assert (text, whole["finish_reason"]) == (before + (stop if include else ""), "stop")
+            read.clear()
+            chunks = [c for e in stream(server, path, **req) for c in e["choices"] if not chat or "role" not in c["delta"]]
+            texts = [c["delta"].get("content", "") if chat else c["text"] for c in chunks]
+            assert [c["finish_reason"] for c in chunks] == [None] * (len(chunks) - 1) + ["stop"]
+            assert all(texts[:-1]), texts  # no chunk of empty text before the finish
+            assert "".join(texts) == text
+            if one_by_one:  # the case: the completing token's output came alone (its text: none, or the stop string's end)
+                last = read[-1][1]
+                assert (last.new_token_ids, last.text) == ((ref_ids[n_tokens - 1],), stop[1:] if include else "")
+        # its token id comes with the finish
+        chunks = [c for e in stream(server, path, **body, max_tokens=NEW, temperature=0, stop=stop, return_token_ids=True)
+                  for c in e["choices"] if not chat or "role" not in c["delta"]]
+        assert [t for c in chunks for t in c["token_ids"]] == ref_ids[:n_tokens]
+        assert chunks[-1]["finish_reason"] == "stop" and chunks[-1]["token_ids"][-1] == ref_ids[n_tokens - 1]
+        assert all(c["token_ids"] or c["finish_reason"] for c in chunks)
 
 
 # ---------------------------------------------------------------- n choices

@@ -362,7 +362,8 @@ class LLM:
         and the choice. With ``SamplingParams.stop`` a choice's text ends before the first stop
         string it produces (after it with ``include_stop_str_in_output``; its ``token_ids`` keep
         the token that completed it, ``stop_reason`` names it); with ``SamplingParams.logprobs``
-        each choice carries its tokens' logprobs (``CompletionOutput.logprobs``).
+        each choice carries its tokens' logprobs (``CompletionOutput.logprobs``) and their sum
+        (``CompletionOutput.cumulative_logprob``).
 
         Raises:
             ValueError (``ArgError``, naming the argument): empty prompts, an id outside the
@@ -416,7 +417,9 @@ class LLM:
                 peak_memory_bytes=peak,
             )
             text = r.stops.text if r.stops is not None else self.tokenizer.decode(r.output_ids)  # stop strings: cut at the first
-            choices.append(CompletionOutput(c, text, r.output_ids, r.finish_reason, r.stop_reason, r.logprobs, metrics, r.kv_placement))
+            cumulative = sum(lp.logprob for lp in r.logprobs) if r.logprobs is not None else None  # every token's, as sampled
+            choices.append(CompletionOutput(c, text, r.output_ids, r.finish_reason, r.stop_reason, r.logprobs, cumulative,
+                                            metrics, r.kv_placement))
         outputs = []
         for i, its in enumerate(group(flat, choices)):
             outputs.append(RequestOutput.of(self._next_request_id, texts[i], ids[i], its))

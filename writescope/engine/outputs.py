@@ -38,6 +38,10 @@ class CompletionOutput:
     ``SamplingParams.stop_token_ids`` that ended it; None otherwise (an end-of-sequence token, a
     length limit). ``token_ids`` keep every generated token, the one completing a stop string
     included.
+
+    ``cumulative_logprob`` (vLLM's): with ``SamplingParams.logprobs``, the sum of the sampled
+    tokens' logprobs (natural log, under the raw logits: ``sum(lp.logprob for lp in logprobs)``,
+    over every token of ``token_ids``), the log-probability of the whole output; None without.
     """
 
     index: int
@@ -48,6 +52,8 @@ class CompletionOutput:
     #: with ``SamplingParams.logprobs``: one :class:`~writescope.engine.logprobs.TokenLogprobs`
     #: per token of ``token_ids``; else None
     logprobs: list[TokenLogprobs] | None = field(default=None, repr=False)
+    #: with ``SamplingParams.logprobs``: the sum of ``logprobs``' ``logprob`` (natural log); else None
+    cumulative_logprob: float | None = None
     metrics: RequestMetrics | None = field(default=None, repr=False)
     #: tokens of this choice's KV per region when it finished (``window``, ``compute``,
     #: ``load``); None under the ``resident`` policy
@@ -59,7 +65,7 @@ class RequestOutput:
     """One finished prompt: ``outputs`` holds its ``SamplingParams.n`` choices
     (:class:`CompletionOutput`, by index: vLLM's shape). The fields beside it are choice 0's
     (with ``n == 1`` the only one), so ``out.text`` reads as ``out.outputs[0].text``; see
-    :class:`CompletionOutput` for ``finish_reason`` and ``stop_reason``."""
+    :class:`CompletionOutput` for ``finish_reason``, ``stop_reason`` and ``cumulative_logprob``."""
 
     request_id: int
     prompt: str | None
@@ -74,6 +80,8 @@ class RequestOutput:
     #: choice 0's logprobs (with ``SamplingParams.logprobs``; else None)
     logprobs: list[TokenLogprobs] | None = field(default=None, repr=False)
     stop_reason: str | int | None = None
+    #: choice 0's sum of its tokens' logprobs (with ``SamplingParams.logprobs``; else None)
+    cumulative_logprob: float | None = None
     #: every choice, by index (``outputs[0]`` is the fields above)
     outputs: list[CompletionOutput] = field(default_factory=list, repr=False)
 
@@ -83,7 +91,7 @@ class RequestOutput:
         """The output of a prompt and its ``choices`` (at least one, by index)."""
         c = choices[0]
         return cls(request_id, prompt, prompt_token_ids, c.token_ids, c.text, c.finish_reason, c.metrics, c.kv_placement,
-                   c.logprobs, c.stop_reason, list(choices))
+                   c.logprobs, c.stop_reason, c.cumulative_logprob, list(choices))
 
     def to_dict(self) -> dict:
         return asdict(self)

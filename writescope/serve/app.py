@@ -5,16 +5,19 @@ events ending in ``data: [DONE]``, or not), ``GET /v1/models``, ``GET /health`` 
 model loads, 200 when ready), ``GET /metrics`` (Prometheus text). With an API key, ``/v1/*``
 needs ``Authorization: Bearer KEY`` (401 otherwise). Errors are OpenAI's JSON shape
 ``{"error": {"message", "type", "param", "code"}}``: 400 for a bad body (JSON, types, ranges, a
-prompt beyond the limits), 401, 404 for an unknown model, 503 with Retry-After when the queue is
-full or the model is loading, 500 when the engine failed on the request.
+prompt beyond the limits, an unknown field, one of OpenAI's fields this server does not implement
+at a value that would change the result: writescope/serve/protocol.py), 401, 404 for an unknown
+model, 503 with Retry-After when the queue is full or the model is loading, 500 when the engine
+failed on the request.
 
 Sampling fields: OpenAI's ``max_tokens`` (chat: also ``max_completion_tokens``), ``temperature``,
 ``top_p``, ``seed``, ``stop`` (up to 4 strings: the text ends before the first one generated,
 finish_reason ``stop``; streamed text never shows a stop string's beginning before it is known not
 to be one), ``n`` (1-16 independent choices, choice i sampled with seed + i; streamed chunks are
-tagged with their choice's index, each choice gets its own final chunk), ``logprobs`` (completions:
-0-5 top tokens in the legacy shape; chat: ``logprobs: true`` and ``top_logprobs`` 0-5; log_softmax
-of the raw logits, before temperature, as vLLM gives by default: writescope/serve/logprobs.py),
+tagged with their choice's index, each choice gets its own final chunk, which carries its last
+tokens with ``finish_reason``), ``logprobs`` (completions: 0-5 top tokens in the legacy shape;
+chat: ``logprobs: true`` and ``top_logprobs`` 0-5; log_softmax of the raw logits, before
+temperature, as vLLM gives by default: writescope/serve/logprobs.py),
 completions' ``echo`` (the prompt's text before each choice's; ``max_tokens: 0`` gives the prompt
 alone; not with ``logprobs``: writescope/serve/echo.py); vLLM's ``ignore_eos``, ``stop_token_ids``,
 ``include_stop_str_in_output`` and ``return_token_ids``. Each choice carries vLLM's ``stop_reason``
@@ -45,7 +48,7 @@ from writescope.serve.chat_template import ChatTemplate
 from writescope.serve.choices import Choice, ResponseFormat, usage
 from writescope.serve.echo import prompt_only, prompt_text
 from writescope.serve.metrics import ServeMetrics
-from writescope.serve.protocol import ChatCompletionRequest, CompletionRequest
+from writescope.serve.protocol import VALUE_WORDED, ChatCompletionRequest, CompletionRequest
 
 RETRY_AFTER_S = 1  # what a 503 tells the client to wait (seconds)
 MAX_BODY_BYTES = 16 * 2**20
@@ -96,7 +99,8 @@ def _validation_message(exc: RequestValidationError) -> tuple[str, str | None]:
         where = ".".join(loc) or "body"
         param = param or (loc[0] if loc else None)
         msg = e.get("msg", "invalid").removeprefix("Value error, ")
-        got = f" (got {e['input']!r:.60})" if "input" in e and e.get("type") != "missing" and loc else ""
+        worded = e.get("type") in ("missing", *VALUE_WORDED)  # the message says the value (or there is none)
+        got = f" (got {e['input']!r:.60})" if "input" in e and not worded and loc else ""
         parts.append(f"{where}: {msg}{got}")
     return "; ".join(parts), param
 
@@ -251,12 +255,8 @@ def build_app(state: ServerState, on_shutdown=None) -> FastAPI:
                 yield event
             failed = None
             while failed is None and not complete:
-                # take what is queued already (a slow reader gets fewer, larger chunks), per choice in order
-                items = [await stream.queue.get()]
-                while not stream.queue.empty():
-                    items.append(stream.queue.get_nowait())
                 per_choice: dict[int, list] = {}
-                for index, out in items:
+                for index, out in await stream.queued():  # a slow reader gets fewer, larger chunks
                     per_choice.setdefault(index, []).append(out)
                     complete = stream.seen(out) or complete
                 for index, outs in per_choice.items():
@@ -265,10 +265,10 @@ def build_app(state: ServerState, on_shutdown=None) -> FastAPI:
                         break
                     c = choices[index]
                     delta = c.add(outs)
-                    if fmt.worth_sending(delta, c.finished):
+                    if c.finished:  # its last tokens go with finish_reason: their text may be empty (a stop string's end)
+                        yield fmt.chunk(c, delta, finish=c.last.finish_reason)  # usage: once, in its own last event, if asked
+                    elif fmt.worth_sending(delta):
                         yield fmt.chunk(c, delta)
-                    if c.finished:  # usage comes once, in its own last event, if asked for (as OpenAI's API does)
-                        yield fmt.chunk(c, finish=c.last.finish_reason)
             if failed is not None:
                 engine.cancel(stream)  # the other choices, at once (before writing to a client that may be slow)
                 complete = True  # nothing left to cancel

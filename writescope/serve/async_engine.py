@@ -59,6 +59,13 @@ class RequestStream:
         except RuntimeError:  # the loop is closed: nobody is reading
             pass
 
+    async def queued(self) -> list[tuple[int, StepOutput]]:
+        """What the queue holds now, in order: at least one output (waits for it)."""
+        items = [await self.queue.get()]
+        while not self.queue.empty():
+            items.append(self.queue.get_nowait())
+        return items
+
     def seen(self, out: StepOutput) -> bool:
         """Count ``out`` (taken from ``queue``); True once every choice has finished."""
         self._open -= out.finished

@@ -10,6 +10,13 @@ deltas; whole: ``tokenizer.decode`` of its tokens).
 Each choice carries vLLM's ``stop_reason`` beside OpenAI's ``finish_reason``: the stop string or
 the ``stop_token_ids`` token that ended it, else null (streamed: on its finishing chunk only).
 
+Streamed, a choice's finishing chunk carries its last outputs' delta (text, ``token_ids``,
+logprobs) with ``finish_reason``, as vLLM's: the token that completes a stop string may add no
+text (the stop string is cut, and the text before it was handed out already), and no chunk of
+empty text goes out before the finish for it. Chunks before the finish carry text, or tokens when
+the client reads them (``return_token_ids``, ``logprobs``): a token whose text is held back (a stop
+string's possible start, an incomplete UTF-8 character) sends nothing otherwise.
+
 Usage: the prompt's tokens once, the completion tokens summed over the choices (each choice's
 tokens as generated, the ones that completed a stop string included).
 """
@@ -149,11 +156,15 @@ class ResponseFormat:
         return []
 
     def chunk(self, c: Choice, delta: Delta | None = None, finish: str | None = None, role: bool = False) -> str:
-        """One SSE event for choice ``c``: the role (chat's first), a delta, or its finish."""
+        """One SSE event for choice ``c``: the role (chat's first), a delta, or its finish with
+        its last delta (``finish``: its finish_reason)."""
         lps = self._logprobs(c, delta.logprobs, True) if delta is not None else None
         stop_reason = c.last.stop_reason if finish is not None else None
         if self.chat:
-            d = {"role": "assistant", "content": ""} if role else ({} if delta is None else {"content": delta.text})
+            if role:
+                d = {"role": "assistant", "content": ""}
+            else:  # a finishing chunk without text has an empty delta (OpenAI's)
+                d = {"content": delta.text} if delta is not None and (delta.text or finish is None) else {}
             choice = {"index": c.index, "delta": d, "logprobs": lps, "finish_reason": finish, "stop_reason": stop_reason}
         else:
             choice = {"index": c.index, "text": delta.text if delta is not None else "", "logprobs": lps, "finish_reason": finish,
@@ -167,7 +178,7 @@ class ResponseFormat:
         return sse({**self._head("chat.completion.chunk" if self.chat else "text_completion"), "choices": [],
                     "usage": usage})
 
-    def worth_sending(self, delta: Delta, finished: bool) -> bool:
-        """A delta goes out when it has text, or tokens a client reads (its ids or logprobs), or
-        tokens at the end."""
-        return bool(delta.text or (delta.ids and (finished or self.return_token_ids or self.want_logprobs)))
+    def worth_sending(self, delta: Delta) -> bool:
+        """A delta before a choice's finish goes out when it has text, or tokens a client reads
+        (their ids or logprobs). (The finishing delta goes with finish_reason, whatever it holds.)"""
+        return bool(delta.text or (delta.ids and (self.return_token_ids or self.want_logprobs)))

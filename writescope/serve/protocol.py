@@ -1,20 +1,30 @@
 """Request bodies of the OpenAI API (the fields this server reads), validated by pydantic:
 strict types (``"max_tokens": "10"`` is refused, not coerced), ranges, and sizes.
 
-Fields the server does not read are ignored (clients send many); combinations it cannot honour
-(completions' ``echo`` with ``logprobs``: the prompt's logprobs are not computed) are refused with a
-message naming them. ``stop`` is a string or up to MAX_STOP non-empty strings; ``n`` is 1..MAX_N;
-completions' ``logprobs`` is 0..MAX_TOP_LOGPROBS (the legacy API's limit), chat's is a bool with
-``top_logprobs`` 0..MAX_TOP_LOGPROBS beside it; completions' ``max_tokens`` may be 0 with ``echo``
-only (the prompt back, nothing generated).
+Fields are checked as OpenAI's own API checks them: a field that is neither OpenAI's (for that
+route) nor one of the vLLM extensions read here (:data:`VLLM_EXTENSIONS`) is refused ("unknown
+field"); one of OpenAI's that this server does not implement (``best_of``, ``logit_bias``,
+``tools``, ...: each body's ``UNIMPLEMENTED``) is accepted at the values that change nothing
+(``"user"``, ``"best_of": 1``, ``"frequency_penalty": 0``, ``"logit_bias": {}``, as clients and
+libraries send them) and refused at any other, the 400 naming the field and its value. Inside
+``messages`` other fields than ``role`` and ``content`` are still ignored.
+Combinations the server cannot honour (completions' ``echo`` with ``logprobs``: the prompt's
+logprobs are not computed) are refused with a message naming them. ``stop`` is a string or up
+to MAX_STOP non-empty strings; ``n`` is 1..MAX_N; completions' ``logprobs`` is
+0..MAX_TOP_LOGPROBS (the legacy API's limit), chat's is a bool with ``top_logprobs``
+0..MAX_TOP_LOGPROBS beside it; completions' ``max_tokens`` may be 0 with ``echo`` only (the
+prompt back, nothing generated).
 """
 
 from __future__ import annotations
 
-from typing import Annotated, Literal, Union
+import json
+from dataclasses import dataclass
+from typing import Annotated, Callable, ClassVar, Literal, Union
 
-from pydantic import (BaseModel, ConfigDict, Field, StrictBool, StrictFloat, StrictInt, StrictStr, ValidationInfo, field_validator,
-                      model_validator)
+from pydantic import (BaseModel, ConfigDict, Field, StrictBool, StrictFloat, StrictInt, StrictStr, ValidationError,
+                      ValidationInfo, field_validator, model_validator)
+from pydantic_core import InitErrorDetails, PydanticCustomError
 
 from writescope.engine.sampling import MAX_N  # noqa: F401 - choices per request (SamplingParams.n's limit)
 
@@ -22,20 +32,102 @@ MAX_PROMPT_CHARS = 4 * 2**20  # a prompt of more characters is refused before to
 MAX_MESSAGES = 4096
 MAX_STOP = 4  # stop strings per request (OpenAI's limit)
 MAX_TOP_LOGPROBS = 5  # top logprobs per token (the completions API's limit; chat's too here)
+VLLM_EXTENSIONS = ("ignore_eos", "stop_token_ids", "return_token_ids", "include_stop_str_in_output")  # read beside OpenAI's
+#: the validation error types whose message names the field's value itself (the 400 adds no "(got ...)")
+VALUE_WORDED = ("unknown_field", "unsupported_field")
 
 Number = Union[StrictInt, StrictFloat]
 TokenIds = Annotated[list[Annotated[StrictInt, Field(ge=0)]], Field(min_length=1)]
 
 
-class StreamOptions(BaseModel):
-    model_config = ConfigDict(extra="ignore")
+# ---------------------------------------------------------------- fields not implemented, unknown fields
+@dataclass(frozen=True)
+class Unimplemented:
+    """One of OpenAI's request fields that this server does not implement, and its values that
+    change nothing (sent, and ignored).
+
+    Attributes:
+        harmless: ``(value, body) -> bool``: True for a value that changes nothing (``value`` as
+            JSON decoded it; ``body``: the request, for a value that depends on its other fields,
+            as ``best_of`` on ``n``).
+        why: what this server does instead (the 400's words).
+        instead: the harmless values, as the 400 names them (JSON).
+    """
+
+    harmless: Callable[[object, BaseModel], bool]
+    why: str = ""
+    instead: str = "null"
+
+
+def _only(*values) -> Callable[[object, BaseModel], bool]:
+    """A ``harmless`` of null and ``values`` (JSON equality: ``0`` is ``0.0``, ``false`` is neither)."""
+    return lambda v, body: v is None or any(isinstance(v, bool) == isinstance(a, bool) and v == a for a in values)
+
+
+def _best_of(v, body) -> bool:
+    return v is None or (type(v) is int and v in (1, body.n))
+
+
+ANY = Unimplemented(lambda v, body: True)  # changes nothing at any value
+NO_PENALTY = Unimplemented(_only(0), "no repetition penalty is applied", "0")
+NO_BIAS = Unimplemented(_only({}), "the logits are not biased", "{}")
+NO_TOOLS = Unimplemented(_only([]), "no tool calling", "[]")
+NO_TOOL_CHOICE = Unimplemented(_only("none", "auto"), "no tool calling", '"none" or "auto"')
+
+#: OpenAI's fields of both routes that this server does not implement
+UNIMPLEMENTED_COMMON = {
+    "frequency_penalty": NO_PENALTY,
+    "presence_penalty": NO_PENALTY,
+    "logit_bias": NO_BIAS,
+    "user": ANY,  # an end-user id for OpenAI's abuse monitoring
+}
+
+
+class _Body(BaseModel):
+    """A request object whose fields are checked, not dropped: one of OpenAI's in ``UNIMPLEMENTED``
+    at a value that changes the result, or one in neither OpenAI's object (``API``) nor this
+    model, is a validation error at its own place (``loc``), so the 400 names it."""
+
+    model_config = ConfigDict(extra="allow")  # the extra fields are checked by _extra_fields
+    API: ClassVar[str] = "OpenAI's API"  # what the unknown-field error calls the object ("OpenAI's completions API")
+    UNIMPLEMENTED: ClassVar[dict[str, Unimplemented]] = {}
+    EXTENSIONS: ClassVar[tuple[str, ...]] = ()  # the vLLM extensions among this model's fields, named in that error
+
+    @model_validator(mode="after")
+    def _extra_fields(self):
+        errors = []  # (error type, message, field, value)
+        read = ", ".join(self.EXTENSIONS)
+        also = f", nor is it one of the vLLM extensions this server reads: {read}" if read else ""
+        for name, value in (self.model_extra or {}).items():
+            field = self.UNIMPLEMENTED.get(name)
+            if field is None:
+                errors.append(("unknown_field", f"unknown field ({self.API} has no such field{also}): remove it", name, value))
+            elif not field.harmless(value, self):
+                words = f"{_json(value)} is not supported by this server ({field.why}): leave it out or send {field.instead}"
+                errors.append(("unsupported_field", words, name, value))
+        if errors:
+            raise ValidationError.from_exception_data(type(self).__name__, [
+                InitErrorDetails(type=PydanticCustomError(kind, "{message}", {"message": msg}), loc=(name,), input=value)
+                for kind, msg, name, value in errors])
+        return self
+
+
+def _json(value) -> str:
+    """``value`` as the body had it (JSON), shortened."""
+    text = json.dumps(value, ensure_ascii=False)
+    return text if len(text) <= 60 else text[:57] + "..."
+
+
+class StreamOptions(_Body):
+    API = "OpenAI's stream_options"
+    UNIMPLEMENTED = {"include_obfuscation": ANY}  # random padding OpenAI adds to chunks: none is added here
     include_usage: StrictBool = False
 
 
-class _Common(BaseModel):
+class _Common(_Body):
     """Sampling fields shared by completions and chat completions."""
 
-    model_config = ConfigDict(extra="ignore")
+    EXTENSIONS = VLLM_EXTENSIONS
 
     model: StrictStr
     max_tokens: StrictInt | None = Field(None, ge=1)
@@ -69,6 +161,13 @@ class _Common(BaseModel):
 
 class CompletionRequest(_Common):
     """``POST /v1/completions``: ``prompt`` is one string or one list of token ids."""
+
+    API = "OpenAI's completions API"
+    UNIMPLEMENTED = {
+        **UNIMPLEMENTED_COMMON,
+        "best_of": Unimplemented(_best_of, "each choice is returned as sampled: no extra candidates are ranked", "1 or n"),
+        "suffix": Unimplemented(_only(""), "no text is inserted before a suffix", '""'),
+    }
 
     prompt: Annotated[StrictStr, Field(max_length=MAX_PROMPT_CHARS)] | TokenIds
     max_tokens: StrictInt | None = Field(16, ge=0)  # OpenAI's default; 0 with echo only
@@ -122,6 +221,32 @@ class ChatMessage(BaseModel):
 
 class ChatCompletionRequest(_Common):
     """``POST /v1/chat/completions``; without ``max_tokens``, up to the rest of ``max_model_len``."""
+
+    API = "OpenAI's chat completions API"
+    UNIMPLEMENTED = {
+        **UNIMPLEMENTED_COMMON,
+        "audio": Unimplemented(_only(), "text output only"),
+        "function_call": NO_TOOL_CHOICE,
+        "functions": NO_TOOLS,
+        "metadata": ANY,  # tags of a stored completion
+        "modalities": Unimplemented(_only(["text"]), "text output only", '["text"]'),
+        "moderation": Unimplemented(_only(), "no moderation is run"),
+        "parallel_tool_calls": ANY,  # means something with tools only
+        "prediction": ANY,  # predicted output: a latency hint, the output is the same
+        "prompt_cache_key": ANY,  # prompt caching hints
+        "prompt_cache_options": ANY,
+        "prompt_cache_retention": ANY,
+        "reasoning_effort": Unimplemented(_only("none"), "the reasoning effort is not set", '"none"'),
+        "response_format": Unimplemented(_only({"type": "text"}), "the output is not constrained to a format",
+                                         '{"type": "text"}'),
+        "safety_identifier": ANY,  # an end-user id, as user
+        "service_tier": ANY,  # latency and pricing
+        "store": Unimplemented(_only(False), "completions are not stored", "false"),
+        "tool_choice": NO_TOOL_CHOICE,
+        "tools": NO_TOOLS,
+        "verbosity": Unimplemented(_only("medium"), "no verbosity control", '"medium" (the default)'),
+        "web_search_options": Unimplemented(_only(), "no web search"),
+    }
 
     messages: list[ChatMessage] = Field(min_length=1, max_length=MAX_MESSAGES)
     max_completion_tokens: StrictInt | None = Field(None, ge=1)  # the newer name of max_tokens
