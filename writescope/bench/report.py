@@ -43,7 +43,8 @@ def _spread_cell(values: list[float], fmt: str) -> str:
 def format_table(rows: list[BenchRow]) -> str:
     """One line per (batch, context, policy): medians over its repeats, with ``±`` half their
     spread (max - min) as a percentage of the median where there is more than one."""
-    head = ("batch", "context", "policy", "prefill tok/s", "decode tok/s", "TPOT ms", "attn ms/layer", "prep ms/layer", "r", "GB/s", "% bound")
+    head = ("batch", "context", "policy", "prefill tok/s", "decode tok/s", "TPOT ms", "x bound", "attn ms/layer", "prep ms/layer", "r",
+            "GB/s", "% bound")
     lines = [head]
     repeated = False
     for (b, c, p), group in runs(rows).items():
@@ -56,6 +57,7 @@ def format_table(rows: list[BenchRow]) -> str:
         dep = [r.r_deployed for r in ok if r.r_deployed is not None]
         lines.append((
             str(b), str(c), p, f"{med('prefill_tok_s'):,.0f}", _spread_cell([r.decode_tok_s for r in ok], ",.1f"), f"{med('tpot_ms'):.2f}",
+            f"{med('tpot_ms') / med('step_bound_ms'):.2f}x" if med("step_bound_ms") > 0 and med("tpot_ms") > 0 else "-",
             _spread_cell([r.attn_ms_per_layer for r in ok], ".3f"), f"{med('prepare_ms_per_layer'):.3f}" if med("prepare_ms_per_layer") else "-",
             f"{statistics.median(dep):.3f}" if dep else "-", f"{med('gbs'):.1f}",
             f"{100 * med('frac_of_bound'):.1f}" if med("frac_of_bound") else "-",
@@ -69,6 +71,14 @@ def format_table(rows: list[BenchRow]) -> str:
             out.append("  ".join(v.rjust(w) for v, w in zip(x, widths)))
     if repeated:
         out.append("(medians over the repeats; ±: half their spread, max - min, as a share of the median)")
+    bounds = {}
+    for (b, c, _), group in runs(rows).items():
+        ok = [r for r in group if r.fits and r.step_bound_ms > 0]
+        if ok and (b, c) not in bounds:
+            bounds[b, c] = (ok[0].step_bound_ms, ok[0].stream_step_bound_ms)
+    for (b, c), (split, alone) in bounds.items():
+        out.append(f"batch {b} context {c}: the step's KV bound {split:.1f} ms with both paths at once, {alone:.1f} ms "
+                   "streaming alone (x bound: TPOT over the first)")
     return "\n".join(out)
 
 

@@ -8,7 +8,10 @@ Per configuration (one row):
   ``generate``; without CUDA the wall time);
 - ``r_deployed``: placed CPU share at the end (compute / (compute + load) tokens of the batch);
 - ``gbs``: KV bytes one layer's attention reads per step / ``attn_ms_per_layer``; ``bound_ms``
-  = those bytes / (H2D + CPU read GB/s) and ``frac_of_bound`` = bound / measured.
+  = those bytes / the split's rate (both paths at once: :mod:`writescope.bench.bounds`, measured in
+  the same run by ``writescope bench``) and ``frac_of_bound`` = bound / measured; ``step_bound_ms``
+  and ``stream_step_bound_ms``: the whole step's KV over the split's rate and over streaming
+  alone's (the link), the bounds a TPOT is compared with.
 A configuration that does not fit (the engine's capacity check, or the device running out of
 memory) becomes a row with ``fits = False`` and the reason; the grid goes on.
 
@@ -28,6 +31,7 @@ import torch
 from tqdm import tqdm
 
 from writescope.bench import switches
+from writescope.bench.bounds import Rates
 from writescope.engine.llm import LLM
 from writescope.engine.sampling import SamplingParams
 from writescope.kvcache.inplace import InplaceKVCache
@@ -49,6 +53,8 @@ class BenchRow:
     gbs: float = 0.0
     bound_ms: float = 0.0
     frac_of_bound: float = 0.0
+    step_bound_ms: float = 0.0
+    stream_step_bound_ms: float = 0.0
     prepare_ms_per_layer: float = 0.0  # monolithic: re-layout into pinned staging
     prepare_gbs: float = 0.0  # monolithic: bytes re-laid out per second of prepare
     extra: dict = field(default_factory=dict)
@@ -64,8 +70,8 @@ class BenchConfig:
     policies: list[str]
     steps: int = 8
     window: int = 256
-    h2d_gbs: float = 55.0  # docs/HARDWARE.md, pinned host-to-device
-    cpu_gbs: float = 86.0  # docs/HARDWARE.md, 16-thread host read
+    # what the bounds are computed from; `writescope bench` measures them in its run (bench/bounds.py)
+    rates: Rates = field(default_factory=lambda: Rates(86.0, 55.0, source="docs/HARDWARE.md's H200 figures"))
     seed: int = 0
     progress: bool = True
     warmup: bool = True  # one short unmeasured run per batch size and policy first
@@ -225,8 +231,11 @@ def run_one(llm: LLM, cfg: BenchConfig, batch: int, context: int, policy: str, r
     row.kv_bytes_per_layer = int(batch * mean_ctx * llm.config.kv_layout.bytes_per_token(itemsize))
     if row.attn_ms_per_layer > 0:
         row.gbs = row.kv_bytes_per_layer / (row.attn_ms_per_layer / 1e3) / 1e9
-        row.bound_ms = row.kv_bytes_per_layer / ((cfg.h2d_gbs + cfg.cpu_gbs) * 1e9) * 1e3
+        row.bound_ms = row.kv_bytes_per_layer / (cfg.rates.split_gbs() * 1e9) * 1e3
         row.frac_of_bound = row.bound_ms / row.attn_ms_per_layer
+    layers = llm.config.num_layers
+    row.step_bound_ms = row.kv_bytes_per_layer * layers / (cfg.rates.split_gbs() * 1e9) * 1e3
+    row.stream_step_bound_ms = row.kv_bytes_per_layer * layers / (cfg.rates.stream_gbs() * 1e9) * 1e3
     placed = [o.kv_placement for o in outs if o.kv_placement is not None]
     if placed:
         comp = sum(x["compute"] for x in placed)

@@ -29,8 +29,9 @@ def add_parser(sub) -> None:
     p.add_argument("--window", type=int, default=256, help="D (default 256)")
     p.add_argument("--device", default="auto", help="auto (cuda when present), cpu or cuda")
     p.add_argument("--dtype", default="auto", help="auto (bf16 on cuda, fp32 on cpu), bf16, fp16, fp32")
-    p.add_argument("--h2d-gbs", type=float, default=55.0, help="host-to-device GB/s for the bound (default: the H200 machine's 55)")
-    p.add_argument("--cpu-gbs", type=float, default=86.0, help="host read GB/s for the bound (default: the H200 machine's 86)")
+    p.add_argument("--h2d-gbs", type=float, default=None,
+                   help="host-to-device GB/s for the bounds (default: measured in this run, with --cpu-gbs: bench/bounds.py)")
+    p.add_argument("--cpu-gbs", type=float, default=None, help="host read GB/s for the bounds (default: measured in this run)")
     p.add_argument("--vram-budget", default=None, help="device memory the run may use, e.g. 32GiB")
     add_stream_share_flag(p)
     add_expert_profile_flag(p)
@@ -75,7 +76,12 @@ def run(args: argparse.Namespace) -> int:
 
         if importlib.util.find_spec("matplotlib") is None:
             raise ValueError("--plot needs matplotlib: pip install matplotlib (or the project's [plot] extra)")
-    from writescope.bench import switches
+    from writescope.bench import bounds, switches
+
+    if (args.h2d_gbs is None) != (args.cpu_gbs is None):
+        raise ValueError("give both --h2d-gbs and --cpu-gbs, or neither (then both are measured in this run)")
+    if args.h2d_gbs is not None:
+        bounds.given(args.h2d_gbs, args.cpu_gbs, True)  # checked before the model loads
 
     policies = [p.strip() for p in args.policies.split(",") if p.strip()]
     needs_roofline = any(switches.split(p)[0].lower() in ("writescope", "monolithic") for p in policies)
@@ -110,7 +116,12 @@ def run(args: argparse.Namespace) -> int:
     calibration = None if roofline is None else llm.stored_calibration(args.window)
     if llm.vram_plan is not None:
         print(f"{llm.vram_plan.placement_line()} ({llm.host_experts_in_decode()})", flush=True)
-    cfg = BenchConfig(batches, contexts, grid_policies, args.steps, args.window, args.h2d_gbs, args.cpu_gbs, progress=not args.quiet,
+    if args.h2d_gbs is None:
+        rates = bounds.measure(llm.device)
+    else:
+        rates = bounds.given(args.h2d_gbs, args.cpu_gbs, llm.device.type == "cuda")
+    print(rates.line(), flush=True)
+    cfg = BenchConfig(batches, contexts, grid_policies, args.steps, args.window, rates=rates, progress=not args.quiet,
                       kv_fill=args.kv_fill, repeats=args.repeats)
     sweep_only = {s for s in sweep if s not in policies}
 
@@ -122,6 +133,7 @@ def run(args: argparse.Namespace) -> int:
             doc = {"model": args.model, "num_layers": llm.config.num_layers, "device": str(llm.device), "dtype": str(llm.dtype),
                    "args": {k: str(v) for k, v in vars(args).items() if k != "run"},
                    "roofline": None if roofline is None else vars(roofline), "calibration": calibration,
+                   "bound_rates": rates.to_dict(),
                    "complete": len(rows) == cfg_size,
                    "vram_plan": None if llm.vram_plan is None else {"budget_bytes": llm.vram_plan.budget, "experts_gpu": llm.vram_plan.experts_gpu,
                                                                     "experts_total": llm.vram_plan.experts_total,

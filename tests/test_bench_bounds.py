@@ -1,0 +1,78 @@
+"""The bound rates a benchmark measures in its own run (writescope/bench/bounds.py), and how the
+rows and the table use them."""
+
+from __future__ import annotations
+
+import json
+
+import pytest
+import torch
+
+from writescope.bench import bounds
+
+
+def test_rates_without_a_link_are_the_host_read():
+    r = bounds.measure(torch.device("cpu"), nbytes=8 * 2**20, repeats=1)
+    assert r.cpu_alone > 0 and r.h2d_alone is None and r.cpu_with_h2d is None
+    assert r.split_gbs() == r.stream_gbs() == r.cpu_alone
+    assert "measured in this run" in r.source and "no link" in r.line()
+
+
+def test_the_split_uses_the_contended_rates_where_measured():
+    both = bounds.Rates(cpu_alone=116.4, h2d_alone=55.1, cpu_with_h2d=76.8, h2d_with_cpu=52.7, source="x")
+    assert both.split_gbs() == pytest.approx(129.5) and both.stream_gbs() == 55.1
+    line = both.line()
+    assert "host-to-GPU 55.1 GB/s alone" in line and "at once: host-to-GPU 52.7 and CPU 76.8" in line and "split bound 129.5" in line
+    alone_only = bounds.Rates(cpu_alone=86.0, h2d_alone=55.0)
+    assert alone_only.split_gbs() == 141.0  # given rates: taken as reached at once
+
+
+def test_given_rates_are_checked():
+    assert bounds.given(55.0, 86.0, cuda=True).split_gbs() == 141.0
+    assert bounds.given(55.0, 86.0, cuda=False).split_gbs() == 86.0  # no link without CUDA
+    with pytest.raises(ValueError, match="--h2d-gbs must be a positive rate in GB/s, got 0"):
+        bounds.given(0.0, 86.0, cuda=True)
+    with pytest.raises(ValueError, match="--cpu-gbs must be a positive rate in GB/s, got -1"):
+        bounds.given(55.0, -1.0, cuda=True)
+
+
+@pytest.mark.gpu
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")
+def test_measured_rates_on_cuda_are_positive_and_contended_within_alone():
+    r = bounds.measure(torch.device("cuda"), nbytes=64 * 2**20, repeats=2)
+    assert r.h2d_alone > 0 and r.cpu_alone > 0 and r.h2d_with_cpu > 0 and r.cpu_with_h2d > 0
+    # each side at once is no faster than alone, within measurement noise (a generous 1.5x)
+    assert r.h2d_with_cpu < 1.5 * r.h2d_alone and r.cpu_with_h2d < 1.5 * r.cpu_alone
+
+
+def test_bench_measures_its_bounds_and_rows_carry_them(tmp_path, capsys):
+    from writescope.cli.main import main
+
+    out = tmp_path / "b.json"
+    assert main(["bench", "--model", "tiny-qwen3-moe", "--batch", "2", "--context", "64", "--steps", "2", "--window", "16",
+                 "--policies", "gpu,static:0.5", "--repeats", "1", "--quiet", "--kv-fill", "random", "--output-json", str(out)]) == 0
+    printed = capsys.readouterr().out
+    assert "bound rates (measured in this run" in printed and "x bound" in printed
+    doc = json.loads(out.read_text())
+    rates = doc["bound_rates"]
+    assert rates["cpu_alone"] > 0 and rates["source"].startswith("measured in this run")
+    for row in doc["rows"]:
+        assert row["step_bound_ms"] > 0
+        # KV of every layer over the measured rate: the row's own bytes and the model's layers
+        want = row["kv_bytes_per_layer"] * doc["num_layers"] / (rates["cpu_alone"] * 1e9) * 1e3
+        assert row["step_bound_ms"] == pytest.approx(want) and row["stream_step_bound_ms"] == pytest.approx(want)
+    assert "the step's KV bound" in printed
+
+
+def test_bench_takes_given_rates_and_refuses_half_of_them(tmp_path, capsys):
+    from writescope.cli.main import main
+
+    out = tmp_path / "b.json"
+    assert main(["bench", "--model", "tiny-qwen3-moe", "--batch", "1", "--context", "48", "--steps", "1", "--window", "16",
+                 "--policies", "gpu", "--repeats", "1", "--quiet", "--kv-fill", "random", "--output-json", str(out),
+                 "--h2d-gbs", "50", "--cpu-gbs", "100"]) == 0
+    assert "bound rates (given)" in capsys.readouterr().out
+    rates = json.loads(out.read_text())["bound_rates"]
+    assert rates["source"] == "given" and rates["cpu_alone"] == 100.0 and rates["h2d_alone"] is None  # the CPU run has no link
+    assert main(["bench", "--model", "tiny-qwen3-moe", "--h2d-gbs", "50"]) != 0
+    assert "give both --h2d-gbs and --cpu-gbs, or neither" in capsys.readouterr().err

@@ -1,0 +1,139 @@
+"""The rates a decode step's bound is computed from, measured in the benchmark's own run.
+
+A split step reads its host-resident KV over two paths at once: the CPU reads the compute region
+in place, the link carries the load region to the GPU. Both draw on host memory, so each runs
+slower while the other does (docs/HARDWARE.md, "The bounds of a split decode step": on the H200
+machine 52.7 GB/s host-to-GPU during a CPU read against 55.1 alone, the CPU 76.8 GB/s during a
+copy against 116.4 alone). The split bound of a step is its host-resident KV bytes over the sum
+of the two contended rates; streaming alone is bound by the link's own rate.
+
+:func:`measure` takes, on one buffer of ``nbytes`` (best of ``repeats``):
+- the host read rate: a float32 sum of a host tensor on torch's intra-op threads (a plain read,
+  the reader the CPU side's kernels are compared with);
+- on CUDA, the pinned host-to-device copy rate (one copy of the whole buffer);
+- on CUDA, both at once: copies of the buffer issued on a side stream, timed by events, while
+  this thread sums a second host buffer until the last copy has finished; each side's rate is its
+  bytes over its own span.
+Without CUDA there is no link: the 'GPU' side reads host memory too, and both bounds are the host
+read rate.
+"""
+
+from __future__ import annotations
+
+import time
+from dataclasses import asdict, dataclass
+
+import torch
+
+DEFAULT_BYTES = 256 * 2**20  # large copies reach the link's rate (HARDWARE.md's copy-size table)
+CPU_BYTES = 64 * 2**20  # without CUDA (CI): a smaller buffer is enough for a host read
+
+
+@dataclass(frozen=True)
+class Rates:
+    """Measured (or given) rates in GB/s.
+
+    Attributes:
+        cpu_alone: host read, nothing else running.
+        h2d_alone: pinned host-to-device copy alone (None without CUDA).
+        cpu_with_h2d, h2d_with_cpu: each while the other runs (None without CUDA, or not measured).
+        source: how they were obtained, in words.
+    """
+
+    cpu_alone: float
+    h2d_alone: float | None = None
+    cpu_with_h2d: float | None = None
+    h2d_with_cpu: float | None = None
+    source: str = "given"
+
+    def split_gbs(self) -> float:
+        """GB/s of both paths at once: the contended rates' sum where measured, else the sum of
+        the stand-alone ones (the link's absent: the host read)."""
+        if self.cpu_with_h2d is not None and self.h2d_with_cpu is not None:
+            return self.cpu_with_h2d + self.h2d_with_cpu
+        return self.cpu_alone + (self.h2d_alone or 0.0)
+
+    def stream_gbs(self) -> float:
+        """GB/s of streaming alone: the link's rate (the host read without a link)."""
+        return self.h2d_alone if self.h2d_alone is not None else self.cpu_alone
+
+    def line(self) -> str:
+        """One line for a benchmark's output."""
+        if self.h2d_alone is None:
+            return f"bound rates ({self.source}): host read {self.cpu_alone:.1f} GB/s (no link: both sides read host memory)"
+        both = ""
+        if self.cpu_with_h2d is not None and self.h2d_with_cpu is not None:
+            both = f"; at once: host-to-GPU {self.h2d_with_cpu:.1f} and CPU {self.cpu_with_h2d:.1f}"
+        return (f"bound rates ({self.source}): host-to-GPU {self.h2d_alone:.1f} GB/s alone, host read {self.cpu_alone:.1f} alone"
+                f"{both}; split bound {self.split_gbs():.1f} GB/s, streaming alone {self.stream_gbs():.1f}")
+
+    def to_dict(self) -> dict:
+        return asdict(self)
+
+
+def given(h2d_gbs: float, cpu_gbs: float, cuda: bool) -> Rates:
+    """Rates given by hand (``--h2d-gbs``, ``--cpu-gbs``), taken as what both paths reach at once.
+
+    Raises:
+        ValueError: a rate that is not positive.
+    """
+    for name, x in (("--h2d-gbs", h2d_gbs), ("--cpu-gbs", cpu_gbs)):
+        if not x > 0:
+            raise ValueError(f"{name} must be a positive rate in GB/s, got {x}")
+    return Rates(cpu_gbs, h2d_gbs if cuda else None, source="given")
+
+
+def _best(fn, repeats: int) -> float:
+    fn()  # warm: pages touched, threads up
+    best = float("inf")
+    for _ in range(repeats):
+        t0 = time.perf_counter()
+        fn()
+        best = min(best, time.perf_counter() - t0)
+    return max(best, 1e-9)
+
+
+def measure(device: torch.device, nbytes: int | None = None, repeats: int = 3) -> Rates:
+    """The rates of this machine now (module docstring); a few seconds on CUDA.
+
+    Args:
+        device: where the 'GPU' side runs.
+        nbytes: buffer size (default 256 MiB with CUDA, 64 MiB without).
+        repeats: best of this many timings of each stand-alone rate.
+    """
+    cuda = device.type == "cuda"
+    n = (nbytes or (DEFAULT_BYTES if cuda else CPU_BYTES)) // 4 * 4
+    host = torch.ones(n // 4, dtype=torch.float32)
+    cpu_alone = n / _best(lambda: host.sum(), repeats) / 1e9
+    if not cuda:
+        return Rates(cpu_alone, source=f"measured in this run, {n >> 20} MiB")
+    pinned = torch.ones(n, dtype=torch.uint8).pin_memory()
+    dst = torch.empty(n, dtype=torch.uint8, device=device)
+
+    def copy():
+        dst.copy_(pinned, non_blocking=True)
+        torch.cuda.synchronize(device)
+
+    h2d_alone = n / _best(copy, repeats) / 1e9
+    # both at once: enough copies to cover several host reads, the host reading until they end
+    copies = max(4, int(0.25 * h2d_alone * 1e9 / n) + 1)  # about a quarter of a second of copying
+    side = torch.cuda.Stream(device)
+    start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+    other = torch.ones(n // 4, dtype=torch.float32)
+    other.sum()
+    torch.cuda.synchronize(device)
+    with torch.cuda.stream(side):
+        start.record(side)
+        for _ in range(copies):
+            dst.copy_(pinned, non_blocking=True)
+        end.record(side)
+    reads, t0 = 0, time.perf_counter()
+    while not end.query() or reads == 0:
+        other.sum()
+        reads += 1
+    cpu_s = time.perf_counter() - t0
+    end.synchronize()
+    h2d_s = start.elapsed_time(end) / 1e3
+    del dst, pinned
+    return Rates(cpu_alone, h2d_alone, reads * n / cpu_s / 1e9, copies * n / h2d_s / 1e9,
+                 source=f"measured in this run, {n >> 20} MiB buffers")
