@@ -11,8 +11,16 @@ import torch
 from writescope.bench import bounds
 
 
+def test_the_host_buffer_outsizes_the_last_level_cache():
+    llc = bounds.last_level_cache_bytes()
+    n = bounds.read_bytes_default()
+    assert bounds.MIN_READ_BYTES <= n <= bounds.MAX_READ_BYTES
+    if llc is not None:
+        assert llc > 0 and (n >= bounds.CACHE_MULTIPLE * llc or n == bounds.MAX_READ_BYTES)
+
+
 def test_rates_without_a_link_are_the_host_read():
-    r = bounds.measure(torch.device("cpu"), nbytes=8 * 2**20, repeats=1)
+    r = bounds.measure(torch.device("cpu"), read_bytes=8 * 2**20, repeats=1)
     assert r.cpu_alone > 0 and r.h2d_alone is None and r.cpu_with_h2d is None
     assert r.split_gbs() == r.stream_gbs() == r.cpu_alone
     assert "measured in this run" in r.source and "no link" in r.line()
@@ -39,40 +47,54 @@ def test_given_rates_are_checked():
 @pytest.mark.gpu
 @pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")
 def test_measured_rates_on_cuda_are_positive_and_contended_within_alone():
-    r = bounds.measure(torch.device("cuda"), nbytes=64 * 2**20, repeats=2)
+    r = bounds.measure(torch.device("cuda"), read_bytes=256 * 2**20, copy_bytes=64 * 2**20, repeats=2)
     assert r.h2d_alone > 0 and r.cpu_alone > 0 and r.h2d_with_cpu > 0 and r.cpu_with_h2d > 0
     # each side at once is no faster than alone, within measurement noise (a generous 1.5x)
     assert r.h2d_with_cpu < 1.5 * r.h2d_alone and r.cpu_with_h2d < 1.5 * r.cpu_alone
 
 
 def test_bench_measures_its_bounds_and_rows_carry_them(tmp_path, capsys):
+    """The bench measures its rates, and each row's bounds count the KV in host memory only:
+    ``resident`` (all KV on the device) has none; a partitioned policy's is its KV less the
+    D-window, over the measured rate, for every layer."""
     from writescope.cli.main import main
 
     out = tmp_path / "b.json"
-    assert main(["bench", "--model", "tiny-qwen3-moe", "--batch", "2", "--context", "64", "--steps", "2", "--window", "16",
-                 "--policies", "gpu,static:0.5", "--repeats", "1", "--quiet", "--kv-fill", "random", "--output-json", str(out)]) == 0
+    assert main(["bench", "--model", "tiny-qwen3-moe", "--device", "cpu", "--batch", "2", "--context", "64", "--steps", "2",
+                 "--window", "16", "--policies", "gpu,static:0.5,resident", "--repeats", "1", "--quiet", "--kv-fill", "random",
+                 "--output-json", str(out)]) == 0
     printed = capsys.readouterr().out
-    assert "bound rates (measured in this run" in printed and "x bound" in printed
+    assert "bound rates (measured in this run" in printed and "x bound" in printed and "the step's KV bound" in printed
     doc = json.loads(out.read_text())
     rates = doc["bound_rates"]
-    assert rates["cpu_alone"] > 0 and rates["source"].startswith("measured in this run")
-    for row in doc["rows"]:
-        assert row["step_bound_ms"] > 0
-        # KV of every layer over the measured rate: the row's own bytes and the model's layers
-        want = row["kv_bytes_per_layer"] * doc["num_layers"] / (rates["cpu_alone"] * 1e9) * 1e3
-        assert row["step_bound_ms"] == pytest.approx(want) and row["stream_step_bound_ms"] == pytest.approx(want)
-    assert "the step's KV bound" in printed
+    assert rates["cpu_alone"] > 0 and rates["h2d_alone"] is None and rates["source"].startswith("measured in this run")
+    rows = {r["policy"]: r for r in doc["rows"]}
+    assert rows["resident"]["step_bound_ms"] == 0.0 and rows["resident"]["bound_ms"] == 0.0
+    for name in ("gpu", "static:0.5"):
+        row = rows[name]
+        host_bytes = row["step_bound_ms"] / 1e3 * rates["cpu_alone"] * 1e9 / doc["num_layers"]
+        # 2 sequences of 64 + 1 cached tokens on average, at most 16 + 2 of each in the D-window
+        assert row["kv_bytes_per_layer"] * (65 - 18) / 65 <= host_bytes * (1 + 1e-9) and host_bytes < row["kv_bytes_per_layer"]
+        assert row["stream_step_bound_ms"] == pytest.approx(row["step_bound_ms"])  # no link: one rate
 
 
-def test_bench_takes_given_rates_and_refuses_half_of_them(tmp_path, capsys):
+def test_bench_takes_given_rates_and_checks_them_before_the_model_loads(tmp_path, capsys, monkeypatch):
+    import writescope.engine.llm as engine
     from writescope.cli.main import main
 
     out = tmp_path / "b.json"
-    assert main(["bench", "--model", "tiny-qwen3-moe", "--batch", "1", "--context", "48", "--steps", "1", "--window", "16",
-                 "--policies", "gpu", "--repeats", "1", "--quiet", "--kv-fill", "random", "--output-json", str(out),
-                 "--h2d-gbs", "50", "--cpu-gbs", "100"]) == 0
+    assert main(["bench", "--model", "tiny-qwen3-moe", "--device", "cpu", "--batch", "1", "--context", "48", "--steps", "1",
+                 "--window", "16", "--policies", "gpu", "--repeats", "1", "--quiet", "--kv-fill", "random",
+                 "--output-json", str(out), "--h2d-gbs", "50", "--cpu-gbs", "100"]) == 0
     assert "bound rates (given)" in capsys.readouterr().out
     rates = json.loads(out.read_text())["bound_rates"]
     assert rates["source"] == "given" and rates["cpu_alone"] == 100.0 and rates["h2d_alone"] is None  # the CPU run has no link
+
+    def no_model(*a, **k):
+        raise AssertionError("the model was built before the rates were checked")
+
+    monkeypatch.setattr(engine.LLM, "__init__", no_model)
     assert main(["bench", "--model", "tiny-qwen3-moe", "--h2d-gbs", "50"]) != 0
     assert "give both --h2d-gbs and --cpu-gbs, or neither" in capsys.readouterr().err
+    assert main(["bench", "--model", "tiny-qwen3-moe", "--h2d-gbs", "0", "--cpu-gbs", "80"]) != 0
+    assert "--h2d-gbs must be a positive rate in GB/s, got 0" in capsys.readouterr().err

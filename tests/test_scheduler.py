@@ -217,7 +217,7 @@ def test_calibration_measures_stores_and_reloads(tmp_path, monkeypatch):
     assert all(s > 0 for _, s in detail["points"]["alone"]) and len(detail["points"]["split_overhead"]) == 6
     assert [t for t, _ in detail["points"]["alone_gpu"]] == [2 * L for L in (64, 128, 256)]
     assert all(s > 0 for _, s in detail["points"]["alone_gpu"])
-    assert r.b_alone > 0 and r.c_gpu_alone >= 0 and r.c_split >= 0
+    assert r.b_alone > 0 and r.c_gpu_alone >= 0 and r.c_split == 0.0 and detail["loop_handover_s"] >= 0
     with pytest.raises(ValueError, match="both sides"):
         calibrate(layout, 4, torch.float32, dev, window=16, batch=2, contexts=(64, 128), steps=1, progress=False, shares=(0.0,))
     with pytest.raises(ValueError, match="lower batch") as e:  # the API's argument; the CLI says --batch
@@ -261,21 +261,23 @@ def test_calibration_is_kept_per_cpu_attention_backend(tmp_path, monkeypatch):
     assert load(dev, shape) == flash
 
 
-def test_calibration_fits_streaming_alone_and_the_split_cost_from_wall_times(monkeypatch):
+def test_calibration_fits_streaming_alone_from_its_device_time_and_keeps_the_loop_hand_over(monkeypatch):
     import writescope.scheduler.calibrate as cal
 
     def fake(layout, q_heads, dtype, device, window, share, batch, L, steps, cpu_threads):
         load = int((1 - share) * L)
         cpu_s, gpu_s = share * L * 4e-9 + 1e-3, load * 2e-9 + 5e-4  # each side's own time
-        if share == 0:
-            return (0, 0.0), (load, gpu_s), load * 1.5e-9 + 2e-4, 0.0  # alone: wall faster than the contended fit
+        if share == 0:  # alone: its device time faster than the contended fit, its wall slower still
+            return (0, 0.0), (load, load * 1.5e-9 + 2e-4), load * 1.7e-9 + 9e-4, 0.0
         return (L - load, cpu_s), (load, gpu_s), max(cpu_s, gpu_s) + 7e-4, 7e-4
     monkeypatch.setattr(cal, "_measure", fake)
     # 170 GB/s streaming alone: within these limits (tests/test_honest_measurements.py tries fits outside them)
     monkeypatch.setattr(cal.lim, "measure_limits", lambda device, nbytes: cal.lim.Limits(1000.0, 1000.0, "host read"))
     r, detail = cal.calibrate(KVLayout(2, 16, 16, False), 4, torch.float32, torch.device("cpu"), contexts=(1000, 2000, 4000), progress=False)
     assert r.a == pytest.approx(4e-9) and r.b == pytest.approx(2e-9) and r.c_cpu == pytest.approx(1e-3) and r.c_gpu == pytest.approx(5e-4)
-    assert r.b_alone == pytest.approx(1.5e-9) and r.c_gpu_alone == pytest.approx(2e-4)  # from the walls, not the device times
+    # from the device times, as the split's sides are (each its own timer), not from the walls
+    assert r.b_alone == pytest.approx(1.5e-9) and r.c_gpu_alone == pytest.approx(2e-4)
+    assert [s for _, s in detail["points"]["alone"]] == pytest.approx([L * 1.7e-9 + 9e-4 for L in (1000, 2000, 4000)])
     # the loop's hand-over is kept, but not as C_split: whole-model steps hide it (calibrate.py's docstring)
     assert r.c_split == 0.0 and detail["loop_handover_s"] == pytest.approx(7e-4) and detail["points"]["split_overhead"] == [7e-4] * 6
 

@@ -2,17 +2,19 @@
 
 A split step reads its host-resident KV over two paths at once: the CPU reads the compute region
 in place, the link carries the load region to the GPU. Both draw on host memory, so each runs
-slower while the other does (docs/HARDWARE.md, "The bounds of a split decode step": on the H200
-machine 52.7 GB/s host-to-GPU during a CPU read against 55.1 alone, the CPU 76.8 GB/s during a
-copy against 116.4 alone). The split bound of a step is its host-resident KV bytes over the sum
-of the two contended rates; streaming alone is bound by the link's own rate.
+slower while the other does (the H200 machine, run 18 of benchmarks/results/gpu_decode_h200.md:
+52.7 GB/s host-to-GPU during a CPU read against 55.1 alone, the CPU 76.8 GB/s during a copy
+against 116.4 alone). The split bound of a step is its host-resident KV bytes over the sum of the
+two contended rates; streaming alone is bound by the link's own rate.
 
-:func:`measure` takes, on one buffer of ``nbytes`` (best of ``repeats``):
-- the host read rate: a float32 sum of a host tensor on torch's intra-op threads (a plain read,
-  the reader the CPU side's kernels are compared with);
-- on CUDA, the pinned host-to-device copy rate (one copy of the whole buffer);
-- on CUDA, both at once: copies of the buffer issued on a side stream, timed by events, while
-  this thread sums a second host buffer until the last copy has finished; each side's rate is its
+:func:`measure` takes (best of ``repeats`` for the stand-alone rates):
+- the host read rate: a float32 sum of a host buffer of at least four times the last-level cache
+  (so it is read from DRAM, not from the cache: the H200 host has 300 MiB of L3), on the threads
+  the CPU attention gets (:func:`writescope.engine.threads.default_attention_threads`);
+- on CUDA, the pinned host-to-device copy rate of a 256 MiB buffer (registered for the
+  measurement and released after it, so no device or pinned memory stays reserved);
+- on CUDA, both at once: copies of that buffer issued on a side stream, timed by events, while
+  this thread sums the host buffer until the last copy has finished; each side's rate is its
   bytes over its own span.
 Without CUDA there is no link: the 'GPU' side reads host memory too, and both bounds are the host
 read rate.
@@ -25,8 +27,9 @@ from dataclasses import asdict, dataclass
 
 import torch
 
-DEFAULT_BYTES = 256 * 2**20  # large copies reach the link's rate (HARDWARE.md's copy-size table)
-CPU_BYTES = 64 * 2**20  # without CUDA (CI): a smaller buffer is enough for a host read
+COPY_BYTES = 256 * 2**20  # copies this large reach the link's rate (HARDWARE.md's copy-size table)
+CACHE_MULTIPLE = 4  # the host buffer is at least this many last-level caches
+MIN_READ_BYTES, MAX_READ_BYTES = 256 * 2**20, 4 * 2**30
 
 
 @dataclass(frozen=True)
@@ -93,47 +96,89 @@ def _best(fn, repeats: int) -> float:
     return max(best, 1e-9)
 
 
-def measure(device: torch.device, nbytes: int | None = None, repeats: int = 3) -> Rates:
+def last_level_cache_bytes() -> int | None:
+    """The machine's last-level cache in bytes: the highest cache level's size summed over its
+    instances (each shared by a set of CPUs: one per socket on the H200's Xeon, one per core
+    complex on an AMD EPYC), from Linux sysfs; None where it is not readable."""
+    import glob
+    import os
+
+    found: dict[str, tuple[int, int]] = {}  # shared CPU list -> (level, bytes)
+    for d in glob.glob("/sys/devices/system/cpu/cpu[0-9]*/cache/index[0-9]*"):
+        try:
+            level = int(open(os.path.join(d, "level")).read())
+            shared = open(os.path.join(d, "shared_cpu_list")).read().strip()
+            text = open(os.path.join(d, "size")).read().strip().upper()
+            kind = open(os.path.join(d, "type")).read().strip()
+        except (OSError, ValueError):
+            continue
+        scale = {"K": 2**10, "M": 2**20, "G": 2**30}.get(text[-1:], 1)
+        digits = text[:-1] if text[-1:] in "KMG" else text
+        if kind != "Instruction" and digits.isdigit():
+            key = f"{level}:{shared}"
+            found[key] = (level, int(digits) * scale)
+    if not found:
+        return None
+    top = max(level for level, _ in found.values())
+    return sum(size for level, size in found.values() if level == top)
+
+
+def read_bytes_default() -> int:
+    """The host buffer's size: ``CACHE_MULTIPLE`` last-level caches, within 256 MiB - 4 GiB."""
+    llc = last_level_cache_bytes() or 0
+    return max(MIN_READ_BYTES, min(MAX_READ_BYTES, CACHE_MULTIPLE * llc))
+
+
+def measure(device: torch.device, read_bytes: int | None = None, copy_bytes: int = COPY_BYTES, repeats: int = 3) -> Rates:
     """The rates of this machine now (module docstring); a few seconds on CUDA.
 
     Args:
         device: where the 'GPU' side runs.
-        nbytes: buffer size (default 256 MiB with CUDA, 64 MiB without).
+        read_bytes: the host buffer (default :func:`read_bytes_default`).
+        copy_bytes: the pinned buffer copied to the device (CUDA).
         repeats: best of this many timings of each stand-alone rate.
     """
+    from writescope.engine.threads import default_attention_threads, intra_op_threads
+    from writescope.kvcache.pinned import host_empty, unpin
+
     cuda = device.type == "cuda"
-    n = (nbytes or (DEFAULT_BYTES if cuda else CPU_BYTES)) // 4 * 4
+    n = (read_bytes or read_bytes_default()) // 4 * 4
     host = torch.ones(n // 4, dtype=torch.float32)
-    cpu_alone = n / _best(lambda: host.sum(), repeats) / 1e9
-    if not cuda:
-        return Rates(cpu_alone, source=f"measured in this run, {n >> 20} MiB")
-    pinned = torch.ones(n, dtype=torch.uint8).pin_memory()
-    dst = torch.empty(n, dtype=torch.uint8, device=device)
+    with intra_op_threads(default_attention_threads(device)):
+        cpu_alone = n / _best(lambda: host.sum(), repeats) / 1e9
+        if not cuda:
+            return Rates(cpu_alone, source=f"measured in this run, a {n >> 20} MiB read")
+        m = copy_bytes // 4 * 4
+        pinned = host_empty((m,), torch.uint8, pin=True)
+        pinned.fill_(1)
+        dst = torch.empty(m, dtype=torch.uint8, device=device)
+        try:
+            def copy():
+                dst.copy_(pinned, non_blocking=True)
+                torch.cuda.synchronize(device)
 
-    def copy():
-        dst.copy_(pinned, non_blocking=True)
-        torch.cuda.synchronize(device)
-
-    h2d_alone = n / _best(copy, repeats) / 1e9
-    # both at once: enough copies to cover several host reads, the host reading until they end
-    copies = max(4, int(0.25 * h2d_alone * 1e9 / n) + 1)  # about a quarter of a second of copying
-    side = torch.cuda.Stream(device)
-    start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
-    other = torch.ones(n // 4, dtype=torch.float32)
-    other.sum()
-    torch.cuda.synchronize(device)
-    with torch.cuda.stream(side):
-        start.record(side)
-        for _ in range(copies):
-            dst.copy_(pinned, non_blocking=True)
-        end.record(side)
-    reads, t0 = 0, time.perf_counter()
-    while not end.query() or reads == 0:
-        other.sum()
-        reads += 1
-    cpu_s = time.perf_counter() - t0
-    end.synchronize()
-    h2d_s = start.elapsed_time(end) / 1e3
-    del dst, pinned
-    return Rates(cpu_alone, h2d_alone, reads * n / cpu_s / 1e9, copies * n / h2d_s / 1e9,
-                 source=f"measured in this run, {n >> 20} MiB buffers")
+            h2d_alone = m / _best(copy, repeats) / 1e9
+            # both at once: enough copies to outlast several host reads, the host reading until they end
+            copies = max(4, int(0.25 * h2d_alone * 1e9 / m) + 1)  # about a quarter of a second of copying
+            side = torch.cuda.Stream(device)
+            start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+            torch.cuda.synchronize(device)
+            with torch.cuda.stream(side):
+                start.record(side)
+                for _ in range(copies):
+                    dst.copy_(pinned, non_blocking=True)
+                end.record(side)
+            reads, t0 = 0, time.perf_counter()
+            while not end.query() or reads == 0:
+                host.sum()
+                reads += 1
+            cpu_s = time.perf_counter() - t0
+            end.synchronize()
+            h2d_s = start.elapsed_time(end) / 1e3
+        finally:
+            torch.cuda.synchronize(device)
+            del dst
+            unpin(pinned)
+            torch.cuda.empty_cache()  # nothing of the measurement stays reserved against a budget
+    return Rates(cpu_alone, h2d_alone, reads * n / cpu_s / 1e9, copies * m / h2d_s / 1e9,
+                 source=f"measured in this run, a {n >> 20} MiB read and {m >> 20} MiB copies")

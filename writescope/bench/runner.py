@@ -8,7 +8,8 @@ Per configuration (one row):
   ``generate``; without CUDA the wall time);
 - ``r_deployed``: placed CPU share at the end (compute / (compute + load) tokens of the batch);
 - ``gbs``: KV bytes one layer's attention reads per step / ``attn_ms_per_layer``; ``bound_ms``
-  = those bytes / the split's rate (both paths at once: :mod:`writescope.bench.bounds`, measured in
+  = the host-resident part of those bytes (compute and load regions, from the placement; 0 for
+  ``resident``, whose KV is all on the device) / the split's rate (both paths at once: :mod:`writescope.bench.bounds`, measured in
   the same run by ``writescope bench``) and ``frac_of_bound`` = bound / measured; ``step_bound_ms``
   and ``stream_step_bound_ms``: the whole step's KV over the split's rate and over streaming
   alone's (the link), the bounds a TPOT is compared with.
@@ -231,15 +232,13 @@ def run_one(llm: LLM, cfg: BenchConfig, batch: int, context: int, policy: str, r
     row.kv_bytes_per_layer = int(batch * mean_ctx * llm.config.kv_layout.bytes_per_token(itemsize))
     if row.attn_ms_per_layer > 0:
         row.gbs = row.kv_bytes_per_layer / (row.attn_ms_per_layer / 1e3) / 1e9
-        row.bound_ms = row.kv_bytes_per_layer / (cfg.rates.split_gbs() * 1e9) * 1e3
-        row.frac_of_bound = row.bound_ms / row.attn_ms_per_layer
-    layers = llm.config.num_layers
-    row.step_bound_ms = row.kv_bytes_per_layer * layers / (cfg.rates.split_gbs() * 1e9) * 1e3
-    row.stream_step_bound_ms = row.kv_bytes_per_layer * layers / (cfg.rates.stream_gbs() * 1e9) * 1e3
     placed = [o.kv_placement for o in outs if o.kv_placement is not None]
+    host_share = 0.0  # of the KV in host memory (the compute and load regions); 0 with every byte on the device
     if placed:
         comp = sum(x["compute"] for x in placed)
         load = sum(x["load"] for x in placed)
+        every = comp + load + sum(x["window"] for x in placed)
+        host_share = (comp + load) / every if every else 0.0
         row.r_deployed = comp / (comp + load) if comp + load else None
         cache = llm.cache
         if isinstance(cache, InplaceKVCache):
@@ -250,4 +249,10 @@ def run_one(llm: LLM, cfg: BenchConfig, batch: int, context: int, policy: str, r
             if getattr(cache.policy, "monolithic", False):
                 read = cache.policy.read_share(context)  # the split the monolithic cache read with
                 row.r_deployed = read
+    host_bytes = row.kv_bytes_per_layer * host_share  # what the bounds count: the KV read from host memory
+    if host_bytes > 0:
+        row.bound_ms = host_bytes / (cfg.rates.split_gbs() * 1e9) * 1e3
+        row.frac_of_bound = row.bound_ms / row.attn_ms_per_layer if row.attn_ms_per_layer > 0 else 0.0
+        row.step_bound_ms = host_bytes * llm.config.num_layers / (cfg.rates.split_gbs() * 1e9) * 1e3
+        row.stream_step_bound_ms = host_bytes * llm.config.num_layers / (cfg.rates.stream_gbs() * 1e9) * 1e3
     return row

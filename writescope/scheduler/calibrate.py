@@ -19,10 +19,12 @@ by the DMA and the CPU reads, so each side is slower than alone (a first version
 side alone and put the share too high: the one-layer sweep in benchmarks/results found its best
 at R = 0.25-0.31 at 16K-32K where the uncontended costs said 0.44).
 
-For the split check (:func:`writescope.scheduler.roofline.split_pays`) every step's wall time is
-taken too (synchronised before and after the whole step on CUDA): at share 0 (streaming alone, no CPU part) its
-line against the streamed tokens gives B_alone and C_gpu_alone; at the split shares the median of
-wall time minus the slower side's time is the loop's hand-over (``detail["loop_handover_s"]``).
+For the split check (:func:`writescope.scheduler.roofline.split_pays`) steps at share 0 (streaming
+alone, no CPU part) are measured too: the line of their device time (the same events as the GPU
+part's) against the streamed tokens gives B_alone and C_gpu_alone, so the check compares each side's
+own time with streaming alone's own time. Every step's wall time is taken as well (synchronised
+before and after the whole step on CUDA, ``points["alone"]`` at share 0); at the split shares the
+median of wall time minus the slower side's time is the loop's hand-over (``detail["loop_handover_s"]``).
 It is not the roofline's C_split (left 0): this loop runs attention only, and there the hand-over
 (q to the CPU, its flag back, the merge, the next layer's q) is 1.7-2.4 ms per layer on the H200,
 while in whole-model steps, where each layer has its projections and experts to run, the split's
@@ -69,9 +71,10 @@ from writescope.scheduler.policies import StaticPolicy
 CUDA_CONTEXTS = (4096, 16384, 32768)  # tokens per sequence: the per-token costs dominate the fixed ones
 CPU_CONTEXTS = (512, 1024, 2048)
 STEP_LAYERS = 3  # layers of one calibration step, timed whole (issue 15: no synchronisation between layers)
-# stored with a calibration; one measured otherwise is measured again (", no loop C_split": before it, C_split
-# held the attention-only loop's hand-over, which kept splits that pay at r = 0)
-METHOD = f"whole steps of {STEP_LAYERS} layers, no loop C_split"
+# stored with a calibration; one measured otherwise is measured again (", no loop C_split, alone by device
+# time": before it, C_split held the attention-only loop's hand-over, which kept splits that pay at r = 0,
+# and streaming alone was fitted to wall times)
+METHOD = f"whole steps of {STEP_LAYERS} layers, no loop C_split, alone by device time"
 SHARES = (0.25, 0.5)  # CPU shares measured: around where split steps run
 HOST_FRACTION = 0.5  # a calibration point may use at most this fraction of the available host memory
 
@@ -79,7 +82,7 @@ HOST_FRACTION = 0.5  # a calibration point may use at most this fraction of the 
 def machine_key(device: torch.device) -> str:
     """CPU model, core count, torch threads, GPU name and, where selected (the default), the CPU
     attention kernel and its path instead of torch's flash op (``WRITESCOPE_CPU_ATTENTION``), and a
-    ping-pong buffer count or load-region read other than the default: what A, B and C_split depend on. (Keys stored before the kernel was part of it stay valid for the flash op.)"""
+    ping-pong buffer count or load-region read other than the default: what A, B and the loop's hand-over depend on. (Keys stored before the kernel was part of it stay valid for the flash op.)"""
     cpu = platform.processor() or platform.machine()
     try:
         with open("/proc/cpuinfo") as f:
@@ -89,7 +92,7 @@ def machine_key(device: torch.device) -> str:
     gpu = torch.cuda.get_device_name(device) if device.type == "cuda" else "no-gpu"
     key = f"{cpu}|{os.cpu_count()} cpus|{torch.get_num_threads()} threads|{gpu}"
     buffers = pingpong_buffers_from_env()
-    if buffers != DEFAULT_PINGPONG_BUFFERS:  # how far the link runs ahead of a layer's CPU wait: B and C_split
+    if buffers != DEFAULT_PINGPONG_BUFFERS:  # how far the link runs ahead of a layer's CPU wait: B and the hand-over
         key += f"|{buffers} ping-pong buffers"
     if load_read_from_env() != "copy":  # the load region read in place by the kernels: B and C_gpu
         key += f"|load read {load_read_from_env()}"
@@ -166,12 +169,12 @@ def calibrate(
                 bar.update()
 
     fits = {"a": ("cpu", "cpu", "A and C_cpu (the CPU part)"), "b": ("gpu", "load", "B and C_gpu (the streamed part)"),
-            "b_alone": ("alone", "load", "B alone and C_gpu alone (streaming alone)")}
+            "b_alone": ("alone_gpu", "load", "B alone and C_gpu alone (streaming alone)")}
 
     def wrong() -> dict[str, list[str]]:  # per series, what is impossible about its fits
         out: dict[str, list[str]] = {"split": [], "alone": []}
         for key, side, name in fits.values():
-            out["alone" if key == "alone" else "split"] += lim.problems(name, points[key], per_token, *limits.max_gbs(side))
+            out["alone" if key == "alone_gpu" else "split"] += lim.problems(name, points[key], per_token, *limits.max_gbs(side))
         return out
 
     measure("alone")
@@ -279,9 +282,10 @@ def stored_entry(device: torch.device, shape: str) -> dict | None:
     points per side, the limits, what was implausible, when it was measured), or None: what a
     benchmark keeps next to its rows, so that a surprising r can be traced to its points."""
     try:
-        return json.loads(store_path().read_text())[machine_key(device)][shape]
+        entry = json.loads(store_path().read_text())[machine_key(device)][shape]
     except (OSError, ValueError, KeyError):
         return None
+    return entry if entry.get("method") == METHOD else None  # one load() would measure again is not this calibration
 
 
 def save(device: torch.device, shape: str, roofline: Roofline, detail: dict) -> Path:
