@@ -27,6 +27,8 @@ from dataclasses import asdict, dataclass
 
 import torch
 
+from writescope.scheduler.limits import best_seconds
+
 COPY_BYTES = 256 * 2**20  # copies this large reach the link's rate (HARDWARE.md's copy-size table)
 CACHE_MULTIPLE = 4  # the host buffer is at least this many last-level caches
 MIN_READ_BYTES, MAX_READ_BYTES = 256 * 2**20, 4 * 2**30
@@ -86,16 +88,6 @@ def given(h2d_gbs: float, cpu_gbs: float, cuda: bool) -> Rates:
     return Rates(cpu_gbs, h2d_gbs if cuda else None, source="given")
 
 
-def _best(fn, repeats: int) -> float:
-    fn()  # warm: pages touched, threads up
-    best = float("inf")
-    for _ in range(repeats):
-        t0 = time.perf_counter()
-        fn()
-        best = min(best, time.perf_counter() - t0)
-    return max(best, 1e-9)
-
-
 def last_level_cache_bytes() -> int | None:
     """The machine's last-level cache in bytes: the highest cache level's size summed over its
     instances (each shared by a set of CPUs: one per socket on the H200's Xeon, one per core
@@ -145,7 +137,7 @@ def measure(device: torch.device, read_bytes: int | None = None, copy_bytes: int
     n = (read_bytes or read_bytes_default()) // 4 * 4
     host = torch.ones(n // 4, dtype=torch.float32)
     with intra_op_threads(default_attention_threads(device)):
-        cpu_alone = n / _best(lambda: host.sum(), repeats) / 1e9
+        cpu_alone = n / best_seconds(lambda: host.sum(), repeats) / 1e9
         if not cuda:
             return Rates(cpu_alone, source=f"measured in this run, a {n >> 20} MiB read")
         m = copy_bytes // 4 * 4
@@ -157,7 +149,7 @@ def measure(device: torch.device, read_bytes: int | None = None, copy_bytes: int
                 dst.copy_(pinned, non_blocking=True)
                 torch.cuda.synchronize(device)
 
-            h2d_alone = m / _best(copy, repeats) / 1e9
+            h2d_alone = m / best_seconds(copy, repeats) / 1e9
             # both at once: enough copies to outlast several host reads, the host reading until they end
             copies = max(4, int(0.25 * h2d_alone * 1e9 / m) + 1)  # about a quarter of a second of copying
             side = torch.cuda.Stream(device)

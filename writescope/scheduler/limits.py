@@ -54,7 +54,8 @@ class Limits:
         return margin * self.load, f"{margin:g}x this machine's {self.load_path} rate of {self.load:.1f} GB/s"
 
 
-def _best_seconds(fn, repeats: int = 5) -> float:
+def best_seconds(fn, repeats: int = 5) -> float:
+    """The fastest of ``repeats`` timings of ``fn()`` (seconds, at least 1 ns), after one untimed call."""
     fn()  # warm: pages touched, caches and threads up
     best = float("inf")
     for _ in range(repeats):
@@ -69,7 +70,7 @@ def measure_limits(device: torch.device, nbytes: int) -> Limits:
     on torch's threads) and, on CUDA, the pinned host-to-device copy rate of the same buffer."""
     n = max(MIN_BYTES, min(MAX_BYTES, int(nbytes))) // 4 * 4
     host = torch.ones(n // 4, dtype=torch.float32)
-    read = n / _best_seconds(lambda: host.sum()) / 1e9
+    read = n / best_seconds(lambda: host.sum()) / 1e9
     if device.type != "cuda":
         return Limits(read, read, "host read")
     pinned = host.view(torch.uint8).pin_memory()
@@ -79,7 +80,7 @@ def measure_limits(device: torch.device, nbytes: int) -> Limits:
         dst.copy_(pinned, non_blocking=True)
         torch.cuda.synchronize(device)
 
-    link = n / _best_seconds(copy) / 1e9
+    link = n / best_seconds(copy) / 1e9
     del dst, pinned
     return Limits(read, link, "pinned host-to-device copy")
 
