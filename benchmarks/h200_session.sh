@@ -33,7 +33,8 @@
 # Several parts run in one call, one after another: `bash benchmarks/h200_session.sh tests grid:deepseek-v2-lite`.
 # The whole call stops by DEADLINE seconds (default 570, under the device tool's 10 minutes): each part's
 # timeout is cut to what is left, and a part with under 40 s left is skipped. The grid's shape can be narrowed
-# with GRID_BATCH, GRID_CONTEXT, GRID_POLICIES, GRID_STEPS (defaults below); rows are saved as they finish;
+# with GRID_BATCH, GRID_CONTEXT, GRID_POLICIES, GRID_STEPS (defaults below); rows are saved as they finish, and
+# GRID_RESUME=FILE continues a grid an earlier call left unfinished (bench --resume: complete cells are kept);
 # GRID_FLAGS adds bench flags and GRID_TAG a suffix to its file names (e.g. GRID_FLAGS="--expert-stream-share 0" GRID_TAG=_cpu_experts).
 # `breakdown` takes BREAKDOWN_BATCH, BREAKDOWN_CONTEXT (Mixtral's limit is 32,768 tokens: use 32000), BREAKDOWN_POLICY,
 # BREAKDOWN_FLAGS (more profile flags) and BREAKDOWN_TAG (a file-name suffix).
@@ -137,11 +138,13 @@ part() {
           --prefill-chunk-tokens 2048 --quiet --output-json "$out/mla_${mode}_h200.json" 2>&1 | tee "$out/mla_${mode}_h200.log" \
           | grep -E "VRAM budget|prefill|TTFT|peak|error" | sed "s/^/$mode: /" || true
       done ;;
-    grid)
+    grid)  # GRID_RESUME=FILE: a saved grid JSON (from an earlier call, in the working tree) whose complete cells are kept
+      local resume=""
+      if [[ -n "${GRID_RESUME:-}" ]]; then cp "$GRID_RESUME" "$out/grid_${m}_h200${GRID_TAG:-}.json"; resume="--resume"; fi
       timeout "$(tmo 570)" python3 -m writescope.cli.main bench --model "$m" --synthetic --device cuda --vram-budget 32GiB --kv-fill random \
         --batch "${GRID_BATCH:-4,16}" --context "${GRID_CONTEXT:-8k,16k,32k}" \
         --policies "${GRID_POLICIES:-gpu,cpu,monolithic,writescope}" --sweep-static "${GRID_SWEEP:-4}" --steps "${GRID_STEPS:-6}" --quiet ${GRID_FLAGS:-} \
-        --output-json "$out/grid_${m}_h200${GRID_TAG:-}.json" --plot "$out/grid_${m}_h200${GRID_TAG:-}.png" 2>&1 | tee "$out/grid_${m}_h200${GRID_TAG:-}.log" | tail -30 ;;
+        $resume --output-json "$out/grid_${m}_h200${GRID_TAG:-}.json" --plot "$out/grid_${m}_h200${GRID_TAG:-}.png" 2>&1 | tee "$out/grid_${m}_h200${GRID_TAG:-}.log" | tail -30 ;;
     prefill-e2e)
       timeout "$(tmo 400)" python3 -m writescope.cli.main bench --model "$m" --synthetic --device cuda --vram-budget 32GiB \
         --batch 1,8,32 --context 2k --policies gpu,cpu,writescope --steps 1 --quiet \

@@ -243,3 +243,55 @@ def test_the_warm_up_runs_every_batch_size_and_policy_unmeasured(monkeypatch):
     assert all(fill == "random" and not w for *_, fill, w in calls[:4])
     assert calls[4:] and all(steps == 5 for _, _, _, steps, _, _ in calls[4:])
     assert [(r.batch, r.context, r.policy) for r in rows] == [(b, c, p) for b in (4, 16, 4) for c in (1000, 3000) for p in ("gpu", "static:0.5")]
+
+
+def test_resume_keeps_complete_cells_and_measures_the_rest(tmp_path, capsys, monkeypatch):
+    """--resume: the (batch, context) cells whose every policy and repeat are in --output-json are
+    kept as they are; a cell cut short is measured again whole (its policies in one run); rows
+    measured with other measuring flags are refused before the model loads."""
+    import writescope.engine.llm as engine
+    from writescope.bench import runner
+    from writescope.cli.main import main
+
+    out = tmp_path / "grid.json"
+    base = ["bench", "--model", "tiny-qwen3-moe", "--device", "cpu", "--context", "48", "--steps", "2", "--window", "16",
+            "--policies", "gpu,static:0.5", "--repeats", "1", "--quiet", "--kv-fill", "random", "--output-json", str(out),
+            "--h2d-gbs", "50", "--cpu-gbs", "100"]
+    assert main(base + ["--batch", "1,2"]) == 0
+    first = json.loads(out.read_text())["rows"]
+    assert [(r["batch"], r["policy"]) for r in first] == [(1, "gpu"), (1, "static:0.5"), (2, "gpu"), (2, "static:0.5")]
+    doc = json.loads(out.read_text())
+    doc["rows"] = [r for r in doc["rows"] if not (r["batch"] == 2 and r["policy"] == "static:0.5")]  # cell (2, 48) cut short
+    out.write_text(json.dumps(doc))
+    measured = []
+    real = runner.run_one
+
+    def spy(llm, cfg, b, c, p, roofline=None):
+        measured.append((b, c, p))
+        return real(llm, cfg, b, c, p, roofline)
+
+    monkeypatch.setattr(runner, "run_one", spy)
+    capsys.readouterr()
+    assert main(base + ["--batch", "1,2,3", "--resume"]) == 0
+    printed = capsys.readouterr().out
+    assert "--resume: 1 of 3 (batch, context) cell(s) complete" in printed and "(2 rows kept)" in printed
+    grid = [(b, p) for b, c, p in measured if c == 48]  # the grid's own runs (the warm-ups run at 2 D = 32 tokens)
+    assert grid == [(2, "gpu"), (2, "static:0.5"), (3, "gpu"), (3, "static:0.5")]
+    assert {b for b, c, _ in measured if c == 32} == {2, 3}  # no warm-up for a batch size with nothing left to measure
+    rows = json.loads(out.read_text())["rows"]
+    assert [(r["batch"], r["policy"]) for r in rows] == [(b, p) for b in (1, 2, 3) for p in ("gpu", "static:0.5")]
+    kept = [r for r in rows if r["batch"] == 1]
+    assert kept == [r for r in first if r["batch"] == 1]  # untouched
+    assert all(r["extra"]["bound_rates_gbs"]["source"] == "given" for r in rows)
+
+    def no_model(*a, **k):
+        raise AssertionError("the model was built before the saved rows were checked")
+
+    monkeypatch.setattr(engine.LLM, "__init__", no_model)
+    steps = base.index("--steps")
+    other = base[:steps + 1] + ["3"] + base[steps + 2:]
+    assert main(other + ["--batch", "1", "--resume"]) != 0
+    err = capsys.readouterr().err
+    assert "were measured otherwise (--steps 2 there, 3 now)" in err
+    assert main(base[:-6] + ["--batch", "1", "--resume", "--h2d-gbs", "50", "--cpu-gbs", "100"]) != 0
+    assert "--resume needs --output-json" in capsys.readouterr().err

@@ -63,6 +63,16 @@ class BenchRow:
     def to_dict(self) -> dict:
         return asdict(self)
 
+    @classmethod
+    def from_dict(cls, d: dict) -> "BenchRow":
+        """A row as :meth:`to_dict` wrote it (a saved grid, for ``--resume``); unknown keys are
+        refused, missing ones take their defaults (a file written before a field existed)."""
+        known = set(cls.__dataclass_fields__)
+        extra = set(d) - known
+        if extra:
+            raise ValueError(f"a saved bench row has fields this version does not know: {sorted(extra)}")
+        return cls(**d)
+
 
 @dataclass
 class BenchConfig:
@@ -134,35 +144,64 @@ class _Timed:
         self.inner, self.start = inner, start
 
 
-def run_grid(llm: LLM, cfg: BenchConfig, roofline=None, on_row=None) -> list[BenchRow]:
+def complete_cells(cfg: BenchConfig, rows: list[BenchRow]) -> list[BenchRow]:
+    """Of saved ``rows``, those of the (batch, context) cells of ``cfg`` that hold every policy's
+    every repeat, in the grid's order: what a resumed grid keeps (a cell's policies are compared in
+    one run, so a cell cut short by an interrupted run is measured again whole)."""
+    by = {(r.batch, r.context, r.extra.get("repeat", 0), r.policy): r for r in rows}
+    keep = []
+    for b in cfg.batches:
+        for c in cfg.contexts:
+            keys = [(b, c, rep, p) for rep in range(cfg.repeats) for p in cfg.policies]
+            if all(k in by for k in keys):
+                keep += [by[k] for k in keys]
+    return keep
+
+
+def run_grid(llm: LLM, cfg: BenchConfig, roofline=None, on_row=None, done: list[BenchRow] | None = None) -> list[BenchRow]:
     """Every (batch, context, policy) of ``cfg`` on the loaded ``llm``, ``cfg.repeats`` times;
     one row each run, in the order batch, context, repeat, policy. ``on_row(rows)`` is called
-    with the rows so far after each run (to save partial results of a long grid).
+    with the rows so far after each run (to save partial results of a long grid). ``done``: rows
+    of an earlier run of this grid (``--resume``); its complete cells (:func:`complete_cells`) are
+    kept and not measured again, and each row carries the bound rates of its own run
+    (``extra["bound_rates_gbs"]``).
 
     Raises:
         ValueError: ``cfg.repeats`` below 1.
     """
     if cfg.repeats < 1:
         raise ValueError(f"repeats (--repeats) must be >= 1, got {cfg.repeats}")
-    grid = [(b, c, r, p) for b in cfg.batches for c in cfg.contexts for r in range(cfg.repeats) for p in cfg.policies]
+    kept = complete_cells(cfg, done or [])
+    skip = {(r.batch, r.context) for r in kept}
+    grid = [(b, c, r, p) for b in cfg.batches for c in cfg.contexts for r in range(cfg.repeats) for p in cfg.policies
+            if (b, c) not in skip]
     if cfg.warmup:  # first uses cost extra: pay them unmeasured, at every batch size of the grid,
         # since CUDA graphs are captured per decode token count (models/graphs.py): a warm-up at
         # batch 1 left the first row of every other batch size to capture them in its timed steps
         short = min(cfg.contexts + [2 * cfg.window])
-        for b in dict.fromkeys(cfg.batches):
+        for b in dict.fromkeys(b for b, _, _, _ in grid):
             for p in dict.fromkeys(cfg.policies):
                 run_one(llm, BenchConfig([b], [short], [p], steps=2, window=cfg.window, warmup=False, kv_fill=cfg.kv_fill),
                         b, short, p, roofline)
-    rows = []
+    rows = list(kept)
     bar = tqdm(grid, desc="bench", unit="config", disable=not cfg.progress)
     for b, c, r, p in bar:
         bar.set_postfix_str(f"batch {b} context {c} {p}" + (f" run {r + 1}/{cfg.repeats}" if cfg.repeats > 1 else ""), refresh=True)
         rows.append(run_one(llm, cfg, b, c, p, roofline))
         rows[-1].extra["repeat"] = r
+        rows[-1].extra["bound_rates_gbs"] = {"split": cfg.rates.split_gbs(), "stream": cfg.rates.stream_gbs(), "source": cfg.rates.source}
         if on_row is not None:
             on_row(rows)
     bar.close()
-    return rows
+    if not kept:
+        return rows
+    order: dict = {}  # the grid's order, kept cells in their places (a key's first place where a batch repeats)
+    for b in cfg.batches:
+        for c in cfg.contexts:
+            for r in range(cfg.repeats):
+                for p in cfg.policies:
+                    order.setdefault((b, c, r, p), len(order))
+    return sorted(rows, key=lambda x: order.get((x.batch, x.context, x.extra.get("repeat", 0), x.policy), len(order)))
 
 
 def _random_kv_prefill(llm: LLM, seed: int):

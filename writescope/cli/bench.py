@@ -39,6 +39,9 @@ def add_parser(sub) -> None:
                    help="prefill: run the prompts through the model (default); random: write seeded random KV of the model's "
                         "shape through the cache instead (decode grids without the prefill's time; prefill tok/s is then 0)")
     p.add_argument("--output-json", type=Path, help="write all rows here")
+    p.add_argument("--resume", action="store_true",
+                   help="keep the (batch, context) cells already complete in --output-json (same model and measuring flags) "
+                        "and measure only the rest: a long grid in several runs")
     p.add_argument("--plot", type=Path, help="write the plots here (PNG; needs matplotlib)")
     p.add_argument("--quiet", action="store_true", help="no progress bars")
     p.set_defaults(run=run, flags={"max_batch": "--batch", "prompt_token_ids": "--context", "max_model_len": "--context"})
@@ -63,9 +66,40 @@ def parse_tokens(text: str, flag: str = "token count") -> list[int]:
     return out
 
 
+# the flags that decide what a row measures: a resumed grid keeps rows only where they all match
+RESUME_KEYS = ("model", "synthetic", "num_layers", "steps", "window", "device", "dtype", "vram_budget", "expert_stream_share",
+               "expert_profile", "kv_fill")
+
+
+def saved_rows(args: argparse.Namespace) -> list:
+    """The rows of ``--output-json`` for ``--resume`` (none where the file does not exist yet).
+
+    Raises:
+        ValueError: no --output-json; a file that is not a bench JSON; rows measured with other
+            measuring flags (each named with both values).
+    """
+    from writescope.bench.runner import BenchRow
+
+    if args.output_json is None:
+        raise ValueError("--resume needs --output-json: the file whose complete cells are kept")
+    if not args.output_json.exists():
+        return []
+    try:
+        doc = json.loads(args.output_json.read_text())
+        old, rows = doc["args"], [BenchRow.from_dict(r) for r in doc["rows"]]
+    except (ValueError, KeyError, TypeError) as e:
+        raise ValueError(f"--resume: {args.output_json} is not a bench JSON this version reads ({e}): use another --output-json") from None
+    now = {k: str(getattr(args, k)) for k in RESUME_KEYS}
+    diff = [f"--{k.replace('_', '-')} {old.get(k)!s} there, {now[k]} now" for k in RESUME_KEYS if old.get(k) != now[k]]
+    if diff:
+        raise ValueError(f"--resume: the rows in {args.output_json} were measured otherwise ({'; '.join(diff)}): "
+                         "give the same flags or another --output-json")
+    return rows
+
+
 def run(args: argparse.Namespace) -> int:
     from writescope.bench.report import format_best, format_speedups, format_table, plot, speedup_spread, speedups
-    from writescope.bench.runner import BenchConfig, run_grid
+    from writescope.bench.runner import BenchConfig, complete_cells, run_grid
     from writescope.engine.llm import LLM
     from writescope.engine.model_loader import capped_model_len
     from writescope.scheduler.policies import parse_policy
@@ -91,6 +125,7 @@ def run(args: argparse.Namespace) -> int:
             parse_policy(switches.split(p)[0])  # a bad name fails before the model loads
     check_stream_share(args)
     check_output_file(args.output_json, "--output-json")  # before the model loads, not after the grid
+    done = saved_rows(args) if args.resume else []
     check_output_file(args.plot, "--plot")
     if args.steps < 1:
         raise ValueError(f"--steps must be >= 1, got {args.steps}")
@@ -146,7 +181,12 @@ def run(args: argparse.Namespace) -> int:
             tmp.replace(args.output_json)  # an interrupted write never leaves a broken file
 
     cfg_size = len(batches) * len(contexts) * len(grid_policies) * args.repeats
-    rows = run_grid(llm, cfg, roofline, on_row=save)
+    if args.resume:
+        kept = complete_cells(cfg, done)
+        cells = len({(r.batch, r.context) for r in kept})
+        print(f"--resume: {cells} of {len(batches) * len(contexts)} (batch, context) cell(s) complete in {args.output_json} "
+              f"({len(kept)} rows kept); measuring the rest", flush=True)
+    rows = run_grid(llm, cfg, roofline, on_row=save, done=done)
     n = llm.config.num_layers
     print(f"\n{args.model} ({n} layer{'s' if n != 1 else ''}, {llm.dtype} on {llm.device}), {args.steps} decode steps per configuration, "
           f"{args.repeats} run{'s' if args.repeats != 1 else ''} of each, "
