@@ -1,0 +1,50 @@
+"""The evaluation's headline from saved grids (writescope/bench/headline.py)."""
+
+from __future__ import annotations
+
+import math
+
+import pytest
+
+from writescope.bench.headline import TARGET, format_headline, headline, plot_headline
+from writescope.bench.runner import BenchRow
+
+
+def _row(c, policy, tok_s, tpot=100.0, bound=0.0, repeat=0, fits=True):
+    return BenchRow(4, c, policy, fits=fits, decode_tok_s=tok_s, tpot_ms=tpot, step_bound_ms=bound, extra={"repeat": repeat})
+
+
+def _grid():
+    # 4K is below the headline's 8K; at 8K the best baseline is gpu, at 16K static:0.5
+    return [
+        _row(4096, "gpu", 10.0), _row(4096, "writescope", 100.0),
+        _row(8192, "gpu", 10.0), _row(8192, "static:0.5", 8.0), _row(8192, "cpu", 2.0), _row(8192, "writescope", 20.0, 50.0, 25.0),
+        _row(16384, "gpu", 5.0), _row(16384, "static:0.5", 6.0), _row(16384, "cpu", 1.0), _row(16384, "writescope", 9.0, 110.0, 50.0),
+    ]
+
+
+def test_the_headline_is_the_geometric_mean_over_the_best_baseline_at_8k_and_beyond():
+    h = headline("m", _grid())
+    assert h.configurations == 2
+    assert h.over_best == pytest.approx(math.sqrt(20 / 10 * 9 / 6))  # 2.0 at 8K (gpu), 1.5 at 16K (static:0.5)
+    assert h.over_gpu == pytest.approx(math.sqrt(2.0 * 1.8))
+    assert h.best_baseline in ("gpu", "static:0.5")  # one cell each
+    assert h.x_bound == pytest.approx((50 / 25 + 110 / 50) / 2)  # the median of two: their mean
+    table = format_headline([h, headline("n", [_row(8192, "gpu", 10.0), _row(8192, "writescope", 11.0)])])
+    lines = table.splitlines()
+    assert lines[0].startswith("| model | configurations (context >= 8K)") and f"target {TARGET}x" in lines[0]
+    assert f"**{h.over_best:.2f}x**" in lines[2] and lines[2].endswith("| met |")
+    assert lines[3].startswith("| n | 1 | gpu | **1.10x**") and "| - | not met |" in lines[3]  # no bounds in those rows
+
+
+def test_a_model_whose_writescope_never_ran_says_so():
+    h = headline("m", [_row(8192, "gpu", 10.0), _row(8192, "writescope", 0.0, fits=False)])
+    assert h.over_best is None and h.x_bound is None
+    assert "| m | 0 | gpu | - | - | - | - |" in format_headline([h])
+
+
+def test_the_headline_plot_is_written(tmp_path):
+    pytest.importorskip("matplotlib")
+    out = tmp_path / "h.png"
+    plot_headline([headline("m", _grid())], out)
+    assert out.read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"

@@ -1,0 +1,100 @@
+"""The headline of an evaluation: one line per model from its saved decode grid (issue 17's
+deliverable, the paper's Figure 9 summarised as its abstract does: a geometric-mean decode speedup
+over the best baseline at >= 8K context).
+
+Per model (one ``writescope bench --output-json`` grid each):
+- the configurations (batch, context >= ``min_context``) where ``writescope`` ran;
+- ``writescope``'s decode tok/s over the best baseline of each configuration and over ``gpu``,
+  geometric means with their interval over the repeats (:func:`writescope.bench.report.speedups`);
+- which baseline was best most often;
+- ``writescope``'s TPOT over the step's KV bound with both paths at once (the median over those
+  configurations; rows written before the bench measured its bounds have none).
+"""
+
+from __future__ import annotations
+
+import statistics
+from dataclasses import dataclass
+from pathlib import Path
+
+from writescope.bench.report import runs, speedup_spread, speedups, static_share
+from writescope.bench.runner import BenchRow
+
+TARGET = 1.7  # issue 17: writescope over the best baseline, per model
+
+
+@dataclass
+class Headline:
+    model: str
+    configurations: int
+    over_best: float | None
+    over_best_spread: tuple[float, float] | None
+    over_gpu: float | None
+    best_baseline: str
+    x_bound: float | None
+
+
+def _is_baseline(policy: str) -> bool:
+    """The baselines :func:`writescope.bench.report.speedups` compares with: gpu, cpu, monolithic, static:R."""
+    return policy in ("gpu", "cpu", "monolithic") or static_share(policy) is not None
+
+
+def headline(model: str, rows: list[BenchRow], min_context: int = 8192) -> Headline:
+    """The headline of one model's grid ``rows`` (module docstring)."""
+    s, spread = speedups(rows, min_context), speedup_spread(rows, min_context)
+    best = s.get("best baseline")
+    counts: dict[str, int] = {}
+    ratios = []
+    cells = {(b, c) for (b, c, p) in runs(rows) if c >= min_context}
+    for b, c in sorted(cells):
+        group = {p: [r for r in rs if r.fits] for (bb, cc, p), rs in runs(rows).items() if (bb, cc) == (b, c)}
+        base = {p: statistics.median(r.decode_tok_s for r in rs) for p, rs in group.items() if rs and _is_baseline(p)}
+        if base:
+            name = max(base, key=base.get)
+            counts[name] = counts.get(name, 0) + 1
+        ws = group.get("writescope") or []
+        if ws and all(r.step_bound_ms > 0 for r in ws):
+            ratios.append(statistics.median(r.tpot_ms for r in ws) / statistics.median(r.step_bound_ms for r in ws))
+    return Headline(model, best[1] if best else 0, best[0] if best else None, spread.get("best baseline"),
+                    s["gpu"][0] if "gpu" in s else None, max(counts, key=counts.get) if counts else "-",
+                    statistics.median(ratios) if ratios else None)
+
+
+def format_headline(lines: list[Headline], min_context: int = 8192) -> str:
+    """A markdown table of the headlines, with the target."""
+    out = [f"| model | configurations (context >= {min_context // 1024}K) | best baseline (most often) | writescope over it "
+           f"(geometric mean [over the repeats]) | over `gpu` | writescope TPOT / bound | target {TARGET}x |",
+           "|---|---|---|---|---|---|---|"]
+    for h in lines:
+        over = "-" if h.over_best is None else f"**{h.over_best:.2f}x**" + (
+            f" [{h.over_best_spread[0]:.2f}-{h.over_best_spread[1]:.2f}]" if h.over_best_spread else "")
+        gpu = "-" if h.over_gpu is None else f"{h.over_gpu:.2f}x"
+        bound = "-" if h.x_bound is None else f"{h.x_bound:.2f}x"
+        met = "-" if h.over_best is None else ("met" if h.over_best >= TARGET else "not met")
+        out.append(f"| {h.model} | {h.configurations} | {h.best_baseline} | {over} | {gpu} | {bound} | {met} |")
+    return "\n".join(out)
+
+
+def plot_headline(lines: list[Headline], path: Path) -> None:
+    """One bar per model: writescope over the best baseline and over ``gpu``, the target marked.
+
+    Raises:
+        ImportError: matplotlib is missing (``pip install matplotlib``).
+    """
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    fig, ax = plt.subplots(figsize=(1.8 + 1.6 * len(lines), 3.6))
+    xs = range(len(lines))
+    ax.bar([x - 0.18 for x in xs], [h.over_best or 0 for h in lines], 0.36, label="over the best baseline")
+    ax.bar([x + 0.18 for x in xs], [h.over_gpu or 0 for h in lines], 0.36, label="over gpu")
+    ax.axhline(1.0, color="grey", lw=0.8)
+    ax.axhline(TARGET, color="tab:red", ls="--", lw=0.8, label=f"target {TARGET}x")
+    ax.set_xticks(list(xs), [h.model for h in lines])
+    ax.set_ylabel("writescope decode tok/s ratio\n(geometric mean, context >= 8K)")
+    ax.legend(fontsize=8)
+    fig.tight_layout()
+    fig.savefig(path, dpi=120)
+    plt.close(fig)
