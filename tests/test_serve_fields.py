@@ -173,3 +173,46 @@ def test_openai_client_sends_accepted_fields_and_reads_the_refusal(server):
     with pytest.raises(openai.BadRequestError) as e:
         client.completions.create(model=MODEL, prompt=PROMPT, max_tokens=5, extra_body={"top_k": 2})
     assert "top_k: unknown field" in str(e.value)
+
+
+def test_message_fields_are_checked_as_the_body_s_are(server):
+    """In ``messages``: name, tool_call_id and refusal change nothing (the same greedy answer);
+    tool_calls (non-empty), function_call and audio get a 400 naming the message's field; a field
+    OpenAI's messages do not have is unknown."""
+    plain = post(server, CHAT_PATH, max_tokens=4, temperature=0, messages=CHAT)
+    assert plain.status_code == 200, plain.text
+    named = [dict(m, name="alice", refusal=None, tool_call_id="c0") for m in CHAT]
+    named[-1]["tool_calls"] = []
+    same = post(server, CHAT_PATH, max_tokens=4, temperature=0, messages=named)
+    assert same.status_code == 200, same.text
+    assert answer(same.json(), True) == answer(plain.json(), True)
+    call = {"id": "c1", "type": "function", "function": {"name": "f", "arguments": "{}"}}
+    for field, value, shown in (("tool_calls", [call], "tool_calls"), ("function_call", {"name": "f", "arguments": "{}"}, "function_call"),
+                                ("audio", {"id": "a1"}, "audio")):
+        bad = [dict(m) for m in CHAT]
+        bad[0][field] = value
+        r = post(server, CHAT_PATH, max_tokens=4, messages=bad)
+        assert r.status_code == 400, r.text
+        err = r.json()["error"]
+        assert err["param"] == "messages" and err["message"].startswith(f"messages.0.{shown}: "), err
+        assert "is not supported by this server" in err["message"]
+    odd = [dict(m) for m in CHAT]
+    odd[0]["colour"] = "blue"
+    r = post(server, CHAT_PATH, max_tokens=4, messages=odd)
+    assert r.status_code == 400 and r.json()["error"]["param"] == "messages"
+    assert r.json()["error"]["message"].startswith("messages.0.colour: unknown field (OpenAI's chat message has no such field")
+    assert post(server, CHAT_PATH, max_tokens=2, messages=CHAT).status_code == 200  # the server stays up
+
+
+def test_every_message_field_of_the_openai_client_is_read_or_in_the_table():
+    """No field the official client can put in a chat message is called unknown, and every entry
+    of the message table is one it has."""
+    chat = pytest.importorskip("openai.types.chat")
+    from writescope.serve.protocol import ChatMessage
+
+    fields = set()
+    for name in ("System", "User", "Assistant", "Tool", "Developer", "Function"):
+        fields |= set(getattr(chat, f"ChatCompletion{name}MessageParam").__annotations__)
+    known = set(ChatMessage.model_fields) | set(ChatMessage.UNIMPLEMENTED)
+    assert fields <= known, sorted(fields - known)
+    assert set(ChatMessage.UNIMPLEMENTED) <= fields, sorted(set(ChatMessage.UNIMPLEMENTED) - fields)

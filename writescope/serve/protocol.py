@@ -6,8 +6,8 @@ route) nor one of the vLLM extensions read here (:data:`VLLM_EXTENSIONS`) is ref
 field"); one of OpenAI's that this server does not implement (``best_of``, ``logit_bias``,
 ``tools``, ...: each body's ``UNIMPLEMENTED``) is accepted at the values that change nothing
 (``"user"``, ``"best_of": 1``, ``"frequency_penalty": 0``, ``"logit_bias": {}``, as clients and
-libraries send them) and refused at any other, the 400 naming the field and its value. Inside
-``messages`` other fields than ``role`` and ``content`` are still ignored.
+libraries send them) and refused at any other, the 400 naming the field and its value; each of
+``messages`` is checked the same way (:class:`ChatMessage`).
 Combinations the server cannot honour (completions' ``echo`` with ``logprobs``: the prompt's
 logprobs are not computed) are refused with a message naming them. ``stop`` is a string or up
 to MAX_STOP non-empty strings; ``n`` is 1..MAX_N; completions' ``logprobs`` is
@@ -210,8 +210,21 @@ class TextPart(BaseModel):
     text: StrictStr
 
 
-class ChatMessage(BaseModel):
-    model_config = ConfigDict(extra="ignore")
+class ChatMessage(_Body):
+    """One of ``messages``: its role and text. OpenAI's other message fields are checked as a
+    body's are: ``name``, ``tool_call_id`` and ``refusal`` change nothing here (the chat template
+    renders the role and the text); ``tool_calls``, ``function_call`` and ``audio`` would need what
+    this server does not do, so they are refused unless empty."""
+
+    API = "OpenAI's chat message"
+    UNIMPLEMENTED = {
+        "name": ANY,  # a participant's name: not rendered by the template
+        "tool_call_id": ANY,  # which call a tool message answers: its text is what is rendered
+        "refusal": ANY,  # an assistant's earlier refusal text, sent back
+        "tool_calls": NO_TOOLS,
+        "function_call": Unimplemented(_only(), "no tool calling"),
+        "audio": Unimplemented(_only(), "text only"),
+    }
     role: Literal["system", "user", "assistant", "developer", "tool"]
     content: Annotated[StrictStr, Field(max_length=MAX_PROMPT_CHARS)] | list[TextPart]
 
