@@ -162,7 +162,8 @@ def test_speedups_count_each_baseline_combine_repeats_and_report_misses():
 
 
 def test_a_context_past_the_model_limit_names_bench_s_flags(capsys):
-    assert main(["bench", "--model", "tiny-qwen3-moe", "--batch", "1", "--context", "8k", "--policies", "gpu", "--steps", "1", "--quiet"]) == 0
+    assert main(["bench", "--model", "tiny-qwen3-moe", "--batch", "1", "--context", "64,8k", "--policies", "gpu", "--steps", "1", "--quiet",
+                 "--repeats", "1"]) == 0
     out = capsys.readouterr().out
     assert "does not fit" in out and "use a shorter --context (bench adds --steps + 1 = 2 tokens)" in out and "lower max_tokens" not in out
 
@@ -274,7 +275,7 @@ def test_resume_keeps_complete_cells_and_measures_the_rest(tmp_path, capsys, mon
     capsys.readouterr()
     assert main(base + ["--batch", "1,2,3", "--resume"]) == 0
     printed = capsys.readouterr().out
-    assert "--resume: 1 of 3 (batch, context) cell(s) complete" in printed and "(2 rows kept)" in printed
+    assert "--resume: 1 of 3 (batch, context) cell(s) complete" in printed and "(2 rows kept;" in printed
     grid = [(b, p) for b, c, p in measured if c == 48]  # the grid's own runs (the warm-ups run at 2 D = 32 tokens)
     assert grid == [(2, "gpu"), (2, "static:0.5"), (3, "gpu"), (3, "static:0.5")]
     assert {b for b, c, _ in measured if c == 32} == {2, 3}  # no warm-up for a batch size with nothing left to measure
@@ -283,6 +284,11 @@ def test_resume_keeps_complete_cells_and_measures_the_rest(tmp_path, capsys, mon
     kept = [r for r in rows if r["batch"] == 1]
     assert kept == [r for r in first if r["batch"] == 1]  # untouched
     assert all(r["extra"]["bound_rates_gbs"]["source"] == "given" for r in rows)
+    assert main(base + ["--batch", "3", "--resume"]) == 0  # a part of the grid: the other cells' rows stay in the file
+    assert "2 of 3" not in capsys.readouterr().out
+    again = json.loads(out.read_text())["rows"]
+    assert sorted((r["batch"], r["policy"]) for r in again) == sorted((r["batch"], r["policy"]) for r in rows)
+    assert [r for r in again if r["batch"] == 3] == [r for r in rows if r["batch"] == 3]  # complete: kept, not measured again
 
     def no_model(*a, **k):
         raise AssertionError("the model was built before the saved rows were checked")

@@ -64,7 +64,7 @@ def test_bench_measures_its_bounds_and_rows_carry_them(tmp_path, capsys):
                  "--window", "16", "--policies", "gpu,static:0.5,resident", "--repeats", "1", "--quiet", "--kv-fill", "random",
                  "--output-json", str(out)]) == 0
     printed = capsys.readouterr().out
-    assert "bound rates (measured in this run" in printed and "x bound" in printed and "the step's KV bound" in printed
+    assert "bound rates (measured in this run" in printed and "x bound" in printed and "the step's host-resident KV takes" in printed
     doc = json.loads(out.read_text())
     rates = doc["bound_rates"]
     assert rates["cpu_alone"] > 0 and rates["h2d_alone"] is None and rates["source"].startswith("measured in this run")
@@ -98,3 +98,17 @@ def test_bench_takes_given_rates_and_checks_them_before_the_model_loads(tmp_path
     assert "give both --h2d-gbs and --cpu-gbs, or neither" in capsys.readouterr().err
     assert main(["bench", "--model", "tiny-qwen3-moe", "--h2d-gbs", "0", "--cpu-gbs", "80"]) != 0
     assert "--h2d-gbs must be a positive rate in GB/s, got 0" in capsys.readouterr().err
+
+
+def test_a_grid_no_row_of_which_fits_the_model_is_refused_before_it_loads(capsys, monkeypatch):
+    import writescope.engine.llm as engine
+    from writescope.cli.main import main
+
+    def no_model(*a, **k):
+        raise AssertionError("the model was built for a grid that cannot fit")
+
+    monkeypatch.setattr(engine.LLM, "__init__", no_model)
+    assert main(["bench", "--model", "tiny-qwen3-moe", "--context", "8k", "--steps", "4"]) != 0
+    err = capsys.readouterr().err
+    assert "--context 8192: with --steps 4 a request reaches 8197 tokens, beyond the 8192 positions" in err
+    assert "use a --context of at most 8187" in err

@@ -30,17 +30,19 @@ def test_the_headline_is_the_geometric_mean_over_the_best_baseline_at_8k_and_bey
     assert h.over_gpu == pytest.approx(math.sqrt(2.0 * 1.8))
     assert h.best_baseline in ("gpu", "static:0.5")  # one cell each
     assert h.x_bound == pytest.approx((50 / 25 + 110 / 50) / 2)  # the median of two: their mean
-    table = format_headline([h, headline("n", [_row(8192, "gpu", 10.0), _row(8192, "writescope", 11.0)])])
+    table = format_headline([h, headline("n", [_row(8192, "gpu", 10.0), _row(8192, "writescope", 11.0)], source="n.json")])
     lines = table.splitlines()
-    assert lines[0].startswith("| model | configurations (context >= 8K)") and f"target {TARGET}x" in lines[0]
+    assert lines[0].startswith("| model | grid | configurations (context >= 8K)") and f"target {TARGET}x" in lines[0]
     assert f"**{h.over_best:.2f}x**" in lines[2] and lines[2].endswith("| met |")
-    assert lines[3].startswith("| n | 1 | gpu | **1.10x**") and "| - | not met |" in lines[3]  # no bounds in those rows
+    assert lines[3].startswith("| n | n.json | 1 | gpu | **1.10x** |") and "| - | not met |" in lines[3]  # one run: no spread
+    assert "predate the bench's bound measurement" in table
 
 
 def test_a_model_whose_writescope_never_ran_says_so():
     h = headline("m", [_row(8192, "gpu", 10.0), _row(8192, "writescope", 0.0, fits=False)])
     assert h.over_best is None and h.x_bound is None
-    assert "| m | 0 | gpu | - | - | - | - |" in format_headline([h])
+    table = format_headline([h])
+    assert "| m | - | 0 | gpu | - | - | - | - |" in table and "no configuration with context >= 8192" in table
 
 
 def test_the_headline_plot_is_written(tmp_path):

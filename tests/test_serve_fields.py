@@ -196,6 +196,13 @@ def test_message_fields_are_checked_as_the_body_s_are(server):
         err = r.json()["error"]
         assert err["param"] == "messages" and err["message"].startswith(f"messages.0.{shown}: "), err
         assert "is not supported by this server" in err["message"]
+    for content in ({"content": None}, {}):  # OpenAI's assistant message with tool calls: null or no content
+        bad = [dict(m) for m in CHAT] + [{"role": "assistant", **content, "tool_calls": [call]}]
+        r = post(server, CHAT_PATH, max_tokens=4, messages=bad)
+        assert r.status_code == 400, r.text
+        assert r.json()["error"]["message"].startswith(f"messages.{len(CHAT)}.tool_calls: "), r.json()
+    r = post(server, CHAT_PATH, max_tokens=4, messages=[{"role": "user", "content": None}])
+    assert r.status_code == 400 and "a message needs its text" in r.json()["error"]["message"], r.text
     odd = [dict(m) for m in CHAT]
     odd[0]["colour"] = "blue"
     r = post(server, CHAT_PATH, max_tokens=4, messages=odd)

@@ -77,8 +77,9 @@ def format_table(rows: list[BenchRow]) -> str:
         if ok and (b, c) not in bounds:
             bounds[b, c] = (ok[0].step_bound_ms, ok[0].stream_step_bound_ms)
     for (b, c), (split, alone) in bounds.items():
-        out.append(f"batch {b} context {c}: the step's KV bound {split:.1f} ms with both paths at once, {alone:.1f} ms "
-                   "streaming alone (x bound: TPOT over the first)")
+        out.append(f"batch {b} context {c}: the step's host-resident KV takes {split:.3g} ms with both paths at once, "
+                   f"{alone:.3g} ms streamed alone (x bound: TPOT over the first; % bound: that bound per layer over the "
+                   "measured attention ms/layer)")
     return "\n".join(out)
 
 

@@ -30,7 +30,8 @@ def add_parser(sub) -> None:
     p.add_argument("--device", default="auto", help="auto (cuda when present), cpu or cuda")
     p.add_argument("--dtype", default="auto", help="auto (bf16 on cuda, fp32 on cpu), bf16, fp16, fp32")
     p.add_argument("--h2d-gbs", type=float, default=None,
-                   help="host-to-device GB/s for the bounds (default: measured in this run, with --cpu-gbs: bench/bounds.py)")
+                   help="host-to-device GB/s for the bounds, given with --cpu-gbs (default: both measured in this run, "
+                        "alone and at once: bench/bounds.py)")
     p.add_argument("--cpu-gbs", type=float, default=None, help="host read GB/s for the bounds (default: measured in this run)")
     p.add_argument("--vram-budget", default=None, help="device memory the run may use, e.g. 32GiB")
     add_stream_share_flag(p)
@@ -40,8 +41,9 @@ def add_parser(sub) -> None:
                         "shape through the cache instead (decode grids without the prefill's time; prefill tok/s is then 0)")
     p.add_argument("--output-json", type=Path, help="write all rows here")
     p.add_argument("--resume", action="store_true",
-                   help="keep the (batch, context) cells already complete in --output-json (same model and measuring flags) "
-                        "and measure only the rest: a long grid in several runs")
+                   help="keep the (batch, context) cells already complete in --output-json (same model and measuring flags; "
+                        "complete: every --policies entry in each --repeats run) and measure only the rest of this grid; "
+                        "saved rows of cells outside it stay in the file: a long grid in several runs")
     p.add_argument("--plot", type=Path, help="write the plots here (PNG; needs matplotlib)")
     p.add_argument("--quiet", action="store_true", help="no progress bars")
     p.set_defaults(run=run, flags={"max_batch": "--batch", "prompt_token_ids": "--context", "max_model_len": "--context"})
@@ -126,6 +128,10 @@ def run(args: argparse.Namespace) -> int:
     check_stream_share(args)
     check_output_file(args.output_json, "--output-json")  # before the model loads, not after the grid
     done = saved_rows(args) if args.resume else []
+    limit = capped_model_len(args.model, 2**62, args.num_layers, args.synthetic)  # the model's positions (its config only)
+    if min(contexts) + args.steps + 1 > limit:  # no row could fit: say so before the weights load
+        raise ValueError(f"--context {min(contexts)}: with --steps {args.steps} a request reaches {min(contexts) + args.steps + 1} "
+                         f"tokens, beyond the {limit} positions of {args.model}: use a --context of at most {limit - args.steps - 1}")
     check_output_file(args.plot, "--plot")
     if args.steps < 1:
         raise ValueError(f"--steps must be >= 1, got {args.steps}")
@@ -160,9 +166,14 @@ def run(args: argparse.Namespace) -> int:
                       kv_fill=args.kv_fill, repeats=args.repeats)
     sweep_only = {s for s in sweep if s not in policies}
 
+    # --resume: the saved rows of cells this grid does not measure stay in the file as they are
+    grid_cells = {(b, c) for b in batches for c in contexts}
+    outside = [r for r in done if (r.batch, r.context) not in grid_cells]
+
     def save(rows) -> None:  # after every configuration, so an interrupted grid keeps what it measured
         for r in rows:
             r.extra["sweep"] = r.policy in sweep_only
+        rows = rows + outside
         if args.output_json:
             spread = speedup_spread(rows)
             doc = {"model": args.model, "num_layers": llm.config.num_layers, "device": str(llm.device), "dtype": str(llm.dtype),
@@ -184,9 +195,12 @@ def run(args: argparse.Namespace) -> int:
     if args.resume:
         kept = complete_cells(cfg, done)
         cells = len({(r.batch, r.context) for r in kept})
-        print(f"--resume: {cells} of {len(batches) * len(contexts)} (batch, context) cell(s) complete in {args.output_json} "
-              f"({len(kept)} rows kept); measuring the rest", flush=True)
+        print(f"--resume: {cells} of {len(grid_cells)} (batch, context) cell(s) complete in {args.output_json} "
+              f"({len(kept)} rows kept; a cell is complete with a row for every --policies entry in each of the "
+              f"{args.repeats} --repeats run(s)); measuring the rest; {len(outside)} saved row(s) of other cells kept as they are"
+              + ("; kept rows carry their own run's bound rates (extra.bound_rates_gbs)" if kept else ""), flush=True)
     rows = run_grid(llm, cfg, roofline, on_row=save, done=done)
+    save(rows)  # also when every cell was kept: the file then holds what the table shows
     n = llm.config.num_layers
     print(f"\n{args.model} ({n} layer{'s' if n != 1 else ''}, {llm.dtype} on {llm.device}), {args.steps} decode steps per configuration, "
           f"{args.repeats} run{'s' if args.repeats != 1 else ''} of each, "

@@ -226,9 +226,21 @@ class ChatMessage(_Body):
         "audio": Unimplemented(_only(), "text only"),
     }
     role: Literal["system", "user", "assistant", "developer", "tool"]
-    content: Annotated[StrictStr, Field(max_length=MAX_PROMPT_CHARS)] | list[TextPart]
+    # null (or left out) only beside tool_calls or function_call, as OpenAI's assistant messages send it: those
+    # are then refused by name (UNIMPLEMENTED) rather than the missing text
+    content: Annotated[StrictStr, Field(max_length=MAX_PROMPT_CHARS)] | list[TextPart] | None = None
+
+    @model_validator(mode="after")
+    def _content_or_a_call(self):
+        extra = self.model_extra or {}
+        if self.content is None and not extra.get("tool_calls") and not extra.get("function_call"):
+            raise ValueError("content: a message needs its text (a string or a list of text parts); "
+                             "null is OpenAI's form only beside tool_calls, which this server does not do")
+        return self
 
     def text(self) -> str:
+        if self.content is None:
+            return ""
         return self.content if isinstance(self.content, str) else "".join(p.text for p in self.content)
 
 
