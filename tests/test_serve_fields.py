@@ -57,13 +57,19 @@ UNSUPPORTED = [  # (route, the fields sent, the field refused, its value as the 
 ]
 
 
-@pytest.mark.parametrize("case", UNSUPPORTED, ids=[f"{route(p)}-{'-'.join(c)}" for p, c, _, _ in UNSUPPORTED])
-def test_an_unimplemented_field_that_would_change_the_result_gets_400(server, case):
-    path, change, field, shown = case
+def refused(server, path: str, change: dict, param: str) -> dict:
+    """The error of a request to ``path`` with ``change``, checked to be a 400 naming ``param``."""
     r = post(server, path, max_tokens=4, **body_of(path), **change)
     assert r.status_code == 400, r.text
     err = r.json()["error"]
-    assert (err["type"], err["param"], err["code"]) == ("invalid_request_error", field, 400)
+    assert (err["type"], err["param"], err["code"]) == ("invalid_request_error", param, 400)
+    return err
+
+
+@pytest.mark.parametrize("case", UNSUPPORTED, ids=[f"{route(p)}-{'-'.join(c)}" for p, c, _, _ in UNSUPPORTED])
+def test_an_unimplemented_field_that_would_change_the_result_gets_400(server, case):
+    path, change, field, shown = case
+    err = refused(server, path, change, field)
     assert err["message"].startswith(f"{field}: {shown} is not supported by this server ("), err["message"]
     assert "leave it out or send " in err["message"]
 
@@ -121,10 +127,7 @@ UNKNOWN = [  # (route, the fields sent, the field named, where the message puts 
 @pytest.mark.parametrize("case", UNKNOWN, ids=[f"{route(p)}-{w}" for p, _, _, w in UNKNOWN])
 def test_a_field_of_no_api_gets_400_unknown_field(server, case):
     path, change, param, where = case
-    r = post(server, path, max_tokens=4, **body_of(path), **change)
-    assert r.status_code == 400, r.text
-    err = r.json()["error"]
-    assert (err["type"], err["param"]) == ("invalid_request_error", param)
+    err = refused(server, path, change, param)
     assert err["message"].startswith(f"{where}: unknown field ("), err["message"]
     assert err["message"].endswith("): remove it")
     if where != "stream_options.usage":  # the body's own fields: the vLLM extensions read here are named
