@@ -214,6 +214,9 @@ def test_bench_cli_repeats_every_configuration_with_the_policies_taking_turns(tm
 
     monkeypatch.setattr(engine, "LLM", StubLLM)
     monkeypatch.setattr(runner, "run_one", run_one)
+    import writescope.engine.model_loader as loader  # the stub stands for a model with room for 16K (tiny has 8,192)
+
+    monkeypatch.setattr(loader, "capped_model_len", lambda model, tokens, *a, **k: tokens)
     out = tmp_path / "b.json"
     assert main(["bench", "--model", "tiny-qwen3-moe", "--batch", "1", "--context", "8k,16k", "--policies", "gpu,writescope",
                  "--quiet", "--output-json", str(out)]) == 0  # --repeats 3 by default
