@@ -46,11 +46,14 @@ def test_given_rates_are_checked():
 
 @pytest.mark.gpu
 @pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")
-def test_measured_rates_on_cuda_are_positive_and_contended_within_alone():
+def test_measured_rates_on_cuda_are_all_there_and_nothing_stays_reserved():
+    """Every rate is measured (no rate is compared with another: they move with the machine's
+    load), and the measurement leaves no device memory reserved."""
+    before = torch.cuda.memory_reserved()
     r = bounds.measure(torch.device("cuda"), read_bytes=256 * 2**20, copy_bytes=64 * 2**20, repeats=2)
     assert r.h2d_alone > 0 and r.cpu_alone > 0 and r.h2d_with_cpu > 0 and r.cpu_with_h2d > 0
-    # each side at once is no faster than alone, within measurement noise (a generous 1.5x)
-    assert r.h2d_with_cpu < 1.5 * r.h2d_alone and r.cpu_with_h2d < 1.5 * r.cpu_alone
+    assert r.split_gbs() == r.h2d_with_cpu + r.cpu_with_h2d and r.stream_gbs() == r.h2d_alone
+    assert torch.cuda.memory_reserved() <= before  # the copy target released (empty_cache may release more)
 
 
 def test_bench_measures_its_bounds_and_rows_carry_them(tmp_path, capsys):
