@@ -173,8 +173,8 @@ def run_grid(llm: LLM, cfg: BenchConfig, roofline=None, on_row=None, done: list[
         raise ValueError(f"repeats (--repeats) must be >= 1, got {cfg.repeats}")
     kept = complete_cells(cfg, done or [])
     skip = {(r.batch, r.context) for r in kept}
-    grid = [(b, c, r, p) for b in cfg.batches for c in cfg.contexts for r in range(cfg.repeats) for p in cfg.policies
-            if (b, c) not in skip]
+    keys = [(b, c, r, p) for b in cfg.batches for c in cfg.contexts for r in range(cfg.repeats) for p in cfg.policies]
+    grid = [k for k in keys if k[:2] not in skip]
     if cfg.warmup:  # first uses cost extra: pay them unmeasured, at every batch size of the grid,
         # since CUDA graphs are captured per decode token count (models/graphs.py): a warm-up at
         # batch 1 left the first row of every other batch size to capture them in its timed steps
@@ -196,11 +196,8 @@ def run_grid(llm: LLM, cfg: BenchConfig, roofline=None, on_row=None, done: list[
     if not kept:
         return rows
     order: dict = {}  # the grid's order, kept cells in their places (a key's first place where a batch repeats)
-    for b in cfg.batches:
-        for c in cfg.contexts:
-            for r in range(cfg.repeats):
-                for p in cfg.policies:
-                    order.setdefault((b, c, r, p), len(order))
+    for k in keys:
+        order.setdefault(k, len(order))
     return sorted(rows, key=lambda x: order.get((x.batch, x.context, x.extra.get("repeat", 0), x.policy), len(order)))
 
 
