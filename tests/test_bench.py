@@ -115,7 +115,7 @@ def test_a_long_reason_does_not_widen_the_table():
 def _row(b, c, policy, tok_s, attn_ms=1.0):
     from writescope.bench.runner import BenchRow
 
-    return BenchRow(b, c, policy, decode_tok_s=tok_s, attn_ms_per_layer=attn_ms)
+    return BenchRow(b, c, policy, decode_tok_s=tok_s, tpot_ms=b * 1e3 / tok_s if tok_s else 0.0, attn_ms_per_layer=attn_ms)
 
 
 def test_speedups_are_geometric_means_over_configurations_from_8k():

@@ -193,6 +193,11 @@ def test_generate_prefills_the_whole_batch_then_decodes_it_together(llm, monkeyp
     assert [len(o.token_ids) for o in outs] == list(max_tokens) and [o.request_id for o in outs] == [outs[0].request_id + i for i in range(3)]
     assert len({o.metrics.ttft_s for o in outs}) == 1 and all(o.metrics.tpot_s > 0 and o.metrics.decode_tok_s > 0 for o in outs)
     assert llm.cache.active_slots == []
+    # the decode phase ends with its last token: (5 + 2 + 3 - 3) tokens over the TPOT x 4 intervals of the longest
+    # request; freeing the slots after it is timed apart (release_s)
+    longest = outs[0].metrics
+    assert longest.decode_tok_s == pytest.approx(7 / (longest.tpot_s * 4))
+    assert llm.release_s >= 0
 
 
 @pytest.mark.parametrize("policy", ["resident", "static:0.5"])

@@ -125,7 +125,7 @@ def test_measured_limits_are_positive():
 def _row(c, policy, tok_s, attn_ms, repeat=0):
     from writescope.bench.runner import BenchRow
 
-    return BenchRow(1, c, policy, decode_tok_s=tok_s, attn_ms_per_layer=attn_ms, r_deployed=0.5 if policy == "writescope" else 0.0,
+    return BenchRow(1, c, policy, decode_tok_s=tok_s, tpot_ms=1e3 / tok_s, attn_ms_per_layer=attn_ms, r_deployed=0.5 if policy == "writescope" else 0.0,
                     extra={"repeat": repeat})
 
 
@@ -161,7 +161,7 @@ def test_bench_report_gives_each_ratio_its_spread_and_says_when_it_is_noise():
     assert "attention 2.00x [1.86-2.14], decode 1.00x [0.91-1.07, within the noise] over gpu" in best
     assert "one run per configuration" not in best
     table = format_table(rows)
-    assert len(table.splitlines()) == 1 + 4 + 1, "one line per configuration and policy, medians, and the note"
+    assert len(table.splitlines()) == 1 + 4 + 2, "one line per configuration and policy, medians, and the two notes"
     assert "10.0 ±5%" in table and "±: half their spread" in table  # writescope 8192: (10.5 - 9.5) / 2 / 10
     s, spread = speedups(rows), speedup_spread(rows)
     assert s["gpu"] == (pytest.approx((1.0 * 2.0) ** 0.5), 2)

@@ -4,20 +4,22 @@ over the best baseline at >= 8K context).
 
 Per model (one ``writescope bench --output-json`` grid each):
 - the configurations (batch, context >= ``min_context``) where ``writescope`` ran;
-- ``writescope``'s decode tok/s over the best baseline of each configuration and over ``gpu``,
+- ``writescope``'s decode tok/s (batch / TPOT) over the best baseline of each configuration and over ``gpu``,
   geometric means with their interval over the repeats (:func:`writescope.bench.report.speedups`);
 - which baseline was best most often;
 - ``writescope``'s TPOT over the step's KV bound with both paths at once (the median over those
-  configurations; rows written before the bench measured its bounds have none).
+  configurations; rows written before the bench measured its bounds have none);
+- the configurations where ``writescope`` is slower than that configuration's best baseline by more
+  than the noise (every ratio the repeats allow below 1; issue 17: it never should be).
 """
 
 from __future__ import annotations
 
 import statistics
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from pathlib import Path
 
-from writescope.bench.report import runs, speedup_spread, speedups, static_share
+from writescope.bench.report import ratio, runs, speedup_spread, speedups, static_share
 from writescope.bench.runner import BenchRow
 
 TARGET = 1.7  # issue 17's target: writescope over the best baseline, per model
@@ -33,6 +35,7 @@ class Headline:
     best_baseline: str
     x_bound: float | None
     source: str = ""  # the grid it comes from (a file name)
+    below: list[str] = field(default_factory=list)  # "BxCK: ratio vs baseline [lo-hi]" where writescope loses beyond the noise
 
 
 def _is_baseline(policy: str) -> bool:
@@ -45,20 +48,24 @@ def headline(model: str, rows: list[BenchRow], min_context: int = 8192, source: 
     s, spread = speedups(rows, min_context), speedup_spread(rows, min_context)
     best = s.get("best baseline")
     counts: dict[str, int] = {}
-    ratios = []
+    ratios, below = [], []
     cells = {(b, c) for (b, c, p) in runs(rows) if c >= min_context}
     for b, c in sorted(cells):
         group = {p: [r for r in rs if r.fits] for (bb, cc, p), rs in runs(rows).items() if (bb, cc) == (b, c)}
-        base = {p: statistics.median(r.decode_tok_s for r in rs) for p, rs in group.items() if rs and _is_baseline(p)}
+        base = {p: statistics.median(r.step_tok_s for r in rs) for p, rs in group.items() if rs and _is_baseline(p)}
+        ws = group.get("writescope") or []
         if base:
             name = max(base, key=base.get)
             counts[name] = counts.get(name, 0) + 1
-        ws = group.get("writescope") or []
+            if ws and all(r.step_tok_s > 0 for r in ws):
+                x, lo, hi = ratio([r.step_tok_s for r in ws], [r.step_tok_s for r in group[name]])
+                if hi < 1:
+                    below.append(f"{b}x{c // 1024}K: {x:.2f}x {name} [{lo:.2f}-{hi:.2f}]")
         if ws and all(r.step_bound_ms > 0 for r in ws):
             ratios.append(statistics.median(r.tpot_ms for r in ws) / statistics.median(r.step_bound_ms for r in ws))
     return Headline(model, best[1] if best else 0, best[0] if best else None, spread.get("best baseline"),
                     s["gpu"][0] if "gpu" in s else None, max(counts, key=counts.get) if counts else "-",
-                    statistics.median(ratios) if ratios else None, source)
+                    statistics.median(ratios) if ratios else None, source, below)
 
 
 def format_headline(lines: list[Headline], min_context: int = 8192) -> str:
@@ -74,6 +81,10 @@ def format_headline(lines: list[Headline], min_context: int = 8192) -> str:
         bound = "-" if h.x_bound is None else f"{h.x_bound:.2f}x"
         met = "-" if h.over_best is None else ("met" if h.over_best >= TARGET else "not met")
         out.append(f"| {h.model} | {h.source or '-'} | {h.configurations} | {h.best_baseline} | {over} | {gpu} | {bound} | {met} |")
+    for h in lines:
+        if h.below:
+            out.append(f"\n{h.model}: writescope is slower than the best baseline beyond the noise in {len(h.below)} of "
+                       f"{h.configurations} configurations: " + "; ".join(h.below))
     if any(h.configurations == 0 for h in lines):
         out.append(f"\n(-: no configuration with context >= {min_context} where writescope ran; the tiny presets stop at 8,192 "
                    "positions, so their grids have none)")

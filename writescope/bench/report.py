@@ -11,11 +11,12 @@ from writescope.scheduler.policies import StaticPolicy, parse_policy
 
 
 def runs(rows: list[BenchRow]) -> dict[tuple[int, int, str], list[BenchRow]]:
-    """The rows of each (batch, context, policy), in the grid's order: one per repeat."""
+    """The rows of each (batch, context, policy), one per repeat: by batch, then context, the
+    policies of a configuration in the grid's order (a resumed grid saves its new cells first)."""
     out: dict[tuple[int, int, str], list[BenchRow]] = {}
     for r in rows:
         out.setdefault((r.batch, r.context, r.policy), []).append(r)
-    return out
+    return dict(sorted(out.items(), key=lambda kv: kv[0][:2]))  # stable: policy order kept
 
 
 def ratio(num: list[float], den: list[float]) -> tuple[float, float, float]:
@@ -56,7 +57,7 @@ def format_table(rows: list[BenchRow]) -> str:
         med = lambda key: statistics.median(getattr(r, key) for r in ok)  # noqa: E731
         dep = [r.r_deployed for r in ok if r.r_deployed is not None]
         lines.append((
-            str(b), str(c), p, f"{med('prefill_tok_s'):,.0f}", _spread_cell([r.decode_tok_s for r in ok], ",.1f"), f"{med('tpot_ms'):.2f}",
+            str(b), str(c), p, f"{med('prefill_tok_s'):,.0f}", _spread_cell([r.step_tok_s for r in ok], ",.1f"), f"{med('tpot_ms'):.2f}",
             f"{med('tpot_ms') / med('step_bound_ms'):.2f}x" if med("step_bound_ms") > 0 and med("tpot_ms") > 0 else "-",
             _spread_cell([r.attn_ms_per_layer for r in ok], ".3f"), f"{med('prepare_ms_per_layer'):.3f}" if med("prepare_ms_per_layer") else "-",
             f"{statistics.median(dep):.3f}" if dep else "-", f"{med('gbs'):.1f}",
@@ -71,6 +72,7 @@ def format_table(rows: list[BenchRow]) -> str:
             out.append("  ".join(v.rjust(w) for v, w in zip(x, widths)))
     if repeated:
         out.append("(medians over the repeats; ±: half their spread, max - min, as a share of the median)")
+    out.append("(decode tok/s: batch / TPOT, the decode steps alone; freeing the finished requests' KV after them is not in it)")
     bounds = {}
     for (b, c, _), group in runs(rows).items():
         ok = [r for r in group if r.fits and r.step_bound_ms > 0]
@@ -131,9 +133,9 @@ def format_best(rows: list[BenchRow]) -> str:
         dep = [x.r_deployed for x in w if x.r_deployed is not None]
         text = (f"writescope r = {statistics.median(dep):.3f}, {statistics.median(x.attn_ms_per_layer for x in w):.2f} ms"
                 if dep else "no writescope row")
-        if dep and g and all(x.attn_ms_per_layer > 0 for x in w) and all(x.decode_tok_s > 0 for x in g):
+        if dep and g and all(x.attn_ms_per_layer > 0 for x in w) and all(x.step_tok_s > 0 for x in g):
             attn = ratio([x.attn_ms_per_layer for x in g], [x.attn_ms_per_layer for x in w])
-            tok = ratio([x.decode_tok_s for x in w], [x.decode_tok_s for x in g])
+            tok = ratio([x.step_tok_s for x in w], [x.step_tok_s for x in g])
             text += f" (attention {format_ratio(*attn)}, decode {format_ratio(*tok)} over gpu)"
         lines.append(f"  batch {b} context {c}: best {r.policy} ({r.attn_ms_per_layer:.2f} ms); {text}")
     if not any(len(g) > 1 for g in groups.values()):
@@ -152,8 +154,8 @@ def _speedup_ratios(rows: list[BenchRow], min_context: int) -> tuple[dict[str, l
     for r in rows:
         if r.context < min_context:
             continue
-        if r.fits and r.decode_tok_s > 0:
-            tok.setdefault((r.batch, r.context), {}).setdefault(r.policy, []).append(r.decode_tok_s)
+        if r.fits and r.step_tok_s > 0:
+            tok.setdefault((r.batch, r.context), {}).setdefault(r.policy, []).append(r.step_tok_s)
         elif r.policy == "writescope":
             failed.add((r.batch, r.context))
     ratios: dict[str, list[tuple[float, float, float]]] = {}
@@ -181,7 +183,7 @@ def _geomean(xs) -> float:
 
 def speedups(rows: list[BenchRow], min_context: int = 8192) -> dict[str, tuple[float, int]]:
     """Geometric mean over the (batch, context >= ``min_context``) configurations of ``writescope``'s
-    decode tok/s divided by each baseline's: ``gpu``, ``cpu``, ``monolithic``, ``best static``
+    decode tok/s (:attr:`BenchRow.step_tok_s`, batch / TPOT) divided by each baseline's: ``gpu``, ``cpu``, ``monolithic``, ``best static``
     (per configuration the static share, ``gpu`` and ``cpu`` included, with the most decode
     tok/s) and ``best baseline`` (the most decode tok/s of all of those). The paper's Figure 9
     compares decode throughput this way. Rows repeated for one (batch, context, policy) count as
@@ -233,7 +235,7 @@ def plot(rows: list[BenchRow], path: Path) -> None:
     fig, axes = plt.subplots(1, 2 * len(batches) + 1, figsize=(5 * (2 * len(batches) + 1), 4), squeeze=False)
     shown = [p for p in dict.fromkeys(r.policy for r in rows) if not p.startswith("static:") or p in _shown_static(rows)]
     for n, b in enumerate(batches):
-        for ax, key, label in ((axes[0][2 * n], "decode_tok_s", "decode tok/s"), (axes[0][2 * n + 1], "attn_ms_per_layer", "attention ms per layer")):
+        for ax, key, label in ((axes[0][2 * n], "step_tok_s", "decode tok/s (batch / TPOT)"), (axes[0][2 * n + 1], "attn_ms_per_layer", "attention ms per layer")):
             for pol in shown:
                 pts = sorted((c, statistics.median(getattr(r, key) for r in g if r.fits))  # medians over the repeats
                              for (bb, c, pp), g in runs(rows).items() if bb == b and pp == pol and any(r.fits for r in g))
