@@ -34,6 +34,8 @@ from writescope.moe.streaming import default_stream_share
 from writescope.moe.popularity import ExpertProfile
 from writescope.scheduler.expert_work import attach_expert_work
 from writescope.scheduler.calibrate import load_or_calibrate
+from writescope.scheduler.other_work import OtherWork, in_place_link_seconds
+from writescope.scheduler.roofline import WriteScopePolicy
 from writescope.scheduler.policies import parse_policy
 
 
@@ -196,6 +198,7 @@ class LLM:
             p = self.vram_plan
             self.load_info["device_memory_at_cap"] = enforce_budget(self.device, p.budget, p.weights_gpu, p.working_gpu)
         self.seed = seed
+        self.other_work = OtherWork(self.device)  # a decode layer step's work outside attention, for the split gate
         self.step_hook = None  # called after every decode step (profilers; see writescope.bench.breakdown)
         self.r_trace: list[dict] | None = None  # the last generate's r(L) trace (partitioned policies)
         self.decode_host: list[tuple[float, float]] = []  # the last generate's (issue, wait) seconds per decode step
@@ -244,9 +247,15 @@ class LLM:
         self.cache, self.policy, self.window, self.cpu_threads = cache, parsed, window, cpu_threads
         self.attention_threads = cpu_threads or default_attention_threads(self.device)  # what the CPU attention uses
         self.policy_name = "resident" if parsed is None else parsed.name
-        self.expert_work = attach_expert_work(parsed, getattr(cache, "decoder", None), self._moe_blocks,
-                                              self.config.kv_layout.bytes_per_token(self.dtype.itemsize), self._expert_share_fixed,
-                                              self.max_batch)
+        kv_token = self.config.kv_layout.bytes_per_token(self.dtype.itemsize)
+        self.expert_work = attach_expert_work(parsed, getattr(cache, "decoder", None), self._moe_blocks, kv_token,
+                                              self._expert_share_fixed, self.max_batch)
+        if isinstance(cache, InplaceKVCache):  # O, measured across caches (scheduler/other_work.py)
+            cache.other_work = self.other_work
+        if isinstance(parsed, WriteScopePolicy):
+            parsed.other = self.other_work
+            self.other_work.link_seconds = None if self.expert_work is not None else in_place_link_seconds(
+                self._moe_blocks, parsed.roofline.b / kv_token, self.config.num_layers, self.max_batch)
 
     @property
     def expert_stream_share(self) -> float | None:

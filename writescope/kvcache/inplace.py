@@ -65,6 +65,7 @@ class InplaceKVCache(KVCache):
         self.micro_batches = _micro_batches()
         self._step_batch = 0  # sequences of the decode pass under way (decode_groups), for the policy's feedback
         self._pending: list = []  # decode layers begun and not yet ended
+        self.other_work = None  # scheduler/other_work.OtherWork, given by the engine: marks each decode layer's begin and end
 
     # ------------------------------------------------------------------ lifecycle
     def allocate(self, capacity: int, prompt_len: int = 0) -> int:
@@ -167,6 +168,8 @@ class InplaceKVCache(KVCache):
                 sq.prompt_len = batch.query_lens[i]  # no hint given: the first write is the prompt
         new = _pack(k, v)  # [parts, Hkv, T, dim]
         if all(n == 1 for n in batch.query_lens):
+            if self.other_work is not None and not self._step_batch:  # micro-batched steps interleave: not measured
+                self.other_work.begin(layer_id, len(seqs))
             with record_function("kv.append"):
                 self._append(seqs, layer_id, new)
             cpu_blocks = None
@@ -187,6 +190,8 @@ class InplaceKVCache(KVCache):
             return handle.out
         self._pending.remove(handle.pending)
         out = self.decoder.decode_end(handle.pending)
+        if self.other_work is not None and not self._step_batch:
+            self.other_work.end(handle.layer)
         for secs, tokens, batch in self.decoder.take_cpu_parts():  # each finished CPU part once, with its step's batch
             if tokens:
                 self.policy.observe(secs, tokens, max(batch, self._step_batch))

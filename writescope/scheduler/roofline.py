@@ -15,7 +15,9 @@ experts); B and the C's come from calibration.
 Beyond the paper, a split must pay: streaming alone runs at its own, uncontended rate (B_alone,
 C_gpu_alone; host memory bandwidth is not shared with CPU reads then), and a split step may cost
 C_split beyond its slower side. Where max(T_cpu(r), T_gpu(r)) + C_split >= B_alone L + C_gpu_alone,
-the share is 0 (:func:`split_pays`). Why: in the first H200 whole-model decode grid
+the share is 0 (:func:`split_pays`). Where the layer step's work outside attention (O) has been
+measured, the gate compares the two with it: streaming alone hides behind O, the CPU part does not
+(writescope/scheduler/other_work.py). Why: in the first H200 whole-model decode grid
 (benchmarks/results/e2e.md), whose step waited on the host between the halves, streaming alone
 beat every measured split. Calibration leaves C_split at 0 since the asynchronous step made the
 hand-over hide behind each layer's other work (writescope/scheduler/calibrate.py says how that was
@@ -62,16 +64,29 @@ def roofline_share(L: float, a: float, b: float, c_cpu: float = 0.0, c_gpu: floa
     return min(1.0, max(0.0, base + delta / ((a + b) * L)))
 
 
-def split_pays(L: float, r: float, a: float, roofline: Roofline) -> bool:
+def split_pays(L: float, r: float, a: float, roofline: Roofline, other: float = 0.0, other_link: float = 0.0) -> bool:
     """Whether a step over ``L`` placed tokens with CPU share ``r`` in (0, 1] is predicted faster
     than streaming all of them with no CPU part (see the module docstring). True when the
     roofline has no stand-alone calibration (``b_alone`` None): the paper's r(L) then stands.
-    ``a`` is the current estimate of A (seconds per token)."""
+    ``a`` is the current estimate of A (seconds per token).
+
+    ``other`` is O, the layer step's measured work outside attention, in seconds
+    (:mod:`writescope.scheduler.other_work`); ``other_link`` is the part of O that uses the link
+    (host experts read in place). Streaming alone hides behind O what the link is not busy with
+    there: max(O + C_gpu_alone, B_alone L + C_gpu_alone + O_link). The CPU part waits for q and
+    does not hide: max(O + max(T_cpu(r), C_gpu), T_gpu(r) + O_link) + C_split. With O = 0 these
+    are the forms without it.
+    """
     rf = roofline
     if rf.b_alone is None or r <= 0:
         return True
-    split = max(r * a * L + rf.c_cpu, (1 - r) * rf.b * L + rf.c_gpu) + rf.c_split  # at r = 1 the GPU still attends the D-window (C_gpu)
-    alone = rf.b_alone * L + (rf.c_gpu_alone or 0.0)
+    t_cpu, t_gpu = r * a * L + rf.c_cpu, (1 - r) * rf.b * L + rf.c_gpu  # at r = 1 the GPU still attends the D-window (C_gpu)
+    c_alone = rf.c_gpu_alone or 0.0
+    if other > 0:
+        split = max(other + max(t_cpu, rf.c_gpu), t_gpu + other_link) + rf.c_split
+        alone = max(other + c_alone, rf.b_alone * L + c_alone + other_link)
+    else:
+        split, alone = max(t_cpu, t_gpu) + rf.c_split, rf.b_alone * L + c_alone
     return split < alone
 
 
@@ -120,6 +135,9 @@ class WriteScopePolicy(PlacementPolicy):
         self.roofline = roofline
         self.a = OnlineEstimate(roofline.a, alpha, window)
         self.batch = 1
+        # O, the layer step's measured work outside attention (scheduler/other_work.py), given by the
+        # engine; None: the split gate without it
+        self.other = None
         # the expert side of the joint roofline (scheduler/expert_work.py), attached by the engine
         # when routed experts live in host memory and the step may split them; None: KV only
         self.experts = None
@@ -133,7 +151,10 @@ class WriteScopePolicy(PlacementPolicy):
             r, _ = joint_split(L, X, self.experts.costs())
         else:
             r = roofline_share(L, self.a.value, rf.b, rf.c_cpu, rf.c_gpu)
-        return r if split_pays(L, r, self.a.value, rf) else 0.0
+        o = self.other.seconds(self.batch) if self.other is not None else None
+        if o is None:
+            return r if split_pays(L, r, self.a.value, rf) else 0.0
+        return r if split_pays(L, r, self.a.value, rf, o, self.other.link(self.batch)) else 0.0
 
     def expect_batch(self, batch: int) -> None:
         self.batch = max(1, batch)

@@ -1,0 +1,153 @@
+"""O: a decode layer step's work outside attention, measured on the real decode path.
+
+Between one layer's attention (its merge issued) and the next layer's (its KV append) the GPU runs
+the layer's output projection, its experts and the next layer's norms and q/k/v projections. Two
+things follow for the split gate (:func:`writescope.scheduler.roofline.split_pays`):
+
+- Streaming alone hides its copies behind this work: the load region's blocks of layer l+1 stream
+  while layer l runs its experts. So a step of streaming alone takes about max(O + G, T_link) per
+  layer, not T_link + O. On the H200 machine at DeepSeek-V2-Lite 4 x 8K, `gpu` attended a layer in
+  0.383 ms of device time (98.7 GB/s, above the link's 54 GB/s), O was 0.67 ms, and the
+  attention-only calibration line said 0.93 ms for streaming alone.
+- A split's CPU part cannot hide there: it needs this layer's q. A split step takes
+  max(O + T_cpu(r), T_link(r)) per layer.
+
+Without O the gate deployed r = 0.03 at DSV2 4 x 8K and ran at 0.75x `gpu`
+(benchmarks/results/evaluation_h200.md). Host experts read in place over PCIe inside O use the
+link as well: their link time is added to the link's side (``link_seconds``).
+
+O is measured as the time from one layer's attention end to the next layer's attention begin within
+a decode step. On CUDA that is a pair of timing events on the current stream, read once they have
+completed, with no synchronisation added; without CUDA it is the wall clock. Only some steps are
+measured: the first ``warm`` of each batch size, then every ``every``-th. Each measured step's median
+gap updates the estimate for its batch size, an exponentially weighted mean (weight 0.3) seeded by
+the first. Steps split into two micro-batches are not measured, since their halves interleave.
+"""
+
+from __future__ import annotations
+
+import statistics
+import time
+from collections import deque
+from typing import Callable
+
+import torch
+
+
+class OtherWork:
+    """Per decode batch size, the tracked seconds of a layer step's work outside attention.
+
+    Args:
+        device: where the decode runs (CUDA: timing events; otherwise the wall clock).
+        warm: steps measured first at each batch size.
+        every: afterwards, one step in ``every`` is measured.
+        link_seconds: ``batch -> seconds`` of link time inside O per layer step (host experts read
+            in place over PCIe), or None (no such reads).
+
+    Raises:
+        ValueError: ``warm`` < 0 or ``every`` < 1.
+    """
+
+    def __init__(self, device: torch.device, warm: int = 4, every: int = 16, link_seconds: Callable[[int], float] | None = None):
+        if warm < 0 or every < 1:
+            raise ValueError(f"OtherWork needs warm >= 0 and every >= 1, got warm={warm}, every={every}")
+        self.cuda = torch.device(device).type == "cuda"
+        self.warm, self.every = warm, every
+        self.link_seconds = link_seconds
+        self._estimates: dict[int, float] = {}
+        self._alpha = 0.3
+        self._steps: dict[int, int] = {}  # decode steps begun per batch size
+        self._marks: list | None = None  # this step's ("b" | "e", layer, stamp), None: not measured
+        self._batch = 0
+        self._last_layer = None
+        self._waiting: deque = deque()  # (batch, marks) of steps whose events may not have completed
+
+    # ------------------------------------------------------------------ reading
+    def seconds(self, batch: int) -> float | None:
+        """The tracked O of a layer step at ``batch`` sequences, None before any step was measured
+        at that size (then the gate keeps its form without O)."""
+        self._resolve()
+        return self._estimates.get(batch)
+
+    def link(self, batch: int) -> float:
+        """Seconds of link time inside O per layer step at ``batch`` (0 without in-place host experts)."""
+        return float(self.link_seconds(batch)) if self.link_seconds is not None else 0.0
+
+    # ------------------------------------------------------------------ marks from the decode path
+    def begin(self, layer: int, batch: int) -> None:
+        """A decode layer's attention begins (before its KV append); a layer at or below the last
+        begun one starts a new step."""
+        if self._last_layer is None or layer <= self._last_layer:
+            self._new_step(batch)
+        self._last_layer = layer
+        if self._marks is not None:
+            self._marks.append(("b", layer, self._stamp()))
+
+    def end(self, layer: int) -> None:
+        """A decode layer's attention has ended (its merge issued)."""
+        if self._marks is not None:
+            self._marks.append(("e", layer, self._stamp()))
+
+    # ------------------------------------------------------------------ internals
+    def _stamp(self):
+        if not self.cuda:
+            return time.perf_counter()
+        ev = torch.cuda.Event(enable_timing=True)
+        ev.record()
+        return ev
+
+    def _new_step(self, batch: int) -> None:
+        if self._marks:
+            self._waiting.append((self._batch, self._marks))
+        self._resolve()
+        n = self._steps.get(batch, 0)
+        self._steps[batch] = n + 1
+        self._batch = batch
+        self._marks = [] if n < self.warm or (n - self.warm) % self.every == self.every - 1 else None
+
+    def _resolve(self) -> None:
+        """Fold in every waiting step whose last mark has completed (CUDA: ``query``, no wait)."""
+        while self._waiting:
+            batch, marks = self._waiting[0]
+            last = marks[-1][2]
+            if self.cuda and not last.query():
+                return
+            self._waiting.popleft()
+            gaps = [self._elapsed(a[2], b[2]) for a, b in zip(marks, marks[1:])
+                    if a[0] == "e" and b[0] == "b" and b[1] == a[1] + 1]
+            if gaps:
+                self._update(batch, statistics.median(gaps))
+
+    def _elapsed(self, a, b) -> float:
+        return b - a if not self.cuda else a.elapsed_time(b) / 1e3
+
+    def _update(self, batch: int, sample: float) -> None:
+        if not sample >= 0:  # NaN or a clock step back: no measurement
+            return
+        old = self._estimates.get(batch)
+        self._estimates[batch] = sample if old is None else old + self._alpha * (sample - old)
+
+
+def in_place_link_seconds(blocks: list, seconds_per_byte: float, num_layers: int,
+                          max_tokens: int | None) -> Callable[[int], float] | None:
+    """``batch -> seconds`` of link time per layer step of the hit host experts that the fused decode
+    kernels read in place over PCIe, or None when no block reads host experts in place for steps
+    of up to ``max_tokens`` tokens.
+
+    A block's hit host experts at ``batch`` tokens are its expected distinct hit experts
+    (:func:`writescope.scheduler.expert_work.expected_hit_experts`, uniform routing) times its share
+    of experts in host memory; their weight bytes at ``seconds_per_byte`` (the calibrated streaming
+    rate) over all ``num_layers`` layers give the mean per layer step.
+    """
+    from writescope.scheduler.expert_work import expected_hit_experts
+
+    hosted = [b for b in blocks if b.host_experts and b.host_pack is not None and b.reads_host_experts_in_place(max_tokens)]
+    if not hosted or num_layers < 1:
+        return None
+
+    def link(batch: int) -> float:
+        hit = sum(len(b.host_experts) / b.cfg.num_experts * expected_hit_experts(batch, b.cfg.num_experts, b.cfg.top_k)
+                  * b.host_pack.expert_nbytes for b in hosted)
+        return hit * seconds_per_byte / num_layers
+
+    return link
