@@ -107,3 +107,21 @@ def test_the_engine_measures_o_in_decode_steps_and_the_writescope_gate_uses_it(m
     assert seen and seen[-1][0] == o  # O at this batch reaches the gate
     llm.set_policy("gpu")  # a new cache keeps the meter; the estimates stay
     assert llm.cache.other_work is llm.other_work and llm.other_work.seconds(2) == o
+
+
+def test_estimates_are_kept_for_a_later_process_under_their_key(monkeypatch, tmp_path):
+    monkeypatch.setenv("XDG_CACHE_HOME", str(tmp_path))
+    clock = FakeClock()
+    monkeypatch.setattr(ow.time, "perf_counter", clock)
+    m = ow.OtherWork(torch.device("cpu"), store_key="machine|model")
+    assert m.save() is None  # nothing measured: nothing written
+    _step(m, clock, [0.1, 0.3, 0.2])
+    _step(m, clock, [0.0] * 3, batch=8)
+    path = m.save()
+    assert path == ow.store_path() and path.exists() and m.save() is None  # written once per new measurement
+    again = ow.OtherWork(torch.device("cpu"), store_key="machine|model")
+    assert again.seconds(4) == pytest.approx(0.2) and again.seconds(8) == 0.0  # the last step counts once saved
+    assert ow.OtherWork(torch.device("cpu"), store_key="another").seconds(4) is None
+    path.write_text("{not json")
+    assert ow.stored("machine|model") == {}  # an unreadable file keeps nothing and breaks nothing
+    assert ow.for_engine(torch.device("cpu"), None, torch.float32, []).store_key is None  # without CUDA nothing is kept

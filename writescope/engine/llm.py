@@ -34,7 +34,7 @@ from writescope.moe.streaming import default_stream_share
 from writescope.moe.popularity import ExpertProfile
 from writescope.scheduler.expert_work import attach_expert_work
 from writescope.scheduler.calibrate import load_or_calibrate
-from writescope.scheduler.other_work import OtherWork, in_place_link_seconds
+from writescope.scheduler.other_work import for_engine as other_work_for, in_place_link_seconds
 from writescope.scheduler.roofline import WriteScopePolicy
 from writescope.scheduler.policies import parse_policy
 
@@ -198,7 +198,7 @@ class LLM:
             p = self.vram_plan
             self.load_info["device_memory_at_cap"] = enforce_budget(self.device, p.budget, p.weights_gpu, p.working_gpu)
         self.seed = seed
-        self.other_work = OtherWork(self.device)  # a decode layer step's work outside attention, for the split gate
+        self.other_work = other_work_for(self.device, self.config, self.dtype, blocks)  # O, for the split gate (kept on CUDA)
         self.step_hook = None  # called after every decode step (profilers; see writescope.bench.breakdown)
         self.r_trace: list[dict] | None = None  # the last generate's r(L) trace (partitioned policies)
         self.decode_host: list[tuple[float, float]] = []  # the last generate's (issue, wait) seconds per decode step
@@ -405,6 +405,7 @@ class LLM:
             t_end = time.perf_counter()
         finally:
             self.decode_host = list(core.decode_host)
+            self.other_work.save()  # O measured in this run, for the first batch of a later process
             failed = [o.error for o in core.abort_all() if o.error]  # after an exception: free every slot
         if failed:
             raise RuntimeError(failed[0])

@@ -22,16 +22,26 @@ completed, with no synchronisation added; without CUDA it is the wall clock. Onl
 measured: the first ``warm`` of each batch size, then every ``every``-th. Each measured step's median
 gap updates the estimate for its batch size, an exponentially weighted mean (weight 0.3) seeded by
 the first. Steps split into two micro-batches are not measured, since their halves interleave.
+
+A batch is placed when its prompts are written, before its first decode step, so the first
+``generate`` of a process would place its prompts with the gate's form without O. With a
+``store_key`` (the engine gives one on CUDA: :func:`store_key`), the estimates are kept in
+``$XDG_CACHE_HOME/writescope/other_work.json`` (:meth:`OtherWork.save`), and a later process of
+the same machine, model shape, expert placement and kernels starts from them.
 """
 
 from __future__ import annotations
 
+import json
 import statistics
 import time
 from collections import deque
+from pathlib import Path
 from typing import Callable
 
 import torch
+
+from writescope.paths import cache_dir
 
 
 class OtherWork:
@@ -48,13 +58,16 @@ class OtherWork:
         ValueError: ``warm`` < 0 or ``every`` < 1.
     """
 
-    def __init__(self, device: torch.device, warm: int = 4, every: int = 16, link_seconds: Callable[[int], float] | None = None):
+    def __init__(self, device: torch.device, warm: int = 4, every: int = 16, link_seconds: Callable[[int], float] | None = None,
+                 store_key: str | None = None):
         if warm < 0 or every < 1:
             raise ValueError(f"OtherWork needs warm >= 0 and every >= 1, got warm={warm}, every={every}")
         self.cuda = torch.device(device).type == "cuda"
         self.warm, self.every = warm, every
         self.link_seconds = link_seconds
-        self._estimates: dict[int, float] = {}
+        self.store_key = store_key
+        self._estimates: dict[int, float] = stored(store_key) if store_key else {}
+        self._measured = False  # since the last save
         self._alpha = 0.3
         self._steps: dict[int, int] = {}  # decode steps begun per batch size
         self._marks: list | None = None  # this step's ("b" | "e", layer, stamp), None: not measured
@@ -68,6 +81,32 @@ class OtherWork:
         at that size (then the gate keeps its form without O)."""
         self._resolve()
         return self._estimates.get(batch)
+
+    def save(self) -> Path | None:
+        """Keep the estimates for later processes (with a ``store_key``, after new measurements;
+        a file that cannot be written costs only the keeping). Call it between steps (the engine does
+        after ``generate``): the step under way counts as finished. Returns the file written, or None."""
+        if self._marks:
+            self._waiting.append((self._batch, self._marks))
+        self._marks, self._last_layer = None, None
+        self._resolve()
+        if not (self.store_key and self._measured):
+            return None
+        path = store_path()
+        try:
+            path.parent.mkdir(parents=True, exist_ok=True)
+            try:
+                doc = json.loads(path.read_text())
+            except (OSError, ValueError):
+                doc = {}
+            doc[self.store_key] = {str(b): s for b, s in sorted(self._estimates.items())}
+            tmp = path.with_suffix(f".{id(self)}.tmp")
+            tmp.write_text(json.dumps(doc, indent=1))
+            tmp.replace(path)
+        except OSError:
+            return None
+        self._measured = False
+        return path
 
     def link(self, batch: int) -> float:
         """Seconds of link time inside O per layer step at ``batch`` (0 without in-place host experts)."""
@@ -126,6 +165,44 @@ class OtherWork:
             return
         old = self._estimates.get(batch)
         self._estimates[batch] = sample if old is None else old + self._alpha * (sample - old)
+        self._measured = True
+
+
+def for_engine(device: torch.device, config, dtype: torch.dtype, moe_blocks: list) -> OtherWork:
+    """The engine's meter: on CUDA with a :func:`store_key` of this machine, model, expert placement
+    and the kernels' switches set in the environment (their defaults otherwise); without CUDA none
+    (nothing is kept)."""
+    if torch.device(device).type != "cuda":
+        return OtherWork(device)
+    import os
+
+    from writescope.engine.switches import NAMES
+    from writescope.scheduler.calibrate import machine_key
+
+    host = sum(len(b.host_experts) for b in moe_blocks)
+    routed = sum(b.cfg.num_experts for b in moe_blocks)
+    switches = ",".join(f"{n}={os.environ[n]}" for n in NAMES if os.environ.get(n))
+    return OtherWork(device, store_key=store_key(machine_key(torch.device(device)), config, dtype, host, routed, switches))
+
+
+def store_path() -> Path:
+    return cache_dir("") / "other_work.json"
+
+
+def stored(key: str) -> dict[int, float]:
+    """The kept estimates of ``key`` (batch -> seconds); empty when none are kept or the file is unreadable."""
+    try:
+        entry = json.loads(store_path().read_text())[key]
+        return {int(b): float(s) for b, s in entry.items() if float(s) >= 0}
+    except (OSError, ValueError, KeyError, TypeError, AttributeError):
+        return {}
+
+
+def store_key(machine: str, config, dtype: torch.dtype, host_experts: int, routed_experts: int, switches: str) -> str:
+    """What O depends on: the machine (``calibrate.machine_key``), the model's shape, the dtype,
+    how many routed experts live in host memory, and the kernels' switches (``switches``)."""
+    return (f"{machine}|{config.model_type} {config.num_layers} layers {config.hidden_size} hidden|{dtype}|"
+            f"{host_experts}/{routed_experts} host experts|{switches}")
 
 
 def in_place_link_seconds(blocks: list, seconds_per_byte: float, num_layers: int,
