@@ -105,6 +105,10 @@ def test_the_engine_measures_o_in_decode_steps_and_the_writescope_gate_uses_it(m
     llm.policy.expect_batch(2)
     llm.policy.cpu_share(64)
     assert seen and seen[-1][0] == o  # O at this batch reaches the gate
+    # the key a CUDA engine keeps its estimates under (built here on the CPU: same code)
+    monkeypatch.setenv("WRITESCOPE_MOE_KERNEL", "grouped")
+    key = ow.engine_store_key(llm.device, llm.config, llm.dtype, llm._moe_blocks)
+    assert f"{llm.config.num_layers} layers" in key and "0/" in key and "WRITESCOPE_MOE_KERNEL=grouped" in key
     llm.set_policy("gpu")  # a new cache keeps the meter; the estimates stay
     assert llm.cache.other_work is llm.other_work and llm.other_work.seconds(2) == o
 

@@ -172,8 +172,13 @@ def for_engine(device: torch.device, config, dtype: torch.dtype, moe_blocks: lis
     """The engine's meter: on CUDA with a :func:`store_key` of this machine, model, expert placement
     and the kernels' switches set in the environment (their defaults otherwise); without CUDA none
     (nothing is kept)."""
-    if torch.device(device).type != "cuda":
-        return OtherWork(device)
+    cuda = torch.device(device).type == "cuda"
+    return OtherWork(device, store_key=engine_store_key(device, config, dtype, moe_blocks) if cuda else None)
+
+
+def engine_store_key(device: torch.device, config, dtype: torch.dtype, moe_blocks: list) -> str:
+    """:func:`store_key` of an engine: this machine, ``config``'s shape, the routed experts in host
+    memory over ``moe_blocks``, and the kernels' switches set in the environment."""
     import os
 
     from writescope.engine.switches import NAMES
@@ -182,7 +187,7 @@ def for_engine(device: torch.device, config, dtype: torch.dtype, moe_blocks: lis
     host = sum(len(b.host_experts) for b in moe_blocks)
     routed = sum(b.cfg.num_experts for b in moe_blocks)
     switches = ",".join(f"{n}={os.environ[n]}" for n in NAMES if os.environ.get(n))
-    return OtherWork(device, store_key=store_key(machine_key(torch.device(device)), config, dtype, host, routed, switches))
+    return store_key(machine_key(torch.device(device)), config, dtype, host, routed, switches)
 
 
 def store_path() -> Path:
