@@ -197,7 +197,6 @@ def test_generate_prefills_the_whole_batch_then_decodes_it_together(llm, monkeyp
     # request; freeing the slots after it is timed apart (release_s)
     longest = outs[0].metrics
     assert longest.decode_tok_s == pytest.approx(7 / (longest.tpot_s * 4))
-    assert llm.release_s >= 0
 
 
 @pytest.mark.parametrize("policy", ["resident", "static:0.5"])

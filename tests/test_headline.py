@@ -52,6 +52,11 @@ def test_configurations_where_writescope_loses_beyond_the_noise_are_named():
     assert headline("m", _grid()).below == [] and "beyond the noise" not in format_headline([headline("m", _grid())])
 
 
+def test_a_row_without_a_tpot_is_no_baseline():
+    rows = [_row(8192, "gpu", 0.0), _row(8192, "gpu", 10.0, repeat=1), _row(8192, "writescope", 20.0)]
+    assert headline("m", rows).over_best == pytest.approx(2.0)  # the gpu row with no TPOT left out, not a division by 0
+
+
 def test_a_model_whose_writescope_never_ran_says_so():
     h = headline("m", [_row(8192, "gpu", 10.0), _row(8192, "writescope", 0.0, fits=False)])
     assert h.over_best is None and h.x_bound is None

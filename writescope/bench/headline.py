@@ -51,7 +51,7 @@ def headline(model: str, rows: list[BenchRow], min_context: int = 8192, source: 
     ratios, below = [], []
     cells = {(b, c) for (b, c, p) in runs(rows) if c >= min_context}
     for b, c in sorted(cells):
-        group = {p: [r for r in rs if r.fits] for (bb, cc, p), rs in runs(rows).items() if (bb, cc) == (b, c)}
+        group = {p: [r for r in rs if r.fits and r.step_tok_s > 0] for (bb, cc, p), rs in runs(rows).items() if (bb, cc) == (b, c)}
         base = {p: statistics.median(r.step_tok_s for r in rs) for p, rs in group.items() if rs and _is_baseline(p)}
         ws = group.get("writescope") or []
         if base:

@@ -14,8 +14,9 @@ class RequestMetrics:
     ``ttft_s``: from the start of ``generate`` to this request's first token (includes the
     prefill of the whole batch). ``tpot_s``: mean time per output token after the first.
     ``prefill_tok_s`` / ``decode_tok_s``: batch-wide throughput (tokens per second) of the
-    prefill phase and of the decode phase (from the first token to the last; the freeing of the
-    finished requests' KV after the last token is ``LLM.release_s``). ``peak_memory_bytes``: peak device memory
+    prefill phase and of the decode phase (from the first token to the last: the requests that
+    finish before the last one free their KV inside it; those freed after the last token are
+    timed by ``LLM.release_s``). ``peak_memory_bytes``: peak device memory
     (CUDA allocator) or peak process RSS (CPU).
     """
 

@@ -5,12 +5,12 @@ the layer's output projection, its experts and the next layer's norms and q/k/v 
 things follow for the split gate (:func:`writescope.scheduler.roofline.split_pays`):
 
 - Streaming alone hides its copies behind this work: the load region's blocks of layer l+1 stream
-  while layer l runs its experts. So a step of streaming alone takes about max(O + G, T_link) per
-  layer, not T_link + O. On the H200 machine at DeepSeek-V2-Lite 4 x 8K, `gpu` attended a layer in
+  while layer l runs its experts. So a step of streaming alone takes about
+  max(O + C_gpu_alone, B_alone L + C_gpu_alone) per layer, not the sum. On the H200 machine at DeepSeek-V2-Lite 4 x 8K, `gpu` attended a layer in
   0.383 ms of device time (98.7 GB/s, above the link's 54 GB/s), O was 0.67 ms, and the
   attention-only calibration line said 0.93 ms for streaming alone.
 - A split's CPU part cannot hide there: it needs this layer's q. A split step takes
-  max(O + T_cpu(r), T_link(r)) per layer.
+  max(O + max(T_cpu(r), C_gpu), T_gpu(r)) + C_split per layer.
 
 Without O the gate deployed r = 0.03 at DSV2 4 x 8K and ran at 0.75x `gpu`
 (benchmarks/results/evaluation_h200.md). Host experts read in place over PCIe inside O use the
@@ -19,9 +19,11 @@ link as well: their link time is added to the link's side (``link_seconds``).
 O is measured as the time from one layer's attention end to the next layer's attention begin within
 a decode step. On CUDA that is a pair of timing events on the current stream, read once they have
 completed, with no synchronisation added; without CUDA it is the wall clock. Only some steps are
-measured: the first ``warm`` of each batch size, then every ``every``-th. Each measured step's median
-gap updates the estimate for its batch size, an exponentially weighted mean (weight 0.3) seeded by
-the first. Steps split into two micro-batches are not measured, since their halves interleave.
+measured: after the first step at each batch size, the next ``warm``, then every ``every``-th. The
+first is left out because it captures that size's CUDA graphs (models/graphs.py) in its gaps. Each
+measured step's median gap is one sample for its batch size, tracked as A is: an
+:class:`~writescope.scheduler.roofline.OnlineEstimate`, whose median of the last three samples
+keeps one slow step from moving it. Steps split into two micro-batches are not measured, since their halves interleave.
 
 A batch is placed when its prompts are written, before its first decode step, so the first
 ``generate`` of a process would place its prompts with the gate's form without O. With a
@@ -42,6 +44,7 @@ from typing import Callable
 import torch
 
 from writescope.paths import cache_dir
+from writescope.scheduler.roofline import OnlineEstimate
 
 
 class OtherWork:
@@ -62,13 +65,13 @@ class OtherWork:
                  store_key: str | None = None):
         if warm < 0 or every < 1:
             raise ValueError(f"OtherWork needs warm >= 0 and every >= 1, got warm={warm}, every={every}")
-        self.cuda = torch.device(device).type == "cuda"
+        self.device = torch.device(device)
+        self.cuda = self.device.type == "cuda"
         self.warm, self.every = warm, every
         self.link_seconds = link_seconds
         self.store_key = store_key
-        self._estimates: dict[int, float] = stored(store_key) if store_key else {}
+        self._estimates: dict[int, OnlineEstimate] = {b: OnlineEstimate(v) for b, v in (stored(store_key) if store_key else {}).items()}
         self._measured = False  # since the last save
-        self._alpha = 0.3
         self._steps: dict[int, int] = {}  # decode steps begun per batch size
         self._marks: list | None = None  # this step's ("b" | "e", layer, stamp), None: not measured
         self._batch = 0
@@ -80,7 +83,8 @@ class OtherWork:
         """The tracked O of a layer step at ``batch`` sequences, None before any step was measured
         at that size (then the gate keeps its form without O)."""
         self._resolve()
-        return self._estimates.get(batch)
+        est = self._estimates.get(batch)
+        return est.value if est is not None else None
 
     def save(self) -> Path | None:
         """Keep the estimates for later processes (with a ``store_key``, after new measurements;
@@ -99,7 +103,7 @@ class OtherWork:
                 doc = json.loads(path.read_text())
             except (OSError, ValueError):
                 doc = {}
-            doc[self.store_key] = {str(b): s for b, s in sorted(self._estimates.items())}
+            doc[self.store_key] = {str(b): e.value for b, e in sorted(self._estimates.items())}
             tmp = path.with_suffix(f".{id(self)}.tmp")
             tmp.write_text(json.dumps(doc, indent=1))
             tmp.replace(path)
@@ -132,7 +136,7 @@ class OtherWork:
         if not self.cuda:
             return time.perf_counter()
         ev = torch.cuda.Event(enable_timing=True)
-        ev.record()
+        ev.record(torch.cuda.current_stream(self.device))
         return ev
 
     def _new_step(self, batch: int) -> None:
@@ -142,7 +146,8 @@ class OtherWork:
         n = self._steps.get(batch, 0)
         self._steps[batch] = n + 1
         self._batch = batch
-        self._marks = [] if n < self.warm or (n - self.warm) % self.every == self.every - 1 else None
+        first = n == 0  # this size's graphs are captured in it
+        self._marks = None if first else [] if n <= self.warm or (n - 1 - self.warm) % self.every == self.every - 1 else None
 
     def _resolve(self) -> None:
         """Fold in every waiting step whose last mark has completed (CUDA: ``query``, no wait)."""
@@ -163,8 +168,11 @@ class OtherWork:
     def _update(self, batch: int, sample: float) -> None:
         if not sample >= 0:  # NaN or a clock step back: no measurement
             return
-        old = self._estimates.get(batch)
-        self._estimates[batch] = sample if old is None else old + self._alpha * (sample - old)
+        est = self._estimates.get(batch)
+        if est is None:
+            self._estimates[batch] = OnlineEstimate(sample, samples=deque([sample]))
+        else:
+            est.update(sample)
         self._measured = True
 
 

@@ -64,7 +64,7 @@ def roofline_share(L: float, a: float, b: float, c_cpu: float = 0.0, c_gpu: floa
     return min(1.0, max(0.0, base + delta / ((a + b) * L)))
 
 
-def split_pays(L: float, r: float, a: float, roofline: Roofline, other: float = 0.0, other_link: float = 0.0) -> bool:
+def split_pays(L: float, r: float, a: float, roofline: Roofline, other: float | None = None, other_link: float = 0.0) -> bool:
     """Whether a step over ``L`` placed tokens with CPU share ``r`` in (0, 1] is predicted faster
     than streaming all of them with no CPU part (see the module docstring). True when the
     roofline has no stand-alone calibration (``b_alone`` None): the paper's r(L) then stands.
@@ -74,15 +74,15 @@ def split_pays(L: float, r: float, a: float, roofline: Roofline, other: float = 
     (:mod:`writescope.scheduler.other_work`); ``other_link`` is the part of O that uses the link
     (host experts read in place). Streaming alone hides behind O what the link is not busy with
     there: max(O + C_gpu_alone, B_alone L + C_gpu_alone + O_link). The CPU part waits for q and
-    does not hide: max(O + max(T_cpu(r), C_gpu), T_gpu(r) + O_link) + C_split. With O = 0 these
-    are the forms without it.
+    does not hide: max(O + max(T_cpu(r), C_gpu), T_gpu(r) + O_link) + C_split. With O None (not
+    measured) the forms without it.
     """
     rf = roofline
     if rf.b_alone is None or r <= 0:
         return True
     t_cpu, t_gpu = r * a * L + rf.c_cpu, (1 - r) * rf.b * L + rf.c_gpu  # at r = 1 the GPU still attends the D-window (C_gpu)
     c_alone = rf.c_gpu_alone or 0.0
-    if other > 0:
+    if other is not None:
         split = max(other + max(t_cpu, rf.c_gpu), t_gpu + other_link) + rf.c_split
         alone = max(other + c_alone, rf.b_alone * L + c_alone + other_link)
     else:
@@ -151,7 +151,9 @@ class WriteScopePolicy(PlacementPolicy):
             r, _ = joint_split(L, X, self.experts.costs())
         else:
             r = roofline_share(L, self.a.value, rf.b, rf.c_cpu, rf.c_gpu)
-        o = self.other.seconds(self.batch) if self.other is not None else None
+        # O where no per-step expert split runs (with one, the joint model sets r and O was measured
+        # under other policies' expert path: attach_expert_work attaches the split for writescope only)
+        o = self.other.seconds(self.batch) if self.other is not None and X <= 0 else None
         if o is None:
             return r if split_pays(L, r, self.a.value, rf) else 0.0
         return r if split_pays(L, r, self.a.value, rf, o, self.other.link(self.batch)) else 0.0
