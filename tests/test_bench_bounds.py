@@ -115,3 +115,31 @@ def test_a_grid_no_row_of_which_fits_the_model_is_refused_before_it_loads(capsys
     err = capsys.readouterr().err
     assert "--context 8192: with --steps 4 a request reaches 8197 tokens, beyond the 8192 positions" in err
     assert "use a --context of at most 8187" in err
+
+
+def test_rows_of_a_model_with_host_experts_carry_the_joint_bound():
+    """Where routed experts live in host memory, a row's bound holds the step's expected hit host
+    expert bytes beside its host KV (issue 16's joint bound), and x bound is taken over it."""
+    from writescope import LLM
+    from writescope.bench.report import format_table
+    from writescope.bench.runner import BenchConfig, run_one
+    from writescope.budget.plan import make_plan
+    from writescope.presets import preset_config
+    from writescope.scheduler.expert_work import expected_host_expert_bytes
+    from writescope.scheduler.policies import StaticPolicy
+
+    cfg = preset_config("tiny-qwen3-moe")
+    base = make_plan(cfg, torch.float32, 2**40, 2, cfg.max_position_embeddings, 0, StaticPolicy(0.5), 16)
+    half = base.gpu_min + (base.experts_total // 2 + 8) * base.expert_bytes  # half the experts on the host
+    llm = LLM("tiny-qwen3-moe", progress=False, policy="static:0.5", window=16, vram_budget=half, max_batch=2)
+    rates = bounds.given(10.0, 20.0, cuda=False)
+    row = run_one(llm, BenchConfig([2], [64], ["static:0.5"], steps=2, window=16, warmup=False, kv_fill="random", rates=rates),
+                  2, 64, "static:0.5")
+    assert row.fits and row.step_bound_ms > 0
+    expected = expected_host_expert_bytes(llm._moe_blocks, 2)
+    assert expected > 0 and row.host_expert_bytes == pytest.approx(expected)
+    kv_ms = row.step_bound_ms * rates.split_gbs() * 1e9 / 1e3  # the step's host KV bytes back from its bound
+    assert row.joint_step_bound_ms == pytest.approx((kv_ms + expected) / (rates.split_gbs() * 1e9) * 1e3)
+    assert row.tpot_bound_ms == row.joint_step_bound_ms > row.step_bound_ms
+    table = format_table([row])
+    assert f"{row.tpot_ms / row.joint_step_bound_ms:.2f}x" in table and "GB of host experts it hits (expected)" in table

@@ -52,6 +52,12 @@ def test_configurations_where_writescope_loses_beyond_the_noise_are_named():
     assert headline("m", _grid()).below == [] and "beyond the noise" not in format_headline([headline("m", _grid())])
 
 
+def test_the_headline_takes_tpot_over_the_joint_bound_where_experts_live_in_host_memory():
+    ws = _row(8192, "writescope", 20.0, 100.0)  # TPOT 200 ms, KV bound 100 ms
+    ws.joint_step_bound_ms = 160.0  # with the host experts it hits
+    assert headline("m", [_row(8192, "gpu", 10.0), ws]).x_bound == pytest.approx(200 / 160)
+
+
 def test_a_row_without_a_tpot_is_no_baseline():
     rows = [_row(8192, "gpu", 0.0), _row(8192, "gpu", 10.0, repeat=1), _row(8192, "writescope", 20.0)]
     assert headline("m", rows).over_best == pytest.approx(2.0)  # the gpu row with no TPOT left out, not a division by 0

@@ -7,7 +7,8 @@ Per model (one ``writescope bench --output-json`` grid each):
 - ``writescope``'s decode tok/s (batch / TPOT) over the best baseline of each configuration and over ``gpu``,
   geometric means with their interval over the repeats (:func:`writescope.bench.report.speedups`);
 - which baseline was best most often;
-- ``writescope``'s TPOT over the step's KV bound with both paths at once (the median over those
+- ``writescope``'s TPOT over the step's bound with both paths at once (:attr:`BenchRow.tpot_bound_ms`:
+  KV and, where routed experts live in host memory, the hit host experts; the median over those
   configurations; rows written before the bench measured its bounds have none);
 - the configurations where ``writescope`` is slower than that configuration's best baseline by more
   than the noise (every ratio the repeats allow below 1; issue 17: it never should be).
@@ -61,8 +62,8 @@ def headline(model: str, rows: list[BenchRow], min_context: int = 8192, source: 
                 x, lo, hi = ratio([r.step_tok_s for r in ws], [r.step_tok_s for r in group[name]])
                 if hi < 1:
                     below.append(f"{b}x{c // 1024}K: {x:.2f}x {name} [{lo:.2f}-{hi:.2f}]")
-        if ws and all(r.step_bound_ms > 0 for r in ws):
-            ratios.append(statistics.median(r.tpot_ms for r in ws) / statistics.median(r.step_bound_ms for r in ws))
+        if ws and all(r.tpot_bound_ms > 0 for r in ws):
+            ratios.append(statistics.median(r.tpot_ms for r in ws) / statistics.median(r.tpot_bound_ms for r in ws))
     return Headline(model, best[1] if best else 0, best[0] if best else None, spread.get("best baseline"),
                     s["gpu"][0] if "gpu" in s else None, max(counts, key=counts.get) if counts else "-",
                     statistics.median(ratios) if ratios else None, source, below)

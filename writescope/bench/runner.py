@@ -14,7 +14,11 @@ Per configuration (one row):
   ``resident``, whose KV is all on the device) / the split's rate (both paths at once: :mod:`writescope.bench.bounds`, measured in
   the same run by ``writescope bench``) and ``frac_of_bound`` = bound / measured; ``step_bound_ms``
   and ``stream_step_bound_ms``: the whole step's KV over the split's rate and over streaming
-  alone's (the link), the bounds a TPOT is compared with.
+  alone's (the link); ``host_expert_bytes`` and ``joint_step_bound_ms``: where routed experts
+  live in host memory, a decode step's expected hit host expert bytes (uniform routing:
+  :func:`~writescope.scheduler.expert_work.expected_host_expert_bytes`), and the step's host KV
+  and those bytes over the split's rate (issue 16's joint bound); ``tpot_bound_ms`` is the one a
+  TPOT is compared with.
 A configuration that does not fit (the engine's capacity check, or the device running out of
 memory) becomes a row with ``fits = False`` and the reason; the grid goes on.
 
@@ -38,6 +42,7 @@ from writescope.bench.bounds import Rates
 from writescope.engine.llm import LLM
 from writescope.engine.sampling import SamplingParams
 from writescope.kvcache.inplace import InplaceKVCache
+from writescope.scheduler.expert_work import expected_host_expert_bytes
 
 
 @dataclass
@@ -58,9 +63,17 @@ class BenchRow:
     frac_of_bound: float = 0.0
     step_bound_ms: float = 0.0
     stream_step_bound_ms: float = 0.0
+    host_expert_bytes: float = 0.0  # expected weight bytes of the hit routed experts in host memory, per decode step
+    joint_step_bound_ms: float = 0.0  # the step's host KV and host expert bytes over both paths at once (issue 16)
     prepare_ms_per_layer: float = 0.0  # monolithic: re-layout into pinned staging
     prepare_gbs: float = 0.0  # monolithic: bytes re-laid out per second of prepare
     extra: dict = field(default_factory=dict)
+
+    @property
+    def tpot_bound_ms(self) -> float:
+        """The bound a TPOT is compared with: the joint bound where routed experts live in host
+        memory (``joint_step_bound_ms``), else the step's KV bound (``step_bound_ms``); 0 without one."""
+        return self.joint_step_bound_ms if self.joint_step_bound_ms > 0 else self.step_bound_ms
 
     @property
     def step_tok_s(self) -> float:
@@ -302,4 +315,8 @@ def run_one(llm: LLM, cfg: BenchConfig, batch: int, context: int, policy: str, r
         row.frac_of_bound = row.bound_ms / row.attn_ms_per_layer if row.attn_ms_per_layer > 0 else 0.0
         row.step_bound_ms = host_bytes * llm.config.num_layers / (cfg.rates.split_gbs() * 1e9) * 1e3
         row.stream_step_bound_ms = host_bytes * llm.config.num_layers / (cfg.rates.stream_gbs() * 1e9) * 1e3
+    row.host_expert_bytes = expected_host_expert_bytes(getattr(llm, "_moe_blocks", []), batch)
+    if row.host_expert_bytes > 0 and cfg.rates.split_gbs() > 0:
+        kv = host_bytes * llm.config.num_layers
+        row.joint_step_bound_ms = (kv + row.host_expert_bytes) / (cfg.rates.split_gbs() * 1e9) * 1e3
     return row

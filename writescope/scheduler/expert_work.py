@@ -34,6 +34,14 @@ def expected_hit_experts(tokens: int, num_experts: int, top_k: int) -> float:
     return num_experts * (1.0 - (1.0 - min(top_k, num_experts) / num_experts) ** tokens)
 
 
+def expected_host_expert_bytes(blocks: list, tokens: int) -> float:
+    """Expected weight bytes of the hit routed experts in host memory over ``blocks`` (MoE blocks
+    with a host pack) in a decode step of ``tokens`` tokens: per block its share of experts in
+    host memory times :func:`expected_hit_experts` times one expert's bytes (uniform routing)."""
+    return sum(len(b.host_experts) / b.cfg.num_experts * expected_hit_experts(tokens, b.cfg.num_experts, b.cfg.top_k)
+               * b.host_pack.expert_nbytes for b in blocks if b.host_experts and b.host_pack is not None)
+
+
 class ExpertWork:
     """Tracked expert costs and the per-step expert split.
 

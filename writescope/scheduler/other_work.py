@@ -225,19 +225,16 @@ def in_place_link_seconds(blocks: list, seconds_per_byte: float, num_layers: int
     of up to ``max_tokens`` tokens.
 
     A block's hit host experts at ``batch`` tokens are its expected distinct hit experts
-    (:func:`writescope.scheduler.expert_work.expected_hit_experts`, uniform routing) times its share
-    of experts in host memory; their weight bytes at ``seconds_per_byte`` (the calibrated streaming
+    (:func:`writescope.scheduler.expert_work.expected_host_expert_bytes`, uniform routing): their weight bytes at ``seconds_per_byte`` (the calibrated streaming
     rate) over all ``num_layers`` layers give the mean per layer step.
     """
-    from writescope.scheduler.expert_work import expected_hit_experts
+    from writescope.scheduler.expert_work import expected_host_expert_bytes
 
     hosted = [b for b in blocks if b.host_experts and b.host_pack is not None and b.reads_host_experts_in_place(max_tokens)]
     if not hosted or num_layers < 1:
         return None
 
     def link(batch: int) -> float:
-        hit = sum(len(b.host_experts) / b.cfg.num_experts * expected_hit_experts(batch, b.cfg.num_experts, b.cfg.top_k)
-                  * b.host_pack.expert_nbytes for b in hosted)
-        return hit * seconds_per_byte / num_layers
+        return expected_host_expert_bytes(hosted, batch) * seconds_per_byte / num_layers
 
     return link
