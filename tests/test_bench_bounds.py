@@ -136,6 +136,7 @@ def test_rows_of_a_model_with_host_experts_carry_the_joint_bound():
     row = run_one(llm, BenchConfig([2], [64], ["static:0.5"], steps=2, window=16, warmup=False, kv_fill="random", rates=rates),
                   2, 64, "static:0.5")
     assert row.fits and row.step_bound_ms > 0
+    assert row.extra["other_work_ms"] == llm.other_work.seconds(2) * 1e3  # O as the gate saw it, kept with the row
     expected = expected_host_expert_bytes(llm._moe_blocks, 2)
     assert expected > 0 and row.host_expert_bytes == pytest.approx(expected)
     kv_ms = row.step_bound_ms * rates.split_gbs() * 1e9 / 1e3  # the step's host KV bytes back from its bound

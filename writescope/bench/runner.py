@@ -280,6 +280,9 @@ def run_one(llm: LLM, cfg: BenchConfig, batch: int, context: int, policy: str, r
         row.extra["issue_ms"] = statistics.median(i for i, _ in llm.decode_host) * 1e3
         row.extra["wait_ms"] = statistics.median(w for _, w in llm.decode_host) * 1e3
     row.extra["release_ms"] = llm.release_s * 1e3  # freeing the batch's KV after its last token (not in TPOT)
+    other = llm.other_work.seconds(batch) if getattr(llm, "other_work", None) is not None else None
+    if other is not None:  # O at this batch, as the split gate saw it after this row (scheduler/other_work.py)
+        row.extra["other_work_ms"] = other * 1e3
     m = outs[0].metrics
     row.prefill_tok_s, row.decode_tok_s = (0.0 if cfg.kv_fill == "random" else m.prefill_tok_s), m.decode_tok_s
     row.extra["kv_fill"] = cfg.kv_fill
