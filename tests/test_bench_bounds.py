@@ -137,6 +137,7 @@ def test_rows_of_a_model_with_host_experts_carry_the_joint_bound():
                   2, 64, "static:0.5")
     assert row.fits and row.step_bound_ms > 0
     assert row.extra["other_work_ms"] == llm.other_work.seconds(2) * 1e3  # O as the gate saw it, kept with the row
+    assert row.extra["pinned"] == {"register_s": 0.0, "register_bytes": 0, "unregister_s": 0.0, "unregister_bytes": 0}  # no CUDA
     expected = expected_host_expert_bytes(llm._moe_blocks, 2)
     assert expected > 0 and row.host_expert_bytes == pytest.approx(expected)
     kv_ms = row.step_bound_ms * rates.split_gbs() * 1e9 / 1e3  # the step's host KV bytes back from its bound

@@ -101,14 +101,22 @@ def test_load_region_is_pinned_and_unregistered_on_free():
 
 
 def test_exact_sized_registration_round_trip():
+    from writescope.kvcache import pinned
+
+    before = dict(pinned.STATS)
     t = host_empty((3, 1000, 7), torch.bfloat16, pin=True)
     assert t.is_pinned() and t.shape == (3, 1000, 7)
+    span = -(-3 * 1000 * 7 * 2 // pinned.PAGE) * pinned.PAGE
+    assert pinned.STATS["register_bytes"] - before["register_bytes"] == span and pinned.STATS["register_s"] >= before["register_s"]
     src = torch.randn(3, 1000, 7, device="cuda").bfloat16()
     t.copy_(src, non_blocking=True)
     torch.cuda.synchronize()
     assert torch.equal(t, src.cpu())
     unpin(t)
     assert not t.is_pinned()
+    assert pinned.STATS["unregister_bytes"] - before["unregister_bytes"] == span  # counted once: unpin is idempotent
+    unpin(t)
+    assert pinned.STATS["unregister_bytes"] - before["unregister_bytes"] == span
 
 
 def test_pingpong_copies_overlap_attention():

@@ -41,6 +41,7 @@ from writescope.bench import switches
 from writescope.bench.bounds import Rates
 from writescope.engine.llm import LLM
 from writescope.engine.sampling import SamplingParams
+from writescope.kvcache import pinned
 from writescope.kvcache.inplace import InplaceKVCache
 from writescope.scheduler.expert_work import expected_host_expert_bytes
 
@@ -253,6 +254,7 @@ def run_one(llm: LLM, cfg: BenchConfig, batch: int, context: int, policy: str, r
     base, env = switches.split(policy)  # POLICY@NAME=VALUE+...: the row's own switches, for its cache and its forwards
     if env:
         row.extra["switches"] = env
+    pinned_before = dict(pinned.STATS)
     try:
         with switches.applied(env):
             llm.set_policy(base, cfg.window, roofline=roofline)
@@ -280,6 +282,9 @@ def run_one(llm: LLM, cfg: BenchConfig, batch: int, context: int, policy: str, r
         row.extra["issue_ms"] = statistics.median(i for i, _ in llm.decode_host) * 1e3
         row.extra["wait_ms"] = statistics.median(w for _, w in llm.decode_host) * 1e3
     row.extra["release_ms"] = llm.release_s * 1e3  # freeing the batch's KV after its last token (not in TPOT)
+    # page-locking and unlocking host memory from this row's set_policy (which closes the last row's cache)
+    # to its end: the wall seconds of the CUDA calls and their bytes (all 0 without CUDA)
+    row.extra["pinned"] = {k: pinned.STATS[k] - pinned_before[k] for k in pinned.STATS}
     other = llm.other_work.seconds(batch) if getattr(llm, "other_work", None) is not None else None
     if other is not None:  # O at this batch, as the split gate saw it after this row (scheduler/other_work.py)
         row.extra["other_work_ms"] = other * 1e3

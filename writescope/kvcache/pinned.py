@@ -13,11 +13,18 @@ tensor is returned unpinned.
 from __future__ import annotations
 
 import mmap
+import time
 import weakref
 
 import torch
 
 PAGE = mmap.PAGESIZE
+
+# seconds and bytes of every registration and unregistration in this process (wall time of the
+# CUDA calls): what a request's admission and its freeing cost the thread that issues the GPU work
+# (a pool of registered slabs reused across requests is the fix if they weigh; the bench keeps
+# each row's share: writescope/bench/runner.py)
+STATS = {"register_s": 0.0, "register_bytes": 0, "unregister_s": 0.0, "unregister_bytes": 0}
 
 
 def host_empty(shape: tuple[int, ...], dtype: torch.dtype, pin: bool) -> torch.Tensor:
@@ -45,14 +52,24 @@ def host_empty(shape: tuple[int, ...], dtype: torch.dtype, pin: bool) -> torch.T
     t = torch.frombuffer(buf, dtype=dtype, count=nbytes // itemsize).view(shape)  # keeps buf alive
     ptr = t.data_ptr()
     cudart = torch.cuda.cudart()
+    t0 = time.perf_counter()
     err = int(cudart.cudaHostRegister(ptr, span, 0))
+    STATS["register_s"] += time.perf_counter() - t0
     if err != 0:
         _clear_cuda_error()
         raise RuntimeError(
             f"cudaHostRegister of {nbytes / 2**30:.3f} GiB failed (CUDA error {err}): lower the pinned budget or the batch"
         )
-    t._writescope_unpin = weakref.finalize(t, cudart.cudaHostUnregister, ptr)  # type: ignore[attr-defined]
+    STATS["register_bytes"] += span
+    t._writescope_unpin = weakref.finalize(t, _unregister, cudart, ptr, span)  # type: ignore[attr-defined]
     return t
+
+
+def _unregister(cudart, ptr: int, span: int) -> None:
+    t0 = time.perf_counter()
+    cudart.cudaHostUnregister(ptr)
+    STATS["unregister_s"] += time.perf_counter() - t0
+    STATS["unregister_bytes"] += span
 
 
 class _DeviceArray:
