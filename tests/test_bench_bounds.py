@@ -68,6 +68,7 @@ def test_bench_measures_its_bounds_and_rows_carry_them(tmp_path, capsys):
                  "--output-json", str(out)]) == 0
     printed = capsys.readouterr().out
     assert "bound rates (measured in this run" in printed and "x bound" in printed and "the step's host-resident KV takes" in printed
+    assert "work outside attention per decode layer step (O, measured in the decode steps" in printed and "batch 2 " in printed
     doc = json.loads(out.read_text())
     rates = doc["bound_rates"]
     assert rates["cpu_alone"] > 0 and rates["h2d_alone"] is None and rates["source"].startswith("measured in this run")

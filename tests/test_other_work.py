@@ -150,3 +150,18 @@ def test_o_is_not_used_where_a_per_step_expert_split_runs(monkeypatch):
     policy.experts = types.SimpleNamespace(expected_bytes=lambda b: 1e6, costs=lambda: None)
     assert policy.cpu_share(8192) == 0.3
     assert seen == [(1e-3, 0.0), ()]  # O with the KV-only roofline; none with the joint one
+
+
+def test_steps_split_into_two_micro_batches_are_not_measured(monkeypatch):
+    """Two micro-batches interleave their layers' attentions, so their gaps are not O."""
+    from writescope import LLM, SamplingParams
+
+    monkeypatch.setenv("WRITESCOPE_MICRO_BATCHES", "2")
+    llm = LLM("tiny-qwen3-moe", progress=False, policy="static:0.5", window=16)
+    prompts = [[1 + i for i in range(40)], [2 + i for i in range(50)]]
+    llm.generate(prompt_token_ids=prompts, sampling_params=SamplingParams(max_tokens=4, ignore_eos=True))
+    assert llm.cache.micro_batches == 2 and llm.other_work.seconds(2) is None
+    monkeypatch.delenv("WRITESCOPE_MICRO_BATCHES")
+    llm.set_policy("static:0.5")  # one micro-batch again: measured
+    llm.generate(prompt_token_ids=prompts, sampling_params=SamplingParams(max_tokens=4, ignore_eos=True))
+    assert llm.cache.micro_batches == 1 and llm.other_work.seconds(2) is not None
