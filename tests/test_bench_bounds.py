@@ -68,7 +68,7 @@ def test_bench_measures_its_bounds_and_rows_carry_them(tmp_path, capsys):
                  "--output-json", str(out)]) == 0
     printed = capsys.readouterr().out
     assert "bound rates (measured in this run" in printed and "x bound" in printed and "the step's host-resident KV takes" in printed
-    assert "work outside attention per decode layer step (O, measured in the decode steps" in printed and "batch 2 " in printed
+    assert "work outside attention per decode layer step (O, measured in decode steps" in printed and "batch 2 " in printed
     doc = json.loads(out.read_text())
     rates = doc["bound_rates"]
     assert rates["cpu_alone"] > 0 and rates["h2d_alone"] is None and rates["source"].startswith("measured in this run")
@@ -141,8 +141,8 @@ def test_rows_of_a_model_with_host_experts_carry_the_joint_bound():
     assert row.extra["pinned"] == {"register_s": 0.0, "register_bytes": 0, "unregister_s": 0.0, "unregister_bytes": 0}  # no CUDA
     expected = expected_host_expert_bytes(llm._moe_blocks, 2)
     assert expected > 0 and row.host_expert_bytes == pytest.approx(expected)
-    kv_ms = row.step_bound_ms * rates.split_gbs() * 1e9 / 1e3  # the step's host KV bytes back from its bound
-    assert row.joint_step_bound_ms == pytest.approx((kv_ms + expected) / (rates.split_gbs() * 1e9) * 1e3)
+    kv_bytes = row.step_bound_ms / 1e3 * rates.split_gbs() * 1e9  # the step's host KV bytes, back from its KV bound
+    assert row.joint_step_bound_ms == pytest.approx((kv_bytes + expected) / (rates.split_gbs() * 1e9) * 1e3)
     assert row.tpot_bound_ms == row.joint_step_bound_ms > row.step_bound_ms
     table = format_table([row])
     assert f"{row.tpot_ms / row.joint_step_bound_ms:.2f}x" in table and "GB of host experts it hits (expected)" in table

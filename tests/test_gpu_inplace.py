@@ -107,7 +107,7 @@ def test_exact_sized_registration_round_trip():
     t = host_empty((3, 1000, 7), torch.bfloat16, pin=True)
     assert t.is_pinned() and t.shape == (3, 1000, 7)
     span = -(-3 * 1000 * 7 * 2 // pinned.PAGE) * pinned.PAGE
-    assert pinned.STATS["register_bytes"] - before["register_bytes"] == span and pinned.STATS["register_s"] >= before["register_s"]
+    assert pinned.STATS["register_bytes"] - before["register_bytes"] == span
     src = torch.randn(3, 1000, 7, device="cuda").bfloat16()
     t.copy_(src, non_blocking=True)
     torch.cuda.synchronize()

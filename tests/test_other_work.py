@@ -110,9 +110,8 @@ def test_the_engine_measures_o_in_decode_steps_and_the_writescope_gate_uses_it(m
     llm.policy.cpu_share(64)
     assert seen and seen[-1][0] == o  # O at this batch reaches the gate
     # the key a CUDA engine keeps its estimates under (built here on the CPU: same code)
-    monkeypatch.setenv("WRITESCOPE_MOE_KERNEL", "grouped")
     key = ow.engine_store_key(llm.device, llm.config, llm.dtype, llm._moe_blocks)
-    assert f"{llm.config.num_layers} layers" in key and "0/" in key and "WRITESCOPE_MOE_KERNEL=grouped" in key
+    assert key.startswith(f"v{ow.STORE_VERSION}|") and f"{llm.config.num_layers} layers" in key and "|0/" in key
     llm.set_policy("gpu")  # a new cache keeps the meter; the estimates stay
     assert llm.cache.other_work is llm.other_work and llm.other_work.seconds(2) == o
 
@@ -130,8 +129,29 @@ def test_estimates_are_kept_for_a_later_process_under_their_key(monkeypatch, tmp
     again = ow.OtherWork(torch.device("cpu"), store_key="machine|model")
     assert again.seconds(4) == pytest.approx(0.2) and again.seconds(8) == 0.0  # the last step counts once saved
     assert ow.OtherWork(torch.device("cpu"), store_key="another").seconds(4) is None
-    path.write_text("{not json")
-    assert ow.stored("machine|model") == {}  # an unreadable file keeps nothing and breaks nothing
+    # another process's entries survive a save; a bad entry is left out alone
+    import json
+
+    doc = json.loads(path.read_text())
+    doc["machine|model"][""]["x"] = 1.0
+    doc["machine|model"][""]["16"] = float("inf")
+    doc["other|model"] = {"": {"4": 0.5}}
+    path.write_text(json.dumps(doc))
+    assert ow.stored("machine|model") == {("", 4): pytest.approx(0.2), ("", 8): 0.0}
+    for gaps in ([0.4] * 3, [0.0] * 3):
+        _step(again, clock, gaps)
+    _step(again, clock, [0.0] * 3)
+    assert again.save() == path and json.loads(path.read_text())["other|model"] == {"": {"4": 0.5}}
+    # kernels' switches: their own estimates (a bench row's POLICY@NAME=VALUE runs other kernels)
+    monkeypatch.setenv("WRITESCOPE_MOE_KERNEL", "grouped")
+    assert again.seconds(4) is None
+    monkeypatch.delenv("WRITESCOPE_MOE_KERNEL")
+    assert again.seconds(4) is not None
+    for text in ("{not json", "null", "[]"):
+        path.write_text(text)
+        assert ow.stored("machine|model") == {}  # an unreadable file keeps nothing and breaks nothing
+    _step(again, clock, [0.3] * 3)
+    assert again.save() == path and ("", 4) in ow.stored("machine|model")  # and the next save writes it afresh
     assert ow.for_engine(torch.device("cpu"), None, torch.float32, []).store_key is None  # without CUDA nothing is kept
 
 

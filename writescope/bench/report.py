@@ -75,7 +75,7 @@ def format_table(rows: list[BenchRow]) -> str:
     out.append("(decode tok/s: batch / TPOT, the decode steps alone; freeing the finished requests' KV after them is not in it)")
     bounds = {}
     for (b, c, _), group in runs(rows).items():
-        ok = [r for r in group if r.fits and r.step_bound_ms > 0]
+        ok = [r for r in group if r.fits and r.tpot_bound_ms > 0]
         if ok and (b, c) not in bounds:
             bounds[b, c] = ok[0]
     for (b, c), r in bounds.items():

@@ -210,9 +210,11 @@ def run(args: argparse.Namespace) -> int:
         print("note: on the CPU the 'GPU' side runs as CPU tensors: these timings and speedups say nothing about a GPU machine")
     if args.kv_fill == "random":
         print("prefill tok/s is 0: --kv-fill random wrote the prompts' KV as random values without running the prompts")
-    other = {b: llm.other_work.seconds(b) for b in batches}
+    meter = getattr(llm, "other_work", None)
+    other = {b: meter.seconds(b) for b in batches} if meter is not None else {}
     if any(o is not None for o in other.values()):  # what writescope's split gate counted (scheduler/other_work.py)
-        print("work outside attention per decode layer step (O, measured in the decode steps; the split gate counts it): "
+        print("work outside attention per decode layer step (O, measured in decode steps, on CUDA also kept from earlier runs; "
+              "the split gate counts it): "
               + ", ".join(f"batch {b} {o * 1e3:.3g} ms" for b, o in other.items() if o is not None))
     best = format_best(rows)
     if best:

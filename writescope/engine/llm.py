@@ -5,6 +5,7 @@ from __future__ import annotations
 import os
 import resource
 import time
+import warnings
 from typing import Sequence
 
 import torch
@@ -405,8 +406,11 @@ class LLM:
             t_end = time.perf_counter()
         finally:
             self.decode_host = list(core.decode_host)
-            self.other_work.save()  # O measured in this run, for the first batch of a later process
             failed = [o.error for o in core.abort_all() if o.error]  # after an exception: free every slot
+            try:
+                self.other_work.save()  # O measured in this run, for the first batch of a later process
+            except Exception as e:  # never the run's result or its own error: only the keeping is lost
+                warnings.warn(f"writescope: the measured work outside attention was not kept: {type(e).__name__}: {e}", stacklevel=2)
         if failed:
             raise RuntimeError(failed[0])
         peak = peak_memory(self.device)

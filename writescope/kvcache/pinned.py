@@ -67,9 +67,10 @@ def host_empty(shape: tuple[int, ...], dtype: torch.dtype, pin: bool) -> torch.T
 
 def _unregister(cudart, ptr: int, span: int) -> None:
     t0 = time.perf_counter()
-    cudart.cudaHostUnregister(ptr)
+    err = int(cudart.cudaHostUnregister(ptr))
     STATS["unregister_s"] += time.perf_counter() - t0
-    STATS["unregister_bytes"] += span
+    if err == 0:
+        STATS["unregister_bytes"] += span
 
 
 class _DeviceArray:

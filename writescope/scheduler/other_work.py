@@ -34,10 +34,15 @@ the same machine, model shape, expert placement and kernels starts from them.
 
 from __future__ import annotations
 
+import hashlib
 import json
+import math
+import os
 import statistics
+import tempfile
 import time
 from collections import deque
+from contextlib import contextmanager
 from pathlib import Path
 from typing import Callable
 
@@ -70,46 +75,64 @@ class OtherWork:
         self.warm, self.every = warm, every
         self.link_seconds = link_seconds
         self.store_key = store_key
-        self._estimates: dict[int, OnlineEstimate] = {b: OnlineEstimate(v) for b, v in (stored(store_key) if store_key else {}).items()}
-        self._measured = False  # since the last save
-        self._steps: dict[int, int] = {}  # decode steps begun per batch size
+        # (switches, batch) -> estimate: a bench row's own switches (POLICY@NAME=VALUE) run other kernels
+        self._estimates: dict[tuple[str, int], OnlineEstimate] = {k: OnlineEstimate(v) for k, v in stored(store_key).items()} if store_key else {}
+        self._new: set[tuple[str, int]] = set()  # measured since the last save
+        self._steps: dict[tuple[str, int], int] = {}  # decode steps begun per (switches, batch)
         self._marks: list | None = None  # this step's ("b" | "e", layer, stamp), None: not measured
-        self._batch = 0
+        self._step_key: tuple[str, int] = ("", 0)
         self._last_layer = None
-        self._waiting: deque = deque()  # (batch, marks) of steps whose events may not have completed
+        self._waiting: deque = deque()  # (key, marks) of steps whose events may not have completed
 
     # ------------------------------------------------------------------ reading
     def seconds(self, batch: int) -> float | None:
-        """The tracked O of a layer step at ``batch`` sequences, None before any step was measured
-        at that size (then the gate keeps its form without O)."""
+        """The tracked O of a layer step at ``batch`` sequences under the switches set now, None
+        before any step was measured there (then the gate keeps its form without O)."""
         self._resolve()
-        est = self._estimates.get(batch)
+        est = self._estimates.get((switch_signature(), batch))
         return est.value if est is not None else None
 
     def save(self) -> Path | None:
-        """Keep the estimates for later processes (with a ``store_key``, after new measurements;
-        a file that cannot be written costs only the keeping). Call it between steps (the engine does
-        after ``generate``): the step under way counts as finished. Returns the file written, or None."""
+        """Keep the estimates measured in this process for later ones (with a ``store_key``): under
+        a lock, the file is read again and only what was measured here replaces its entries. A file
+        that cannot be read or written costs only the keeping. Call it between steps (the engine
+        does after ``generate``): the step under way counts as finished. Returns the file written,
+        or None."""
         if self._marks:
-            self._waiting.append((self._batch, self._marks))
+            self._waiting.append((self._step_key, self._marks))
         self._marks, self._last_layer = None, None
         self._resolve()
-        if not (self.store_key and self._measured):
+        if not (self.store_key and self._new):
             return None
         path = store_path()
         try:
             path.parent.mkdir(parents=True, exist_ok=True)
-            try:
-                doc = json.loads(path.read_text())
-            except (OSError, ValueError):
-                doc = {}
-            doc[self.store_key] = {str(b): e.value for b, e in sorted(self._estimates.items())}
-            tmp = path.with_suffix(f".{id(self)}.tmp")
-            tmp.write_text(json.dumps(doc, indent=1))
-            tmp.replace(path)
-        except OSError:
+            with _locked(path.with_suffix(".lock")):
+                try:
+                    doc = json.loads(path.read_text())
+                except (OSError, ValueError):
+                    doc = {}
+                if not isinstance(doc, dict):
+                    doc = {}
+                entry = doc.get(self.store_key)
+                entry = entry if isinstance(entry, dict) else {}
+                for sig, batch in sorted(self._new):
+                    by_batch = entry.get(sig)
+                    by_batch = by_batch if isinstance(by_batch, dict) else {}
+                    by_batch[str(batch)] = self._estimates[sig, batch].value
+                    entry[sig] = by_batch
+                doc[self.store_key] = entry
+                fd, tmp = tempfile.mkstemp(dir=path.parent, prefix=path.name, suffix=".tmp")
+                try:
+                    with os.fdopen(fd, "w") as f:
+                        f.write(json.dumps(doc, indent=1))  # our own values are finite (_update); others pass as they are
+                    os.replace(tmp, path)
+                except BaseException:
+                    Path(tmp).unlink(missing_ok=True)
+                    raise
+        except (OSError, ValueError):
             return None
-        self._measured = False
+        self._new.clear()
         return path
 
     def link(self, batch: int) -> float:
@@ -121,7 +144,7 @@ class OtherWork:
         """A decode layer's attention begins (before its KV append); a layer at or below the last
         begun one starts a new step."""
         if self._last_layer is None or layer <= self._last_layer:
-            self._new_step(batch)
+            self._new_step((switch_signature(), batch))
         self._last_layer = layer
         if self._marks is not None:
             self._marks.append(("b", layer, self._stamp()))
@@ -139,20 +162,20 @@ class OtherWork:
         ev.record(torch.cuda.current_stream(self.device))
         return ev
 
-    def _new_step(self, batch: int) -> None:
+    def _new_step(self, key: tuple[str, int]) -> None:
         if self._marks:
-            self._waiting.append((self._batch, self._marks))
+            self._waiting.append((self._step_key, self._marks))
         self._resolve()
-        n = self._steps.get(batch, 0)
-        self._steps[batch] = n + 1
-        self._batch = batch
+        n = self._steps.get(key, 0)
+        self._steps[key] = n + 1
+        self._step_key = key
         first = n == 0  # this size's graphs are captured in it
         self._marks = None if first else [] if n <= self.warm or (n - 1 - self.warm) % self.every == self.every - 1 else None
 
     def _resolve(self) -> None:
         """Fold in every waiting step whose last mark has completed (CUDA: ``query``, no wait)."""
         while self._waiting:
-            batch, marks = self._waiting[0]
+            key, marks = self._waiting[0]
             last = marks[-1][2]
             if self.cuda and not last.query():
                 return
@@ -160,62 +183,102 @@ class OtherWork:
             gaps = [self._elapsed(a[2], b[2]) for a, b in zip(marks, marks[1:])
                     if a[0] == "e" and b[0] == "b" and b[1] == a[1] + 1]
             if gaps:
-                self._update(batch, statistics.median(gaps))
+                self._update(key, statistics.median(gaps))
 
     def _elapsed(self, a, b) -> float:
         return b - a if not self.cuda else a.elapsed_time(b) / 1e3
 
-    def _update(self, batch: int, sample: float) -> None:
-        if not sample >= 0:  # NaN or a clock step back: no measurement
+    def _update(self, key: tuple[str, int], sample: float) -> None:
+        if not (math.isfinite(sample) and sample >= 0):  # NaN, infinite or a clock step back: no measurement
             return
-        est = self._estimates.get(batch)
+        est = self._estimates.get(key)
         if est is None:
-            self._estimates[batch] = OnlineEstimate(sample, samples=deque([sample]))
+            self._estimates[key] = OnlineEstimate(sample, samples=deque([sample]))
         else:
             est.update(sample)
-        self._measured = True
+        self._new.add(key)
+
+
+_SWITCH_NAMES: tuple[str, ...] | None = None
+
+
+def switch_signature() -> str:
+    """The kernels' switches set in the environment now (``writescope.engine.switches.NAMES``),
+    ``NAME=VALUE`` joined by commas; empty with every default."""
+    global _SWITCH_NAMES
+    if _SWITCH_NAMES is None:
+        from writescope.engine.switches import NAMES
+
+        _SWITCH_NAMES = tuple(NAMES)
+    return ",".join(f"{n}={os.environ[n]}" for n in _SWITCH_NAMES if os.environ.get(n))
+
+
+@contextmanager
+def _locked(path: Path):
+    """An exclusive ``flock`` on ``path`` for the block (none where fcntl is missing)."""
+    try:
+        import fcntl
+    except ImportError:
+        yield
+        return
+    with open(path, "a") as f:
+        fcntl.flock(f, fcntl.LOCK_EX)
+        try:
+            yield
+        finally:
+            fcntl.flock(f, fcntl.LOCK_UN)
 
 
 def for_engine(device: torch.device, config, dtype: torch.dtype, moe_blocks: list) -> OtherWork:
-    """The engine's meter: on CUDA with a :func:`store_key` of this machine, model, expert placement
-    and the kernels' switches set in the environment (their defaults otherwise); without CUDA none
-    (nothing is kept)."""
+    """The engine's meter: on CUDA with the :func:`engine_store_key` of this machine, model and
+    expert placement (estimates kept per kernel switches within it); without CUDA nothing is kept."""
     cuda = torch.device(device).type == "cuda"
     return OtherWork(device, store_key=engine_store_key(device, config, dtype, moe_blocks) if cuda else None)
 
 
 def engine_store_key(device: torch.device, config, dtype: torch.dtype, moe_blocks: list) -> str:
-    """:func:`store_key` of an engine: this machine, ``config``'s shape, the routed experts in host
-    memory over ``moe_blocks``, and the kernels' switches set in the environment."""
-    import os
-
-    from writescope.engine.switches import NAMES
+    """:func:`store_key` of an engine: this machine, ``config``, the dtype and the routed experts in
+    host memory over ``moe_blocks``."""
     from writescope.scheduler.calibrate import machine_key
 
     host = sum(len(b.host_experts) for b in moe_blocks)
     routed = sum(b.cfg.num_experts for b in moe_blocks)
-    switches = ",".join(f"{n}={os.environ[n]}" for n in NAMES if os.environ.get(n))
-    return store_key(machine_key(torch.device(device)), config, dtype, host, routed, switches)
+    return store_key(machine_key(torch.device(device)), config, dtype, host, routed)
 
 
 def store_path() -> Path:
     return cache_dir("") / "other_work.json"
 
 
-def stored(key: str) -> dict[int, float]:
-    """The kept estimates of ``key`` (batch -> seconds); empty when none are kept or the file is unreadable."""
+def stored(key: str) -> dict[tuple[str, int], float]:
+    """The kept estimates of ``key``: (switches, batch) -> seconds. Entries that are not a batch
+    size with a finite, non-negative time are left out one by one; an unreadable file keeps nothing."""
     try:
-        entry = json.loads(store_path().read_text())[key]
-        return {int(b): float(s) for b, s in entry.items() if float(s) >= 0}
-    except (OSError, ValueError, KeyError, TypeError, AttributeError):
+        entry = json.loads(store_path().read_text()).get(key)
+    except (OSError, ValueError, AttributeError):
         return {}
+    out = {}
+    for sig, by_batch in (entry.items() if isinstance(entry, dict) else ()):
+        for b, v in (by_batch.items() if isinstance(by_batch, dict) else ()):
+            try:
+                batch, secs = int(b), float(v)
+            except (TypeError, ValueError):
+                continue
+            if batch > 0 and math.isfinite(secs) and secs >= 0:
+                out[str(sig), batch] = secs
+    return out
 
 
-def store_key(machine: str, config, dtype: torch.dtype, host_experts: int, routed_experts: int, switches: str) -> str:
-    """What O depends on: the machine (``calibrate.machine_key``), the model's shape, the dtype,
-    how many routed experts live in host memory, and the kernels' switches (``switches``)."""
-    return (f"{machine}|{config.model_type} {config.num_layers} layers {config.hidden_size} hidden|{dtype}|"
-            f"{host_experts}/{routed_experts} host experts|{switches}")
+STORE_VERSION = 1  # part of the key: a change in how O is measured starts afresh
+
+
+def store_key(machine: str, config, dtype: torch.dtype, host_experts: int, routed_experts: int) -> str:
+    """What O depends on beyond the kernels' switches: the machine (``calibrate.machine_key``), the
+    model (a hash of its whole configuration), the dtype and how many routed experts live in host
+    memory; with the store's version."""
+    model = hashlib.sha1(config.hf_config_json.encode()).hexdigest()[:12]
+    return (f"v{STORE_VERSION}|{machine}|{config.model_type} {config.num_layers} layers, config {model}|{dtype}|"
+            f"{host_experts}/{routed_experts} host experts")
 
 
 def in_place_link_seconds(blocks: list, seconds_per_byte: float, num_layers: int,
