@@ -185,3 +185,17 @@ def test_steps_split_into_two_micro_batches_are_not_measured(monkeypatch):
     llm.set_policy("static:0.5")  # one micro-batch again: measured
     llm.generate(prompt_token_ids=prompts, sampling_params=SamplingParams(max_tokens=4, ignore_eos=True))
     assert llm.cache.micro_batches == 1 and llm.other_work.seconds(2) is not None
+
+
+def test_generate_frees_its_slots_and_returns_when_keeping_o_fails(monkeypatch):
+    from writescope import LLM, SamplingParams
+
+    llm = LLM("tiny-qwen3-moe", progress=False, policy="static:0.5", window=16)
+
+    def broken():
+        raise TypeError("a cache file that is not an object")
+
+    monkeypatch.setattr(llm.other_work, "save", broken)
+    with pytest.warns(UserWarning, match="work outside attention was not kept: TypeError"):
+        outs = llm.generate(prompt_token_ids=[[1 + i for i in range(40)]], sampling_params=SamplingParams(max_tokens=3, ignore_eos=True))
+    assert len(outs[0].outputs[0].token_ids) == 3 and llm.cache.active_slots == []
