@@ -8,6 +8,7 @@ import types
 import pytest
 import torch
 
+from writescope.engine import timing
 from writescope.kvcache.spec import Roofline
 from writescope.scheduler import other_work as ow
 from writescope.scheduler.roofline import WriteScopePolicy, split_pays
@@ -56,7 +57,7 @@ def _step(meter, clock, gaps, attn=1.0, batch=4):
 
 def test_o_is_the_median_gap_between_consecutive_layers_tracked_per_batch(monkeypatch):
     clock = FakeClock()
-    monkeypatch.setattr(ow.time, "perf_counter", clock)
+    monkeypatch.setattr(timing.time, "perf_counter", clock)
     m = ow.OtherWork(torch.device("cpu"), warm=2, every=3)
     assert m.seconds(4) is None and m.link(4) == 0.0
     _step(m, clock, [9.0, 9.0, 9.0])  # a batch size's first step captures its graphs: not measured
@@ -119,7 +120,7 @@ def test_the_engine_measures_o_in_decode_steps_and_the_writescope_gate_uses_it(m
 def test_estimates_are_kept_for_a_later_process_under_their_key(monkeypatch, tmp_path):
     monkeypatch.setenv("XDG_CACHE_HOME", str(tmp_path))
     clock = FakeClock()
-    monkeypatch.setattr(ow.time, "perf_counter", clock)
+    monkeypatch.setattr(timing.time, "perf_counter", clock)
     m = ow.OtherWork(torch.device("cpu"), store_key="machine|model")
     assert m.save() is None  # nothing measured: nothing written
     for batch, gaps in ((4, [9.0] * 3), (4, [0.1, 0.3, 0.2]), (8, [9.0] * 3), (8, [0.0] * 3)):  # first steps left out

@@ -34,6 +34,7 @@ from writescope.attention.gpu_decode import GpuDecode
 from writescope.attention.merge import merge_segments, merge_unchecked
 from writescope.attention.partial import attend_blocks, block_partials, cpu_attend
 from writescope.engine.threads import default_attention_threads, intra_op_threads
+from writescope.engine.timing import stamp
 from writescope.env import env_choice
 from writescope.kvcache.pinned import device_view, host_empty, unpin
 from writescope.kvcache.spec import PartitionSpec
@@ -351,11 +352,7 @@ class SplitDecoder:
         return host, ev
 
     def _start_gpu_timer(self):
-        if not self.cuda:
-            return time.perf_counter()
-        ev = torch.cuda.Event(enable_timing=True)
-        ev.record(torch.cuda.current_stream(self.device))
-        return ev
+        return stamp(self.device)
 
     def _stop_gpu_timer(self, start):
         if not self.cuda:

@@ -29,3 +29,18 @@ def synchronized_seconds(fn: Callable[[], T], device: torch.device) -> tuple[T, 
     out = fn()
     synchronize(device)
     return out, time.perf_counter() - t0
+
+
+def stamp(device: torch.device):
+    """A point on ``device``'s current stream: a recorded timing event on CUDA (no synchronisation),
+    the wall clock otherwise. Two stamps give seconds through :func:`stamp_seconds`."""
+    if device.type != "cuda":
+        return time.perf_counter()
+    ev = torch.cuda.Event(enable_timing=True)
+    ev.record(torch.cuda.current_stream(device))
+    return ev
+
+
+def stamp_seconds(start, end) -> float:
+    """Seconds from stamp ``start`` to stamp ``end`` (on CUDA both must have completed)."""
+    return end - start if isinstance(start, float) else start.elapsed_time(end) / 1e3

@@ -40,7 +40,6 @@ import math
 import os
 import statistics
 import tempfile
-import time
 from collections import deque
 from contextlib import contextmanager
 from pathlib import Path
@@ -48,6 +47,7 @@ from typing import Callable
 
 import torch
 
+from writescope.engine.timing import stamp, stamp_seconds
 from writescope.paths import cache_dir
 from writescope.scheduler.roofline import OnlineEstimate
 
@@ -156,11 +156,7 @@ class OtherWork:
 
     # ------------------------------------------------------------------ internals
     def _stamp(self):
-        if not self.cuda:
-            return time.perf_counter()
-        ev = torch.cuda.Event(enable_timing=True)
-        ev.record(torch.cuda.current_stream(self.device))
-        return ev
+        return stamp(self.device)
 
     def _new_step(self, key: tuple[str, int]) -> None:
         if self._marks:
@@ -180,13 +176,10 @@ class OtherWork:
             if self.cuda and not last.query():
                 return
             self._waiting.popleft()
-            gaps = [self._elapsed(a[2], b[2]) for a, b in zip(marks, marks[1:])
+            gaps = [stamp_seconds(a[2], b[2]) for a, b in zip(marks, marks[1:])
                     if a[0] == "e" and b[0] == "b" and b[1] == a[1] + 1]
             if gaps:
                 self._update(key, statistics.median(gaps))
-
-    def _elapsed(self, a, b) -> float:
-        return b - a if not self.cuda else a.elapsed_time(b) / 1e3
 
     def _update(self, key: tuple[str, int], sample: float) -> None:
         if not (math.isfinite(sample) and sample >= 0):  # NaN, infinite or a clock step back: no measurement
