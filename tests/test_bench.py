@@ -186,6 +186,33 @@ def test_bench_times_layers_without_synchronising(monkeypatch):
     assert calls == [], f"{len(calls)} synchronisations inside the timed decode"
 
 
+def test_rows_break_each_split_call_into_its_parts():
+    """A row with a CPU part says where its attention calls went: per call, the whole call, the
+    GPU part and the CPU part with its in-step rate, from the decoder's own counts; a row with
+    no CPU part has no CPU figures, and the report lists only the split row."""
+    from writescope import LLM
+    from writescope.bench import runner
+    from writescope.bench.report import format_split_parts
+
+    llm = LLM("tiny-deepseek-v2", progress=False)
+    cfg = runner.BenchConfig([2], [200], ["static:0.5", "gpu"], steps=3, window=16, warmup=False, kv_fill="random")
+    split = runner.run_one(llm, cfg, 2, 200, "static:0.5")
+    st = llm.cache.decoder.stats
+    parts = split.extra["split_parts"]
+    layers = llm.config.num_layers
+    assert parts["calls"] == 3 * layers  # every decode step's layers, timed
+    assert st.cpu_parts == 3 * layers and st.cpu_tokens > 0  # every call had compute blocks
+    assert parts["cpu"] == pytest.approx(st.cpu_seconds / st.cpu_parts * 1e3)
+    assert parts["cpu_ns_per_token"] == pytest.approx(st.cpu_seconds / st.cpu_tokens * 1e9)
+    per_token = llm.config.kv_layout.bytes_per_token(llm.dtype.itemsize)
+    assert parts["cpu_gbs"] == pytest.approx(st.cpu_tokens * per_token / st.cpu_seconds / 1e9)
+    assert 0 < parts["gpu_part"] and 0 < parts["cpu"] < parts["attention"]  # on the CPU the halves run one after the other
+    streamed = runner.run_one(llm, cfg, 2, 200, "gpu")
+    assert "cpu" not in streamed.extra["split_parts"] and streamed.extra["split_parts"]["gpu_part"] > 0
+    text = format_split_parts([split, streamed])
+    assert "static:0.5" in text and " gpu:" not in text and "ns/token" in text
+
+
 def test_rows_run_under_their_own_switches(monkeypatch):
     """POLICY@NAME=VALUE+...: the row's cache and forwards see its switches (two micro-batches,
     the in-place load read), the environment is restored after it, and the tokens are those of

@@ -138,7 +138,8 @@ def test_rows_of_a_model_with_host_experts_carry_the_joint_bound():
                   2, 64, "static:0.5")
     assert row.fits and row.step_bound_ms > 0
     assert row.extra["other_work_ms"] == llm.other_work.seconds(2) * 1e3  # O as the gate saw it, kept with the row
-    assert row.extra["pinned"] == {"register_s": 0.0, "register_bytes": 0, "unregister_s": 0.0, "unregister_bytes": 0}  # no CUDA
+    assert row.extra["pinned"] == {"register_s": 0.0, "register_bytes": 0, "unregister_s": 0.0, "unregister_bytes": 0,
+                                   "reused": 0, "reused_bytes": 0}  # no CUDA
     expected = expected_host_expert_bytes(llm._moe_blocks, 2)
     assert expected > 0 and row.host_expert_bytes == pytest.approx(expected)
     kv_bytes = row.step_bound_ms / 1e3 * rates.split_gbs() * 1e9  # the step's host KV bytes, back from its KV bound

@@ -86,7 +86,8 @@ def test_bf16_split_error_within_bf16_rounding():
     cache.close()
 
 
-def test_load_region_is_pinned_and_unregistered_on_free():
+def test_load_region_is_pinned_and_unregistered_on_free(monkeypatch):
+    monkeypatch.setenv("WRITESCOPE_PINNED_POOL", "0")  # no pool: freeing unregisters at once
     lay, Hq = QWEN3
     _, cache, slots = _drive(lay, Hq, StaticPolicy(0.5), [64 * 10], 2, torch.bfloat16, 64)
     seq = cache.sequence(slots[0])
@@ -100,9 +101,35 @@ def test_load_region_is_pinned_and_unregistered_on_free():
     cache.close()
 
 
-def test_exact_sized_registration_round_trip():
+def test_freed_load_region_is_lent_again_registered(monkeypatch):
+    """With the pool (the default), a freed request's slabs stay registered and the next request
+    of the same shape gets the same pages without registering anything; its results stay exact."""
     from writescope.kvcache import pinned
 
+    monkeypatch.setenv("WRITESCOPE_PINNED_POOL", "1GiB")
+    pinned.POOL.release_idle()
+    lay, Hq = QWEN3
+    errs, cache, slots = _drive(lay, Hq, StaticPolicy(0.5), [64 * 10], 2, torch.bfloat16, 64)
+    cache.free(slots[0])
+    cache.close()
+    idle = {b.ptr for b in pinned.POOL._idle}
+    assert idle and pinned.POOL.idle_bytes > 0
+    before = dict(pinned.STATS)
+    errs2, cache2, slots2 = _drive(lay, Hq, StaticPolicy(0.5), [64 * 10], 2, torch.bfloat16, 64, seed=1)
+    seq2 = cache2.sequence(slots2[0])
+    assert {s.tensor.data_ptr() for s in seq2.slabs} <= idle  # the same pages, not registered again
+    assert all(s.tensor.is_pinned() for s in seq2.slabs)
+    assert pinned.STATS["reused"] > before["reused"]
+    assert max(errs2) < 3e-2 and max(errs) < 3e-2  # stale KV of the first request is never read
+    cache2.free(slots2[0])
+    cache2.close()
+    assert pinned.POOL.release_idle() > 0
+
+
+def test_exact_sized_registration_round_trip(monkeypatch):
+    from writescope.kvcache import pinned
+
+    monkeypatch.setenv("WRITESCOPE_PINNED_POOL", "0")
     before = dict(pinned.STATS)
     t = host_empty((3, 1000, 7), torch.bfloat16, pin=True)
     assert t.is_pinned() and t.shape == (3, 1000, 7)

@@ -49,6 +49,7 @@ class SplitStats:
     layer_steps: int = 0
     cpu_seconds: float = 0.0  # wall time of the CPU worker's attention
     cpu_tokens: int = 0  # compute-region tokens attended on the CPU
+    cpu_parts: int = 0  # CPU parts done (one per decode call with compute blocks)
     window_tokens: int = 0
     streamed_bytes: int = 0  # load region -> ping-pong
     streamed_copies: int = 0
@@ -109,7 +110,7 @@ class SplitDecoder:
         self._stats = SplitStats()
         self.worker = None  # the native worker (cpu_worker.py), made on first use; None: the thread pool
         self._native = _native_wanted() and not cpu_inline
-        self._py_cpu = (0.0, 0)  # CPU seconds and tokens of the thread-pool path (the worker counts its own)
+        self._py_cpu = (0.0, 0, 0)  # CPU seconds, tokens and parts of the thread-pool path (the worker counts its own)
         self._cpu_parts: list[tuple[float, int, int]] = []  # finished CPU parts not yet taken (take_cpu_parts)
         self._buffers: list[torch.Tensor] = []
         self._stage: list[torch.Tensor | None] = [None, None]  # monolithic prepare buffers (pinned)
@@ -117,6 +118,7 @@ class SplitDecoder:
         self._free_events: list[object | None] = []
         self.last_split = (0, 0)  # (CPU tokens, load-region tokens) of the last decode call
         self.time_gpu = False  # time the GPU part of each call (calibration; see last_gpu_seconds)
+        self.gpu_timers: list | None = None  # with time_gpu: every call's GPU-part timer, appended (bench rows)
         self._gpu_timer: object = 0.0
         self._gpu_timer_done = True
         # the Triton launches of the GPU side (gpu_decode.py); None: the plain-torch partials
@@ -154,8 +156,9 @@ class SplitDecoder:
             for secs, keys, batch in self.worker.take_done():
                 self._cpu_parts.append((secs, keys, batch))
                 self._stats.last_cpu_seconds, self._stats.last_cpu_tokens = secs, keys
-            _, secs, keys = self.worker.totals()
+            jobs, secs, keys = self.worker.totals()
             self._stats.cpu_seconds, self._stats.cpu_tokens = self._py_cpu[0] + secs, self._py_cpu[1] + keys
+            self._stats.cpu_parts = self._py_cpu[2] + jobs
         return self._stats
 
     def take_cpu_parts(self) -> list[tuple[float, int, int]]:
@@ -276,6 +279,8 @@ class SplitDecoder:
             split = (sum(limits[i] for i in cpu_rows) * s.window, self._stats.last_load_tokens)
             if self.time_gpu:
                 self._gpu_timer, self._gpu_timer_done = self._stop_gpu_timer(self._gpu_timer), True
+                if self.gpu_timers is not None:
+                    self.gpu_timers.append(self._gpu_timer)
             if prepared and self.cuda:  # the prepare buffer of this layer's parity is reused once these copies (reads) are done
                 ev = torch.cuda.Event()
                 ev.record(torch.cuda.current_stream(self.device) if self.in_place else self.copy_stream)
@@ -614,10 +619,11 @@ class SplitDecoder:
             o, lse = cpu_attend(q_host, kv, scale, self.spec.layout.v_dim)
         dt = time.perf_counter() - t0
         st = self._stats
-        self._py_cpu = (self._py_cpu[0] + dt, self._py_cpu[1] + tokens)
+        self._py_cpu = (self._py_cpu[0] + dt, self._py_cpu[1] + tokens, self._py_cpu[2] + 1)
         self._cpu_parts.append((dt, tokens, len(seqs)))
         st.cpu_seconds += dt
         st.cpu_tokens += tokens
+        st.cpu_parts += 1
         st.last_cpu_seconds = dt
         st.last_cpu_tokens = tokens
         return o, lse

@@ -148,6 +148,28 @@ def format_best(rows: list[BenchRow]) -> str:
     return "\n".join(lines)
 
 
+def format_split_parts(rows: list[BenchRow]) -> str:
+    """Per (batch, context, policy) with a CPU part: its attention calls' parts in ms
+    (:func:`writescope.bench.runner.split_parts`; medians over the repeats): the whole call, the
+    GPU part, the CPU part and its in-step rate, and what is left for the hand-over (the call
+    less the larger side)."""
+    lines = []
+    for (b, c, p), group in runs(rows).items():
+        parts = [r.extra["split_parts"] for r in group if r.fits and "cpu" in r.extra.get("split_parts", {})]
+        if not parts:
+            continue
+        med = {k: statistics.median(x[k] for x in parts) for k in ("attention", "gpu_part", "cpu", "cpu_ns_per_token", "cpu_gbs")}
+        hand = med["attention"] - max(med["gpu_part"], med["cpu"])
+        lines.append(f"  batch {b} context {c} {p}: attention {med['attention']:.2f}, GPU part {med['gpu_part']:.2f}, "
+                     f"CPU {med['cpu']:.2f} ({med['cpu_ns_per_token']:.1f} ns/token, {med['cpu_gbs']:.1f} GB/s), "
+                     f"hand-over {hand:.2f}")
+    if not lines:
+        return ""
+    return "\n".join(["where each decode attention call went (ms per call: a layer of the batch, or of one half with micro-batches; "
+                       "GPU part: its window and load-region work before the CPU partial; hand-over: the call less the larger side):"]
+                      + lines)
+
+
 BASELINES = ("gpu", "cpu", "monolithic", "best static", "best baseline")
 
 

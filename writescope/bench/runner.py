@@ -244,6 +244,29 @@ def _random_kv_prefill(llm: LLM, seed: int):
     return prefill
 
 
+def split_parts(decoder, attention_s: list[float], bytes_per_token: int) -> dict | None:
+    """Where a row's decode attention calls went, per call (a layer of the batch, or of one half
+    in a micro-batched step), in ms: ``attention`` (from the call's first launch to its merge,
+    the mean of ``attention_s``), ``gpu_part`` (the device's window and load-region work before
+    it waits for the CPU partial: on CUDA, events on the compute stream, including its waits for
+    streamed blocks), ``cpu`` (the CPU worker's attention of the calls with a CPU part), and the
+    CPU's in-step rate (``cpu_ns_per_token``, ``cpu_gbs`` of KV read, ``bytes_per_token`` per
+    layer). ``attention`` minus the larger of the two sides is the hand-over between them. None
+    when no call was timed."""
+    timers = decoder.gpu_timers or []
+    if not attention_s or not timers:
+        return None
+    gpu = [decoder.gpu_seconds(t) for t in timers]
+    st = decoder.stats
+    calls = len(attention_s)
+    out = {"calls": calls, "attention": sum(attention_s) / calls * 1e3, "gpu_part": sum(gpu) / len(gpu) * 1e3}
+    if st.cpu_tokens > 0 and st.cpu_seconds > 0 and st.cpu_parts > 0:
+        out["cpu"] = st.cpu_seconds / st.cpu_parts * 1e3
+        out["cpu_ns_per_token"] = st.cpu_seconds / st.cpu_tokens * 1e9
+        out["cpu_gbs"] = st.cpu_tokens * bytes_per_token / st.cpu_seconds / 1e9
+    return out
+
+
 def run_one(llm: LLM, cfg: BenchConfig, batch: int, context: int, policy: str, roofline=None) -> BenchRow:
     row = BenchRow(batch, context, policy)
     g = torch.Generator().manual_seed(cfg.seed + 1000 * batch + context)
@@ -259,6 +282,8 @@ def run_one(llm: LLM, cfg: BenchConfig, batch: int, context: int, policy: str, r
         with switches.applied(env):
             llm.set_policy(base, cfg.window, roofline=roofline)
             timer = _TimedAttend(llm.cache, llm.device)
+            if isinstance(llm.cache, InplaceKVCache):  # each call's GPU part timed too (events, no synchronisation)
+                llm.cache.decoder.time_gpu, llm.cache.decoder.gpu_timers = True, []
             progress, llm.progress = llm.progress, False
             if cfg.kv_fill == "random":
                 llm._prefill = _random_kv_prefill(llm, cfg.seed + batch + context)  # an instance attribute: removed below
@@ -311,6 +336,9 @@ def run_one(llm: LLM, cfg: BenchConfig, batch: int, context: int, policy: str, r
         cache = llm.cache
         if isinstance(cache, InplaceKVCache):
             st = cache.decoder.stats
+            parts = split_parts(cache.decoder, times, llm.config.kv_layout.bytes_per_token(itemsize))
+            if parts:
+                row.extra["split_parts"] = parts
             row.prepare_ms_per_layer = st.prepare_seconds / max(1, st.layer_steps) * 1e3
             if st.prepare_seconds > 0:
                 row.prepare_gbs = st.prepared_bytes / st.prepare_seconds / 1e9

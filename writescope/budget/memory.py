@@ -14,33 +14,23 @@ import torch
 from writescope.budget.plan import MemoryPlan
 from writescope.budget.weights import weight_sizes
 from writescope.config import ModelConfig
+from writescope.host_memory import host_free_now, host_memory_total  # noqa: F401 - imported from here too
+from writescope.kvcache import pinned
 
 GiB = 2**30
 PLANNED_SHARE = 0.9  # of the memory available, what a run may plan to fill (the rest: the process, the OS)
 
 
 def available_memory(device: torch.device) -> int | None:
-    """Free bytes on ``device`` (CUDA: the driver's free memory; CPU: MemAvailable), or None."""
+    """Free bytes on ``device`` (CUDA: the driver's free memory; CPU: MemAvailable plus the idle
+    buffers of the pinned pool, which it gives back when a new allocation needs the room), or None."""
     if device.type == "cuda":
         free, _ = torch.cuda.mem_get_info(device)
         return free
-    return _meminfo("MemAvailable")
-
-
-def host_memory_total() -> int | None:
-    """Total host memory in bytes (MemTotal), or None when unknown."""
-    return _meminfo("MemTotal")
-
-
-def _meminfo(key: str) -> int | None:
-    try:
-        with open("/proc/meminfo") as f:
-            for line in f:
-                if line.startswith(key + ":"):
-                    return int(line.split()[1]) * 1024
-    except OSError:
+    free = host_free_now()
+    if free is None:
         return None
-    return None
+    return free + pinned.POOL.idle_bytes
 
 
 def weight_bytes(cfg: ModelConfig, dtype: torch.dtype) -> int:

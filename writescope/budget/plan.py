@@ -27,6 +27,7 @@ import torch
 from writescope.attention.reference import FUSED_MAX_DIM, SCORE_BYTES
 from writescope.budget.weights import weight_sizes
 from writescope.config import ModelConfig
+from writescope.units import parse_size  # noqa: F401 - imported from here too
 from writescope.kvcache.sequence import pinned_staging_bytes
 from writescope.layers.attention import mla_prefill_mode
 from writescope.kvcache.spec import DEFAULT_WINDOW, PartitionSpec
@@ -232,23 +233,3 @@ def format_plan(plan: MemoryPlan, cfg: ModelConfig) -> str:
     return "\n".join(f"{k:<{w}}  {v}" for k, v in rows)
 
 
-_UNITS = {"": 1, "b": 1, "k": 2**10, "kib": 2**10, "kb": 10**3, "m": 2**20, "mib": 2**20, "mb": 10**6,
-          "g": 2**30, "gib": 2**30, "gb": 10**9, "t": 2**40, "tib": 2**40, "tb": 10**12}
-
-
-def parse_size(text: str) -> int:
-    """``"32GiB"``, ``"32G"`` (binary), ``"30GB"`` (decimal), ``"512MiB"``, ``"1073741824"`` -> bytes.
-
-    Raises:
-        ValueError: not a positive size with a known unit.
-    """
-    t = text.strip().lower().replace(" ", "")
-    num = t.rstrip("abcdefghijklmnopqrstuvwxyz")
-    unit = t[len(num):]
-    try:
-        value = float(num) * _UNITS[unit]
-    except (ValueError, KeyError):
-        raise ValueError(f"{text!r} is not a size: use e.g. 32GiB, 24G, 30GB or 512MiB") from None
-    if value < 1:
-        raise ValueError(f"a size must be positive, got {text!r}")
-    return int(value)

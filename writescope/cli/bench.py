@@ -100,7 +100,7 @@ def saved_rows(args: argparse.Namespace) -> list:
 
 
 def run(args: argparse.Namespace) -> int:
-    from writescope.bench.report import format_best, format_speedups, format_table, plot, speedup_spread, speedups
+    from writescope.bench.report import format_best, format_speedups, format_split_parts, format_table, plot, speedup_spread, speedups
     from writescope.bench.runner import BenchConfig, complete_cells, run_grid
     from writescope.engine.llm import LLM
     from writescope.engine.model_loader import capped_model_len
@@ -216,6 +216,9 @@ def run(args: argparse.Namespace) -> int:
         print("work outside attention per decode layer step (O, measured in decode steps, on CUDA also kept from earlier runs; "
               "the split gate counts it): "
               + ", ".join(f"batch {b} {o * 1e3:.3g} ms" for b, o in other.items() if o is not None))
+    parts = format_split_parts(rows)
+    if parts:
+        print(parts)
     best = format_best(rows)
     if best:
         print("\n" + best)

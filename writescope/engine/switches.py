@@ -38,7 +38,15 @@ def readers() -> dict[str, Callable[[], object]]:
         "WRITESCOPE_GPU_TILES": _tiles,
         "WRITESCOPE_MLA_PREFILL": mla_prefill_mode,
         "WRITESCOPE_EXPERT_ISA": cpu_experts.requested_path,
+        "WRITESCOPE_PINNED_POOL": _pinned_pool,
     }
+
+
+def _pinned_pool():
+    from writescope.host_memory import host_memory_total
+    from writescope.kvcache.pinned_pool import idle_cap_from_env
+
+    return idle_cap_from_env(host_memory_total())
 
 
 def _tiles():
@@ -51,7 +59,7 @@ def _tiles():
 NAMES = ("WRITESCOPE_MICRO_BATCHES", "WRITESCOPE_MOE_KERNEL", "WRITESCOPE_LOAD_READ", "WRITESCOPE_PINGPONG_BUFFERS",
          "WRITESCOPE_GPU_ATTENTION", "WRITESCOPE_CUDA_GRAPHS", "WRITESCOPE_PREFILL_LOAD_STREAM", "WRITESCOPE_CPU_WORKER",
          "WRITESCOPE_GPU_TILES", "WRITESCOPE_MLA_PREFILL", "WRITESCOPE_EXPERT_ISA", "WRITESCOPE_CPU_ATTENTION", "WRITESCOPE_CPU_ISA",
-         "WRITESCOPE_CPU_TUNING")
+         "WRITESCOPE_CPU_TUNING", "WRITESCOPE_PINNED_POOL")
 
 
 def check_switches() -> None:

@@ -1,34 +1,54 @@
-"""Exactly sized pinned host memory through ``cudaHostRegister``.
+"""Exactly sized pinned host memory through ``cudaHostRegister``, from a pool of registered buffers.
 
 PyTorch's pinned caching allocator rounds each request up to a power of two (on the H200
 machine ``torch.empty(9 GiB, pin_memory=True)`` took 7.8 s and reserved 16 GiB), while
 registering an exactly sized host tensor took 0.6 s and streams at the same 55 GB/s
 (docs/HARDWARE.md). Registration works on whole pages, so each registered tensor is an
 anonymous mapping of its own (page-aligned, shared with no other allocation; the size is rounded
-up to whole pages only). The registration is undone by :func:`unpin`, or at the latest when the
-tensor object is garbage collected (before the mapping itself goes away). Without CUDA the
-tensor is returned unpinned.
+up to whole pages only). :func:`unpin` gives the mapping back to :data:`POOL`
+(kvcache/pinned_pool.py), which keeps it registered for the next tensor of about its size
+(``WRITESCOPE_PINNED_POOL=0``: unregistered at once). A tensor garbage-collected without
+:func:`unpin` is unregistered then and its mapping never reused. Without CUDA the tensor is
+returned unpinned.
 """
 
 from __future__ import annotations
 
 import mmap
-import time
 import weakref
 
 import torch
 
+from writescope.host_memory import host_free_now, host_memory_total
+from writescope.kvcache.pinned_pool import PinnedPool, idle_cap_from_env
+
 PAGE = mmap.PAGESIZE
 
 # seconds and bytes of every registration and unregistration in this process (wall time of the
-# CUDA calls): what a request's admission and its freeing cost the thread that issues the GPU work
-# (a pool of registered slabs reused across requests is the fix if they weigh; the bench keeps
-# each row's share: writescope/bench/runner.py)
-STATS = {"register_s": 0.0, "register_bytes": 0, "unregister_s": 0.0, "unregister_bytes": 0}
+# CUDA calls), and the buffers the pool lent again instead: what a request's admission and its
+# freeing cost the thread that issues the GPU work (the bench keeps each row's share:
+# writescope/bench/runner.py)
+STATS = {"register_s": 0.0, "register_bytes": 0, "unregister_s": 0.0, "unregister_bytes": 0, "reused": 0, "reused_bytes": 0}
+
+
+def _register(ptr: int, nbytes: int) -> int:
+    return int(torch.cuda.cudart().cudaHostRegister(ptr, nbytes, 0))
+
+
+def _unregister(ptr: int) -> int:
+    return int(torch.cuda.cudart().cudaHostUnregister(ptr))
+
+
+def _pool_cap() -> int:
+    return idle_cap_from_env(host_memory_total())
+
+
+POOL = PinnedPool(_register, _unregister, _pool_cap, host_free_now, STATS, on_error=lambda: _clear_cuda_error())
 
 
 def host_empty(shape: tuple[int, ...], dtype: torch.dtype, pin: bool) -> torch.Tensor:
-    """A host tensor of ``shape``; page-locked by ``cudaHostRegister`` when ``pin``.
+    """A host tensor of ``shape``; page-locked by ``cudaHostRegister`` when ``pin`` (a buffer of
+    :data:`POOL` of its size, lent again, or a new registration).
 
     Raises:
         RuntimeError: the allocation or the registration failed (message names the bytes).
@@ -42,35 +62,10 @@ def host_empty(shape: tuple[int, ...], dtype: torch.dtype, pin: bool) -> torch.T
             return torch.empty(shape, dtype=dtype)
         except RuntimeError as e:  # CPU allocation failures raise RuntimeError
             raise RuntimeError(f"cannot allocate {nbytes / 2**30:.3f} GiB of host memory for KV {tuple(shape)} {dtype}: {e}") from e
-    span = -(-nbytes // PAGE) * PAGE  # whole pages
-    try:
-        buf = mmap.mmap(-1, span)
-    except (OSError, ValueError) as e:
-        raise RuntimeError(f"cannot map {nbytes / 2**30:.3f} GiB of host memory for KV {tuple(shape)} {dtype}: {e}") from e
-    if hasattr(mmap, "MADV_HUGEPAGE"):  # registration faults every page in: 2 MiB pages fault 512x less
-        buf.madvise(mmap.MADV_HUGEPAGE)
-    t = torch.frombuffer(buf, dtype=dtype, count=nbytes // itemsize).view(shape)  # keeps buf alive
-    ptr = t.data_ptr()
-    cudart = torch.cuda.cudart()
-    t0 = time.perf_counter()
-    err = int(cudart.cudaHostRegister(ptr, span, 0))
-    STATS["register_s"] += time.perf_counter() - t0
-    if err != 0:
-        _clear_cuda_error()
-        raise RuntimeError(
-            f"cudaHostRegister of {nbytes / 2**30:.3f} GiB failed (CUDA error {err}): lower the pinned budget or the batch"
-        )
-    STATS["register_bytes"] += span
-    t._writescope_unpin = weakref.finalize(t, _unregister, cudart, ptr, span)  # type: ignore[attr-defined]
+    buf = POOL.take(nbytes)
+    t = torch.frombuffer(buf.mem, dtype=dtype, count=nbytes // itemsize).view(shape)  # keeps the mapping alive
+    t._writescope_unpin = weakref.finalize(t, POOL.drop, buf)  # type: ignore[attr-defined]
     return t
-
-
-def _unregister(cudart, ptr: int, span: int) -> None:
-    t0 = time.perf_counter()
-    err = int(cudart.cudaHostUnregister(ptr))
-    STATS["unregister_s"] += time.perf_counter() - t0
-    if err == 0:
-        STATS["unregister_bytes"] += span
 
 
 class _DeviceArray:
@@ -105,10 +100,13 @@ def device_view(t: torch.Tensor, device: torch.device) -> torch.Tensor:
 
 
 def unpin(t: torch.Tensor) -> None:
-    """Undo :func:`host_empty`'s registration now (idempotent; a no-op for unpinned tensors)."""
+    """Give ``t``'s page-locked bytes back (idempotent; a no-op for unpinned tensors): to
+    :data:`POOL`, which may lend them to the next :func:`host_empty` of about their size, so the
+    caller must not use ``t`` or a view of it again, nor leave a copy reading it in flight."""
     fin = getattr(t, "_writescope_unpin", None)
-    if fin is not None:
-        fin()
+    info = fin.detach() if fin is not None else None
+    if info is not None:
+        POOL.give(info[2][0])
 
 
 def _clear_cuda_error() -> None:
