@@ -1,7 +1,9 @@
 """CPU decode attention over the compute region at full scale: the C++ kernel (each path this CPU
 offers), torch's flash op, and a plain read of the same bytes as this run's achievable rate, side
 by side; then the kernel again while a host-to-GPU copy of the same size runs (the split step's
-contention), on CUDA machines.
+contention), on CUDA machines; and with ``--busy N``, while N other processes spin on the cores
+(a step's thread issuing GPU work, driver threads), the equal split of the keys over the threads
+against the dynamic one (cpu_kernel.cpp, DYNAMIC_SPLIT), calls taking turns.
 
 Shapes: DeepSeek-V2-Lite's MLA latent (1 x 576 per token, 16 query heads, V = the first 512
 columns) and Qwen3-30B-A3B's GQA KV (4 KV heads x 8 query heads, 128 + 128), bf16, random values
@@ -14,6 +16,7 @@ threads). The fixed cost of one call is timed on 16 x 1 block.
 Run (repository root):
     PYTHONPATH=. python3 benchmarks/cpu_attention.py --out benchmarks/results/cpu_attention_h200
     PYTHONPATH=. python3 benchmarks/cpu_attention.py --cases mla:4x4k --threads 2 --repeats 5 --out /tmp/cpu_attention
+    PYTHONPATH=. python3 benchmarks/cpu_attention.py --cases mla:16x32k --busy 1 --tunings 12 --ablations= --also-threads 0 --no-flash
 """
 
 from __future__ import annotations
@@ -22,6 +25,8 @@ import argparse
 import json
 import os
 import statistics
+import subprocess
+import sys
 import threading
 import time
 from pathlib import Path
@@ -70,6 +75,38 @@ def timed(fn, repeats: int) -> tuple[float, float, float]:
         fn()
         ts.append(time.perf_counter() - t0)
     return statistics.median(ts), min(ts), max(ts)
+
+
+def timed_in_turns(fns: list, repeats: int) -> list[tuple[float, float, float]]:
+    """:func:`timed` of each of ``fns``, their calls taking turns (one of each per round), so a
+    load that comes and goes weighs on all of them alike."""
+    for fn in fns:
+        fn()
+    ts: list[list[float]] = [[] for _ in fns]
+    for _ in range(repeats):
+        for i, fn in enumerate(fns):
+            t0 = time.perf_counter()
+            fn()
+            ts[i].append(time.perf_counter() - t0)
+    return [(statistics.median(t), min(t), max(t)) for t in ts]
+
+
+class Busy:
+    """``n`` other processes spinning on the CPU for the duration of a ``with`` block."""
+
+    def __init__(self, n: int):
+        self.n, self.procs = n, []
+
+    def __enter__(self):
+        self.procs = [subprocess.Popen([sys.executable, "-c", "while True: pass"]) for _ in range(self.n)]
+        time.sleep(0.2)
+        return self
+
+    def __exit__(self, *exc):
+        for p in self.procs:
+            p.kill()
+        for p in self.procs:
+            p.wait()
 
 
 class Copier:
@@ -122,6 +159,8 @@ def main() -> None:
                     "default: the kernel's default tuning alone)")
     ap.add_argument("--also-threads", type=int, default=8, help="the default variant again with this many threads (0: not)")
     ap.add_argument("--no-flash", action="store_true", help="leave torch's flash op out (it is slow at full scale)")
+    ap.add_argument("--busy", default="", help="comma-separated counts of spinning processes (e.g. 0,1,2): the best path's "
+                    "default tuning with the equal and the dynamic split of keys over threads, calls taking turns, under each")
     ap.add_argument("--out", default=None, help="path prefix: writes PREFIX.json and PREFIX.md")
     a = ap.parse_args()
     cases = [parse_case(c) for c in a.cases.split(",")]
@@ -192,6 +231,23 @@ def main() -> None:
                              "read_during_copy_gbs": nbytes / read_c[0] / 1e9, "copy_gbs": cp.gbs()})
                 print(f"  {label:50s} {med * 1e3:8.2f} ms [{lo * 1e3:.2f}-{hi * 1e3:.2f}]  {nbytes / med / 1e9:6.1f} GB/s  "
                       f"(plain read during copy {nbytes / read_c[0] / 1e9:.1f} GB/s; copy {cp.gbs():.1f} GB/s)", flush=True)
+        for n_busy in [int(x) for x in a.busy.split(",") if x]:
+            splits = [default_tuning & ~cpu_kernel.DYNAMIC_SPLIT, default_tuning | cpu_kernel.DYNAMIC_SPLIT]
+
+            def with_tuning(t):
+                def call():
+                    ext.set_tuning(t)
+                    run_path(best, q, kv, dk**-0.5)()
+                return call
+
+            with Busy(n_busy):
+                got = timed_in_turns([with_tuning(t) for t in splits], a.repeats)
+            ext.set_tuning(default_tuning)
+            for t, (med, lo, hi) in zip(splits, got):
+                label = f"{best} (tuning {t}, {'dynamic' if t & cpu_kernel.DYNAMIC_SPLIT else 'equal'} split), {n_busy} busy"
+                rows.append({**base, "backend": label, "ms": med * 1e3, "min_ms": lo * 1e3, "max_ms": hi * 1e3, "tuning": t,
+                             "busy": n_busy, "gbs": nbytes / med / 1e9, "of_read": nbytes / med / 1e9 / read_gbs})
+                print(f"  {label:50s} {med * 1e3:8.2f} ms [{lo * 1e3:.2f}-{hi * 1e3:.2f}]  {nbytes / med / 1e9:6.1f} GB/s", flush=True)
         del regs, kv
     # the fixed cost of one call: 16 sequences of one 256-token block
     regs, kv, q = build("mla", 16, 256, gen)

@@ -251,6 +251,35 @@ def test_rows_run_under_their_own_switches(monkeypatch):
     assert plain.fits and seen == {"mb": 1, "in_place": False}
 
 
+def test_a_row_runs_its_own_cpu_kernel_tuning(monkeypatch):
+    """WRITESCOPE_CPU_TUNING per row (the dynamic split against the equal one in one process):
+    the kernel runs the row's tuning during its decode and the default again in the next row."""
+    from writescope.attention import cpu_kernel
+    from writescope.bench.runner import BenchConfig, run_one
+    from writescope.engine.llm import LLM
+
+    if not cpu_kernel.kernel_available():
+        pytest.skip("no C++ compiler")
+    monkeypatch.delenv("WRITESCOPE_CPU_TUNING", raising=False)
+    ext = cpu_kernel._extension()
+    default = ext.tuning()
+    llm = LLM("tiny-deepseek-v2", progress=False, policy="static:0.5", window=16)
+    cfg = BenchConfig([2], [64], ["static:0.5"], steps=2, window=16, warmup=False)
+    seen = []
+    real = llm.generate
+
+    def spy(*a, **k):
+        out = real(*a, **k)
+        seen.append(ext.tuning())
+        return out
+
+    monkeypatch.setattr(llm, "generate", spy)
+    tuned = run_one(llm, cfg, 2, 64, f"static:0.5@WRITESCOPE_CPU_TUNING={default | cpu_kernel.DYNAMIC_SPLIT}")
+    plain = run_one(llm, cfg, 2, 64, "static:0.5")
+    assert tuned.fits and plain.fits and seen == [default | cpu_kernel.DYNAMIC_SPLIT, default]
+    assert llm.cache.decoder.stats.cpu_parts > 0  # the rows had CPU parts
+
+
 def test_the_warm_up_runs_every_batch_size_and_policy_unmeasured(monkeypatch):
     """CUDA graphs are captured per decode token count, so the grid warms up at each of its batch
     sizes (short context, two steps, the grid's KV fill) for each policy, before the first

@@ -157,6 +157,35 @@ def test_chunks_and_thread_splits(path, chunk, tuning, monkeypatch):
             check(o, lse, q, kv, dk**-0.5, dv, 1e-5 if dtype == torch.float32 else 4e-3)
 
 
+@pytest.mark.parametrize("base", [0, 12])
+def test_the_dynamic_split_is_exact(path, base):
+    """DYNAMIC_SPLIT (1024): the keys cut into several ranges per thread, taken from a counter;
+    ranges end anywhere in a segment and several merge into one, so results equal the reference
+    (and the equal split) within the path's tolerance, over odd lengths, an empty sequence and
+    thread counts that do and do not divide the ranges."""
+    ext = kernel._extension()
+    dtype = torch.float32 if path == "portable" else torch.bfloat16
+    tol = 1e-5 if dtype == torch.float32 else 4e-3
+    old = ext.tuning()
+    try:
+        for shape in ("mla", "qwen3"):
+            H, G, dk, dv, mla = SHAPES[shape]
+            gen = torch.Generator().manual_seed(7)
+            q, kv = make([1, 15, 16, 17, 0, 4097], H, G, dk, dv, mla, dtype, gen)
+            for threads in (1, 2, 5):
+                ext.set_tuning(base | kernel.DYNAMIC_SPLIT)
+                o, lse = kernel.attend(q, kv, dk**-0.5, threads=threads)
+                check(o, lse, q, kv, dk**-0.5, dv, tol)
+                ext.set_tuning(base)
+                o2, lse2 = kernel.attend(q, kv, dk**-0.5, threads=threads)
+                torch.testing.assert_close(o, o2, rtol=tol, atol=tol)
+                keep = [0, 1, 2, 3, 5]  # lse of the empty sequence is -inf in both
+                torch.testing.assert_close(lse[keep], lse2[keep], rtol=1e-5, atol=1e-4)
+                assert torch.all(o[4] == 0) and torch.all(lse[4] == float("-inf"))
+    finally:
+        ext.set_tuning(old)
+
+
 def test_one_dominant_key(path):
     """A key whose score is far above the rest: the output is that key's value (the softmax is
     one-hot), with no overflow in the exponentials."""
@@ -252,7 +281,7 @@ def test_tuning_from_the_environment(monkeypatch):
     extension's first use, shown in prepare's words and in the calibration's backend key."""
     if not kernel.kernel_available():
         pytest.skip("no C++ compiler")
-    for bad in ("fast", "64", "-1", "1.5"):
+    for bad in ("fast", "64", "-1", "1.5", "2048", "1088"):
         monkeypatch.setenv("WRITESCOPE_CPU_TUNING", bad)
         with pytest.raises(ValueError, match=rf"WRITESCOPE_CPU_TUNING='{re.escape(bad)}': use an integer 0 to 63"):
             kernel.prepare(progress=False)
@@ -262,12 +291,14 @@ def test_tuning_from_the_environment(monkeypatch):
     assert kernel.backend_key().endswith(" tuning 12")
     ext = kernel._extension()
     assert ext.tuning() == 12
+    monkeypatch.setenv("WRITESCOPE_CPU_TUNING", str(12 | kernel.DYNAMIC_SPLIT))
+    assert kernel.tuning_from_env() == 1036
     monkeypatch.setenv("WRITESCOPE_CPU_TUNING", "8")  # changed after the first use: applied on the next
     kernel._extension()
     assert ext.tuning() == 8 and kernel.backend_key().endswith(" tuning 8")
     monkeypatch.delenv("WRITESCOPE_CPU_TUNING")  # gone: the kernel's own default again
     kernel._extension()
-    assert ext.tuning() == 12  # PACED | PV_DIRECT (cpu_kernel.cpp)
+    assert ext.tuning() == 12 | kernel.DYNAMIC_SPLIT  # PACED | PV_DIRECT | DYNAMIC_SPLIT (cpu_kernel.cpp)
     assert kernel.tuning_from_env() is None and "tuning" not in kernel.backend_key()
 
 

@@ -52,14 +52,23 @@ static int64_t choose(int64_t req, bool bf16, int64_t dk, int64_t dv) {
 //   PACED         (AMX) software prefetch spread over every product step of a chunk, one chunk ahead
 //                 (prefetch_pacer.h), in place of QK_PREFETCH's bursts during the scores;
 //                 PACED_L1: into L1 rather than L2; PACED_FAR: two chunks ahead
+//   DYNAMIC_SPLIT the key space cut into up to SPLIT_PER_THREAD ranges per thread (of >= SPLIT_MIN_KEYS
+//                 keys), which the threads take in order from an atomic counter as each finishes its
+//                 last: a thread slowed by another on its core (the thread issuing the GPU work, a
+//                 driver thread) then takes fewer ranges instead of holding up the whole call
+//                 (without it: one equal range per thread)
 // and, to time a chunk's stages by leaving one out (the results are then wrong; benchmarks only):
 //   SKIP_SCORES, SKIP_SOFTMAX (softmax and the packing of p), SKIP_PACK_V, SKIP_VALUES.
 // Default PACED | PV_DIRECT (12), with chunks of 128 keys (cpu_kernel.py, CHUNK): the fastest of the
-// variants measured side by side on the H200 host (benchmarks/results/cpu_attention.md, run 5).
+// variants measured side by side on the H200 host (benchmarks/results/cpu_attention.md, run 5);
+// with DYNAMIC_SPLIT (1036): as fast with the cores to itself and 25% faster (MLA 4 x 8K) with one
+// process spinning beside it, on the 2-core development machine (cpu_attention.md; not yet timed
+// on the H200 host).
 // TEST_FAIL (tests only): every call fails inside the kernel, as a failed allocation would.
 enum Tuning : int64_t { LINEAR_FIRST = 1, QK_PREFETCH = 2, PV_DIRECT = 4, PACED = 8, PACED_L1 = 16, PACED_FAR = 32, SKIP_SCORES = 64, SKIP_SOFTMAX = 128, SKIP_PACK_V = 256,
-                        SKIP_VALUES = 512, TEST_FAIL = 1 << 20 };
-static std::atomic<int64_t> g_tuning{PACED | PV_DIRECT};
+                        SKIP_VALUES = 512, DYNAMIC_SPLIT = 1024, TEST_FAIL = 1 << 20 };
+constexpr int64_t SPLIT_PER_THREAD = 4, SPLIT_MIN_KEYS = 256;
+static std::atomic<int64_t> g_tuning{PACED | PV_DIRECT | DYNAMIC_SPLIT};
 static std::atomic<uint64_t> g_sink{0};
 
 // ---------------------------------------------------------------- per-thread scratch
@@ -289,16 +298,26 @@ static void merge(const Plan& P, int64_t sg, const std::vector<int64_t>& starts)
   }
 }
 
-static void thread_work(const Plan& P, int64_t t, const std::vector<int64_t>& starts) {
-  const int64_t a = starts[t], e = starts[t + 1], S = (int64_t)P.seg_b.size();
+// the keys of range u (starts[u] .. starts[u + 1] - 1 of the key space), portions into slots u + sg
+static void range_work(const Plan& P, int64_t u, const std::vector<int64_t>& starts, Scratch& w) {
+  const int64_t a = starts[u], e = starts[u + 1], S = (int64_t)P.seg_b.size();
   if (a >= e) return;
-  Scratch& w = scratch();
-  if (P.isa == AMX) amx::configure();
   int64_t sg = std::upper_bound(P.cum.begin(), P.cum.end(), a) - P.cum.begin() - 1;
   for (; sg < S && P.cum[sg] < e; ++sg) {
     const int64_t j0 = std::max(a, P.cum[sg]) - P.cum[sg], j1 = std::min(e, P.cum[sg + 1]) - P.cum[sg];
-    if (j0 < j1) portion(P, sg, j0, j1, t + sg, w);
+    if (j0 < j1) portion(P, sg, j0, j1, u + sg, w);
   }
+}
+
+// one thread's share: range t (next == nullptr), or ranges taken from *next until none is left
+static void thread_work(const Plan& P, int64_t t, const std::vector<int64_t>& starts, std::atomic<int64_t>* next) {
+  const int64_t R = (int64_t)starts.size() - 1;
+  Scratch& w = scratch();
+  if (P.isa == AMX) amx::configure();
+  if (next == nullptr) range_work(P, t, starts, w);
+  else
+    for (int64_t u = next->fetch_add(1, std::memory_order_relaxed); u < R; u = next->fetch_add(1, std::memory_order_relaxed))
+      range_work(P, u, starts, w);
   if (P.isa == AMX) amx::release();
 }
 
@@ -410,22 +429,30 @@ static int64_t run_request(const Request& r) {
     }
   const int64_t S = (int64_t)P.seg_b.size(), W = P.cum.back();
   const int64_t T = std::max<int64_t>(1, std::min<int64_t>(r.threads, W / 64));
-  float* slots = slot_buffer((size_t)(T + S) * 16 * (dv + 2));
+  const bool dynamic = P.tuning & DYNAMIC_SPLIT;
+  // ranges: one per thread, or (dynamic) up to SPLIT_PER_THREAD per thread of >= SPLIT_MIN_KEYS keys
+  const int64_t R = dynamic ? std::max<int64_t>(T, std::min<int64_t>(T * SPLIT_PER_THREAD, W / SPLIT_MIN_KEYS)) : T;
+  float* slots = slot_buffer((size_t)(R + S) * 16 * (dv + 2));
   P.acc = slots;
-  P.mpart = slots + (T + S) * 16 * dv;
-  P.lpart = P.mpart + (T + S) * 16;
-  std::vector<int64_t> starts(T + 1);
+  P.mpart = slots + (R + S) * 16 * dv;
+  P.lpart = P.mpart + (R + S) * 16;
+  std::vector<int64_t> starts(R + 1);
+  if (dynamic)
+    for (int64_t u = 0; u <= R; ++u) starts[u] = W * u / R;
+  std::atomic<int64_t> next{0};
   std::string error;
 #pragma omp parallel num_threads(T)
   {
     const int64_t n = omp_get_num_threads(), t = omp_get_thread_num();
+    if (!dynamic) {
 #pragma omp single
-    {
-      starts.assign(n + 1, 0);
-      for (int64_t u = 0; u <= n; ++u) starts[u] = W * u / n;
+      {
+        starts.assign(n + 1, 0);  // the team may be smaller than asked for
+        for (int64_t u = 0; u <= n; ++u) starts[u] = W * u / n;
+      }
     }
     try {
-      thread_work(P, t, starts);
+      thread_work(P, t, starts, dynamic ? &next : nullptr);
     } catch (const std::exception& ex) {
 #pragma omp critical
       error = ex.what();

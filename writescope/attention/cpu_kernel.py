@@ -51,17 +51,19 @@ _EXTENSION = build.Extension("writescope_cpu_attention_v2", _DIR, _SOURCES, "usi
 
 
 TUNING_ENV = "WRITESCOPE_CPU_TUNING"
+DYNAMIC_SPLIT = 1024  # cpu_kernel.cpp's Tuning bit: the keys cut into several ranges per thread, taken as threads finish
 _tuning_applied: str | None = None  # the variable's text last applied (None: not yet looked at)
 _default_tuning: int | None = None  # the extension's own default, restored when the variable goes
 
 
 def tuning_from_env() -> int | None:
-    """``WRITESCOPE_CPU_TUNING``: the bf16 paths' tuning flags (cpu_kernel.cpp, ``Tuning``: 1
+    """``WRITESCOPE_CPU_TUNING``: the kernel's tuning flags (cpu_kernel.cpp, ``Tuning``: 1
     linear first, 2 scores prefetch, 4 values on V in place, 8 paced prefetch, 16 paced into L1,
-    32 paced two chunks ahead), an integer 0 to 63; None where unset (the kernel's default).
+    32 paced two chunks ahead: the bf16 paths' order of work; 1024 the dynamic split of the keys
+    over the threads, every path), an integer of those bits; None where unset (the kernel's default).
 
     Raises:
-        ValueError: not an integer in 0..63 (the timing-only flags from 64 up are refused).
+        ValueError: not an integer made of those bits (the timing-only flags 64 to 512 are refused).
     """
     raw = os.environ.get(TUNING_ENV, "").strip()
     if not raw:
@@ -70,8 +72,9 @@ def tuning_from_env() -> int | None:
         value = int(raw, 0)
     except ValueError:
         value = -1
-    if not 0 <= value <= 63:
-        raise ValueError(f"{TUNING_ENV}={raw!r}: use an integer 0 to 63 (cpu_kernel.cpp, Tuning), or leave it unset for the default")
+    if value < 0 or value & ~(63 | DYNAMIC_SPLIT):
+        raise ValueError(f"{TUNING_ENV}={raw!r}: use an integer 0 to 63, plus {DYNAMIC_SPLIT} for the dynamic split "
+                         "(cpu_kernel.cpp, Tuning), or leave it unset for the default")
     return value
 
 

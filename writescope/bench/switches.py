@@ -19,7 +19,7 @@ from typing import Callable, Iterator
 
 
 PER_ROW = ("WRITESCOPE_MICRO_BATCHES", "WRITESCOPE_MOE_KERNEL", "WRITESCOPE_LOAD_READ", "WRITESCOPE_PINGPONG_BUFFERS",
-           "WRITESCOPE_GPU_ATTENTION")  # read when a cache is made or on every forward
+           "WRITESCOPE_GPU_ATTENTION", "WRITESCOPE_CPU_TUNING")  # read when a cache (its CPU worker) is made or on every forward
 
 
 def _readers() -> dict[str, Callable[[], object]]:

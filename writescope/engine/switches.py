@@ -39,7 +39,14 @@ def readers() -> dict[str, Callable[[], object]]:
         "WRITESCOPE_MLA_PREFILL": mla_prefill_mode,
         "WRITESCOPE_EXPERT_ISA": cpu_experts.requested_path,
         "WRITESCOPE_PINNED_POOL": _pinned_pool,
+        "WRITESCOPE_CPU_TUNING": _cpu_tuning,
     }
+
+
+def _cpu_tuning():
+    from writescope.attention import cpu_kernel
+
+    return cpu_kernel.tuning_from_env()
 
 
 def _pinned_pool():
