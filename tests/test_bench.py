@@ -200,7 +200,8 @@ def test_rows_break_each_split_call_into_its_parts():
     st = llm.cache.decoder.stats
     parts = split.extra["split_parts"]
     layers = llm.config.num_layers
-    assert parts["calls"] == 3 * layers  # every decode step's layers, timed
+    assert parts["calls"] == parts["calls_with_cpu"] == 3 * layers  # every decode step's layers, timed
+    assert not llm.cache.decoder.time_gpu and llm.cache.decoder.gpu_timers is None  # off again after the row
     assert st.cpu_parts == 3 * layers and st.cpu_tokens > 0  # every call had compute blocks
     assert parts["cpu"] == pytest.approx(st.cpu_seconds / st.cpu_parts * 1e3)
     assert parts["cpu_ns_per_token"] == pytest.approx(st.cpu_seconds / st.cpu_tokens * 1e9)
@@ -209,6 +210,7 @@ def test_rows_break_each_split_call_into_its_parts():
     assert 0 < parts["gpu_part"] and 0 < parts["cpu"] < parts["attention"]  # on the CPU the halves run one after the other
     streamed = runner.run_one(llm, cfg, 2, 200, "gpu")
     assert "cpu" not in streamed.extra["split_parts"] and streamed.extra["split_parts"]["gpu_part"] > 0
+    assert streamed.extra["split_parts"]["calls_with_cpu"] == 0
     text = format_split_parts([split, streamed])
     assert "static:0.5" in text and " gpu:" not in text and "ns/token" in text
 

@@ -233,15 +233,95 @@ def test_a_thousand_requests_of_similar_sizes_register_a_few_buffers():
     assert pool.idle_bytes <= 64 * MiB and len(cuda.live) == pool.idle_count
 
 
-def test_a_sequence_compute_region_makes_room_first(fake_pool, monkeypatch):
-    """Pageable KV does not pass through the pool, so a new sequence gives idle buffers back
-    first when the host is short of its compute region."""
+def test_a_sequence_takes_its_slabs_before_making_room_for_its_compute_rows(fake_pool, monkeypatch):
+    """Pageable KV does not pass through the pool. A new sequence first takes its load slabs
+    (lent again: nothing registered), then, when the host is short of the prompt's compute rows
+    it commits, gives the other idle buffers back."""
     pool, cuda = fake_pool
-    pinned.unpin(pinned.host_empty((8 * MiB,), torch.uint8, pin=True))
-    assert pool.idle_count == 1
-    monkeypatch.setattr(pool, "_free", lambda: 100_000)  # the host: 100 kB free, the region needs 492 kB
     lay = KVLayout(2, 16, 16, False)
     spec = PartitionSpec(lay, 3, torch.float32, window=16, pingpong_bytes=1 << 16)
-    seq = SequenceKV(spec, 16 * 40, 0, StaticPolicy(0.5), torch.device("cpu"), pin=False)
+
+    def sequence():
+        return SequenceKV(spec, 16 * 40, 16 * 30, StaticPolicy(0.5), torch.device("cpu"), pin=True)
+
+    a = sequence()
+    a.release()
+    pinned.unpin(pinned.host_empty((8 * MiB,), torch.uint8, pin=True))  # another idle buffer, of no use to the sequence
+    registered = cuda.registered
+    monkeypatch.setattr(pool, "_free", lambda: 100_000)  # the host: 100 kB free, the prompt's rows need 92 kB x 1.11
+    b = sequence()
+    assert cuda.registered == registered  # its slabs were lent again
+    assert pool.idle_count == 0 and set(cuda.live) == {s.tensor.data_ptr() for s in b.slabs}
+    b.release()
+
+
+def test_admitting_a_batch_gives_idle_buffers_back_when_the_host_is_short(fake_pool, monkeypatch):
+    """check_capacity counted the idle buffers as available: once the batch passes, those it may
+    need go back to the host (pageable KV commits as it is written, later, past every check)."""
+    from writescope.kvcache.inplace import InplaceKVCache
+
+    pool, cuda = fake_pool
+    lay = KVLayout(2, 16, 16, False)
+    spec = PartitionSpec(lay, 3, torch.float32, window=16, pingpong_bytes=1 << 16)
+    cache = InplaceKVCache(spec, StaticPolicy(0.5), "cpu")
+    pinned.unpin(pinned.host_empty((8 * MiB,), torch.uint8, pin=True))
+    monkeypatch.setattr(pool, "_free", lambda: 10 * 2**30)
+    cache.check_capacity([16 * 40] * 4, None, 10 * 2**30, None)
+    assert pool.idle_count == 1  # plenty free: kept
+    monkeypatch.setattr(pool, "_free", lambda: 1000)
+    cache.check_capacity([16 * 40] * 4, None, 10 * 2**30, None)
     assert pool.idle_count == 0 and not cuda.live
-    seq.release()
+    cache.close()
+
+
+def test_a_bad_cap_set_later_never_fails_a_give_back():
+    """The cap is read at every give-back; a value that turns bad after start (a variable set
+    later) counts as the last good cap, so a clean-up path never raises for it and nothing leaks."""
+    cuda = FakeCuda()
+    caps = iter([8 * MiB, 8 * MiB])
+
+    def cap():
+        try:
+            return next(caps)
+        except StopIteration:
+            raise ValueError("WRITESCOPE_PINNED_POOL='lots'") from None
+
+    pool = PinnedPool(cuda.register, cuda.unregister, cap, lambda: None, {})
+    a = pool.take(MiB)  # reads 8 MiB
+    pool.give(a)  # reads 8 MiB
+    b = pool.take(2 * MiB)  # the cap now fails: 8 MiB still
+    pool.give(b)
+    assert pool.idle_bytes == 3 * MiB and len(cuda.live) == 2
+
+
+def test_no_pool_set_later_lends_nothing_kept_before(monkeypatch):
+    cap = [8 * MiB]
+    cuda = FakeCuda()
+    pool = PinnedPool(cuda.register, cuda.unregister, lambda: cap[0], lambda: None, {})
+    a = pool.take(MiB)
+    pool.give(a)
+    cap[0] = 0
+    b = pool.take(MiB)
+    assert b is not a and a.ptr not in cuda.live and cuda.registered == 2
+
+
+def test_a_failed_mapping_gives_the_idle_buffers_back_and_tries_once_more(monkeypatch):
+    from writescope.kvcache import pinned_pool
+
+    pool, cuda = _pool()
+    a = pool.take(MiB)
+    pool.give(a)
+    real, fails = pinned_pool.mmap.mmap, [1]
+
+    def flaky(*args, **kw):
+        if fails[0]:
+            fails[0] -= 1
+            raise OSError(12, "Cannot allocate memory")
+        return real(*args, **kw)
+
+    monkeypatch.setattr(pinned_pool.mmap, "mmap", flaky)
+    b = pool.take(4 * MiB)
+    assert b.size == 4 * MiB and a.ptr not in cuda.live
+    fails[0] = 2
+    with pytest.raises(RuntimeError, match=r"cannot map 0\.004 GiB of host memory for pinned KV.*Cannot allocate memory"):
+        pool.take(4 * MiB)

@@ -327,6 +327,38 @@ def test_busy_fractions_from_the_decoder_s_totals():
         cache.close()
 
 
+def test_metrics_count_pinned_memory(monkeypatch):
+    """/metrics' pinned-memory counters follow this process's page-locking from the server's
+    start (through a pool over a fake registration: the CPU has none), and the pool's idle bytes."""
+    import types
+
+    import torch
+
+    from writescope.kvcache import pinned
+    from writescope.kvcache.pinned_pool import PinnedPool
+    from writescope.serve.metrics import ServeMetrics
+
+    live = {}
+    pool = PinnedPool(lambda p, n: live.__setitem__(p, n) or 0, lambda p: live.pop(p) and 0, 64 << 20, lambda: None, pinned.STATS)
+    monkeypatch.setattr(pinned, "POOL", pool)
+    core = types.SimpleNamespace(scheduler=types.SimpleNamespace(active=[], waiting=[]),
+                                 llm=types.SimpleNamespace(cache=types.SimpleNamespace(seq_len=lambda s: 0)))
+    pinned.unpin(pinned.host_empty((1 << 20,), torch.uint8, pin=True))  # before the server: not counted
+    m = ServeMetrics()
+    a = pinned.host_empty((1 << 20,), torch.uint8, pin=True)  # lent again
+    b = pinned.host_empty((3 << 20,), torch.uint8, pin=True)  # registered
+    pinned.unpin(a)
+    m.sample_engine(core)
+    get = m.registry.get_sample_value
+    assert get("writescope:pinned_registered_bytes_total") == 3 << 20
+    assert get("writescope:pinned_reused_bytes_total") == 1 << 20
+    assert get("writescope:pinned_register_seconds_total") >= 0
+    assert get("writescope:pinned_pool_idle_bytes") == 1 << 20
+    pinned.unpin(b)
+    m.sample_engine(core)
+    assert get("writescope:pinned_pool_idle_bytes") == 4 << 20 and get("writescope:pinned_registered_bytes_total") == 3 << 20
+
+
 def test_a_batch_of_one_prompt_is_that_prompt(server):
     """``["hi"]`` (and ``[[ids]]``), as OpenAI clients send one prompt, gives that prompt's answer."""
     body = {"model": MODEL, "max_tokens": 3, "temperature": 0}

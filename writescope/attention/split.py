@@ -118,7 +118,7 @@ class SplitDecoder:
         self._free_events: list[object | None] = []
         self.last_split = (0, 0)  # (CPU tokens, load-region tokens) of the last decode call
         self.time_gpu = False  # time the GPU part of each call (calibration; see last_gpu_seconds)
-        self.gpu_timers: list | None = None  # with time_gpu: every call's GPU-part timer, appended (bench rows)
+        self.gpu_timers: list | None = None  # with time_gpu: (GPU-part timer, had a CPU part) of every call (bench rows)
         self._gpu_timer: object = 0.0
         self._gpu_timer_done = True
         # the Triton launches of the GPU side (gpu_decode.py); None: the plain-torch partials
@@ -280,7 +280,7 @@ class SplitDecoder:
             if self.time_gpu:
                 self._gpu_timer, self._gpu_timer_done = self._stop_gpu_timer(self._gpu_timer), True
                 if self.gpu_timers is not None:
-                    self.gpu_timers.append(self._gpu_timer)
+                    self.gpu_timers.append((self._gpu_timer, bool(cpu_rows)))
             if prepared and self.cuda:  # the prepare buffer of this layer's parity is reused once these copies (reads) are done
                 ev = torch.cuda.Event()
                 ev.record(torch.cuda.current_stream(self.device) if self.in_place else self.copy_stream)

@@ -244,23 +244,27 @@ def _random_kv_prefill(llm: LLM, seed: int):
     return prefill
 
 
-def split_parts(decoder, attention_s: list[float], bytes_per_token: int) -> dict | None:
+def split_parts(decoder, timers: list | None, attention_s: list[float], bytes_per_token: int) -> dict | None:
     """Where a row's decode attention calls went, per call (a layer of the batch, or of one half
-    in a micro-batched step), in ms: ``attention`` (from the call's first launch to its merge,
-    the mean of ``attention_s``), ``gpu_part`` (the device's window and load-region work before
-    it waits for the CPU partial: on CUDA, events on the compute stream, including its waits for
-    streamed blocks), ``cpu`` (the CPU worker's attention of the calls with a CPU part), and the
-    CPU's in-step rate (``cpu_ns_per_token``, ``cpu_gbs`` of KV read, ``bytes_per_token`` per
-    layer). ``attention`` minus the larger of the two sides is the hand-over between them. None
-    when no call was timed."""
-    timers = decoder.gpu_timers or []
-    if not attention_s or not timers:
+    in a micro-batched step), from ``timers`` (the decoder's ``gpu_timers`` of the row), in ms,
+    over the calls with a CPU part (``calls_with_cpu``; all of
+    them without one): ``attention`` (from the call's first launch to its merge, the mean of
+    ``attention_s``), ``gpu_part`` (the device's window and load-region work before it waits for
+    the CPU partial: on CUDA, events on the compute stream, including its waits for streamed
+    blocks), ``cpu`` (the CPU worker's attention), and the CPU's in-step rate
+    (``cpu_ns_per_token``, ``cpu_gbs`` of KV read, ``bytes_per_token`` per layer). ``attention``
+    minus the larger of the two sides is the hand-over between them. None when no call was
+    timed, or when the calls timed and the decoder's do not pair up."""
+    timers = timers or []
+    if not attention_s or len(timers) != len(attention_s):
         return None
-    gpu = [decoder.gpu_seconds(t) for t in timers]
+    with_cpu = [i for i, (_, has_cpu) in enumerate(timers) if has_cpu]
+    pick = with_cpu or list(range(len(timers)))
+    gpu = [decoder.gpu_seconds(timers[i][0]) for i in pick]
     st = decoder.stats
-    calls = len(attention_s)
-    out = {"calls": calls, "attention": sum(attention_s) / calls * 1e3, "gpu_part": sum(gpu) / len(gpu) * 1e3}
-    if st.cpu_tokens > 0 and st.cpu_seconds > 0 and st.cpu_parts > 0:
+    out = {"calls": len(attention_s), "calls_with_cpu": len(with_cpu),
+           "attention": sum(attention_s[i] for i in pick) / len(pick) * 1e3, "gpu_part": sum(gpu) / len(gpu) * 1e3}
+    if with_cpu and st.cpu_tokens > 0 and st.cpu_seconds > 0 and st.cpu_parts > 0:
         out["cpu"] = st.cpu_seconds / st.cpu_parts * 1e3
         out["cpu_ns_per_token"] = st.cpu_seconds / st.cpu_tokens * 1e9
         out["cpu_gbs"] = st.cpu_tokens * bytes_per_token / st.cpu_seconds / 1e9
@@ -303,6 +307,10 @@ def run_one(llm: LLM, cfg: BenchConfig, batch: int, context: int, policy: str, r
     finally:
         if timer is not None:
             timer.remove()
+        decoder = getattr(llm.cache, "decoder", None) if isinstance(llm.cache, InplaceKVCache) else None
+        timers = decoder.gpu_timers if decoder is not None else None
+        if decoder is not None:  # what comes after the row (another generate on this cache) is not timed
+            decoder.time_gpu, decoder.gpu_timers = False, None
     if llm.decode_host:  # the main thread's issue and wait per decode step (a wait near 0: issue-bound)
         row.extra["issue_ms"] = statistics.median(i for i, _ in llm.decode_host) * 1e3
         row.extra["wait_ms"] = statistics.median(w for _, w in llm.decode_host) * 1e3
@@ -336,7 +344,7 @@ def run_one(llm: LLM, cfg: BenchConfig, batch: int, context: int, policy: str, r
         cache = llm.cache
         if isinstance(cache, InplaceKVCache):
             st = cache.decoder.stats
-            parts = split_parts(cache.decoder, times, llm.config.kv_layout.bytes_per_token(itemsize))
+            parts = split_parts(cache.decoder, timers, times, llm.config.kv_layout.bytes_per_token(itemsize))
             if parts:
                 row.extra["split_parts"] = parts
             row.prepare_ms_per_layer = st.prepare_seconds / max(1, st.layer_steps) * 1e3

@@ -26,6 +26,7 @@ from writescope.attention.split import SplitDecoder
 from writescope.kvcache.base import KVCache, AttendedNow
 from writescope.engine.threads import default_attention_threads
 from writescope.env import env_choice
+from writescope.kvcache import pinned as pinned_memory
 from writescope.kvcache.prefill_writer import PrefillWriter
 from writescope.kvcache.sequence import SequenceKV, load_blocks_reserved, pinned_staging_bytes
 from writescope.kvcache.spec import PartitionSpec
@@ -459,6 +460,9 @@ class InplaceKVCache(KVCache):
                 f"the load region and staging buffers need up to {pinned / gib:.2f} GiB of pinned memory, above the pinned "
                 f"budget of {pinned_budget / gib:.2f} GiB: raise pinned_budget, or use fewer or shorter requests"
             )
+        # host_free counted the pool's idle buffers: those the batch may need go back to the host now
+        # (pageable KV is committed as it is written, so no later allocation would see the shortfall)
+        pinned_memory.POOL.make_room(host)
 
 
 def _micro_batches() -> int:

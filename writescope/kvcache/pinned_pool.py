@@ -15,12 +15,16 @@ similar lengths registers nothing after the first ones.
 Bounds:
 - Idle buffers hold at most ``idle_cap`` bytes (``WRITESCOPE_PINNED_POOL``: a size such as
   ``8GiB``, ``0`` for no pool; default a quarter of the host's memory). Beyond it, the buffers
-  idle longest are unregistered and unmapped first.
+  idle longest are unregistered and unmapped first. With the cap at 0, nothing kept before is
+  lent either.
 - Idle bytes count as available host memory (:func:`writescope.budget.memory.available_memory`).
   A request that finds no idle buffer of its size first releases idle ones while the host has
-  less free memory than it needs, and all of them if the registration fails (then tries once
-  more). A sequence's pageable compute region makes room the same way before it is allocated
-  (:meth:`PinnedPool.make_room`).
+  less free memory than it needs, and all of them if the mapping or the registration fails (then
+  tries once more). Pageable KV makes room the same way (:meth:`PinnedPool.make_room`): a batch
+  once it passes its capacity check, for its spilled KV, and a sequence before it commits its
+  prompt's compute rows.
+- Page-locked memory can therefore reach what is lent (within the pinned budget, plus up to
+  ``SLACK`` of each buffer) plus the idle cap.
 - A buffer is reused only after an explicit give-back, whose caller promises that no view of it
   is used again and no copy still reads it. A tensor garbage-collected without one is
   unregistered and never reused.
@@ -91,10 +95,11 @@ class PinnedPool:
                  idle_cap: int | Callable[[], int], free_bytes: Callable[[], int | None], stats: dict | None = None,
                  on_error: Callable[[], None] | None = None):
         self._register, self._unregister, self._free = register, unregister, free_bytes
-        self._cap = idle_cap if callable(idle_cap) else (lambda: idle_cap)
+        self._cap_source = idle_cap if callable(idle_cap) else (lambda: idle_cap)
+        self._last_cap = 0  # the last cap read that was valid (a bad value set later falls back to it)
         self._on_error = on_error or (lambda: None)
         self._idle: list[HostBuffer] = []  # oldest first
-        self._lock = threading.RLock()  # a finalizer may give back from another thread
+        self._lock = threading.RLock()  # finalizers drop buffers from whatever thread collects them
         self.stats = stats if stats is not None else {}
         for k in ("register_s", "unregister_s"):
             self.stats.setdefault(k, 0.0)
@@ -119,6 +124,8 @@ class PinnedPool:
             RuntimeError: the mapping or the registration failed (names the bytes).
         """
         span = whole_pages(max(1, nbytes))
+        if self._cap() == 0:  # no pool (now): nothing idle is lent, whatever an earlier cap kept
+            self.release_idle()
         with self._lock:
             fits = [b for b in self._idle if span <= b.size <= span + int(SLACK * span)]
             if fits:
@@ -130,17 +137,20 @@ class PinnedPool:
             self.make_room(span)
         try:
             return self._new(span)
-        except _RegisterError:
+        except (_RegisterError, _MapError):
             self.release_idle()  # once more, with every idle buffer given back to the host
             try:
                 return self._new(span)
             except _RegisterError as e:
                 raise RuntimeError(f"cudaHostRegister of {nbytes / 2**30:.3f} GiB failed (CUDA error {e.code}): "
                                    "lower the pinned budget or the batch") from None
+            except _MapError as e:
+                raise RuntimeError(f"cannot map {nbytes / 2**30:.3f} GiB of host memory for pinned KV: {e.__cause__}") from None
 
     def give(self, buf: HostBuffer) -> None:
         """Keep ``buf`` for a later :meth:`take` (its lender uses no view of it again), then drop
-        the buffers idle longest while the idle bytes pass the cap."""
+        the buffers idle longest while the idle bytes pass the cap. Never raises for the cap: a
+        bad value read now counts as the last good one."""
         cap = self._cap()
         with self._lock:
             if buf.size > cap:
@@ -154,10 +164,11 @@ class PinnedPool:
         """Unregister ``buf`` now; its pages go back to the host when nothing maps them."""
         t0 = time.perf_counter()
         err = int(self._unregister(buf.ptr))
-        self.stats["unregister_s"] += time.perf_counter() - t0
-        if err == 0:
-            self.stats["unregister_bytes"] += buf.size
-        else:
+        with self._lock:
+            self.stats["unregister_s"] += time.perf_counter() - t0
+            if err == 0:
+                self.stats["unregister_bytes"] += buf.size
+        if err != 0:
             self._on_error()
 
     def release_idle(self) -> int:
@@ -167,6 +178,15 @@ class PinnedPool:
         for b in idle:
             self.drop(b)
         return sum(b.size for b in idle)
+
+    def _cap(self) -> int:
+        """The idle cap now; a source that fails (a bad environment value set after start) gives
+        the last good one, so a give-back in a clean-up path never raises for it."""
+        try:
+            self._last_cap = int(self._cap_source())
+        except (ValueError, TypeError):
+            pass
+        return self._last_cap
 
     def make_room(self, nbytes: int) -> None:
         """Drop idle buffers, longest idle first, while the host has less free memory than an
@@ -182,7 +202,7 @@ class PinnedPool:
         try:
             mem = mmap.mmap(-1, span)
         except (OSError, ValueError) as e:
-            raise RuntimeError(f"cannot map {span / 2**30:.3f} GiB of host memory for pinned KV: {e}") from e
+            raise _MapError() from e
         if hasattr(mmap, "MADV_HUGEPAGE"):  # registration faults every page in: 2 MiB pages fault 512x less
             mem.madvise(mmap.MADV_HUGEPAGE)
         import ctypes
@@ -192,13 +212,19 @@ class PinnedPool:
         del anchor  # the export would keep the mapping from ever closing
         t0 = time.perf_counter()
         err = int(self._register(ptr, span))
-        self.stats["register_s"] += time.perf_counter() - t0
+        with self._lock:
+            self.stats["register_s"] += time.perf_counter() - t0
+            if err == 0:
+                self.stats["register_bytes"] += span
         if err != 0:
             self._on_error()
             mem.close()
             raise _RegisterError(err)
-        self.stats["register_bytes"] += span
         return HostBuffer(mem, ptr, span)
+
+
+class _MapError(Exception):
+    pass
 
 
 class _RegisterError(Exception):

@@ -67,8 +67,6 @@ class SequenceKV:
         self.n_load = [0] * L  # load-region blocks per layer
         self.homes: list[tuple[int, int]] = []
         cpu_blocks = 0 if policy.max_cpu_share == 0 else self.max_blocks
-        # pageable: idle pinned buffers go back to the host first if it is short of this much
-        pinned.POOL.make_room(L * spec.parts * spec.layout.kv_heads * cpu_blocks * D * spec.dim * spec.dtype.itemsize)
         self.compute = torch.empty((L, spec.parts, spec.layout.kv_heads, cpu_blocks * D, spec.dim), dtype=spec.dtype)
         self.slabs: list[LoadSlab] = []
         self.staging: torch.Tensor | None = None  # pinned [L, parts, kv_heads, D, dim] for evictions to compute
@@ -80,7 +78,9 @@ class SequenceKV:
             if LOAD in plan:
                 self._reserve_load(plan.count(LOAD))
             if COMPUTE in plan:  # fault in (commit) the prompt's compute rows now, not during prefill
-                self.compute[:, :, :, : plan.count(COMPUTE) * D].zero_()
+                rows = self.compute[:, :, :, : plan.count(COMPUTE) * D]
+                pinned.POOL.make_room(rows.numel() * rows.element_size())  # pageable: idle pinned buffers go first if short
+                rows.zero_()
 
     # ------------------------------------------------------------------ lengths
     def seq_len(self, layer: int) -> int:

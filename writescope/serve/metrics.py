@@ -16,6 +16,10 @@ prefix. One registry per server, so several servers (tests) in one process do no
 | ``writescope:cpu_attention_busy_fraction`` | gauge | CPU attention seconds / wall seconds since the last sample (partitioned policies) |
 | ``writescope:link_streamed_bytes_per_second`` | gauge | load-region bytes streamed to the GPU / wall seconds since the last sample |
 | ``writescope:link_busy_fraction`` | gauge | those bytes' link seconds at the calibrated B / wall seconds (``writescope``; NaN without a roofline) |
+| ``writescope:pinned_registered_bytes_total`` | counter | host bytes page-locked (``cudaHostRegister``) for KV and staging |
+| ``writescope:pinned_register_seconds_total`` | counter | seconds of those registrations: the engine thread, and so every running request, waits for them |
+| ``writescope:pinned_reused_bytes_total`` | counter | page-locked bytes the pool lent again instead of registering (kvcache/pinned_pool.py) |
+| ``writescope:pinned_pool_idle_bytes`` | gauge | page-locked bytes the pool keeps for the next requests |
 """
 
 from __future__ import annotations
@@ -25,6 +29,7 @@ import time
 from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram, generate_latest
 
 from writescope.engine.request import StepOutput
+from writescope.kvcache import pinned
 from writescope.kvcache.inplace import InplaceKVCache
 
 PREFIX = "writescope:"
@@ -56,6 +61,13 @@ class ServeMetrics:
         self.link_rate = Gauge(PREFIX + "link_streamed_bytes_per_second", "Load-region bytes streamed per wall second.", registry=r)
         self.link_busy = Gauge(PREFIX + "link_busy_fraction", "Link seconds (calibrated B) per wall second since the last sample.",
                                registry=r)
+        self.pinned_registered = Counter(PREFIX + "pinned_registered_bytes", "Host bytes page-locked for KV and staging.", registry=r)
+        self.pinned_register_s = Counter(PREFIX + "pinned_register_seconds", "Seconds the engine thread spent page-locking host memory.",
+                                         registry=r)
+        self.pinned_reused = Counter(PREFIX + "pinned_reused_bytes", "Page-locked bytes lent again by the pool instead of registered.",
+                                     registry=r)
+        self.pinned_idle = Gauge(PREFIX + "pinned_pool_idle_bytes", "Page-locked bytes the pool keeps for the next requests.", registry=r)
+        self._pinned_seen = {k: pinned.STATS[k] for k in ("register_bytes", "register_s", "reused_bytes")}  # counters count from here
         self._last: tuple[float, float, int] | None = None  # (wall clock, CPU seconds, streamed bytes) at the last sample
         for reason in ("stop", "length", "abort", "error"):
             self.request_success.labels(reason)
@@ -90,6 +102,17 @@ class ServeMetrics:
             self._sample_busy(cache, time.perf_counter() if now is None else now)
         else:
             self.kv_tokens.labels("device").set(sum(cache.seq_len(s) for s in slots))
+        self._sample_pinned()
+
+    def _sample_pinned(self) -> None:
+        """The pinned-memory counters by what this process did since the last sample."""
+        for key, counter in (("register_bytes", self.pinned_registered), ("register_s", self.pinned_register_s),
+                             ("reused_bytes", self.pinned_reused)):
+            now = pinned.STATS[key]
+            if now > self._pinned_seen[key]:
+                counter.inc(now - self._pinned_seen[key])
+            self._pinned_seen[key] = now
+        self.pinned_idle.set(pinned.POOL.idle_bytes)
 
     def _sample_busy(self, cache: InplaceKVCache, now: float) -> None:
         """The CPU attention's and the link's busy fractions since the last sample."""
