@@ -182,6 +182,14 @@ def test_the_dynamic_split_is_exact(path, base):
                 keep = [0, 1, 2, 3, 5]  # lse of the empty sequence is -inf in both
                 torch.testing.assert_close(lse[keep], lse2[keep], rtol=1e-5, atol=1e-4)
                 assert torch.all(o[4] == 0) and torch.all(lse[4] == float("-inf"))
+            # a NaN key of KV head 0 in one range of the long sequence: that head's outputs and lse
+            # are NaN, no other head's or sequence's
+            kv[5][0][0, 3000, 1] = float("nan")
+            ext.set_tuning(base | kernel.DYNAMIC_SPLIT)
+            o, lse = kernel.attend(q, kv, dk**-0.5, threads=5)
+            assert torch.isnan(o[5, 0]).all() and torch.isnan(lse[5, 0]).all()
+            assert not torch.isnan(o[5, 1:]).any() and not torch.isnan(lse[5, 1:]).any()
+            check(o[:4], lse[:4], q[:4], kv[:4], dk**-0.5, dv, tol)
     finally:
         ext.set_tuning(old)
 
