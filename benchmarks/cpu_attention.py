@@ -25,8 +25,6 @@ import argparse
 import json
 import os
 import statistics
-import subprocess
-import sys
 import threading
 import time
 from pathlib import Path
@@ -35,6 +33,8 @@ import torch
 
 from writescope.attention import cpu_kernel
 from writescope.attention.partial import cpu_attend
+
+from interference import Busy, timed_in_turns  # benchmarks/ (the script's folder)
 
 SHAPES = {"mla": (1, 16, 576, 512), "gqa": (4, 8, 128, 128)}  # kv_heads, group, dk, dv
 
@@ -75,38 +75,6 @@ def timed(fn, repeats: int) -> tuple[float, float, float]:
         fn()
         ts.append(time.perf_counter() - t0)
     return statistics.median(ts), min(ts), max(ts)
-
-
-def timed_in_turns(fns: list, repeats: int) -> list[tuple[float, float, float]]:
-    """:func:`timed` of each of ``fns``, their calls taking turns (one of each per round), so a
-    load that comes and goes weighs on all of them alike."""
-    for fn in fns:
-        fn()
-    ts: list[list[float]] = [[] for _ in fns]
-    for _ in range(repeats):
-        for i, fn in enumerate(fns):
-            t0 = time.perf_counter()
-            fn()
-            ts[i].append(time.perf_counter() - t0)
-    return [(statistics.median(t), min(t), max(t)) for t in ts]
-
-
-class Busy:
-    """``n`` other processes spinning on the CPU for the duration of a ``with`` block."""
-
-    def __init__(self, n: int):
-        self.n, self.procs = n, []
-
-    def __enter__(self):
-        self.procs = [subprocess.Popen([sys.executable, "-c", "while True: pass"]) for _ in range(self.n)]
-        time.sleep(0.2)
-        return self
-
-    def __exit__(self, *exc):
-        for p in self.procs:
-            p.kill()
-        for p in self.procs:
-            p.wait()
 
 
 class Copier:

@@ -8,7 +8,9 @@ calls rotate over ``--sets`` weight sets (random bf16, std 0.02: never zeros; ea
 >= 1 GB by default, more than any last-level cache). Reported: the median ms over ``--repeats``
 calls after one warm-up call per set, the weight read rate (weight bytes / ms), the same run's
 plain read rate of the same bytes with the same threads (a multi-threaded read in the extension),
-and their ratio. Threads: ``--threads`` (default torch's count less one) for every path.
+and their ratio. Threads: ``--threads`` (default torch's count less one) for every path. With
+``--busy N,...``: the best path again while N other processes spin on the cores, its units split
+from a counter (the default) against one equal range per thread, calls taking turns.
 
 Run (repository root):
     PYTHONPATH=. python3 benchmarks/cpu_experts.py --out benchmarks/results/cpu_experts_h200
@@ -33,7 +35,8 @@ from writescope.layers.mlp import GatedMLP
 from writescope.moe import cpu_experts
 from writescope.presets import preset_config
 
-from layer_args import token_counts  # benchmarks/ (the script's folder)
+from interference import Busy, timed_in_turns  # benchmarks/ (the script's folder)
+from layer_args import token_counts
 
 DTYPE = torch.bfloat16
 
@@ -112,6 +115,25 @@ def bench_model(name: str, tokens: list[int], paths: list[str], args) -> list[di
             row = dict(base, path=ran, ms=ms, gbs=gbs, read_ms=read_ms, read_gbs=read_gbs, ratio=gbs / read_gbs)
             rows.append(row)
             print(json.dumps({k: round(v, 3) if isinstance(v, float) else v for k, v in row.items()}), flush=True)
+        for n_busy in args.busy:
+            os.environ[cpu_experts.ENV] = paths[0]
+            ext, calls = cpu_experts._ext(), []
+            for dynamic in (False, True):
+                def call(dynamic=dynamic, turn=[0]):
+                    ext.set_split(dynamic)
+                    turn[0] += 1
+                    w13, w2, _ = sets[turn[0] % len(sets)]
+                    return cpu_experts.host_experts_forward(x, counts, w13, w2, slots, rw, threads=args.threads)
+                calls.append(call)
+            with Busy(n_busy):
+                got = timed_in_turns(calls, args.repeats)
+            ext.set_split(True)
+            for dynamic, (med, lo, hi) in zip((False, True), got):
+                label = f"{cpu_experts.path_for(DTYPE, D, I)}, {'dynamic' if dynamic else 'equal'} split, {n_busy} busy"
+                row = dict(base, path=label, ms=med * 1e3, min_ms=lo * 1e3, max_ms=hi * 1e3, gbs=nbytes / med / 1e9,
+                           read_ms=read_ms, read_gbs=read_gbs, ratio=nbytes / med / 1e9 / read_gbs, busy=n_busy)
+                rows.append(row)
+                print(json.dumps({k: round(v, 3) if isinstance(v, float) else v for k, v in row.items()}), flush=True)
     os.environ.pop(cpu_experts.ENV, None)
     return rows
 
@@ -125,8 +147,16 @@ def main() -> None:
     ap.add_argument("--gb", type=float, default=1.0, help="weight GB per call (rounded up to whole experts)")
     ap.add_argument("--sets", type=int, default=2, help="weight sets the calls rotate over")
     ap.add_argument("--paths", default="offered", help="kernel paths, comma-separated, or 'offered' (every path this CPU offers)")
+    ap.add_argument("--busy", default="", help="comma-separated counts of spinning processes (e.g. 0,1): the best path's "
+                    "units split from a counter and equally, calls taking turns, under each")
     ap.add_argument("--out", type=Path, required=True, help="writes OUT.json and OUT.md")
     args = ap.parse_args()
+    try:
+        args.busy = [int(b) for b in args.busy.split(",") if b.strip()]
+    except ValueError:
+        ap.error(f"--busy {args.busy!r}: use counts of processes, e.g. 0,1")
+    if any(b < 0 for b in args.busy):
+        ap.error(f"--busy must be >= 0, got {args.busy}")
     for key in ("threads", "repeats", "sets"):
         if getattr(args, key) < 1:
             ap.error(f"--{key} must be >= 1, got {getattr(args, key)}")

@@ -147,6 +147,30 @@ def test_thread_count_does_not_change_the_result(kernel, monkeypatch, path):
 
 
 @pytest.mark.parametrize("path", ["portable", "avx512bf16", "amx-emulated"])
+def test_the_units_split_from_a_counter_or_equally_give_the_same_bits(kernel, monkeypatch, path):
+    """The default split hands out runs of units from a counter; set_split(False) cuts one equal
+    range per thread. Each unit is still computed whole by one thread: the same bits, over odd
+    widths and token counts, and thread counts above the units' runs."""
+    needs(path, kernel)
+    monkeypatch.setenv(cpu_experts.ENV, path)
+    ext = kernel._ext()
+    w13, w2 = experts(7, 96, 160, torch.bfloat16)
+    x, rw = tokens(COUNTS, 96, torch.bfloat16)
+    slots = list(range(len(COUNTS)))[:7] + [0]
+    assert ext.set_split(True) is True  # the default
+    try:
+        for t in (1, 3, 5, 64):
+            dynamic = kernel.host_experts_forward(x, COUNTS, w13, w2, slots, rw, threads=t)
+            ext.set_split(False)
+            equal = kernel.host_experts_forward(x, COUNTS, w13, w2, slots, rw, threads=t)
+            ext.set_split(True)
+            assert torch.equal(dynamic, equal), t
+    finally:
+        ext.set_split(True)
+    check(kernel, path, 96, 160, threads=5)
+
+
+@pytest.mark.parametrize("path", ["portable", "avx512bf16", "amx-emulated"])
 def test_nan_stays_in_its_token(kernel, monkeypatch, path):
     """A NaN in one input token makes that token's output NaN and no other (token blocks are
     shared in the AMX tiles and the AVX accumulators: columns must not mix)."""

@@ -4,13 +4,17 @@
 // in the packed w13 [E, 2I, D] / w2 [E, D, I], m_g consecutive token rows of x [n, D]) give
 // y[rows of g] = rw * down(silu(gate(x)) * up(x)). Work plan, so each weight byte is read once:
 //   pack     the tokens in the layout the path needs (AMX: xb pairs; portable bf16: fp32 rows)
-//   phase 1  units of 16 features of one expert (16 gate + 16 up rows of w13), cut into one equal
-//            range of units per thread: h = silu(g) * u for all the expert's tokens, in bf16
+//   phase 1  units of 16 features of one expert (16 gate + 16 up rows of w13), in runs of consecutive
+//            units that the threads take from an atomic counter as each finishes its last (about
+//            SPLIT_PER_THREAD runs per thread; a thread slowed by another on its core takes fewer
+//            instead of holding up the call; set_split(false): one equal range per thread):
+//            h = silu(g) * u for all the expert's tokens, in bf16
 //   barrier
 //   phase 2  units of 32 output features of one expert (32 rows of w2), likewise: y = rw h W2^T
 #include <torch/extension.h>
 #include <omp.h>
 #include <algorithm>
+#include <atomic>
 #include <cmath>
 #include <cstdint>
 #include <cstdlib>
@@ -162,9 +166,26 @@ static void unit2(const Plan& P, int64_t u, Worker& w) {
   down_portable(W2, P.r2, P.D, P.I, d0, P.hf + s * P.I, m, P.rw + s, y, w);
 }
 
+constexpr int64_t SPLIT_PER_THREAD = 4;
+static std::atomic<bool> g_dynamic{true};  // set_split: the runs from a counter (true) or one equal range per thread
+
+// units [0, U) for thread t of n: its equal range, or (dynamic) runs of `run` units from *next
+template <typename F>
+static void units(int64_t U, int64_t t, int64_t n, bool dynamic, std::atomic<int64_t>& next, F&& f) {
+  if (!dynamic) {
+    for (int64_t u = U * t / n; u < U * (t + 1) / n; ++u) f(u);
+    return;
+  }
+  const int64_t run = std::max<int64_t>(1, U / (n * SPLIT_PER_THREAD));
+  for (int64_t a = next.fetch_add(run, std::memory_order_relaxed); a < U; a = next.fetch_add(run, std::memory_order_relaxed))
+    for (int64_t u = a; u < std::min(U, a + run); ++u) f(u);
+}
+
 template <typename T>
 static void run(const Plan& P, int64_t threads, std::string& error) {
   const int64_t G = (int64_t)P.slot.size(), U1 = G * P.units1, U2 = G * P.units2;
+  const bool dynamic = g_dynamic.load(std::memory_order_relaxed);
+  std::atomic<int64_t> next1{0}, next2{0};
 #pragma omp parallel num_threads(threads)
   {
     const int64_t n = omp_get_num_threads(), t = omp_get_thread_num();
@@ -174,7 +195,7 @@ static void run(const Plan& P, int64_t threads, std::string& error) {
       if (P.isa == AMX) amx::configure();
 #pragma omp for schedule(static)
       for (int64_t g = 0; g < G; ++g) pack_group<T>(P, g);
-      for (int64_t u = U1 * t / n; u < U1 * (t + 1) / n; ++u) unit1<T>(P, u, w);
+      units(U1, t, n, dynamic, next1, [&](int64_t u) { unit1<T>(P, u, w); });
     } catch (const std::exception& ex) {
       ok = false;
 #pragma omp critical
@@ -182,8 +203,7 @@ static void run(const Plan& P, int64_t threads, std::string& error) {
     }
 #pragma omp barrier
     try {
-      if (ok)
-        for (int64_t u = U2 * t / n; u < U2 * (t + 1) / n; ++u) unit2<T>(P, u, w);
+      if (ok) units(U2, t, n, dynamic, next2, [&](int64_t u) { unit2<T>(P, u, w); });
     } catch (const std::exception& ex) {
 #pragma omp critical
       error = ex.what();
@@ -256,6 +276,7 @@ std::tuple<at::Tensor, int64_t> forward(at::Tensor x, at::Tensor w13, at::Tensor
 
 int64_t path_for(int64_t isa, bool bf16, int64_t D, int64_t I) { return choose(isa, bf16, D, I); }
 int64_t best() { return best_isa(); }
+bool set_split(bool dynamic) { return g_dynamic.exchange(dynamic); }
 
 // a plain read of t's bytes: the rate the kernel's weight reads are compared with (native/read_probe.h)
 int64_t read_bytes(at::Tensor t, int64_t threads) {
@@ -269,5 +290,7 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
         py::arg("rw"), py::arg("isa") = -1, py::arg("threads") = 1, py::call_guard<py::gil_scoped_release>());
   m.def("path_for", &path_for, "the path forward takes for these inputs (0 portable, 1 avx512bf16, 2 amx, 3 amx-emulated)");
   m.def("best", &best, "the best path this CPU and OS offer");
+  m.def("set_split", &set_split, "units from a counter (True, the default) or one equal range per thread; returns the previous",
+        py::arg("dynamic"));
   m.def("read_bytes", &read_bytes, "a plain multi-threaded read of a tensor's bytes", py::call_guard<py::gil_scoped_release>());
 }
