@@ -19,6 +19,7 @@
 #   bash benchmarks/h200_session.sh amx        # the AMX-marked tests (the C++ kernels' AMX paths on the host's Xeon)
 #   bash benchmarks/h200_session.sh cpu-attention  # CPU attention at full scale: the kernel's paths, the flash op, a plain read; under a H2D copy
 #     (CPU_ATT_FLAGS: more benchmarks/cpu_attention.py flags, e.g. "--tunings 2,12 --copy-tunings 2,12 --no-flash")
+#   bash benchmarks/h200_session.sh cpu-experts    # the host-expert kernel (CPU_EXP_FLAGS: more benchmarks/cpu_experts.py flags)
 #   bash benchmarks/h200_session.sh calibrate MODEL  # writescope calibrate for MODEL's KV shape (A, B, C, r(L) at 2K-128K, batch 16)
 #   bash benchmarks/h200_session.sh tpot MODEL # full-size MODEL under 32 GiB, machine text, TPOT of each policy one after another
 #     (TPOT_BATCH 16, TPOT_CONTEXT 32k, TPOT_NEW 24 new tokens, TPOT_POLICIES gpu,writescope, TPOT_TAG a file-name suffix,
@@ -65,6 +66,8 @@ part() {
       timeout "$(tmo 200)" python3 -m pytest -m amx -v -p no:cacheprovider tests 2>&1 | tee "$out/amx_tests_h200.log" | tail -30 ;;
     cpu-attention)
       timeout "$(tmo 300)" python3 benchmarks/cpu_attention.py --out "$out/cpu_attention_h200" ${CPU_ATT_FLAGS:-} 2>&1 | tee "$out/cpu_attention_h200.log" | tail -24 ;;
+    cpu-experts)  # the host-expert kernel's paths against torch's GEMMs (CPU_EXP_FLAGS: more benchmarks/cpu_experts.py flags, e.g. "--busy 0,1,2")
+      timeout "$(tmo 300)" python3 benchmarks/cpu_experts.py --out "$out/cpu_experts_h200" ${CPU_EXP_FLAGS:-} 2>&1 | tee "$out/cpu_experts_h200.log" | tail -24 ;;
     tpot)
       for pol in ${TPOT_POLICIES:-gpu writescope}; do
         local f="$out/tpot_${m}_${TPOT_BATCH:-16}x${TPOT_CONTEXT:-32k}_${pol/:/_}${TPOT_TAG:-}"
@@ -160,7 +163,7 @@ part() {
       timeout "$(tmo 500)" python3 benchmarks/peer_transformers.py --checkpoint "$ckpt" --contexts "${PEER_CONTEXTS:-8k}" --batch 4 \
         --out "$out/peer_transformers_h200" 2>&1 | tee "$out/peer_transformers_h200.log" | tail -12 ;;
     *)
-      echo "usage: $0 PART [PART ...]; PART: tests|split|experts|scheduler|profile|prefill|text:MODEL|breakdown:MODEL|1m|1m-decode|mla|grid:MODEL|prefill-e2e:MODEL|consistency|peer|amx|cpu-attention|calibrate:MODEL|tpot:MODEL|joint:MODEL|multi-user:MODEL|bounds" >&2; return 2 ;;
+      echo "usage: $0 PART [PART ...]; PART: tests|split|experts|scheduler|profile|prefill|text:MODEL|breakdown:MODEL|1m|1m-decode|mla|grid:MODEL|prefill-e2e:MODEL|consistency|peer|amx|cpu-attention|cpu-experts|calibrate:MODEL|tpot:MODEL|joint:MODEL|multi-user:MODEL|bounds" >&2; return 2 ;;
   esac
 }
 (( $# )) || { part usage; exit 2; }
