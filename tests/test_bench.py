@@ -215,6 +215,20 @@ def test_rows_break_each_split_call_into_its_parts():
     assert "static:0.5" in text and " gpu:" not in text and "ns/token" in text
 
 
+def test_the_pinning_line_sums_the_rows():
+    from writescope.bench.report import format_pinning
+    from writescope.bench.runner import BenchRow
+
+    rows = [BenchRow(4, 1024, p) for p in ("gpu", "writescope", "static:0.5")]
+    assert format_pinning(rows) == ""  # nothing page-locked (the CPU)
+    rows[0].extra.update(pinned={"register_bytes": 3e9, "register_s": 1.5, "reused_bytes": 0}, release_ms=200.0)
+    rows[1].extra.update(pinned={"register_bytes": 1e9, "register_s": 0.5, "reused_bytes": 2e9}, release_ms=100.0)
+    rows[2].fits = False
+    rows[2].extra.update(pinned={"register_bytes": 9e9, "register_s": 9.0, "reused_bytes": 0})
+    assert format_pinning(rows) == ("page-locking host memory over the rows: 4.0 GB registered in 2.0 s (2.00 GB/s), 2.0 GB lent again "
+                                    "by the pinned pool; freeing a batch after its last token: median 0.15 s (not in TPOT)")
+
+
 def test_rows_run_under_their_own_switches(monkeypatch):
     """POLICY@NAME=VALUE+...: the row's cache and forwards see its switches (two micro-batches,
     the in-place load read), the environment is restored after it, and the tokens are those of

@@ -170,6 +170,25 @@ def format_split_parts(rows: list[BenchRow]) -> str:
                       + lines)
 
 
+def format_pinning(rows: list[BenchRow]) -> str:
+    """One line for the grid: what page-locking host memory cost before the rows' timed steps
+    (``extra["pinned"]``: registered GB and seconds, GB the pinned pool lent again instead) and
+    what freeing each batch took after its last token (``extra["release_ms"]``, not in TPOT);
+    empty when nothing was page-locked (no CUDA)."""
+    stats = [r.extra["pinned"] for r in rows if r.fits and "pinned" in r.extra]
+    reg = sum(p.get("register_bytes", 0) for p in stats)
+    reused = sum(p.get("reused_bytes", 0) for p in stats)
+    if reg == 0 and reused == 0:
+        return ""
+    secs = sum(p.get("register_s", 0.0) for p in stats)
+    rel = [r.extra["release_ms"] for r in rows if r.fits and "release_ms" in r.extra]
+    text = (f"page-locking host memory over the rows: {reg / 1e9:.1f} GB registered in {secs:.1f} s"
+            + (f" ({reg / 1e9 / secs:.2f} GB/s)" if secs > 0 else "") + f", {reused / 1e9:.1f} GB lent again by the pinned pool")
+    if rel:
+        text += f"; freeing a batch after its last token: median {statistics.median(rel) / 1e3:.2f} s (not in TPOT)"
+    return text
+
+
 BASELINES = ("gpu", "cpu", "monolithic", "best static", "best baseline")
 
 
