@@ -111,3 +111,26 @@ def run_under_interpreter(code: str, timeout: int) -> None:
     env = dict(os.environ, TRITON_INTERPRET="1", PYTHONPATH=os.pathsep.join((os.getcwd(), here)))
     r = subprocess.run([sys.executable, "-c", code], env=env, capture_output=True, text=True, timeout=timeout)
     assert r.returncode == 0, r.stdout[-3000:] + r.stderr[-6000:]
+
+
+def short_request_engine(device: str, policy: str):
+    """``(llm, core)``: tiny-qwen3-moe, one layer, 64 tokens at most, windows of 4 tokens (so
+    blocks are evicted under any partitioned policy), and an EngineCore over it."""
+    from writescope import LLM
+    from writescope.engine.runner import EngineCore
+
+    llm = LLM("tiny-qwen3-moe", device=device, progress=False, max_model_len=64, num_layers=1)
+    llm.set_policy(policy, window=4)
+    return llm, EngineCore(llm)
+
+
+def run_short_requests(core, n: int) -> None:
+    """``n`` short requests one after another through an EngineCore (prompts of 4-12 tokens, 1-6
+    new tokens, greedy), each to its end; any request's error fails the test."""
+    from writescope import SamplingParams
+
+    for i in range(n):
+        core.add(core.make_request([3 + i % 50, 4, 5, 6 + i % 7] * (1 + i % 3), SamplingParams(max_tokens=1 + i % 6, ignore_eos=True)))
+        while core.has_work():
+            for o in core.step():
+                assert o.error is None, o.error

@@ -11,6 +11,7 @@ import os
 import resource
 
 import pytest
+from helpers import run_short_requests, short_request_engine
 
 from writescope import LLM, SamplingParams
 from writescope.engine.runner import EngineCore
@@ -242,21 +243,11 @@ def test_a_thousand_sequential_requests_leave_memory_flat_and_free_every_slot(po
     warmed): every cache slot is freed, the engine holds no request, and the process grew by
     fewer than 200 Python objects tracked by the GC (a leaked request would leave at least
     1,000: itself, its lists) and under 16 MiB of RSS (0.6 MiB seen on the CPU)."""
-    llm = LLM("tiny-qwen3-moe", device="cpu", progress=False, max_model_len=64, num_layers=1)
-    llm.set_policy(policy, window=4)
-    core = EngineCore(llm)
-
-    def run(n: int) -> None:
-        for i in range(n):
-            core.add(core.make_request([3 + i % 50, 4, 5, 6 + i % 7] * (1 + i % 3), SamplingParams(max_tokens=1 + i % 6, ignore_eos=True)))
-            while core.has_work():
-                for o in core.step():
-                    assert o.error is None, o.error
-
-    run(100)
+    llm, core = short_request_engine("cpu", policy)
+    run_short_requests(core, 100)
     gc.collect()
     objects, rss = len(gc.get_objects()), _rss_bytes()
-    run(1000)
+    run_short_requests(core, 1000)
     gc.collect()
     assert llm.cache.active_slots == [] and not core.has_work() and not core.scheduler.active
     if policy != "resident":

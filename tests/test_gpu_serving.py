@@ -12,8 +12,9 @@ import gc
 import pytest
 import torch
 
-from writescope import LLM, SamplingParams
-from writescope.engine.runner import EngineCore
+from helpers import run_short_requests, short_request_engine
+
+from writescope import SamplingParams
 from writescope.engine.sampling import sample_with_logprobs
 from writescope.kvcache import pinned
 
@@ -30,24 +31,14 @@ def test_a_thousand_requests_leave_device_and_pinned_memory_flat(policy, monkeyp
     the freed buffers again), its idle buffers stay under its cap, and every slot is freed."""
     monkeypatch.setenv("WRITESCOPE_PINNED_POOL", "64MiB")
     pinned.POOL.release_idle()
-    llm = LLM("tiny-qwen3-moe", device="cuda", progress=False, max_model_len=64, num_layers=1)
-    llm.set_policy(policy, window=4)
-    core = EngineCore(llm)
-
-    def run(n: int) -> None:
-        for i in range(n):
-            core.add(core.make_request([3 + i % 50, 4, 5, 6 + i % 7] * (1 + i % 3), SamplingParams(max_tokens=1 + i % 6, ignore_eos=True)))
-            while core.has_work():
-                for o in core.step():
-                    assert o.error is None, o.error
-
-    run(100)
+    llm, core = short_request_engine("cuda", policy)
+    run_short_requests(core, 100)
     gc.collect()
     torch.cuda.synchronize()
     allocated, reserved = torch.cuda.memory_allocated(), torch.cuda.memory_reserved()
     registered = pinned.STATS["register_bytes"]
     reused = pinned.STATS["reused"]
-    run(1000)
+    run_short_requests(core, 1000)
     gc.collect()
     torch.cuda.synchronize()
     assert llm.cache.active_slots == [] and not core.has_work() and not core.scheduler.active

@@ -202,20 +202,24 @@ def test_available_host_memory_counts_idle_buffers(fake_pool):
     assert abs(avail - (free + 64 * MiB)) < 32 * MiB  # MemAvailable itself moves a little between the reads
 
 
+def _spec() -> PartitionSpec:
+    return PartitionSpec(KVLayout(2, 16, 16, False), 3, torch.float32, window=16, pingpong_bytes=1 << 16)
+
+
+def _sequence() -> SequenceKV:
+    """A sequence of 640 tokens' capacity with a 480-token prompt, half its blocks for the CPU
+    (load slabs and committed compute rows), pinned through the pool."""
+    return SequenceKV(_spec(), 16 * 40, 16 * 30, StaticPolicy(0.5), torch.device("cpu"), pin=True)
+
+
 def test_a_freed_sequence_lends_its_slabs_to_the_next(fake_pool):
     pool, cuda = fake_pool
-    lay = KVLayout(2, 16, 16, False)
-    spec = PartitionSpec(lay, 3, torch.float32, window=16, pingpong_bytes=1 << 16)
-
-    def sequence():
-        return SequenceKV(spec, 16 * 40, 16 * 30, StaticPolicy(0.5), torch.device("cpu"), pin=True)
-
-    a = sequence()
+    a = _sequence()
     slabs = {s.tensor.data_ptr() for s in a.slabs}
     assert slabs and slabs <= set(cuda.live)
     registered = cuda.registered
     a.release()
-    b = sequence()
+    b = _sequence()
     assert {s.tensor.data_ptr() for s in b.slabs} == slabs and cuda.registered == registered
     b.release()
 
@@ -238,18 +242,12 @@ def test_a_sequence_takes_its_slabs_before_making_room_for_its_compute_rows(fake
     (lent again: nothing registered), then, when the host is short of the prompt's compute rows
     it commits, gives the other idle buffers back."""
     pool, cuda = fake_pool
-    lay = KVLayout(2, 16, 16, False)
-    spec = PartitionSpec(lay, 3, torch.float32, window=16, pingpong_bytes=1 << 16)
-
-    def sequence():
-        return SequenceKV(spec, 16 * 40, 16 * 30, StaticPolicy(0.5), torch.device("cpu"), pin=True)
-
-    a = sequence()
+    a = _sequence()
     a.release()
     pinned.unpin(pinned.host_empty((8 * MiB,), torch.uint8, pin=True))  # another idle buffer, of no use to the sequence
     registered = cuda.registered
     monkeypatch.setattr(pool, "_free", lambda: 100_000)  # the host: 100 kB free, the prompt's rows need 92 kB x 1.11
-    b = sequence()
+    b = _sequence()
     assert cuda.registered == registered  # its slabs were lent again
     assert pool.idle_count == 0 and set(cuda.live) == {s.tensor.data_ptr() for s in b.slabs}
     b.release()
@@ -261,9 +259,7 @@ def test_admitting_a_batch_gives_idle_buffers_back_when_the_host_is_short(fake_p
     from writescope.kvcache.inplace import InplaceKVCache
 
     pool, cuda = fake_pool
-    lay = KVLayout(2, 16, 16, False)
-    spec = PartitionSpec(lay, 3, torch.float32, window=16, pingpong_bytes=1 << 16)
-    cache = InplaceKVCache(spec, StaticPolicy(0.5), "cpu")
+    cache = InplaceKVCache(_spec(), StaticPolicy(0.5), "cpu")
     pinned.unpin(pinned.host_empty((8 * MiB,), torch.uint8, pin=True))
     monkeypatch.setattr(pool, "_free", lambda: 10 * 2**30)
     cache.check_capacity([16 * 40] * 4, None, 10 * 2**30, None)
