@@ -121,12 +121,13 @@ def test_bad_sampling_params(kwargs, pattern):
     "model, kwargs, pattern",
     [
         ("no-such-model", {}, "'no-such-model' is neither a checkpoint directory nor a preset"),
+        ("tiny-qwen3-moes", {}, "'tiny-qwen3-moes' is neither a checkpoint directory nor a preset; did you mean 'tiny-qwen3-moe'\\?"),
         (PRESET, dict(dtype="int8"), "unknown dtype 'int8'"),
         (PRESET, dict(dtype=torch.int8), "dtype torch.int8 is not supported"),
         (PRESET, dict(max_model_len=0), r"max_model_len 0 must be in \[1, 8192\]"),
         (PRESET, dict(max_model_len=8193), r"max_model_len 8193 must be in \[1, 8192\]"),
     ],
-    ids=["unknown-preset", "dtype-int8-str", "dtype-int8-torch", "max_model_len-0", "max_model_len-too-big"],
+    ids=["unknown-preset", "misspelled-preset", "dtype-int8-str", "dtype-int8-torch", "max_model_len-0", "max_model_len-too-big"],
 )
 def test_bad_llm_arguments(model, kwargs, pattern):
     with pytest.raises(ValueError, match=pattern):

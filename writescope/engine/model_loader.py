@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import difflib
 import time
 from pathlib import Path
 
@@ -75,7 +76,9 @@ def resolve_config(model: str, num_layers: int | None = None, synthetic: bool = 
     elif model in PRESETS:
         cfg, ckpt = preset_config(model), None
     else:
-        raise ArgError(f"model {model!r} is neither a checkpoint directory nor a preset; presets: {', '.join(PRESETS)}", "model")
+        close = difflib.get_close_matches(model, list(PRESETS), n=1)
+        hint = f"did you mean {close[0]!r}? " if close else ""
+        raise ArgError(f"model {model!r} is neither a checkpoint directory nor a preset; {hint}presets: {', '.join(PRESETS)}", "model")
     if num_layers is not None:
         if not 1 <= num_layers <= cfg.num_layers:
             raise ArgError(f"num_layers {num_layers} must be in [1, {cfg.num_layers}] (the layers of {model})", "num_layers")

@@ -73,9 +73,9 @@ def idle_cap_from_env(total_host: int | None) -> int:
         return 0
     try:
         return parse_size(text)
-    except ValueError as e:
-        raise ValueError(f"WRITESCOPE_PINNED_POOL={text!r}: use a size such as 8GiB, 0 (no pool) or auto (the default: "
-                         f"a quarter of the host's memory); {e}") from None
+    except ValueError:
+        raise ValueError(f"WRITESCOPE_PINNED_POOL={text!r}: use a size such as 8GiB or 512MiB, 0 (no pool) or auto (the default: "
+                         "a quarter of the host's memory)") from None
 
 
 class PinnedPool:
