@@ -2,10 +2,11 @@
 //
 // One call attends a whole decode batch over the compute region, in place. Work plan:
 //   segment   (sequence, KV head, group of <= 16 of its query heads): n keys
-//   key space the segments' keys end to end, W keys in all, cut into T equal ranges, one per thread
-//   portion   a thread's part of one segment: attended in chunks of `chunk` keys with an online
-//             softmax (running max m, sum l, unnormalised output acc), written to slot t + s
-//             (distinct for every (thread, segment) that meet: both run in key order)
+//   key space the segments' keys end to end, W keys in all, cut into R ranges: one per thread (T
+//             equal ranges), or with DYNAMIC_SPLIT up to 4 per thread, taken from a counter
+//   portion   a range's part of one segment: attended in chunks of `chunk` keys with an online
+//             softmax (running max m, sum l, unnormalised output acc), written to slot u + sg
+//             (distinct for every (range u, segment sg) that meet: both run in key order)
 //   merge     per segment, its portions' (acc, m, l) by log-sum-exp into (o, lse)
 // Each chunk: scores s = K q (ISA), softmax (AVX-512 or scalar), p V (ISA), acc = alpha acc + p V.
 #include <torch/extension.h>
@@ -90,7 +91,7 @@ struct Plan {
   std::vector<const char*> k, v;
   std::vector<int64_t> khs, krs, vhs, vrs;  // per listed sequence, in elements
   std::vector<int64_t> seg_i, seg_b, seg_h, seg_g0, seg_gn, cum;  // cum: [S + 1]
-  float *acc, *mpart, *lpart;  // slots [T + S, 16, dv], [T + S, 16], [T + S, 16]
+  float *acc, *mpart, *lpart;  // slots [R + S, 16, dv], [R + S, 16], [R + S, 16] (R ranges, S segments)
   float *o, *lse;              // [B, H, G, dv], [B, H, G]
 };
 
@@ -256,7 +257,7 @@ static void portion(const Plan& P, int64_t sg, int64_t j0, int64_t j1, int64_t s
   g_sink.fetch_xor(sink, std::memory_order_relaxed);  // the touched bytes' fold: the loads must happen
 }
 
-// segment sg's portions (slots t + sg for the threads t whose ranges meet it) into (o, lse)
+// segment sg's portions (slots u + sg for the ranges u that meet it) into (o, lse)
 static void merge(const Plan& P, int64_t sg, const std::vector<int64_t>& starts) {
   const int64_t b = P.seg_b[sg], h = P.seg_h[sg], g0 = P.seg_g0[sg], gn = P.seg_gn[sg], dv = P.dv;
   float* o = P.o + ((b * P.H + h) * P.G + g0) * dv;
@@ -310,15 +311,21 @@ static void range_work(const Plan& P, int64_t u, const std::vector<int64_t>& sta
 }
 
 // one thread's share: range t (next == nullptr), or ranges taken from *next until none is left
+// the AMX tile state of this thread, configured for the call and released however it ends
+struct TileGuard {
+  bool on;
+  explicit TileGuard(bool amx) : on(amx) { if (on) amx::configure(); }
+  ~TileGuard() { if (on) amx::release(); }
+};
+
 static void thread_work(const Plan& P, int64_t t, const std::vector<int64_t>& starts, std::atomic<int64_t>* next) {
   const int64_t R = (int64_t)starts.size() - 1;
   Scratch& w = scratch();
-  if (P.isa == AMX) amx::configure();
+  TileGuard tiles(P.isa == AMX);
   if (next == nullptr) range_work(P, t, starts, w);
   else
     for (int64_t u = next->fetch_add(1, std::memory_order_relaxed); u < R; u = next->fetch_add(1, std::memory_order_relaxed))
       range_work(P, u, starts, w);
-  if (P.isa == AMX) amx::release();
 }
 
 // caller-thread buffers for the slots and q, reused across calls (no page faults in a decode step)

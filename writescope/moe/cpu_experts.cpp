@@ -186,24 +186,24 @@ static void run(const Plan& P, int64_t threads, std::string& error) {
   const int64_t G = (int64_t)P.slot.size(), U1 = G * P.units1, U2 = G * P.units2;
   const bool dynamic = g_dynamic.load(std::memory_order_relaxed);
   std::atomic<int64_t> next1{0}, next2{0};
+  std::atomic<bool> failed{false};  // a phase-1 failure on any thread: no thread starts phase 2 (h is not all there)
 #pragma omp parallel num_threads(threads)
   {
     const int64_t n = omp_get_num_threads(), t = omp_get_thread_num();
     Worker& w = worker();
-    bool ok = true;
-    try {
-      if (P.isa == AMX) amx::configure();
+    if (P.isa == AMX) amx::configure();
 #pragma omp for schedule(static)
-      for (int64_t g = 0; g < G; ++g) pack_group<T>(P, g);
+    for (int64_t g = 0; g < G; ++g) pack_group<T>(P, g);  // cannot throw: outside the try (a worksharing loop must end on every thread)
+    try {
       units(U1, t, n, dynamic, next1, [&](int64_t u) { unit1<T>(P, u, w); });
     } catch (const std::exception& ex) {
-      ok = false;
+      failed.store(true, std::memory_order_relaxed);
 #pragma omp critical
       error = ex.what();
     }
 #pragma omp barrier
     try {
-      if (ok) units(U2, t, n, dynamic, next2, [&](int64_t u) { unit2<T>(P, u, w); });
+      if (!failed.load(std::memory_order_relaxed)) units(U2, t, n, dynamic, next2, [&](int64_t u) { unit2<T>(P, u, w); });
     } catch (const std::exception& ex) {
 #pragma omp critical
       error = ex.what();

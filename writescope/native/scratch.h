@@ -14,6 +14,7 @@ struct Buf {
   E* get(size_t want) {
     if (want > n) {
       std::free(p);
+      n = 0;  // a failed allocation below leaves an empty buffer, not a stale size over nullptr
       p = static_cast<E*>(std::aligned_alloc(64, (std::max<size_t>(want, 1) * sizeof(E) + 63) / 64 * 64));
       TORCH_CHECK(p != nullptr, "native CPU kernel: out of memory for ", want * sizeof(E), " bytes of scratch");
       n = want;
