@@ -14,15 +14,12 @@ returned unpinned.
 
 from __future__ import annotations
 
-import mmap
 import weakref
 
 import torch
 
 from writescope.host_memory import host_free_now, host_memory_total
-from writescope.kvcache.pinned_pool import PinnedPool, idle_cap_from_env
-
-PAGE = mmap.PAGESIZE
+from writescope.kvcache.pinned_pool import PAGE, PinnedPool, idle_cap_from_env  # noqa: F401 - PAGE imported from here too
 
 # seconds and bytes of every registration and unregistration in this process (wall time of the
 # CUDA calls), and the buffers the pool lent again instead: what a request's admission and its
