@@ -241,6 +241,54 @@ def test_micro_batched_steps_on_cuda_match_whole_batches_and_never_wait(preset, 
     assert rows.median().item() <= 0.03 * logits["bf16", "1"].abs().max().item(), rows.tolist()
 
 
+@pytest.mark.gpu
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")
+@pytest.mark.parametrize("preset", ["tiny-qwen3-moe", "tiny-deepseek-v2"])
+def test_the_load_stream_and_the_cpu_partial_read_in_place_change_no_logit_on_cuda(preset, monkeypatch):
+    """WRITESCOPE_LOAD_STREAM=own attends the load region's fills on a stream of their own that
+    the merge waits for; WRITESCOPE_CPU_PARTIAL=in-place has the merge read the CPU worker's
+    partial in pinned memory instead of a copy of it. Both are the same kernels on the same bytes,
+    so bf16 logits equal those of the compute stream and the copy bit for bit, with and without
+    micro-batches, and the step still never waits on the host. A missing wait (the merge reading
+    partials not yet written, or pinned bytes lent to another allocation before it read them)
+    would show as a difference."""
+    prompts, steps = [[5 + i % 50 for i in range(n)] for n in (90, 70, 33, 48)], 6
+    logits = {}
+    variants = [("compute", "copy"), ("own", "copy"), ("compute", "in-place"), ("own", "in-place")]
+    for mb in ("1", "2"):
+        for where, partial in variants:
+            monkeypatch.setenv("WRITESCOPE_MICRO_BATCHES", mb)
+            monkeypatch.setenv("WRITESCOPE_LOAD_STREAM", where)
+            monkeypatch.setenv("WRITESCOPE_CPU_PARTIAL", partial)
+            llm = LLM(preset, device="cuda", dtype="bf16", progress=False, policy="static:0.5", window=16)
+            cache, model = llm.cache, llm.model
+            assert (cache.decoder.load_stream is not None) == (where == "own")
+            assert cache.decoder.partial_in_place == (partial == "in-place")
+            slots = [cache.allocate(len(p) + steps + 8, prompt_len=len(p)) for p in prompts]
+            with torch.inference_mode():
+                batch = ForwardBatch.build(slots, [len(p) for p in prompts], [0] * len(prompts), "cuda")
+                model(torch.tensor([t for p in prompts for t in p], device="cuda"), batch, cache)
+                rows, nxt = [], torch.tensor([p[-1] for p in prompts], device="cuda")
+                for s in range(steps):
+                    batch = ForwardBatch.build(slots, [1] * len(prompts), [len(p) + s for p in prompts], "cuda")
+                    torch.cuda.synchronize()
+                    quiet = s >= 2 and (len(prompts[0]) + s) % 16 not in (0, 15)  # warm, no window evicted into the compute region
+                    if quiet:
+                        torch.cuda.set_sync_debug_mode("error")
+                    try:
+                        rows.append(model(nxt, batch, cache).float())
+                    finally:
+                        torch.cuda.set_sync_debug_mode("default")
+            torch.cuda.synchronize()
+            logits[mb, where, partial] = torch.stack(rows)
+            assert cache.decoder.stats.streamed_bytes > 0 and cache.decoder.stats.cpu_parts > 0  # both sides ran
+            for slot in slots:
+                cache.free(slot)
+    for mb in ("1", "2"):
+        for v in variants[1:]:
+            assert torch.equal(logits[(mb, *v)], logits[(mb, *variants[0])]), (mb, v)
+
+
 def test_generate_records_the_main_threads_issue_and_wait_per_decode_step():
     from writescope.cli.generate import format_timings
 

@@ -158,7 +158,7 @@ def test_estimates_are_kept_for_a_later_process_under_their_key(monkeypatch, tmp
 
 def test_o_is_not_used_where_a_per_step_expert_split_runs(monkeypatch):
     """With the joint model (host experts split per step), O measured under other policies' expert
-    path does not reach the gate."""
+    path reaches neither the gate nor the balance."""
     from writescope.scheduler import roofline as rl
 
     seen = []
@@ -167,9 +167,9 @@ def test_o_is_not_used_where_a_per_step_expert_split_runs(monkeypatch):
     policy = WriteScopePolicy(DSV2)
     policy.other = types.SimpleNamespace(seconds=lambda b: 1e-3, link=lambda b: 0.0)
     policy.expect_batch(4)
-    assert policy.cpu_share(8192) == pytest.approx(rl.roofline_share(4 * 8192, DSV2.a, DSV2.b, DSV2.c_cpu, DSV2.c_gpu))
+    assert policy.cpu_share(32768) == pytest.approx(rl.roofline_share(4 * 32768, DSV2.a, DSV2.b, DSV2.c_cpu + 1e-3, DSV2.c_gpu))
     policy.experts = types.SimpleNamespace(expected_bytes=lambda b: 1e6, costs=lambda: None)
-    assert policy.cpu_share(8192) == 0.3
+    assert policy.cpu_share(32768) == 0.3
     assert seen == [(1e-3, 0.0), ()]  # O with the KV-only roofline; none with the joint one
 
 

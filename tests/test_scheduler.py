@@ -323,6 +323,15 @@ def test_generate_records_the_r_trace(capsys, tmp_path):
     llm = LLM("tiny-qwen3-moe", progress=False)
     prompts = [list(range(3, 3 + 256)), list(range(5, 5 + 256))]
     params = SamplingParams(max_tokens=61, ignore_eos=True)
+    # writescope first: with no decode step run yet, neither O nor an in-step A is kept, so r = 0.25
+    # until A and O are measured (O, milliseconds per layer here, would take the balance to 0)
+    llm.set_policy("writescope", window=16, roofline=Roofline(a=3e-9, b=1e-9))
+    llm.generate(prompt_token_ids=prompts, sampling_params=params)
+    trace = llm.r_trace
+    assert [p["step"] for p in trace] == list(range(61))
+    assert trace[0]["target"] == pytest.approx(0.25) and trace[0]["deployed"] == 0.25
+    assert trace[-1]["target"] < 0.1  # measured A >> 3 ns/token
+    assert trace[-1]["deployed"] < trace[0]["deployed"]  # new blocks went to the load region
     llm.set_policy("static:0.25", window=16)
     llm.generate(prompt_token_ids=prompts, sampling_params=params)
     trace = llm.r_trace
@@ -330,12 +339,6 @@ def test_generate_records_the_r_trace(capsys, tmp_path):
     assert trace[-1]["L"] > trace[0]["L"] == 256
     for p in trace:
         assert p["target"] == 0.25 and abs(p["deployed"] - 0.25) <= 16 / p["L"] + 1e-9
-    llm.set_policy("writescope", window=16, roofline=Roofline(a=3e-9, b=1e-9))  # r = 0.25 until A is measured
-    llm.generate(prompt_token_ids=prompts, sampling_params=params)
-    trace = llm.r_trace
-    assert trace[0]["target"] == pytest.approx(0.25) and trace[0]["deployed"] == 0.25
-    assert trace[-1]["target"] < 0.1  # measured A >> 3 ns/token
-    assert trace[-1]["deployed"] < trace[0]["deployed"]  # new blocks went to the load region
     llm.set_policy("resident")
     llm.generate(prompt_token_ids=prompts, sampling_params=SamplingParams(max_tokens=3))
     assert llm.r_trace is None

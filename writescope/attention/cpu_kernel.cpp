@@ -537,6 +537,8 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
       .def("take_error", &Worker::take_error)
       .def("totals", &Worker::totals)
       .def("take_done", &Worker::take_done)
+      .def("set_trace", &Worker::set_trace, py::arg("on"))
+      .def("take_trace", &Worker::take_trace)
       .def_property_readonly("threads", &Worker::threads);
   m.def("wait_flag", [](at::Tensor flags, int64_t index, int32_t value, double timeout_s) { return wait_flag(flag_ptr(flags, index), value, timeout_s); },
         "wait (GIL released) until flags[index] reaches value; False after timeout_s", py::call_guard<py::gil_scoped_release>());

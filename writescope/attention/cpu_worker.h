@@ -9,8 +9,12 @@
 // values are sequence numbers compared modulo 2^32 (a signed difference). A failed job records
 // its error (the first one is kept until taken), fills its outputs with NaN and still sets its done
 // flag, so nothing waits forever and nothing reads stale results as if they were right.
+// With set_trace(true) each job also records when the worker took it from the queue, when it saw
+// its q (the ready flag) and when it set its done flag, in steady_clock nanoseconds (CLOCK_MONOTONIC
+// on Linux, Python's time.perf_counter_ns): writescope/bench/timeline.py lays them beside the GPU's.
 #pragma once
 #include <immintrin.h>
+#include <atomic>
 #include <chrono>
 #include <condition_variable>
 #include <deque>
@@ -76,6 +80,17 @@ class Worker {
 
   int64_t threads() const { return threads_; }
 
+  // Record each job's times from now on (on) or stop (off; what was recorded stays until taken).
+  void set_trace(bool on) { tracing_.store(on, std::memory_order_relaxed); }
+
+  // the jobs recorded since the last call: (done value, taken, q seen, done), ns of steady_clock, in order
+  std::vector<std::tuple<int32_t, int64_t, int64_t, int64_t>> take_trace() {
+    std::lock_guard<std::mutex> lk(mu_);
+    std::vector<std::tuple<int32_t, int64_t, int64_t, int64_t>> out(trace_.begin(), trace_.end());
+    trace_.clear();
+    return out;
+  }
+
  private:
   struct Job {
     Request r;
@@ -106,6 +121,8 @@ class Worker {
         j = std::move(jobs_.front());
         jobs_.pop_front();
       }
+      const bool tracing = tracing_.load(std::memory_order_relaxed);
+      const int64_t taken_ns = tracing ? now_ns() : 0;
       bool ready = true;
       for (int64_t spins = 0; !reached(j.ready, j.ready_value); ++spins) {  // q arrives within the layer: spin, then yield
         if (spins > 4096) {
@@ -117,6 +134,7 @@ class Worker {
       }
       std::atomic_thread_fence(std::memory_order_acquire);  // q's bytes after the flag that says they are there
       const auto t0 = std::chrono::steady_clock::now();
+      const int64_t seen_ns = tracing ? now_ns() : 0;
       int64_t keys = 0;
       bool ok = ready;
       if (!ready) fail("the CPU attention worker was closed while a job waited for its q");
@@ -138,8 +156,19 @@ class Worker {
       }
       std::atomic_thread_fence(std::memory_order_release);  // the outputs before the flag
       *j.done = j.done_value;
+      if (tracing) {
+        const int64_t done_ns = now_ns();
+        std::lock_guard<std::mutex> lk(mu_);
+        if (trace_.size() == MAX_TRACE) trace_.pop_front();  // unread entries beyond that are dropped
+        trace_.push_back({j.done_value, taken_ns, seen_ns, done_ns});
+      }
     }
   }
+
+  static int64_t now_ns() {
+    return std::chrono::duration_cast<std::chrono::nanoseconds>(std::chrono::steady_clock::now().time_since_epoch()).count();
+  }
+  static constexpr size_t MAX_TRACE = 1 << 16;
 
   const int64_t threads_;
   std::mutex mu_;
@@ -150,6 +179,8 @@ class Worker {
   int64_t jobs_done_ = 0, keys_ = 0;
   double seconds_ = 0.0;
   std::deque<std::tuple<int32_t, double, int64_t>> done_log_;
+  std::atomic<bool> tracing_{false};
+  std::deque<std::tuple<int32_t, int64_t, int64_t, int64_t>> trace_;
   std::thread thread_;  // last: started once the members above exist
 };
 

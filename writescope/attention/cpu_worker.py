@@ -142,6 +142,17 @@ class NativeWorker:
             out.append((secs, keys, self._batch.pop(value, 0)))
         return out
 
+    def trace(self, on: bool) -> None:
+        """Record each job's times from now on (``on``) or stop; see :meth:`take_trace`."""
+        self._w.set_trace(bool(on))
+
+    def take_trace(self) -> list[tuple[int, int, int, int]]:
+        """``(sequence number, taken, q seen, done)`` of each job recorded since the last call, in
+        order: when the worker took the job from its queue, when it saw the job's q (its ready
+        flag), and when it set its done flag, in nanoseconds of ``time.perf_counter_ns``'s clock
+        (CLOCK_MONOTONIC; C++ ``steady_clock`` on Linux). The last 65,536 are kept."""
+        return [tuple(t) for t in self._w.take_trace()]
+
     def totals(self) -> tuple[int, float, int]:
         """(jobs done, seconds attending, keys attended) since the start."""
         return tuple(self._w.totals())

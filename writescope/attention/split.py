@@ -23,6 +23,7 @@ Without CUDA the same code runs with CPU tensors and no streams (CI).
 from __future__ import annotations
 
 import time
+from collections import deque
 from concurrent.futures import Future, ThreadPoolExecutor, wait
 from dataclasses import dataclass
 
@@ -77,6 +78,36 @@ class PendingDecode:
     q_host: torch.Tensor | None
     q_ready: object
     split: tuple[int, int]  # (CPU tokens, load-region tokens)
+    load_done: object = None  # with its own load stream: the event after this layer's load partials
+
+
+def _own_load_stream() -> bool:
+    """``WRITESCOPE_LOAD_STREAM``: where the load region's blocks are attended as their copies land.
+    ``compute`` (the default): on the compute stream, between this layer's window partials and its
+    wait for the CPU. ``own``: on a stream of their own that starts after q and that the merge waits
+    for, so the compute stream never waits there for the link: with two micro-batches one half's
+    merge, experts and next q then go on while the other half's blocks are still streaming (CUDA
+    with the Triton kernels only; elsewhere as ``compute``).
+
+    Raises:
+        ValueError: another value (names it).
+    """
+    return env_choice("WRITESCOPE_LOAD_STREAM", ("compute", "own")) == "own"
+
+
+def _cpu_partial_in_place() -> bool:
+    """``WRITESCOPE_CPU_PARTIAL``: how the merge gets the CPU partial (o, lse) the native worker
+    wrote into pinned memory. ``in-place`` (the default): the merge kernel reads it there, over
+    PCIe, through its device address (unified addressing), with no copy. ``copy``: it is copied to
+    the device first; on the H200 that copy waited 0.8 ms per layer behind the load region's
+    fills already queued on the host-to-device copy engine (benchmarks/results/gpu_decode_h200.md,
+    run 26: the compute stream idle between the CPU's done flag and the merge). CUDA with the
+    Triton kernels only; elsewhere as ``copy``.
+
+    Raises:
+        ValueError: another value (names it).
+    """
+    return env_choice("WRITESCOPE_CPU_PARTIAL", ("in-place", "copy")) == "in-place"
 
 
 def _native_wanted() -> bool:
@@ -127,6 +158,11 @@ class SplitDecoder:
         self._evicted = True  # an eviction to the load region was issued since the copy stream last waited for them
         if self.cuda:
             self.copy_stream = torch.cuda.Stream(device)
+        # the load partials on a stream of their own (WRITESCOPE_LOAD_STREAM=own; with a Triton plan only)
+        self.load_stream = torch.cuda.Stream(device) if self.cuda and _own_load_stream() else None
+        self.partial_in_place = self.cuda and _cpu_partial_in_place()  # the merge reads the worker's pinned (o, lse) where they lie
+        self._read_in_place: deque = deque()  # (event after the merge, the pinned partial it reads): kept alive until then
+        self._load_done = None  # the last decode_begin's load_done event
         self.in_place = spec.load_read == "in-place"  # the load region read where it lies (no ping-pong buffers)
         self._stage_views: list[torch.Tensor | None] = [None, None]  # in place: CUDA views of the prepare buffers
 
@@ -182,6 +218,7 @@ class SplitDecoder:
                 if t is not None:
                     unpin(t)
             self._stage, self._stage_views = [None, None], [None, None]
+            self._read_in_place.clear()  # synchronised above: every merge has read its partial
             if self.gpu is not None:
                 self.gpu.forget()
 
@@ -286,9 +323,11 @@ class SplitDecoder:
                 ev.record(torch.cuda.current_stream(self.device) if self.in_place else self.copy_stream)
                 self._stage_events[layer % 2] = ev
         except BaseException:  # never leave the worker reading a sequence the caller may free after an error,
-            self._settle(fut, job)  # and report this error, not one the worker may meet as a consequence
+            self._settle(fut, job, self._load_done)  # and report this error, not one the worker may meet as a consequence
+            self._load_done = None
             raise
-        return PendingDecode(layer, q, seqs, scale, cpu_rows, limits, states, plan, fut, job, q_host, q_ready, split)
+        load_done, self._load_done = self._load_done, None
+        return PendingDecode(layer, q, seqs, scale, cpu_rows, limits, states, plan, fut, job, q_host, q_ready, split, load_done)
 
     def decode_end(self, p: "PendingDecode") -> torch.Tensor:
         """Merge the partials of a :meth:`decode_begin`: ``[B, q_heads, dv]`` in q's dtype. On
@@ -304,28 +343,50 @@ class SplitDecoder:
                 if p.job is not None:  # on CUDA the stream waits for the worker's done flag, not this thread
                     seq, (o_c, l_c) = p.job
                     self.worker.consume(seq)
-                    states.append((self._to_device(o_c), self._to_device(l_c)))
+                    if self.partial_in_place and p.plan is not None:  # the merge kernel reads them in pinned memory
+                        states.append((device_view(o_c, self.device), device_view(l_c, self.device)))
+                    else:
+                        states.append((self._to_device(o_c), self._to_device(l_c)))
                 cpu_state = p.fut.result() if p.fut is not None else None
             if p.cpu_rows and p.job is None:
                 o_c, l_c = cpu_state if cpu_state is not None else self._cpu_part(p.layer, p.q_host, p.seqs, p.cpu_rows, p.limits,
                                                                                  p.scale, p.q_ready)
                 states.append((self._to_device(o_c), self._to_device(l_c)))
         except BaseException:
-            self._settle(p.fut, p.job)
+            self._settle(p.fut, p.job, p.load_done)
             raise
         self.last_split = p.split
+        if p.load_done is not None:  # the load partials, attended on their own stream
+            torch.cuda.current_stream(self.device).wait_event(p.load_done)
         with record_function("attn.merge"):
             if p.plan is not None:  # one launch: window, load and CPU partials
-                return self.gpu.merge(p.plan, p.q, states[-1] if p.cpu_rows else None)
+                out = self.gpu.merge(p.plan, p.q, states[-1] if p.cpu_rows else None)
+                if p.job is not None and self.partial_in_place:
+                    self._keep_until_read(p.job[1])
+                return out
             o, _ = merge_unchecked([st[0] for st in states], [st[1] for st in states])
             return o.view(B, Hq, self.spec.layout.v_dim).to(p.q.dtype)
 
+    def _keep_until_read(self, tensors) -> None:
+        """Keep the pinned ``tensors`` (the CPU partial) alive until the merge just issued on the
+        current stream has read them: torch's pinned allocator would otherwise lend their bytes to
+        the next pinned allocation at once (it knows of copies, not of kernels reading host memory).
+        Entries whose merge has completed are let go here, without waiting."""
+        ev = torch.cuda.Event()
+        ev.record(torch.cuda.current_stream(self.device))
+        self._read_in_place.append((ev, tensors))
+        while self._read_in_place and self._read_in_place[0][0].query():
+            self._read_in_place.popleft()
+
     def abandon(self, p: "PendingDecode") -> None:
         """A :meth:`decode_begin` whose :meth:`decode_end` will not come (an error elsewhere):
-        wait until its CPU part no longer reads the cache."""
-        self._settle(p.fut, p.job)
+        wait until its CPU part no longer reads the cache (and order the compute stream after its
+        load partials, which read q and the ping-pong buffers)."""
+        self._settle(p.fut, p.job, p.load_done)
 
-    def _settle(self, fut, job) -> None:
+    def _settle(self, fut, job, load_done=None) -> None:
+        if load_done is not None:
+            torch.cuda.current_stream(self.device).wait_event(load_done)
         if fut is not None:
             wait([fut])
         if job is not None:
@@ -362,8 +423,8 @@ class SplitDecoder:
     def _stop_gpu_timer(self, start):
         if not self.cuda:
             return time.perf_counter() - start
-        end = torch.cuda.Event(enable_timing=True)
-        end.record(torch.cuda.current_stream(self.device))
+        end = torch.cuda.Event(enable_timing=True)  # after the load partials, wherever they ran
+        end.record(self.load_stream if self._load_done is not None else torch.cuda.current_stream(self.device))
         return start, end
 
     def last_gpu_seconds(self) -> float:
@@ -449,6 +510,10 @@ class SplitDecoder:
             ids, q_blk, o_blk, lse_blk = self._torch_blocks(qg, [(i, src.shape[0]) for fill in fills for i, src in fill], scale)
         bufs = self.buffers()
         cur = torch.cuda.current_stream(self.device) if self.cuda else None
+        own = self.load_stream is not None and plan is not None
+        if own:  # the fills' attention on the load stream, after q and the plan (made on the compute stream)
+            self.load_stream.wait_stream(cur)
+            cur = self.load_stream
         if self.cuda:
             if self._load_written:
                 self.copy_stream.wait_stream(cur)  # prefill writes into the load region
@@ -476,7 +541,10 @@ class SplitDecoder:
                 torch.cat([src for _, src in fill], out=buf)
             self._stats.streamed_bytes += buf.numel() * buf.element_size()
             self._stats.streamed_copies += len(fill)
-            if plan is not None:
+            if own:
+                with torch.cuda.stream(cur):
+                    self.gpu.fill(plan, qg, buf, start, scale)
+            elif plan is not None:
                 self.gpu.fill(plan, qg, buf, start, scale)
             else:
                 k = buf[:, 0]  # [nb, Hkv, D, dk]
@@ -487,6 +555,9 @@ class SplitDecoder:
                 done.record(cur)
                 self._free_events[b] = done
             start += total
+        if own:  # decode_end's merge waits for it
+            self._load_done = torch.cuda.Event()
+            self._load_done.record(cur)
         return None if plan is not None else merge_segments(o_blk, lse_blk, ids, B)
 
     def _load_in_place(self, qg, sources, scale, evict_stream, plan=None, layer=0):

@@ -225,7 +225,7 @@ def run_grid(llm: LLM, cfg: BenchConfig, roofline=None, on_row=None, done: list[
     return sorted(rows, key=lambda x: order.get((x.batch, x.context, x.extra.get("repeat", 0), x.policy), len(order)))
 
 
-def _random_kv_prefill(llm: LLM, seed: int):
+def random_kv_prefill(llm: LLM, seed: int):
     """A stand-in for ``LLM._prefill``: every prompt token's KV in every layer written through
     the cache (so the policy routes it as a prefill would) as seeded normal values of the model's
     KV shape, and random last-token logits. Decode then does the same work as after a real
@@ -290,7 +290,7 @@ def run_one(llm: LLM, cfg: BenchConfig, batch: int, context: int, policy: str, r
                 llm.cache.decoder.time_gpu, llm.cache.decoder.gpu_timers = True, []
             progress, llm.progress = llm.progress, False
             if cfg.kv_fill == "random":
-                llm._prefill = _random_kv_prefill(llm, cfg.seed + batch + context)  # an instance attribute: removed below
+                llm._prefill = random_kv_prefill(llm, cfg.seed + batch + context)  # an instance attribute: removed below
             try:
                 outs = llm.generate(prompt_token_ids=prompts, sampling_params=params)
             finally:

@@ -18,8 +18,8 @@ from contextlib import contextmanager
 from typing import Callable, Iterator
 
 
-PER_ROW = ("WRITESCOPE_MICRO_BATCHES", "WRITESCOPE_MOE_KERNEL", "WRITESCOPE_LOAD_READ", "WRITESCOPE_PINGPONG_BUFFERS",
-           "WRITESCOPE_GPU_ATTENTION", "WRITESCOPE_CPU_TUNING")  # read when a cache (its CPU worker) is made or on every forward
+PER_ROW = ("WRITESCOPE_MICRO_BATCHES", "WRITESCOPE_MOE_KERNEL", "WRITESCOPE_LOAD_READ", "WRITESCOPE_LOAD_STREAM", "WRITESCOPE_PINGPONG_BUFFERS",
+           "WRITESCOPE_GPU_ATTENTION", "WRITESCOPE_CPU_TUNING", "WRITESCOPE_CPU_PARTIAL")  # read when a cache (its CPU worker) is made or on every forward
 
 
 def _readers() -> dict[str, Callable[[], object]]:

@@ -212,10 +212,21 @@ def run(args: argparse.Namespace) -> int:
         print("prefill tok/s is 0: --kv-fill random wrote the prompts' KV as random values without running the prompts")
     meter = getattr(llm, "other_work", None)
     other = {b: meter.seconds(b) for b in batches} if meter is not None else {}
-    if any(o is not None for o in other.values()):  # what writescope's split gate counted (scheduler/other_work.py)
+    if any(o is not None for o in other.values()):  # what writescope's split gate and balance counted (scheduler/other_work.py)
         print("work outside attention per decode layer step (O, measured in decode steps, on CUDA also kept from earlier runs; "
-              "the split gate counts it): "
+              "writescope's split gate counts it, and its balance without micro-batches): "
               + ", ".join(f"batch {b} {o * 1e3:.3g} ms" for b, o in other.items() if o is not None))
+    if roofline is not None and meter is not None:  # which A placed writescope's prompts (scheduler/other_work.py)
+        token = llm.config.kv_layout.bytes_per_token(llm.dtype.itemsize)
+
+        def per_token(a: float) -> str:
+            return f"{a * 1e9:.3g} ns/token" + (f" ({token / a / 1e9:.3g} GB/s of KV read)" if a > 0 else "")
+
+        kept = meter.in_step_a(llm.attention_threads)
+        print(f"A (CPU attention per placed token, {llm.attention_threads} thread(s), every batch): calibration {per_token(roofline.a)}; "
+              + (f"in-step {per_token(kept)}, kept from decode steps: a writescope row placed its prompts with the one kept "
+                 "before it (the first row: an earlier run's, else the calibration's)" if kept is not None
+                 else "no in-step A kept: writescope placed its prompts with the calibration's"))
     parts = format_split_parts(rows)
     if parts:
         print(parts)

@@ -18,7 +18,7 @@ def add_parser(sub) -> None:
     p.add_argument("--num-layers", type=int, default=None, help="keep only the first N decoder layers (synthetic weights)")
     p.add_argument("--batch", type=int, default=4, help="sequences in the profiled batch (default 4)")
     p.add_argument("--context", default="2k", help="prompt tokens per request, k = 1024 (default 2k)")
-    p.add_argument("--policy", default="writescope", help="KV placement policy: resident, gpu, cpu, static:R, writescope, monolithic[:R] (default writescope, the policy of long-context runs, as in plan; generate defaults to resident)")
+    p.add_argument("--policy", default="writescope", help="KV placement policy: resident, gpu, cpu, static:R, writescope, monolithic[:R] (default writescope, the policy of long-context runs, as in plan; generate defaults to resident); several, comma-separated, each with its own switches as in bench (POLICY@NAME=VALUE+...), are profiled one after another on the loaded model, and --trace / --timeline files get the policy in their names")
     p.add_argument("--steps", type=int, default=8, help="decode steps profiled (default 8)")
     p.add_argument("--skip", type=int, default=2, help="decode steps run before profiling (default 2)")
     p.add_argument("--window", type=int, default=256, help="D (default 256)")
@@ -28,15 +28,33 @@ def add_parser(sub) -> None:
     add_stream_share_flag(p)
     add_expert_profile_flag(p)
     p.add_argument("--trace", type=Path, help="also write a Chrome trace here")
+    p.add_argument("--timeline", type=Path, help="then lay as many decode steps out in time, profiling the device only (the CPU "
+                   "worker's jobs, the compute stream's kernels and its waits for the CPU, the link's copies, the main thread "
+                   "entering each layer's attention; writescope/bench/timeline.py): print where each side waits and plot the first "
+                   "step as this PNG")
+    p.add_argument("--no-breakdown", action="store_true", help="with --timeline: only the timeline (no profiled breakdown first)")
+    p.add_argument("--kv-fill", choices=("prefill", "random"), default="prefill",
+                   help="prefill: run the prompts (default); random: write their KV as seeded random values through the "
+                        "cache instead (full-size decode without the prefill's time; as writescope bench --kv-fill)")
     p.add_argument("--output-json", type=Path, help="write the breakdown here")
     p.add_argument("--quiet", action="store_true", help="no progress bars")
     p.set_defaults(run=run, flags={"max_batch": "--batch", "prompt_token_ids": "--context", "max_model_len": "--context"})
 
 
+def _suffixed(path: Path | None, entry: str, many: bool) -> Path | None:
+    """``path`` itself for one policy; with several, ``stem_<policy>.suffix`` for each."""
+    if path is None or not many:
+        return path
+    slug = "".join(c if c.isalnum() or c in "._-" else "_" for c in entry)
+    return path.with_name(f"{path.stem}_{slug}{path.suffix}")
+
+
 def run(args: argparse.Namespace) -> int:
     import torch
 
+    from writescope.bench import switches
     from writescope.bench.breakdown import decode_breakdown
+    from writescope.bench.timeline import decode_timeline, format_summary, plot, to_json
     from writescope.cli.bench import parse_tokens
     from writescope.engine.llm import LLM
     from writescope.engine.model_loader import capped_model_len
@@ -44,30 +62,62 @@ def run(args: argparse.Namespace) -> int:
     (context,) = parse_tokens(args.context, "--context")
     if args.batch < 1 or args.steps < 1 or args.skip < 0:
         raise ValueError(f"--batch and --steps must be >= 1 and --skip >= 0, got {args.batch}, {args.steps}, {args.skip}")
+    entries = [e.strip() for e in args.policy.split(",") if e.strip()]
+    if not entries:
+        raise ValueError(f"--policy needs at least one policy, got {args.policy!r}")
+    for entry in entries:
+        switches.check(entry)
+    many = len(entries) > 1
+    if args.no_breakdown and args.timeline is None:
+        raise ValueError("--no-breakdown leaves only the timeline: give --timeline PNG too")
     check_stream_share(args)
     check_output_file(args.output_json, "--output-json")  # before the model loads, not after the run
-    check_output_file(args.trace, "--trace")
-    llm = LLM(args.model, synthetic=args.synthetic, device=args.device, dtype=args.dtype, progress=not args.quiet,
-              policy=args.policy, window=args.window, vram_budget=args.vram_budget, max_batch=args.batch,
-              num_layers=args.num_layers, expert_stream_share=args.expert_stream_share, expert_profile=args.expert_profile,
-              kv_tokens=args.batch * (context + 2 + args.skip + args.steps),  # counted in the memory check before the build; the budget plans for the profiled requests, not the model's limit
-              max_model_len=capped_model_len(args.model, context + 2 + args.skip + args.steps, args.num_layers, args.synthetic))
+    for entry in entries:
+        check_output_file(_suffixed(args.trace, entry, many), "--trace")
+        check_output_file(_suffixed(args.timeline, entry, many), "--timeline")
+    first, first_env = switches.split(entries[0])
+    with switches.applied(first_env):
+        llm = LLM(args.model, synthetic=args.synthetic, device=args.device, dtype=args.dtype, progress=not args.quiet,
+                  policy=first, window=args.window, vram_budget=args.vram_budget, max_batch=args.batch,
+                  num_layers=args.num_layers, expert_stream_share=args.expert_stream_share, expert_profile=args.expert_profile,
+                  kv_tokens=args.batch * (context + 2 + args.skip + args.steps),  # counted in the memory check before the build; the budget plans for the profiled requests, not the model's limit
+                  max_model_len=capped_model_len(args.model, context + 2 + args.skip + args.steps, args.num_layers, args.synthetic))
     if llm.vram_plan is not None:
         print(f"{llm.vram_plan.placement_line()} ({llm.host_experts_in_decode()})", flush=True)
     g = torch.Generator().manual_seed(0)
     prompts = torch.randint(3, llm.config.vocab_size, (args.batch, context), generator=g).tolist()
-    bd = decode_breakdown(llm, prompts, args.steps, args.skip, str(args.trace) if args.trace else None)
+    if args.kv_fill == "random":
+        from writescope.bench.runner import random_kv_prefill
+
+        llm._prefill = random_kv_prefill(llm, 0)  # an instance attribute over the method, for this run only
     n = llm.config.num_layers
-    print(f"{args.model} ({n} layer{'s' if n != 1 else ''}, {llm.dtype} on {llm.device}), batch {args.batch} x {context} tokens, "
-          f"policy {llm.policy_name}")
-    print(bd.table())
+    runs = []
+    for i, entry in enumerate(entries):
+        policy, env = switches.split(entry)
+        trace, timeline = _suffixed(args.trace, entry, many), _suffixed(args.timeline, entry, many)
+        with switches.applied(env):
+            if i:  # the first policy's cache was made with the model
+                llm.set_policy(policy, args.window)
+            bd = None if args.no_breakdown else decode_breakdown(llm, prompts, args.steps, args.skip, str(trace) if trace else None)
+            tl = decode_timeline(llm, prompts, args.steps, args.skip) if timeline is not None else None
+        name = llm.policy_name + (f" @ {'+'.join(f'{k}={v}' for k, v in env.items())}" if env else "")
+        print(f"{args.model} ({n} layer{'s' if n != 1 else ''}, {llm.dtype} on {llm.device}), batch {args.batch} x {context} tokens, "
+              f"policy {name}")
+        if bd is not None:
+            print(bd.table())
+        if tl is not None:
+            print(format_summary(tl))
+            if tl.steps:
+                plot(tl.steps[0], str(timeline), f"{args.model}, batch {args.batch} x {context}, policy {name}: one decode step")
+                print(f"wrote {timeline}")
+        if trace:
+            print(f"wrote {trace}")
+        runs.append({"policy": llm.policy_name, "entry": entry, "expert_stream_share": llm.expert_stream_share,
+                     **({"step_ms": bd.step_ms, "steps": bd.steps, "other_ms": bd.other_ms,
+                         "ranges": {k: dataclasses.asdict(t) for k, t in bd.ranges.items()}} if bd is not None else {}),
+                     **({"timeline": to_json(tl)} if tl is not None else {})})
     if args.output_json:
-        args.output_json.write_text(json.dumps({"model": args.model, "num_layers": n, "batch": args.batch, "context": context,
-                                                "policy": llm.policy_name, "expert_stream_share": llm.expert_stream_share,
-                                                "step_ms": bd.step_ms, "steps": bd.steps, "other_ms": bd.other_ms,
-                                                "ranges": {k: dataclasses.asdict(t) for k, t in bd.ranges.items()}},
-                                               indent=1))
+        head = {"model": args.model, "num_layers": n, "batch": args.batch, "context": context, "kv_fill": args.kv_fill}
+        args.output_json.write_text(json.dumps({**head, **runs[0]} if not many else {**head, "runs": runs}, indent=1))
         print(f"wrote {args.output_json}")
-    if args.trace:
-        print(f"wrote {args.trace}")
     return 0

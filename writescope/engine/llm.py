@@ -215,7 +215,11 @@ class LLM:
     ) -> None:
         """Switch the KV placement policy (a new, empty cache; the weights stay loaded).
         ``window`` (D) and ``cpu_threads`` default to the current ones; ``roofline`` overrides
-        the calibrated inputs of the ``writescope`` and ``monolithic`` policies.
+        the calibrated inputs of the ``writescope`` and ``monolithic`` policies. A ``writescope``
+        policy's estimate of A starts from the in-step A an earlier one tracked over real decode
+        steps with this many CPU attention threads under the switches set now (kept by
+        ``other_work``, on CUDA also from earlier processes: scheduler/other_work.py), where there is
+        one, whatever ``roofline`` says.
 
         Raises:
             ValueError: unknown policy, a bad window or cpu_threads, a partitioned policy for a
@@ -253,8 +257,8 @@ class LLM:
                                               self._expert_share_fixed, self.max_batch)
         if isinstance(cache, InplaceKVCache):  # O, measured across caches (scheduler/other_work.py)
             cache.other_work = self.other_work
-        if isinstance(parsed, WriteScopePolicy):
-            parsed.other = self.other_work
+        if isinstance(parsed, WriteScopePolicy):  # O, and A from earlier decode steps where they were kept
+            parsed.attach(self.other_work, self.attention_threads, cache.micro_batches)
             self.other_work.link_seconds = None if self.expert_work is not None else in_place_link_seconds(
                 self._moe_blocks, parsed.roofline.b / kv_token, self.config.num_layers, self.max_batch)
 
@@ -407,8 +411,10 @@ class LLM:
         finally:
             self.decode_host = list(core.decode_host)
             failed = [o.error for o in core.abort_all() if o.error]  # after an exception: free every slot
+            if isinstance(self.policy, WriteScopePolicy):  # A as this batch's decode steps saw it, for the next policy's prefill
+                self.other_work.keep_in_step_a(self.attention_threads, self.policy.in_step_a)
             try:
-                self.other_work.save()  # O measured in this run, for the first batch of a later process
+                self.other_work.save()  # O and A measured in this run, for the first batch of a later process
             except Exception as e:  # never the run's result or its own error: only the keeping is lost
                 warnings.warn(f"writescope: the measured work outside attention was not kept: {type(e).__name__}: {e}", stacklevel=2)
         if failed:

@@ -17,7 +17,7 @@ import torch
 
 def readers() -> dict[str, Callable[[], object]]:
     """Switch name -> its reader (raises ValueError on a bad value)."""
-    from writescope.attention.split import _native_wanted
+    from writescope.attention.split import _cpu_partial_in_place, _native_wanted, _own_load_stream
     from writescope.env import env_choice
     from writescope.layers.attention import mla_prefill_mode
     from writescope.moe import cpu_experts
@@ -30,11 +30,13 @@ def readers() -> dict[str, Callable[[], object]]:
         "WRITESCOPE_MICRO_BATCHES": _micro_batches,
         "WRITESCOPE_MOE_KERNEL": env_fused,
         "WRITESCOPE_LOAD_READ": load_read_from_env,
+        "WRITESCOPE_LOAD_STREAM": _own_load_stream,
         "WRITESCOPE_PINGPONG_BUFFERS": pingpong_buffers_from_env,
         "WRITESCOPE_GPU_ATTENTION": lambda: env_choice("WRITESCOPE_GPU_ATTENTION", ("triton", "torch")),
         "WRITESCOPE_CUDA_GRAPHS": lambda: graphs_wanted(torch.device("cpu")),
         "WRITESCOPE_PREFILL_LOAD_STREAM": _prefill_load_on_evict_stream,
         "WRITESCOPE_CPU_WORKER": _native_wanted,
+        "WRITESCOPE_CPU_PARTIAL": _cpu_partial_in_place,
         "WRITESCOPE_GPU_TILES": _tiles,
         "WRITESCOPE_MLA_PREFILL": mla_prefill_mode,
         "WRITESCOPE_EXPERT_ISA": cpu_experts.requested_path,
@@ -63,8 +65,8 @@ def _tiles():
 
 
 # every switch by name (those cpu_kernel.prepare checks too), for what a run prints it ran under
-NAMES = ("WRITESCOPE_MICRO_BATCHES", "WRITESCOPE_MOE_KERNEL", "WRITESCOPE_LOAD_READ", "WRITESCOPE_PINGPONG_BUFFERS",
-         "WRITESCOPE_GPU_ATTENTION", "WRITESCOPE_CUDA_GRAPHS", "WRITESCOPE_PREFILL_LOAD_STREAM", "WRITESCOPE_CPU_WORKER",
+NAMES = ("WRITESCOPE_MICRO_BATCHES", "WRITESCOPE_MOE_KERNEL", "WRITESCOPE_LOAD_READ", "WRITESCOPE_LOAD_STREAM", "WRITESCOPE_PINGPONG_BUFFERS",
+         "WRITESCOPE_GPU_ATTENTION", "WRITESCOPE_CUDA_GRAPHS", "WRITESCOPE_PREFILL_LOAD_STREAM", "WRITESCOPE_CPU_WORKER", "WRITESCOPE_CPU_PARTIAL",
          "WRITESCOPE_GPU_TILES", "WRITESCOPE_MLA_PREFILL", "WRITESCOPE_EXPERT_ISA", "WRITESCOPE_CPU_ATTENTION", "WRITESCOPE_CPU_ISA",
          "WRITESCOPE_CPU_TUNING", "WRITESCOPE_PINNED_POOL")
 

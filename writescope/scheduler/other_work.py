@@ -14,7 +14,9 @@ things follow for the split gate (:func:`writescope.scheduler.roofline.split_pay
 
 Without O the gate deployed r = 0.03 at DSV2 4 x 8K and ran at 0.75x `gpu`
 (benchmarks/results/evaluation_h200.md). Host experts read in place over PCIe inside O use the
-link as well: their link time is added to the link's side (``link_seconds``).
+link as well: their link time is added to the link's side (``link_seconds``). The share r(L)
+itself balances the split step's two sides with O on the CPU's and that link time on the link's
+(writescope/scheduler/roofline.py), except in steps split into micro-batches.
 
 O is measured as the time from one layer's attention end to the next layer's attention begin within
 a decode step. On CUDA that is a pair of timing events on the current stream, read once they have
@@ -25,9 +27,16 @@ measured step's median gap is one sample for its batch size, tracked as A is: an
 :class:`~writescope.scheduler.roofline.OnlineEstimate`, whose median of the last three samples
 keeps one slow step from moving it. Steps split into two micro-batches are not measured, since their halves interleave.
 
+The meter also keeps the in-step A: A as the ``writescope`` policy tracked it over real decode
+steps (:attr:`writescope.scheduler.roofline.WriteScopePolicy.in_step_a`), per kernel switches and
+CPU attention thread count (A depends on both). Calibration measures A faster than decode steps
+see it, since it reads a few layers' data again (DeepSeek-V2-Lite on the H200: 15.9 against 17-20
+ns/token), and each ``LLM.set_policy`` builds a fresh policy: one started from the kept in-step A
+places its batch's prompts as the decode steps will find them.
+
 A batch is placed when its prompts are written, before its first decode step, so the first
-``generate`` of a process would place its prompts with the gate's form without O. With a
-``store_key`` (the engine gives one on CUDA: :func:`store_key`), the estimates are kept in
+``generate`` of a process would place its prompts without O and with the calibration's A. With a
+``store_key`` (the engine gives one on CUDA: :func:`store_key`), O and the in-step A are kept in
 ``$XDG_CACHE_HOME/writescope/other_work.json`` (:meth:`OtherWork.save`), and a later process of
 the same machine, model shape, expert placement and kernels starts from them.
 """
@@ -53,7 +62,8 @@ from writescope.scheduler.roofline import OnlineEstimate
 
 
 class OtherWork:
-    """Per decode batch size, the tracked seconds of a layer step's work outside attention.
+    """Per decode batch size, the tracked seconds of a layer step's work outside attention; and
+    per CPU attention thread count, the in-step A kept from ``writescope`` policies.
 
     Args:
         device: where the decode runs (CUDA: timing events; otherwise the wall clock).
@@ -61,6 +71,8 @@ class OtherWork:
         every: afterwards, one step in ``every`` is measured.
         link_seconds: ``batch -> seconds`` of link time inside O per layer step (host experts read
             in place over PCIe), or None (no such reads).
+        store_key: the entry of the store file the estimates start from and are saved to
+            (:func:`store_key`); None: kept in memory only.
 
     Raises:
         ValueError: ``warm`` < 0 or ``every`` < 1.
@@ -78,6 +90,9 @@ class OtherWork:
         # (switches, batch) -> estimate: a bench row's own switches (POLICY@NAME=VALUE) run other kernels
         self._estimates: dict[tuple[str, int], OnlineEstimate] = {k: OnlineEstimate(v) for k, v in stored(store_key).items()} if store_key else {}
         self._new: set[tuple[str, int]] = set()  # measured since the last save
+        # (switches, CPU attention threads) -> the in-step A, seconds per token
+        self._a: dict[tuple[str, int], float] = stored(store_key, IN_STEP_A) if store_key else {}
+        self._new_a: set[tuple[str, int]] = set()  # kept since the last save
         self._steps: dict[tuple[str, int], int] = {}  # decode steps begun per (switches, batch)
         self._marks: list | None = None  # this step's ("b" | "e", layer, stamp), None: not measured
         self._step_key: tuple[str, int] = ("", 0)
@@ -92,17 +107,33 @@ class OtherWork:
         est = self._estimates.get((switch_signature(), batch))
         return est.value if est is not None else None
 
+    def in_step_a(self, threads: int) -> float | None:
+        """The in-step A (seconds per token) kept for ``threads`` CPU attention threads under the
+        switches set now, None where none was kept (then a policy starts from calibration)."""
+        return self._a.get((switch_signature(), threads))
+
+    def keep_in_step_a(self, threads: int, seconds_per_token: float | None) -> None:
+        """Keep A as a policy tracked it over real decode steps with ``threads`` CPU attention
+        threads, under the switches set now, for the policies made after it (and, with a
+        ``store_key``, for later processes: :meth:`save`). None, or a value that is not finite and
+        positive, keeps nothing."""
+        if seconds_per_token is None or not (math.isfinite(seconds_per_token) and seconds_per_token > 0):
+            return
+        key = (switch_signature(), threads)
+        self._a[key] = float(seconds_per_token)
+        self._new_a.add(key)
+
     def save(self) -> Path | None:
-        """Keep the estimates measured in this process for later ones (with a ``store_key``): under
-        a lock, the file is read again and only what was measured here replaces its entries. A file
-        that cannot be read or written costs only the keeping. Call it between steps (the engine
-        does after ``generate``): the step under way counts as finished. Returns the file written,
-        or None."""
+        """Keep the estimates measured in this process (O and the in-step A) for later ones (with a
+        ``store_key``): under a lock, the file is read again and only what was measured here
+        replaces its entries. A file that cannot be read or written costs only the keeping. Call it
+        between steps (the engine does after ``generate``): the step under way counts as finished.
+        Returns the file written, or None."""
         if self._marks:
             self._waiting.append((self._step_key, self._marks))
         self._marks, self._last_layer = None, None
         self._resolve()
-        if not (self.store_key and self._new):
+        if not (self.store_key and (self._new or self._new_a)):
             return None
         path = store_path()
         try:
@@ -121,6 +152,15 @@ class OtherWork:
                     by_batch = by_batch if isinstance(by_batch, dict) else {}
                     by_batch[str(batch)] = self._estimates[sig, batch].value
                     entry[sig] = by_batch
+                if self._new_a:
+                    section = entry.get(IN_STEP_A)
+                    section = section if isinstance(section, dict) else {}
+                    for sig, threads in sorted(self._new_a):
+                        by_threads = section.get(sig)
+                        by_threads = by_threads if isinstance(by_threads, dict) else {}
+                        by_threads[str(threads)] = self._a[sig, threads]
+                        section[sig] = by_threads
+                    entry[IN_STEP_A] = section
                 doc[self.store_key] = entry
                 fd, tmp = tempfile.mkstemp(dir=path.parent, prefix=path.name, suffix=".tmp")
                 try:
@@ -133,6 +173,7 @@ class OtherWork:
         except (OSError, ValueError):
             return None
         self._new.clear()
+        self._new_a.clear()
         return path
 
     def link(self, batch: int) -> float:
@@ -243,26 +284,36 @@ def store_path() -> Path:
     return cache_dir("") / "other_work.json"
 
 
-def stored(key: str) -> dict[tuple[str, int], float]:
-    """The kept estimates of ``key``: (switches, batch) -> seconds. Entries that are not a batch
-    size with a finite, non-negative time are left out one by one; an unreadable file keeps nothing."""
+# the section of a store entry holding the in-step A: {switches: {CPU attention threads: seconds per token}},
+# beside O's {switches: {batch: seconds}} (never a switch signature, which is empty or NAME=VALUE pairs)
+IN_STEP_A = "in_step_a"
+
+
+def stored(key: str, section: str | None = None) -> dict[tuple[str, int], float]:
+    """The kept estimates of ``key``: with ``section`` None, O as (switches, batch) -> seconds; with
+    :data:`IN_STEP_A`, the in-step A as (switches, CPU attention threads) -> seconds per token.
+    Entries that are not a positive count with a finite time (non-negative for O, positive for A)
+    are left out one by one; an unreadable file keeps nothing."""
     try:
         entry = json.loads(store_path().read_text()).get(key)
+        entry = entry if section is None else entry.get(section)
     except (OSError, ValueError, AttributeError):
         return {}
     out = {}
-    for sig, by_batch in (entry.items() if isinstance(entry, dict) else ()):
-        for b, v in (by_batch.items() if isinstance(by_batch, dict) else ()):
+    for sig, by_count in (entry.items() if isinstance(entry, dict) else ()):
+        if section is None and sig == IN_STEP_A:
+            continue
+        for n, v in (by_count.items() if isinstance(by_count, dict) else ()):
             try:
-                batch, secs = int(b), float(v)
+                count, secs = int(n), float(v)
             except (TypeError, ValueError):
                 continue
-            if batch > 0 and math.isfinite(secs) and secs >= 0:
-                out[str(sig), batch] = secs
+            if count > 0 and math.isfinite(secs) and (secs > 0 if section is not None else secs >= 0):
+                out[str(sig), count] = secs
     return out
 
 
-STORE_VERSION = 1  # part of the key: a change in how O is measured starts afresh
+STORE_VERSION = 1  # part of the key: a change in how O is measured starts afresh (the in-step A is an added section)
 
 
 def store_key(machine: str, config, dtype: torch.dtype, host_experts: int, routed_experts: int) -> str:

@@ -22,6 +22,28 @@ measured, the gate compares the two with it: streaming alone hides behind O, the
 beat every measured split. Calibration leaves C_split at 0 since the asynchronous step made the
 hand-over hide behind each layer's other work (writescope/scheduler/calibrate.py says how that was
 measured); a roofline given by hand may still set it.
+
+Also beyond the paper, the balance counts O. The CPU part needs the layer's q, so per layer the
+CPU side takes O + T_cpu(r), while the link streams the next layer's blocks during O and takes
+T_gpu(r) + O_link (O_link: the link time of host experts read in place inside O). Both finish
+together at eq. 2 with C_cpu + O and C_gpu + O_link for the fixed costs:
+
+    r(L) = roofline_share(L, A, B, C_cpu + O, C_gpu + O_link).
+
+Without O the CPU side was the step's critical path (DeepSeek-V2-Lite 16 x 32K on the H200: r =
+0.531 deployed, the CPU part 5.3-6.1 ms per layer against 3.0 ms for the GPU part; the balance
+with O = 1.0 ms and the A of those decode steps gives 0.43-0.45). Where O is not measured yet,
+eq. 2 stands alone. Steps split into two micro-batches (``WRITESCOPE_MICRO_BATCHES=2``) keep eq. 2
+without O: there the CPU attends one half while the GPU runs the other half's O. With a per-step
+split of host experts (scheduler/joint.py) the joint roofline sets r and O is not used.
+
+A is measured faster by calibration (a few layers' data read again: 15.9 ns/token for
+DeepSeek-V2-Lite on the H200) than inside real decode steps (17-20 ns/token), and a batch's prompt
+KV is placed before its first decode step and never moves. So the A a policy tracked over real
+decode steps (:attr:`WriteScopePolicy.in_step_a`) is kept by the engine's meter of O, in memory and
+on CUDA on disk, per kernel switches and CPU attention thread count
+(:meth:`~writescope.scheduler.other_work.OtherWork.keep_in_step_a`), and a later policy starts its
+estimate from it (:meth:`WriteScopePolicy.attach`) instead of from calibration.
 """
 
 from __future__ import annotations
@@ -136,27 +158,52 @@ class WriteScopePolicy(PlacementPolicy):
         self.a = OnlineEstimate(roofline.a, alpha, window)
         self.batch = 1
         # O, the layer step's measured work outside attention (scheduler/other_work.py), given by the
-        # engine; None: the split gate without it
+        # engine (attach); None: the gate and the balance without it
         self.other = None
+        # micro-batches per decode step of the cache placed for (WRITESCOPE_MICRO_BATCHES), given with O
+        self.micro_batches = 1
         # the expert side of the joint roofline (scheduler/expert_work.py), attached by the engine
         # when routed experts live in host memory and the step may split them; None: KV only
         self.experts = None
 
+    def attach(self, other, attention_threads: int, micro_batches: int) -> None:
+        """Give the policy the engine's meter of O (an
+        :class:`~writescope.scheduler.other_work.OtherWork`): O enters the split gate, and the
+        balance of decode steps not split into micro-batches (``micro_batches``: the cache's
+        ``WRITESCOPE_MICRO_BATCHES``). A starts from the in-step A the meter kept for
+        ``attention_threads`` CPU attention threads under the switches set now, where it kept one
+        (else from the calibration's)."""
+        self.other, self.micro_batches = other, micro_batches
+        kept = other.in_step_a(attention_threads)
+        if kept is not None:
+            self.a = OnlineEstimate(kept, self.a.alpha, self.a.window)
+
+    @property
+    def in_step_a(self) -> float | None:
+        """The tracked A (seconds per token) once a decode step's CPU part was observed; None
+        before (the estimate is still where it started, not an in-step measurement)."""
+        return self.a.value if self.a.samples else None
+
     def cpu_share(self, placed_tokens: int) -> float:
-        """r(L) for L = ``placed_tokens`` per sequence: the paper's eq. 2, or with host experts the
-        joint roofline (scheduler/joint.py) given the expected hit host expert bytes per step."""
-        rf, L = self.roofline, placed_tokens * self.batch
+        """r(L) for L = ``placed_tokens`` per sequence: the paper's eq. 2, with O on the CPU side
+        and O_link on the link's where O was measured (see the module docstring), or with host
+        experts the joint roofline (scheduler/joint.py) given the expected hit host expert bytes
+        per step."""
+        rf, L, a = self.roofline, placed_tokens * self.batch, self.a.value
         X = self.experts.expected_bytes(self.batch) if self.experts is not None else 0.0
-        if X > 0:
-            r, _ = joint_split(L, X, self.experts.costs())
-        else:
-            r = roofline_share(L, self.a.value, rf.b, rf.c_cpu, rf.c_gpu)
         # O where no per-step expert split runs (with one, the joint model sets r and O was measured
         # under other policies' expert path: attach_expert_work attaches the split for writescope only)
         o = self.other.seconds(self.batch) if self.other is not None and X <= 0 else None
+        o_link = self.other.link(self.batch) if o is not None else 0.0
+        if X > 0:
+            r, _ = joint_split(L, X, self.experts.costs())
+        elif o is not None and not (self.micro_batches >= 2 and self.batch >= 2):  # as InplaceKVCache.decode_groups splits
+            r = roofline_share(L, a, rf.b, rf.c_cpu + o, rf.c_gpu + o_link)
+        else:
+            r = roofline_share(L, a, rf.b, rf.c_cpu, rf.c_gpu)
         if o is None:
-            return r if split_pays(L, r, self.a.value, rf) else 0.0
-        return r if split_pays(L, r, self.a.value, rf, o, self.other.link(self.batch)) else 0.0
+            return r if split_pays(L, r, a, rf) else 0.0
+        return r if split_pays(L, r, a, rf, o, o_link) else 0.0
 
     def expect_batch(self, batch: int) -> None:
         self.batch = max(1, batch)

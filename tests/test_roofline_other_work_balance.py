@@ -1,0 +1,221 @@
+"""O in the balance of r(L), and the in-step A kept for the next policy's prefill
+(writescope/scheduler/roofline.py, writescope/scheduler/other_work.py)."""
+
+from __future__ import annotations
+
+import json
+import math
+import re
+
+import pytest
+import torch
+
+from writescope.kvcache.spec import Roofline
+from writescope.scheduler import other_work as ow
+from writescope.scheduler.roofline import WriteScopePolicy, roofline_share
+
+# the calibration of the H200 DeepSeek-V2-Lite 16 x 32K run (benchmarks/results/gpu_decode_h200_run25_variants_dsv2_16x32k.json)
+DSV2 = Roofline(a=1.5929e-08, b=2.0028e-08, c_cpu=4.714e-04, c_gpu=0.0, b_alone=2.0412e-08, c_gpu_alone=3.182e-04)
+PLACED = 32768 - 256  # tokens per sequence outside the D-window
+O, O_LINK = 1.0e-3, 0.2e-3  # seconds per decode layer step at batch 16
+
+
+class Meter:
+    """An :class:`~writescope.scheduler.other_work.OtherWork` stand-in: fixed O and O_link at
+    every batch, nothing kept."""
+
+    def __init__(self, o: float | None = O, link: float = O_LINK):
+        self.o, self.o_link = o, link
+
+    def seconds(self, batch: int) -> float | None:
+        return self.o
+
+    def link(self, batch: int) -> float:
+        return self.o_link
+
+    def in_step_a(self, threads: int) -> float | None:
+        return None
+
+
+def _policy(meter, micro_batches: int = 1, batch: int = 16, roofline: Roofline = DSV2) -> WriteScopePolicy:
+    p = WriteScopePolicy(roofline)
+    p.attach(meter, attention_threads=15, micro_batches=micro_batches)
+    p.expect_batch(batch)
+    return p
+
+
+# ------------------------------------------------------------------ O in the balance
+def test_o_goes_on_the_cpu_side_and_o_link_on_the_link_side_of_the_balance():
+    L = 16 * PLACED
+    r = _policy(Meter()).cpu_share(PLACED)
+    assert r == pytest.approx(roofline_share(L, DSV2.a, DSV2.b, DSV2.c_cpu + O, DSV2.c_gpu + O_LINK), rel=1e-12)
+    # both sides finish together: the CPU part waits behind O, the link streams during it
+    assert O + r * DSV2.a * L + DSV2.c_cpu == pytest.approx((1 - r) * DSV2.b * L + DSV2.c_gpu + O_LINK, rel=1e-9)
+    # the measured run: r = 0.531 deployed without O; with O (and no link inside it) about 0.48 at the
+    # calibration's A, 0.43-0.45 at the A seen inside decode steps (17-20 ns/token)
+    assert roofline_share(L, DSV2.a, DSV2.b, DSV2.c_cpu, DSV2.c_gpu) == pytest.approx(0.531, abs=0.002)
+    assert _policy(Meter(link=0.0)).cpu_share(PLACED) == pytest.approx(0.478, abs=0.002)
+    in_step = _policy(Meter(link=0.0), roofline=Roofline(**{**vars(DSV2), "a": 18.5e-9})).cpu_share(PLACED)
+    assert 0.43 <= in_step <= 0.45
+
+
+@pytest.mark.parametrize("o", [0.1e-3, 0.5e-3, 1.0e-3, 3.0e-3])
+@pytest.mark.parametrize("batch", [4, 16, 32])
+def test_o_lowers_the_share(o, batch):
+    without = _policy(Meter(o=None), batch=batch).cpu_share(PLACED)  # not measured: eq. 2 alone
+    assert without == pytest.approx(roofline_share(batch * PLACED, DSV2.a, DSV2.b, DSV2.c_cpu, DSV2.c_gpu))
+    with_o = _policy(Meter(o=o, link=0.0), batch=batch).cpu_share(PLACED)
+    assert with_o < without
+    # O_link as large as O on the link side: the two cancel in the balance
+    assert _policy(Meter(o=o, link=o), batch=batch).cpu_share(PLACED) == pytest.approx(without, rel=1e-12)
+
+
+def test_steps_split_into_two_micro_batches_keep_the_balance_without_o(monkeypatch):
+    """With two micro-batches the CPU attends one half while the GPU runs the other half's O: O stays
+    out of the balance (the gate still counts it); a batch of one is never split, so there it counts."""
+    from writescope.scheduler import roofline as rl
+
+    seen = []
+    real = rl.split_pays
+    monkeypatch.setattr(rl, "split_pays", lambda *a, **k: (seen.append(a[4:]), real(*a, **k))[1])
+    L = 16 * PLACED
+    assert _policy(Meter(), micro_batches=2).cpu_share(PLACED) == pytest.approx(
+        roofline_share(L, DSV2.a, DSV2.b, DSV2.c_cpu, DSV2.c_gpu), rel=1e-12)
+    assert seen[-1] == (O, O_LINK)  # the gate as before
+    one = _policy(Meter(), micro_batches=2, batch=1).cpu_share(16 * PLACED)
+    assert one == pytest.approx(roofline_share(L, DSV2.a, DSV2.b, DSV2.c_cpu + O, DSV2.c_gpu + O_LINK), rel=1e-12)
+
+
+def test_the_engine_passes_its_cache_s_micro_batches_to_the_policy(monkeypatch):
+    from writescope import LLM
+
+    rf = Roofline(a=1e-3, b=1e-3)
+    monkeypatch.setenv("WRITESCOPE_MICRO_BATCHES", "2")
+    llm = LLM("tiny-qwen3-moe", progress=False, policy="static:0.5", window=16)
+    llm.set_policy("writescope", roofline=rf)
+    assert llm.cache.micro_batches == 2 and llm.policy.micro_batches == 2 and llm.policy.other is llm.other_work
+    monkeypatch.delenv("WRITESCOPE_MICRO_BATCHES")
+    llm.set_policy("writescope", roofline=rf)
+    assert llm.policy.micro_batches == 1
+
+
+# ------------------------------------------------------------------ the in-step A, kept
+def test_a_policy_starts_from_the_a_an_earlier_one_observed(monkeypatch):
+    monkeypatch.delenv("WRITESCOPE_MICRO_BATCHES", raising=False)
+    meter = ow.OtherWork(torch.device("cpu"))
+    first = _policy(meter)
+    assert first.a.value == DSV2.a and first.in_step_a is None  # the calibration's A is not an in-step one
+    meter.keep_in_step_a(15, first.in_step_a)
+    assert meter.in_step_a(15) is None and meter.save() is None  # nothing kept, nothing to write
+    for _ in range(12):  # decode steps' CPU parts at 19 ns/token
+        first.observe(DSV2.c_cpu + 19e-9 * 100_000, 100_000, batch=16)
+    assert first.in_step_a == pytest.approx(19e-9, rel=0.01)
+    meter.keep_in_step_a(15, first.in_step_a)
+    second = _policy(meter)
+    assert second.a.value == first.in_step_a and second.in_step_a is None  # started from it, not yet observed
+    assert second.cpu_share(PLACED) < _policy(ow.OtherWork(torch.device("cpu"))).cpu_share(PLACED)  # a slower A: less on the CPU
+    # per CPU attention thread count: another count starts from calibration
+    other_threads = WriteScopePolicy(DSV2)
+    other_threads.attach(meter, attention_threads=7, micro_batches=1)
+    assert other_threads.a.value == DSV2.a
+    # per kernel switches, as O
+    monkeypatch.setenv("WRITESCOPE_CPU_TUNING", "12")
+    assert _policy(meter).a.value == DSV2.a
+    monkeypatch.delenv("WRITESCOPE_CPU_TUNING")
+    for bad in (float("nan"), float("inf"), 0.0, -1e-9):
+        meter.keep_in_step_a(15, bad)
+    assert meter.in_step_a(15) == first.in_step_a  # not a measurement: nothing kept
+
+
+def test_the_engine_keeps_the_in_step_a_for_its_next_policy(monkeypatch):
+    """``generate`` keeps what its writescope policy tracked; the next ``set_policy`` starts there,
+    for the same CPU attention thread count only; a static policy keeps nothing."""
+    from writescope import LLM, SamplingParams
+
+    monkeypatch.delenv("WRITESCOPE_MICRO_BATCHES", raising=False)
+    rf = Roofline(a=1e-3, b=1e-3)  # r = 0.5 (no O kept yet): the prompts have compute blocks, so CPU parts
+    llm = LLM("tiny-qwen3-moe", progress=False, policy="static:0.5", window=16, cpu_threads=1)
+    prompts = [[1 + i for i in range(40)], [2 + i for i in range(50)]]
+    params = SamplingParams(max_tokens=4, ignore_eos=True)
+    llm.generate(prompt_token_ids=prompts, sampling_params=params)
+    assert llm.other_work.in_step_a(1) is None  # static: no A tracked
+    llm.set_policy("writescope", roofline=rf)
+    assert llm.policy.a.value == rf.a
+    llm.generate(prompt_token_ids=prompts, sampling_params=params)
+    observed = llm.policy.in_step_a
+    assert observed is not None and observed != rf.a
+    assert llm.other_work.in_step_a(1) == observed
+    llm.set_policy("writescope", roofline=rf)
+    assert llm.policy.a.value == observed and llm.attention_threads == 1
+    llm.set_policy("writescope", cpu_threads=2, roofline=rf)
+    assert llm.attention_threads == 2 and llm.policy.a.value == rf.a
+
+
+def test_the_in_step_a_is_kept_for_a_later_process_per_thread_count(monkeypatch, tmp_path):
+    monkeypatch.setenv("XDG_CACHE_HOME", str(tmp_path))
+    monkeypatch.delenv("WRITESCOPE_MICRO_BATCHES", raising=False)
+    meter = ow.OtherWork(torch.device("cpu"), store_key="machine|model")
+    meter.keep_in_step_a(15, 18.5e-9)
+    meter.keep_in_step_a(4, 30e-9)
+    path = meter.save()  # A alone (no O measured) is worth a write
+    assert path == ow.store_path() and meter.save() is None
+    assert json.loads(path.read_text())["machine|model"][ow.IN_STEP_A] == {"": {"15": 18.5e-9, "4": 30e-9}}
+    later = ow.OtherWork(torch.device("cpu"), store_key="machine|model")
+    assert later.in_step_a(15) == 18.5e-9 and later.in_step_a(4) == 30e-9 and later.in_step_a(8) is None
+    assert later.seconds(16) is None  # the section is no O
+    assert ow.OtherWork(torch.device("cpu"), store_key="another").in_step_a(15) is None
+    p = WriteScopePolicy(DSV2)
+    p.attach(later, attention_threads=15, micro_batches=1)
+    assert p.a.value == 18.5e-9
+    # a later save replaces only what it kept: the other thread count's entry stays
+    later.keep_in_step_a(15, 20e-9)
+    assert later.save() == path
+    assert ow.stored("machine|model", ow.IN_STEP_A) == {("", 15): 20e-9, ("", 4): 30e-9}
+
+
+def test_a_bad_stored_a_is_left_out_alone_and_o_still_loads(monkeypatch, tmp_path):
+    monkeypatch.setenv("XDG_CACHE_HOME", str(tmp_path))
+    path = ow.store_path()
+    path.parent.mkdir(parents=True)
+    o = {"": {"16": 1.0e-3}, "WRITESCOPE_MOE_KERNEL=grouped": {"16": 1.5e-3}}
+    bad_a = {"": {"15": "x", "1": math.inf, "2": -1e-9, "3": 0.0, "0": 1e-8, "many": 1e-8, "8": 2e-8}, "WRITESCOPE_CPU_TUNING=12": [1, 2]}
+    path.write_text(json.dumps({"machine|model": {**o, ow.IN_STEP_A: bad_a}}))
+    assert ow.stored("machine|model", ow.IN_STEP_A) == {("", 8): 2e-8}
+    assert ow.stored("machine|model") == {("", 16): 1.0e-3, ("WRITESCOPE_MOE_KERNEL=grouped", 16): 1.5e-3}
+    meter = ow.OtherWork(torch.device("cpu"), store_key="machine|model")
+    assert meter.seconds(16) == 1.0e-3 and meter.in_step_a(8) == 2e-8 and meter.in_step_a(15) is None
+    # a section that is no object at all, or one shaped like O's: no A, and not read as O either
+    for section in ("garbage", [1.0], {"16": 1.0}):
+        path.write_text(json.dumps({"machine|model": {**o, ow.IN_STEP_A: section}}))
+        assert ow.stored("machine|model", ow.IN_STEP_A) == {}
+        assert ow.stored("machine|model") == {("", 16): 1.0e-3, ("WRITESCOPE_MOE_KERNEL=grouped", 16): 1.5e-3}
+    # a save over a bad section writes it afresh and keeps the O entries
+    path.write_text(json.dumps({"machine|model": {**o, ow.IN_STEP_A: "garbage"}}))
+    meter.keep_in_step_a(15, 18.5e-9)
+    assert meter.save() == path
+    assert ow.stored("machine|model", ow.IN_STEP_A) == {("", 15): 18.5e-9}
+    assert ow.stored("machine|model")[("WRITESCOPE_MOE_KERNEL=grouped", 16)] == 1.5e-3
+    # a file of the format before the section (O only) still loads
+    path.write_text(json.dumps({"machine|model": o}))
+    old = ow.OtherWork(torch.device("cpu"), store_key="machine|model")
+    assert old.seconds(16) == 1.0e-3 and old.in_step_a(15) is None
+
+
+def test_bench_prints_the_kept_in_step_a_beside_the_calibration_s(monkeypatch, tmp_path, capsys):
+    import writescope.engine.llm as engine
+    from writescope.cli.main import main
+
+    monkeypatch.setenv("XDG_CACHE_HOME", str(tmp_path))
+    monkeypatch.delenv("WRITESCOPE_MICRO_BATCHES", raising=False)
+    monkeypatch.setattr(engine, "load_or_calibrate", lambda *a, **k: Roofline(a=2e-9, b=1e-3))  # r = 1: CPU parts
+    assert main(["bench", "--model", "tiny-qwen3-moe", "--device", "cpu", "--batch", "2", "--context", "64", "--steps", "2",
+                 "--window", "16", "--policies", "writescope", "--repeats", "1", "--quiet", "--kv-fill", "random"]) == 0
+    printed = capsys.readouterr().out
+    line = next(x for x in printed.splitlines() if x.startswith("A (CPU attention per placed token"))
+    from writescope.presets import preset_config
+
+    token = preset_config("tiny-qwen3-moe").kv_layout.bytes_per_token(4)  # fp32 on the CPU
+    assert f"calibration 2 ns/token ({token / 2e-9 / 1e9:.3g} GB/s of KV read)" in line
+    kept = re.search(r"in-step ([0-9.e+-]+) ns/token \(([0-9.e+-]+) GB/s of KV read\), kept from decode steps", line)
+    assert kept is not None and float(kept.group(1)) > 2  # the CPU here is slower than the roofline given
+    assert float(kept.group(2)) == pytest.approx(token / (float(kept.group(1)) * 1e-9) / 1e9, rel=0.01)

@@ -1,0 +1,179 @@
+"""writescope.bench.timeline: a decode step laid out across the CPU worker, the compute stream and
+the link; the native worker's job times; ``writescope profile --timeline`` end to end on the CPU."""
+
+from __future__ import annotations
+
+import json
+import time
+from types import SimpleNamespace
+
+import pytest
+import torch
+
+from writescope.attention import cpu_kernel
+from writescope.bench.timeline import DeviceEvent, Job, Timeline, _union, build_steps, flag_offset, format_summary, sync_offset, to_json
+from writescope.cli.main import main
+
+MS = 1_000_000  # ns
+
+
+def _ev(name, stream, a, b):
+    return DeviceEvent(name, stream, int(a * MS), int(b * MS))
+
+
+def _split_step():
+    """Two steps of a two-layer split decode, times in ms: on stream 7 the q flag (``_store``), the
+    device's own kernels and its wait for the CPU (``_wait``); on stream 9 the link's copies; the
+    CPU's jobs. Step 1 (0-20 ms): layer 0's q at 1.0, the CPU sees it at 1.1 and is done at 5.0, the
+    device waits 3.0-5.1; layer 1's q at 6.0 (merge and O in between), seen at 6.2, done at 9.0, the
+    device waits 8.0-9.05. Copies 0.5-4.0 and 3.5-7.0 overlap (6.5 ms of link busy)."""
+    device = [
+        _ev("_store", 7, 1.0, 1.01), _ev("gemm", 7, 1.5, 2.5), _ev("_wait", 7, 3.0, 5.1), _ev("merge", 7, 5.2, 5.4),
+        _ev("_store", 7, 6.0, 6.01), _ev("_wait", 7, 8.0, 9.05),
+        _ev("Memcpy HtoD (Pinned -> Device)", 9, 0.5, 4.0), _ev("Memcpy HtoD (Pinned -> Device)", 9, 3.5, 7.0),
+        _ev("Memcpy DtoH (Device -> Pinned)", 7, 0.9, 0.95),  # q to the host: not the link's load
+        _ev("gemm", 8, 2.0, 3.0),  # another stream (evictions): not the compute stream's
+        # step 2 (20-40 ms): one job whose q came while the worker was still busy? no: one layer only
+        _ev("_store", 7, 21.0, 21.01), _ev("_wait", 7, 22.0, 30.0),
+    ]
+    jobs = [Job(int(0.2 * MS), int(1.1 * MS), int(5.0 * MS)), Job(int(5.0 * MS), int(6.2 * MS), int(9.0 * MS)),
+            Job(int(20.5 * MS), int(21.3 * MS), int(29.9 * MS))]
+    issues = [int(0.4 * MS), int(5.5 * MS), int(20.2 * MS)]
+    return build_steps([(0, 20 * MS), (20 * MS, 40 * MS)], device, jobs, issues)
+
+
+def test_a_split_step_is_taken_apart_job_by_job():
+    s1, s2 = _split_step()
+    assert (len(s1.jobs), len(s1.stores), len(s1.waits), len(s1.copies)) == (2, 2, 2, 2)
+    assert [e.name for e in s1.kernels] == ["gemm", "merge"]  # stream 7 only, flag kernels and copies apart
+    rows = s1.per_job()
+    assert rows[0]["cpu_ms"] == pytest.approx(3.9) and rows[1]["cpu_ms"] == pytest.approx(2.8)
+    assert rows[0]["q_to_cpu_ms"] == pytest.approx(0.09)  # store ends at 1.01, seen at 1.1
+    assert rows[0]["gpu_wait_ms"] == pytest.approx(2.1) and rows[0]["done_to_gpu_ms"] == pytest.approx(0.1)
+    assert rows[0]["cpu_idle_ms"] == pytest.approx(1.2) and rows[1]["cpu_idle_ms"] is None  # the last job of the step
+    assert rows[0]["issue_lead_ms"] == pytest.approx(0.6) and rows[1]["issue_lead_ms"] == pytest.approx(0.5)
+    summary = s1.summary()
+    assert summary["step_ms"] == 20.0 and summary["cpu_busy_ms"] == pytest.approx(6.7)
+    assert summary["link_busy_ms"] == pytest.approx(6.5)  # 0.5-7.0: the overlap counted once
+    assert summary["gpu_busy_ms"] == pytest.approx(1.2) and summary["gpu_wait_ms"] == pytest.approx(3.15)
+    assert s2.summary()["jobs"] == 1 and s2.per_job()[0]["gpu_wait_ms"] == pytest.approx(8.0)
+    text = format_summary(Timeline([s1, s2], "flags", 20_000))
+    assert "CPU worker busy" in text and "link (host-to-device copies) busy" in text and "main thread ahead" in text
+    assert "within 20 us" in text
+    doc = to_json(Timeline([s1, s2], "flags", 20_000))
+    assert len(doc["steps"]) == 2 and doc["first_step"]["jobs"][0] == pytest.approx([0.2, 1.1, 5.0])
+
+
+def test_a_worker_busy_with_the_last_job_is_not_slow_to_see_its_q():
+    """q_to_cpu counts from the later of the q flag and the previous job's end."""
+    device = [_ev("_store", 1, 1.0, 1.0), _ev("_wait", 1, 1.5, 4.0), _ev("_store", 1, 2.0, 2.0), _ev("_wait", 1, 2.5, 7.0)]
+    jobs = [Job(0, int(1.0 * MS), int(4.0 * MS)), Job(int(4.0 * MS), int(4.05 * MS), int(7.0 * MS))]
+    (st,) = build_steps([(0, 10 * MS)], device, jobs)
+    assert st.per_job()[1]["q_to_cpu_ms"] == pytest.approx(0.05)  # not 2.05: the worker was busy until 4.0
+
+
+def test_unpaired_jobs_leave_the_device_figures_out():
+    (st,) = build_steps([(0, 10 * MS)], [_ev("_store", 1, 1.0, 1.0)], [Job(0, MS, 2 * MS), Job(2 * MS, 3 * MS, 4 * MS)])
+    rows = st.per_job()
+    assert rows[0]["cpu_ms"] == 1.0 and rows[0]["gpu_wait_ms"] is None and rows[0]["q_to_cpu_ms"] is None
+    assert st.summary()["median_gpu_wait_ms"] is None
+    assert "(no device)" not in format_summary(Timeline([st], "sync", None))  # a device event was seen
+
+
+def test_union_clips_and_merges():
+    evs = [_ev("a", 0, 1, 3), _ev("b", 0, 2, 4), _ev("c", 0, 6, 12), _ev("d", 0, 13, 14)]
+    assert _union(evs, 0, 10 * MS) == 7 * MS  # 1-4 and 6-10
+    assert _union([], 0, MS) == 0
+
+
+def test_the_flag_kernels_place_the_device_clock():
+    """Device times are host times + 5 ms; the worker saw each q 20 us after its _store ended and
+    the device saw each done flag 30 us after it was set: the offset lies between 5 ms - 20 us and
+    5 ms + 30 us, and its midpoint is 5 ms + 5 us, within 25 us."""
+    off = 5 * MS
+    jobs = [Job(0, int(1.0 * MS), int(4.0 * MS)), Job(int(4.0 * MS), int(6.0 * MS), int(8.0 * MS))]
+    us = 1000
+    device = [DeviceEvent("_store", 1, 980 * us, 980 * us), DeviceEvent("_wait", 1, 2000 * us, 4030 * us),
+              DeviceEvent("_store", 1, 5980 * us, 5980 * us), DeviceEvent("_wait", 1, 6500 * us, 8030 * us)]
+    device = [DeviceEvent(e.name, e.stream, e.start + off, e.end + off) for e in device]
+    got, unc = flag_offset(device, jobs)
+    assert got == off + 5_000 and unc == 25_000
+    assert flag_offset([e for e in device if e.name == "_wait"], jobs) is None  # no _store: nothing to pair
+    got, unc = flag_offset([e for e in device if e.name == "_store"], jobs)  # no wait: the lower bound alone
+    assert got == off - 20_000 and unc == 0
+    assert sync_offset(device, 8050 * us) == off - 20_000 and sync_offset([], 0) is None
+
+
+@pytest.mark.skipif(not cpu_kernel.kernel_available(), reason="no C++ compiler for the CPU attention kernel")
+def test_the_native_worker_records_its_jobs_times():
+    from writescope.attention.cpu_worker import NativeWorker
+
+    gen = torch.Generator().manual_seed(3)
+    w = NativeWorker(2, torch.device("cpu"))
+    try:
+        def job():
+            q = torch.randn(2, 1, 16, 64, generator=gen).bfloat16()
+            lat = torch.randn(1, 300, 64, generator=gen).bfloat16()
+            out = (torch.empty(2, 1, 16, 48), torch.empty(2, 1, 16))
+            w.consume(w.submit(q, [(lat, lat[..., :48]), None], 0.1, out))
+
+        job()
+        assert w.take_trace() == []  # not recording yet
+        w.trace(True)
+        t0 = time.perf_counter_ns()
+        seqs = []
+        for _ in range(3):
+            job()
+            seqs.append(w.seq)
+        t1 = time.perf_counter_ns()
+        trace = w.take_trace()
+        assert [t[0] for t in trace] == seqs
+        for _, taken, seen, done in trace:
+            assert t0 <= taken <= seen <= done <= t1  # the worker's clock is perf_counter_ns's
+        assert all(a[3] <= b[1] for a, b in zip(trace, trace[1:]))  # one job after another
+        w.trace(False)
+        job()
+        assert w.take_trace() == []
+    finally:
+        w.close()
+
+
+@pytest.mark.skipif(not cpu_kernel.kernel_available(), reason="no C++ compiler for the CPU attention kernel")
+def test_profile_lays_out_several_policies_in_time(tmp_path, capsys):
+    """Two policies on one loaded model, the KV written at random: a timeline PNG each, the CPU
+    worker's jobs one per layer of every profiled step, and the runs in the JSON."""
+    out, png = tmp_path / "p.json", tmp_path / "tl.png"
+    rc = main(["profile", "--model", "tiny-deepseek-v2", "--batch", "2", "--context", "300", "--window", "16",
+               "--policy", "static:0.5,static:0.5@WRITESCOPE_MICRO_BATCHES=2", "--steps", "2", "--skip", "1",
+               "--kv-fill", "random", "--timeline", str(png), "--output-json", str(out), "--quiet"])
+    assert rc == 0
+    printed = capsys.readouterr().out
+    assert printed.count("timeline of 2 decode step(s)") == 2 and "(no device)" in printed and "decode step" in printed
+    doc = json.loads(out.read_text())
+    assert [r["entry"] for r in doc["runs"]] == ["static:0.5", "static:0.5@WRITESCOPE_MICRO_BATCHES=2"]
+    layers = doc["num_layers"]
+    jobs = [[s["jobs"] for s in r["timeline"]["steps"]] for r in doc["runs"]]
+    assert jobs == [[layers, layers], [2 * layers, 2 * layers]]  # a job per layer, per half with two micro-batches
+    for r in doc["runs"]:
+        assert all(0 < s["cpu_busy_ms"] < s["step_ms"] for s in r["timeline"]["steps"])
+    for name in ("tl_static_0.5.png", "tl_static_0.5_WRITESCOPE_MICRO_BATCHES_2.png"):
+        assert (tmp_path / name).read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
+
+
+def test_profile_refuses_a_bad_switch_before_loading(capsys):
+    assert main(["profile", "--model", "tiny-qwen3-moe", "--policy", "gpu@WRITESCOPE_NOPE=1", "--quiet"]) == 2
+    assert "not a per-row switch" in capsys.readouterr().err
+
+
+@pytest.mark.skipif(not cpu_kernel.kernel_available(), reason="no C++ compiler for the CPU attention kernel")
+def test_profile_timeline_alone(tmp_path, capsys):
+    """--no-breakdown: only the timeline is run and written; without --timeline it is refused before loading."""
+    out, png = tmp_path / "p.json", tmp_path / "tl.png"
+    assert main(["profile", "--model", "tiny-qwen3-moe", "--batch", "2", "--context", "200", "--window", "16", "--policy", "static:0.5",
+                 "--steps", "2", "--skip", "0", "--no-breakdown", "--timeline", str(png), "--output-json", str(out), "--quiet"]) == 0
+    printed = capsys.readouterr().out
+    assert "other (main)" not in printed and "timeline of 2 decode step(s)" in printed
+    doc = json.loads(out.read_text())
+    assert "ranges" not in doc and len(doc["timeline"]["steps"]) == 2 and png.exists()
+    assert main(["profile", "--model", "tiny-qwen3-moe", "--no-breakdown", "--quiet"]) == 2
+    assert "give --timeline" in capsys.readouterr().err

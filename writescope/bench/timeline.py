@@ -1,0 +1,387 @@
+"""A decode step's timeline across the CPU worker, the compute stream and the link.
+
+Where a split step's time goes is a question of order, not of sums: the CPU attends layer l only
+once the GPU has made layer l's q, the GPU merges layer l only once the CPU is done, and the link
+streams the next layer's blocks meanwhile. This module lays the three side by side for the decode
+steps of ``writescope profile --timeline`` (:func:`decode_timeline`):
+
+- the CPU worker's jobs (one per layer, or per half with micro-batches): when the worker took the
+  job, saw its q (the ready flag) and set its done flag (:meth:`NativeWorker.take_trace
+  <writescope.attention.cpu_worker.NativeWorker.take_trace>`, CLOCK_MONOTONIC);
+- the device's activity from torch's profiler (CUPTI only): on the compute stream, the one-CTA flag
+  kernels (``_store``: q is in host memory, the ready flag set; ``_wait``: the stream spinning on
+  the done flag, i.e. the GPU waiting for the CPU) and every other kernel; the host-to-device
+  copies (the load region's ping-pong fills, on the copy stream: the link).
+
+The profiler records the device only (CUPTI; recording every torch call on the main thread as well
+would slow the thread that issues the step, and with it the step: two micro-batches ran 269 ms
+per step under the full profiler against 196-227 ms in bench rows on the H200). The host's times
+(the step boundaries, the main thread entering each decode call's attention, the worker's jobs) are
+``time.perf_counter_ns`` (CLOCK_MONOTONIC); the device's clock is placed on it by the flag kernels
+(:func:`flag_offset`): a job's q is seen after its ``_store`` ended, and a ``_wait`` that was
+waiting ends after its job's done flag, which bounds the offset from both sides. Each CPU job is
+paired with the k-th ``_store`` and ``_wait`` of its step (one of each per job, in submission
+order). All times below are on the host's clock. The flags bound the offset by the two hand-off
+latencies, so ``q_to_cpu_ms`` and ``done_to_gpu_ms`` are split between themselves only within the
+alignment's uncertainty (printed); their sum is measured. Per job:
+
+| figure | from | what it is |
+|---|---|---|
+| ``cpu_ms`` | seen -> done | the CPU attention |
+| ``q_to_cpu_ms`` | ``_store`` end -> seen | the worker noticing its q (0 when the worker was still busy with the last job: then it counts in ``cpu_ms`` of that job) |
+| ``done_to_gpu_ms`` | done -> ``_wait`` end | the device noticing the done flag (only where it was waiting) |
+| ``gpu_wait_ms`` | ``_wait`` start -> end | the compute stream idle, waiting for the CPU |
+| ``cpu_idle_ms`` | done -> next job's seen | the CPU side idle before its next layer: the hand-back, the merge, the layer's other work (O), the next q |
+| ``issue_lead_ms`` | the main thread enters the layer's attention (``attend_begin``) -> ``_store`` start | how far the main thread ran ahead of the device; near 0: the device waited for Python (issue-bound) |
+
+The step's ``link_busy`` is the union of its host-to-device copies over the step; ``cpu_busy`` the
+sum of its jobs; ``gpu_busy`` the union of its compute-stream kernels other than ``_wait``.
+"""
+
+from __future__ import annotations
+
+import statistics
+import time
+from contextlib import nullcontext
+from dataclasses import dataclass, field
+
+from writescope.engine.sampling import SamplingParams
+from writescope.engine.timing import synchronize
+
+STORE, WAIT = "_store", "_wait"  # the flag kernels' names (attention/flag_kernels.py)
+
+
+@dataclass
+class DeviceEvent:
+    """One device activity: ``name``, ``stream`` (CUPTI's stream id), start and end in ns of the
+    profiler's clock."""
+
+    name: str
+    stream: int
+    start: int
+    end: int
+
+
+@dataclass
+class Job:
+    """One CPU worker job in ns of the profiler's clock (see the module doc)."""
+
+    taken: int
+    seen: int
+    done: int
+
+
+@dataclass
+class StepTimeline:
+    """One decode step: its span (ns of the profiler's clock) and what ran in it (see the module doc)."""
+
+    start: int
+    end: int
+    jobs: list[Job] = field(default_factory=list)
+    stores: list[DeviceEvent] = field(default_factory=list)
+    waits: list[DeviceEvent] = field(default_factory=list)
+    kernels: list[DeviceEvent] = field(default_factory=list)  # compute stream, flag kernels excluded
+    copies: list[DeviceEvent] = field(default_factory=list)  # host-to-device
+    issues: list[int] = field(default_factory=list)  # the main thread entering each decode call's attention
+
+    @property
+    def ms(self) -> float:
+        return (self.end - self.start) / 1e6
+
+    def per_job(self) -> list[dict]:
+        """Per CPU job, the figures of the module doc in ms (a figure is None where its pairing is
+        missing: a job without its ``_store`` or ``_wait`` in this step)."""
+        paired = len(self.stores) == len(self.jobs) == len(self.waits)
+        rows = []
+        for i, j in enumerate(self.jobs):
+            row = {"cpu_ms": (j.done - j.seen) / 1e6, "q_to_cpu_ms": None, "done_to_gpu_ms": None, "gpu_wait_ms": None,
+                   "cpu_idle_ms": (self.jobs[i + 1].seen - j.done) / 1e6 if i + 1 < len(self.jobs) else None,
+                   "issue_lead_ms": None}
+            if paired and len(self.issues) == len(self.jobs):
+                row["issue_lead_ms"] = (self.stores[i].start - self.issues[i]) / 1e6
+            if paired:
+                st, wt = self.stores[i], self.waits[i]
+                ready = max(st.end, self.jobs[i - 1].done if i else st.end)  # a busy worker sees q when it is done with the last job
+                row["q_to_cpu_ms"] = max(0.0, (j.seen - ready) / 1e6)
+                row["gpu_wait_ms"] = (wt.end - wt.start) / 1e6
+                row["done_to_gpu_ms"] = (wt.end - j.done) / 1e6 if wt.start <= j.done else 0.0
+            rows.append(row)
+        return rows
+
+    def summary(self) -> dict:
+        """The step in ms: its length, the CPU's, the GPU's and the link's busy time, the GPU's
+        waits for the CPU, and the medians of the per-job figures."""
+        out = {"step_ms": self.ms, "jobs": len(self.jobs), "cpu_busy_ms": sum(j.done - j.seen for j in self.jobs) / 1e6,
+               "gpu_busy_ms": _union(self.kernels, self.start, self.end) / 1e6,
+               "gpu_wait_ms": sum(w.end - w.start for w in self.waits) / 1e6,
+               "link_busy_ms": _union(self.copies, self.start, self.end) / 1e6}
+        rows = self.per_job()
+        for k in ("cpu_ms", "q_to_cpu_ms", "done_to_gpu_ms", "gpu_wait_ms", "cpu_idle_ms", "issue_lead_ms"):
+            xs = [r[k] for r in rows if r[k] is not None]
+            out[f"median_{k}"] = statistics.median(xs) if xs else None
+        return out
+
+
+def _union(events: list[DeviceEvent], lo: int, hi: int) -> int:
+    """ns covered by the events' intervals clipped to [lo, hi] (overlaps counted once)."""
+    spans = sorted((max(e.start, lo), min(e.end, hi)) for e in events if e.end > lo and e.start < hi)
+    total, cur_a, cur_b = 0, None, None
+    for a, b in spans:
+        if cur_b is None or a > cur_b:
+            if cur_b is not None:
+                total += cur_b - cur_a
+            cur_a, cur_b = a, b
+        else:
+            cur_b = max(cur_b, b)
+    if cur_b is not None:
+        total += cur_b - cur_a
+    return total
+
+
+def flag_offset(device: list[DeviceEvent], jobs: list[Job]) -> tuple[int, int] | None:
+    """``(offset, uncertainty)`` in ns to subtract from the device's times to put them on the
+    host's clock, from the flag kernels (module doc): a job's ``seen`` comes after its ``_store``'s
+    end, so offset >= store.end - seen for every job; the device sees a done flag after it was set,
+    so offset <= wait.end - done for every ``_wait`` that started before its job was done. The
+    midpoint of the two bounds, and half their gap (their disagreement, when the lower bound is the
+    larger, as its absolute value). None without a paired ``_store``."""
+    stores = sorted((e for e in device if e.name == STORE), key=lambda e: e.start)
+    waits = sorted((e for e in device if e.name == WAIT), key=lambda e: e.start)
+    jobs = sorted(jobs, key=lambda j: j.seen)
+    n = min(len(stores), len(jobs))
+    if n == 0:
+        return None
+    # pair from the end: the trace and the profiler may start at different jobs, not end at different ones
+    lo = max(st.end - j.seen for st, j in zip(stores[-n:], jobs[-n:]))
+    m = min(len(waits), len(jobs))
+    his = [w.end - j.done for w, j in zip(waits[-m:], jobs[-m:]) if w.start - lo < j.done] if m else []
+    if not his:
+        return lo, 0
+    hi = min(his)
+    return (lo + hi) // 2, abs(hi - lo) // 2
+
+
+def sync_offset(device: list[DeviceEvent], last_stamp: int) -> int | None:
+    """The offset of :func:`flag_offset` from the last profiled step's end alone, coarser (by the
+    host's wake-up after a synchronisation, tens of microseconds): that step ends with a
+    synchronisation, so the device's last activity ends just before the host's ``last_stamp``.
+    None without device events."""
+    return max(e.end for e in device) - last_stamp if device else None
+
+
+def device_events(events) -> list[DeviceEvent]:
+    """The device's kernels and copies among kineto ``events`` (the profiler's user-annotation
+    ranges shown on the device left out)."""
+    from torch.autograd import DeviceType
+
+    out = []
+    for e in events:
+        if e.device_type() != DeviceType.CUDA or getattr(e, "is_user_annotation", lambda: False)():
+            continue
+        out.append(DeviceEvent(e.name(), int(e.device_resource_id()), int(e.start_ns()), int(e.end_ns())))
+    return out
+
+
+def host_starts(events, name: str) -> list[int]:
+    """Start times (ns) of the host-side ranges called ``name`` among kineto ``events``."""
+    from torch.autograd import DeviceType
+
+    return sorted(int(e.start_ns()) for e in events if e.name() == name and e.device_type() == DeviceType.CPU)
+
+
+def build_steps(bounds: list[tuple[int, int]], device: list[DeviceEvent], jobs: list[Job], issues: list[int] = ()) -> list[StepTimeline]:
+    """Sort ``device`` events, CPU ``jobs`` and the main thread's ``issues`` (ns) into the steps whose
+    ``(start, end)`` ``bounds`` (ns, the profiler's clock) hold them (by start time; a job by the
+    time it saw its q). The compute stream is the one that ran ``_wait`` kernels (or, without any,
+    the one with the most kernels)."""
+    kernels = [e for e in device if not e.name.startswith("Memcpy") and not e.name.startswith("Memset")]
+    waits = [e for e in kernels if e.name == WAIT]
+    counts: dict[int, int] = {}
+    for e in (waits or kernels):
+        counts[e.stream] = counts.get(e.stream, 0) + 1
+    compute = max(counts, key=counts.get) if counts else None
+    steps = []
+    for lo, hi in bounds:
+        inside = lambda t: lo <= t < hi  # noqa: E731
+        st = StepTimeline(lo, hi)
+        st.jobs = [j for j in jobs if inside(j.seen)]
+        st.issues = sorted(t for t in issues if inside(t))
+        for e in device:
+            if not inside(e.start):
+                continue
+            if e.name.startswith("Memcpy HtoD"):
+                st.copies.append(e)
+            elif e.stream != compute or e.name.startswith("Memcpy") or e.name.startswith("Memset"):
+                continue
+            elif e.name == STORE:
+                st.stores.append(e)
+            elif e.name == WAIT:
+                st.waits.append(e)
+            else:
+                st.kernels.append(e)
+        st.jobs.sort(key=lambda j: j.seen)
+        for xs in (st.stores, st.waits, st.kernels, st.copies):
+            xs.sort(key=lambda e: e.start)
+        steps.append(st)
+    return steps
+
+
+def format_summary(timeline: Timeline) -> str:
+    """Medians over the steps of :meth:`StepTimeline.summary`, as text."""
+    steps = timeline.steps
+    if not steps:
+        return "timeline: no decode step laid out"
+    sums = [s.summary() for s in steps]
+
+    def med(k):
+        xs = [x[k] for x in sums if x[k] is not None]
+        return statistics.median(xs) if xs else float("nan")
+
+    step = med("step_ms")
+    how = {"flags": f"the device's clock placed by the flag kernels, within {(timeline.uncertainty_ns or 0) / 1e3:.0f} us",
+           "sync": "the device's clock placed by the last synchronisation (tens of us)", "host": "no device"}[timeline.aligned_by]
+    lines = [f"timeline of {len(steps)} decode step(s) (medians; ms per step, and per CPU job; {how}):",
+             f"  step {step:.2f} ms: CPU worker busy {med('cpu_busy_ms'):.2f} ({100 * med('cpu_busy_ms') / step:.0f}%) in "
+             f"{med('jobs'):.0f} jobs; link (host-to-device copies) busy {med('link_busy_ms'):.2f} ({100 * med('link_busy_ms') / step:.0f}%); "
+             f"compute stream busy {med('gpu_busy_ms'):.2f} ({100 * med('gpu_busy_ms') / step:.0f}%) and waiting for the CPU "
+             f"{med('gpu_wait_ms'):.2f} ({100 * med('gpu_wait_ms') / step:.0f}%)"]
+    device = any(s.kernels or s.copies or s.waits or s.stores for s in steps)
+    if not device:  # CPU tensors stand in for the device (no CUDA): only the worker's side is timed
+        lines[1] = f"  step {step:.2f} ms: CPU worker busy {med('cpu_busy_ms'):.2f} ({100 * med('cpu_busy_ms') / step:.0f}%) in {med('jobs'):.0f} jobs (no device)"
+    if med("jobs") > 0:
+        line = f"  per CPU job: attention {med('median_cpu_ms'):.3f}; idle before the next {med('median_cpu_idle_ms'):.3f}"
+        if device:
+            line += (f" (hand-back, merge, the layer's other work, the next q); q flag -> worker {med('median_q_to_cpu_ms'):.3f}; "
+                     f"done flag -> device {med('median_done_to_gpu_ms'):.3f}; device waiting {med('median_gpu_wait_ms'):.3f}; "
+                     f"main thread ahead of the device by {med('median_issue_lead_ms'):.3f}")
+        lines.append(line)
+    return "\n".join(lines)
+
+
+def to_json(timeline: Timeline) -> dict:
+    """The steps' summaries and per-job rows, and the first step's intervals (ms from its start)."""
+    steps = timeline.steps
+    out = {"aligned_by": timeline.aligned_by, "uncertainty_ns": timeline.uncertainty_ns,
+           "steps": [dict(s.summary(), per_job=s.per_job()) for s in steps]}
+    if steps:
+        s = steps[0]
+        ms = lambda t: (t - s.start) / 1e6  # noqa: E731
+        out["first_step"] = {"jobs": [[ms(j.taken), ms(j.seen), ms(j.done)] for j in s.jobs], "issues": [ms(t) for t in s.issues],
+                             **{k: [[e.name, ms(e.start), ms(e.end)] for e in getattr(s, k)] for k in ("stores", "waits", "kernels", "copies")}}
+    return out
+
+
+def plot(step: StepTimeline, path: str, title: str = "") -> None:
+    """One step as a PNG: rows for the CPU worker (its jobs; the wait for q lighter), the compute
+    stream's kernels, its waits for the CPU, and the link's copies."""
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    ms = lambda t: (t - step.start) / 1e6  # noqa: E731
+    rows = [
+        ("link (H2D copies)", [(ms(e.start), ms(e.end) - ms(e.start)) for e in step.copies], "tab:green"),
+        ("GPU waits for CPU", [(ms(e.start), ms(e.end) - ms(e.start)) for e in step.waits], "tab:red"),
+        ("GPU kernels", [(ms(e.start), ms(e.end) - ms(e.start)) for e in step.kernels], "tab:blue"),
+        ("CPU worker", [(ms(j.seen), ms(j.done) - ms(j.seen)) for j in step.jobs], "tab:orange"),
+    ]
+    fig, ax = plt.subplots(figsize=(14, 3.6))
+    rows.append(("main thread issues", [(ms(t), step.ms / 1500) for t in step.issues], "black"))
+    for y, (_, spans, color) in enumerate(rows):
+        ax.broken_barh(spans, (y - 0.35, 0.7), facecolors=color)
+    for e in step.stores:  # the ready flags: q handed to the CPU
+        ax.axvline(ms(e.start), ymin=0.0, ymax=1.0, color="black", linewidth=0.3, alpha=0.4)
+    ax.set_yticks(range(len(rows)), [r[0] for r in rows])
+    ax.set_xlim(0, step.ms)
+    ax.set_xlabel("ms from the step's start (grey lines: the device hands q to the CPU; black ticks: the main thread issues a layer's attention)")
+    ax.set_title(title or f"one decode step, {step.ms:.1f} ms")
+    fig.tight_layout()
+    fig.savefig(path, dpi=130)
+    plt.close(fig)
+
+
+def _shift(e: DeviceEvent, off: int) -> DeviceEvent:
+    return DeviceEvent(e.name, e.stream, e.start - off, e.end - off)
+
+
+@dataclass
+class Timeline:
+    """:func:`decode_timeline`'s result: the profiled steps, and how the device's clock was placed
+    on the host's (``"flags"`` or ``"sync"``, see :func:`flag_offset` and :func:`sync_offset`;
+    ``"host"`` without a device) with its uncertainty in ns."""
+
+    steps: list[StepTimeline]
+    aligned_by: str
+    uncertainty_ns: int | None
+
+
+def decode_timeline(llm, prompt_token_ids: list[list[int]], steps: int = 3, skip: int = 2) -> Timeline:
+    """Generate with the prompts and lay ``steps`` decode steps after ``skip`` others out in time
+    (see the module doc): the native CPU worker records its jobs, the main thread each decode
+    call's entry, and on CUDA torch's profiler the device's kernels and copies (CUPTI only).
+
+    Args:
+        llm: a loaded :class:`~writescope.engine.llm.LLM` (its current policy is used).
+        prompt_token_ids: the batch's prompts.
+        steps, skip: decode steps laid out (>= 1), and decode steps run first (>= 0).
+
+    Raises:
+        ValueError: steps < 1 or skip < 0; and whatever ``generate`` raises for the prompts.
+    """
+    from torch.profiler import ProfilerActivity, profile, schedule
+
+    if steps < 1 or skip < 0:
+        raise ValueError(f"steps must be >= 1 and skip >= 0, got {steps}, {skip}")
+    cuda = llm.device.type == "cuda"
+    cache = llm.cache
+    decoder = getattr(cache, "decoder", None)
+    stamps: list[int] = []  # perf_counter_ns after each decode step (synchronised)
+    issues: list[int] = []  # perf_counter_ns as the main thread enters each decode call's attention
+    traced: list = []  # the native worker, once made (by the first decode step with a CPU part)
+    inner = cache.attend_begin
+
+    def begin(layer_id, q, k, v, batch, *args, **kwargs):
+        if all(n == 1 for n in batch.query_lens):
+            issues.append(time.perf_counter_ns())
+        return inner(layer_id, q, k, v, batch, *args, **kwargs)
+
+    # the profiler's step 0 holds the prefill and the first decode step: wait; then skip warm-up steps
+    prof = profile(activities=[ProfilerActivity.CUDA], schedule=schedule(wait=1, warmup=skip, active=steps, repeat=1)) if cuda else None
+
+    def on_step():
+        synchronize(llm.device)
+        stamps.append(time.perf_counter_ns())
+        native = getattr(decoder, "worker", None)
+        if native is not None and not traced:
+            native.trace(True)
+            traced.append(native)
+        if prof is not None:
+            prof.step()
+
+    cache.attend_begin = begin  # an instance attribute over the method, removed below
+    llm.step_hook = on_step
+    try:
+        with prof if prof is not None else nullcontext():
+            llm.generate(prompt_token_ids=prompt_token_ids, sampling_params=SamplingParams(max_tokens=2 + skip + steps, ignore_eos=True))
+    finally:
+        llm.step_hook = None
+        del cache.attend_begin
+        recorded = traced[0].take_trace() if traced else []
+        if traced:
+            traced[0].trace(False)
+    window = stamps[skip : skip + steps + 1]  # laid-out step j runs from stamp j - 1 to stamp j
+    if len(window) < 2:
+        return Timeline([], "host", None)
+    jobs = [Job(t, s, d) for _, t, s, d in recorded if window[0] <= s < window[-1]]
+    device, aligned_by, uncertainty = [], "host", None
+    if prof is not None:
+        device = device_events(prof.profiler.kineto_results.events())
+        by_flags = flag_offset(device, jobs)
+        if by_flags is not None:
+            (off, uncertainty), aligned_by = by_flags, "flags"
+        else:
+            off, aligned_by = sync_offset(device, window[-1]) or 0, "sync"
+        device = [_shift(e, off) for e in device]
+    return Timeline(build_steps(list(zip(window, window[1:])), device, jobs, issues), aligned_by, uncertainty)
+
