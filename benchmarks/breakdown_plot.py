@@ -79,7 +79,8 @@ def plot(docs: list[tuple[str, dict]], out: Path) -> None:
 
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
-    ap.add_argument("files", type=Path, nargs="+", help="JSON files written by `writescope profile --output-json`")
+    ap.add_argument("files", type=Path, nargs="+", help="JSON files written by `writescope profile --output-json` (one panel per "
+                    "policy profiled)")
     ap.add_argument("--out", type=Path, required=True, help="the PNG to write")
     args = ap.parse_args()
     docs = []
@@ -88,11 +89,13 @@ def main() -> None:
             doc = json.loads(f.read_text())
         except (OSError, ValueError) as e:
             raise SystemExit(f"breakdown_plot: {f}: not a readable JSON file ({e}); give the --output-json of `writescope profile`") from None
-        try:
-            parts(doc)
-        except ValueError as e:
-            raise SystemExit(f"breakdown_plot: {f}: {e}") from None
-        docs.append((f"{doc.get('model', f.stem)}, batch {doc.get('batch')} x {doc.get('context')}, {doc.get('policy')}", doc))
+        runs = [{**doc, **run} for run in doc["runs"]] if isinstance(doc.get("runs"), list) else [doc]  # several policies: one panel each
+        for run in runs:
+            try:
+                parts(run)
+            except ValueError as e:
+                raise SystemExit(f"breakdown_plot: {f}: {e}") from None
+            docs.append((f"{run.get('model', f.stem)}, batch {run.get('batch')} x {run.get('context')}, {run.get('entry', run.get('policy'))}", run))
     plot(docs, args.out)
     print(f"wrote {args.out}")
 

@@ -173,7 +173,7 @@ part() {
       timeout "$(tmo 500)" python3 benchmarks/peer_transformers.py --checkpoint "$ckpt" --contexts "${PEER_CONTEXTS:-8k}" --batch 4 \
         --out "$out/peer_transformers_h200" 2>&1 | tee "$out/peer_transformers_h200.log" | tail -12 ;;
     *)
-      echo "usage: $0 PART [PART ...]; PART: tests|split|experts|scheduler|profile|prefill|text:MODEL|breakdown:MODEL|1m|1m-decode|mla|grid:MODEL|prefill-e2e:MODEL|consistency|peer|amx|cpu-attention|cpu-experts|calibrate:MODEL|tpot:MODEL|joint:MODEL|multi-user:MODEL|bounds" >&2; return 2 ;;
+      echo "usage: $0 PART [PART ...]; PART: tests|split|experts|scheduler|profile|prefill|text:MODEL|breakdown:MODEL|1m|1m-decode|mla|grid:MODEL|prefill-e2e:MODEL|consistency|peer|amx|cpu-attention|cpu-experts|calibrate:MODEL|tpot:MODEL|joint:MODEL|variants:MODEL|timeline:MODEL|multi-user:MODEL|bounds" >&2; return 2 ;;
   esac
 }
 (( $# )) || { part usage; exit 2; }
@@ -181,7 +181,8 @@ rc=0
 while (( $# )); do
   p=${1%%:*}; m=""
   if [[ $1 == *:* ]]; then m=${1#*:}
-  elif [[ $p == text || $p == breakdown || $p == grid || $p == prefill-e2e || $p == calibrate || $p == tpot || $p == joint ]]; then shift; m=${1:?"$p needs a model"}; fi
+  elif [[ $p == text || $p == breakdown || $p == grid || $p == prefill-e2e || $p == calibrate || $p == tpot || $p == joint || $p == variants \
+          || $p == timeline ]]; then shift; m=${1:?"$p needs a model"}; fi
   shift
   if (( $(left) < 40 )); then echo "== $p $m: skipped, $(left) s left of DEADLINE=$deadline" >&2; rc=1; continue; fi
   echo "== $p $m ($(left) s left)"

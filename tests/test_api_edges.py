@@ -117,6 +117,19 @@ def test_version_from_package_metadata(capsys):
     assert capsys.readouterr().out.strip() == f"writescope {version('writescope')}"
 
 
+def test_version_and_help_do_not_import_torch():
+    """`writescope --version` and `--help` answer without importing torch (seconds on a fresh
+    machine): the package's public names are imported on first use."""
+    import subprocess
+    import sys
+
+    code = ("import sys, writescope, writescope.cli.main as m\n"
+            "try:\n    m.main(['--version'])\nexcept SystemExit:\n    pass\n"
+            "print('torch' in sys.modules)")
+    out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, check=True).stdout.split()
+    assert out[-1] == "False" and out[0] == "writescope", out
+
+
 def _subparsers() -> dict[str, argparse.ArgumentParser]:
     import writescope.cli.main as m
 

@@ -39,3 +39,19 @@ def test_a_file_that_is_not_a_breakdown_is_refused(tmp_path):
     out = tmp_path / "p.png"
     bp.plot([("t", doc)], out)
     assert out.stat().st_size > 1000
+
+
+def test_a_file_of_several_policies_gives_a_panel_each(tmp_path, monkeypatch, capsys):
+    """`writescope profile --policy A,B --output-json` keeps its runs under "runs": one panel each."""
+    import json
+    import sys
+
+    run = {"step_ms": 10.0, "other_ms": 2.0, "ranges": {"attn.merge": _r(0.1, 0.2)}}
+    doc = {"model": "m", "batch": 2, "context": 300,
+           "runs": [{**run, "policy": "static:0.5", "entry": "static:0.5"}, {**run, "policy": "static:0.5", "entry": "static:0.5@X=2"}]}
+    (tmp_path / "p.json").write_text(json.dumps(doc))
+    seen = []
+    monkeypatch.setattr(bp, "plot", lambda docs, out: seen.extend(t for t, _ in docs))
+    monkeypatch.setattr(sys, "argv", ["breakdown_plot", str(tmp_path / "p.json"), "--out", str(tmp_path / "p.png")])
+    bp.main()
+    assert seen == ["m, batch 2 x 300, static:0.5", "m, batch 2 x 300, static:0.5@X=2"]

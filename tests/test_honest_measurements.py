@@ -72,7 +72,7 @@ def test_an_impossible_fit_is_measured_again_then_kept(monkeypatch, fake_limits)
     assert detail["implausible"] == []
     assert r.b_alone == pytest.approx(20e-9) and r.c_gpu_alone == pytest.approx(2e-4)  # the second pass
     assert r.a == pytest.approx(40e-9) and r.b == pytest.approx(20e-9)
-    assert detail["limits"] == {"host_read_gbs": 10.0, "load_gbs": 10.0, "load_path": "host read"}
+    assert detail["limits"] == {"host_read_gbs": 10.0, "load_gbs": 10.0, "load_path": "host read", "read_bytes": 0}
 
 
 def test_a_fit_still_impossible_after_the_remeasure_is_clamped_and_flagged(monkeypatch, fake_limits):
@@ -100,6 +100,22 @@ def test_calibrate_cli_flags_a_clamped_fit(tmp_path, monkeypatch, capsys, fake_l
     assert "does not grow with the tokens" in out and "limits here: host read 10.0 GB/s" in out
     a_line = next(ln for ln in out.splitlines() if ln.strip().startswith("A (CPU"))
     assert "CLAMPED" not in a_line
+
+
+def test_the_host_read_limit_names_the_buffer_it_read(tmp_path, monkeypatch, capsys):
+    """The host read limit is measured on a buffer the size of the calibration's largest KV (a
+    tiny model's stays in the CPU's caches, as its KV does): calibrate says how large, so a cached
+    rate is not read as the memory's."""
+    from writescope.cli.main import main
+
+    limits = lim.measure_limits(torch.device("cpu"), 3 * 2**20)
+    assert limits.read_bytes == lim.MIN_BYTES  # raised to the smallest buffer measured
+    monkeypatch.setattr(cal.lim, "measure_limits", lambda device, nbytes: lim.Limits(10.0, 10.0, "host read", 16 * 2**20))
+    monkeypatch.setattr(cal, "store_path", lambda: tmp_path / "calibration.json")
+    monkeypatch.setattr(cal, "_measure", _fake(["flat"], []))
+    assert main(["calibrate", "--model", "tiny-qwen3-moe", "--device", "cpu", "--quiet"]) == 0
+    out = capsys.readouterr().out
+    assert "limits here: host read 10.0 GB/s (measured; the host read of 16 MiB, the largest KV calibrated here" in out
 
 
 def test_a_pinned_copy_rate_bounds_the_streamed_slope_within_five_percent():

@@ -250,8 +250,9 @@ def test_the_load_stream_and_the_cpu_partial_read_in_place_change_no_logit_on_cu
     partial in pinned memory instead of a copy of it. Both are the same kernels on the same bytes,
     so bf16 logits equal those of the compute stream and the copy bit for bit, with and without
     micro-batches, and the step still never waits on the host. A missing wait (the merge reading
-    partials not yet written, or pinned bytes lent to another allocation before it read them)
-    would show as a difference."""
+    partials not yet written) would show as a difference. (The pinned partial's lifetime,
+    ``SplitDecoder._keep_until_read``, is not what this catches: the pinned buffers made after a
+    merge are written after it in stream order, so bytes lent again too early would rarely differ.)"""
     prompts, steps = [[5 + i % 50 for i in range(n)] for n in (90, 70, 33, 48)], 6
     logits = {}
     variants = [("compute", "copy"), ("own", "copy"), ("compute", "in-place"), ("own", "in-place")]

@@ -200,3 +200,26 @@ def test_generate_frees_its_slots_and_returns_when_keeping_o_fails(monkeypatch):
     with pytest.warns(UserWarning, match="work outside attention was not kept: TypeError"):
         outs = llm.generate(prompt_token_ids=[[1 + i for i in range(40)]], sampling_params=SamplingParams(max_tokens=3, ignore_eos=True))
     assert len(outs[0].outputs[0].token_ids) == 3 and llm.cache.active_slots == []
+
+
+def test_nothing_is_measured_or_kept_while_paused():
+    """Profiled steps (writescope profile) are slower than real ones: inside paused() no step is
+    measured and no A kept, before and after it they are."""
+    w = ow.OtherWork(torch.device("cpu"), warm=10, every=1)
+
+    def step(batch=4):
+        for layer in range(3):
+            w.begin(layer, batch)
+            w.end(layer)
+
+    step()  # the first step at a batch size is never measured (graph captures)
+    with w.paused():
+        for _ in range(3):
+            step()
+        w.keep_in_step_a(8, 2e-8)
+    assert w.seconds(4) is None and w.in_step_a(8) is None
+    step()
+    step()  # its begin folds the last step in
+    assert w.seconds(4) is not None
+    w.keep_in_step_a(8, 2e-8)
+    assert w.in_step_a(8) == 2e-8

@@ -32,7 +32,7 @@ def _split_step():
         _ev("_store", 7, 6.0, 6.01), _ev("_wait", 7, 8.0, 9.05),
         _ev("Memcpy HtoD (Pinned -> Device)", 9, 0.5, 4.0), _ev("Memcpy HtoD (Pinned -> Device)", 9, 3.5, 7.0),
         _ev("Memcpy DtoH (Device -> Pinned)", 7, 0.9, 0.95),  # q to the host: not the link's load
-        _ev("gemm", 8, 2.0, 3.0),  # another stream (evictions): not the compute stream's
+        _ev("gemm", 8, 2.0, 3.0),  # another stream's kernel (say the load partials on their own): counted, overlaps once
         # step 2 (20-40 ms): one job whose q came while the worker was still busy? no: one layer only
         _ev("_store", 7, 21.0, 21.01), _ev("_wait", 7, 22.0, 30.0),
     ]
@@ -45,7 +45,7 @@ def _split_step():
 def test_a_split_step_is_taken_apart_job_by_job():
     s1, s2 = _split_step()
     assert (len(s1.jobs), len(s1.stores), len(s1.waits), len(s1.copies)) == (2, 2, 2, 2)
-    assert [e.name for e in s1.kernels] == ["gemm", "merge"]  # stream 7 only, flag kernels and copies apart
+    assert [(e.name, e.stream) for e in s1.kernels] == [("gemm", 7), ("gemm", 8), ("merge", 7)]  # flag kernels and copies apart
     rows = s1.per_job()
     assert rows[0]["cpu_ms"] == pytest.approx(3.9) and rows[1]["cpu_ms"] == pytest.approx(2.8)
     assert rows[0]["q_to_cpu_ms"] == pytest.approx(0.09)  # store ends at 1.01, seen at 1.1
@@ -55,7 +55,7 @@ def test_a_split_step_is_taken_apart_job_by_job():
     summary = s1.summary()
     assert summary["step_ms"] == 20.0 and summary["cpu_busy_ms"] == pytest.approx(6.7)
     assert summary["link_busy_ms"] == pytest.approx(6.5)  # 0.5-7.0: the overlap counted once
-    assert summary["gpu_busy_ms"] == pytest.approx(1.2) and summary["gpu_wait_ms"] == pytest.approx(3.15)
+    assert summary["gpu_busy_ms"] == pytest.approx(1.7) and summary["gpu_wait_ms"] == pytest.approx(3.15)  # 1.5-3.0 and 5.2-5.4
     assert s2.summary()["jobs"] == 1 and s2.per_job()[0]["gpu_wait_ms"] == pytest.approx(8.0)
     text = format_summary(Timeline([s1, s2], "flags", 20_000))
     assert "CPU worker busy" in text and "link (host-to-device copies) busy" in text and "main thread ahead" in text
@@ -177,3 +177,20 @@ def test_profile_timeline_alone(tmp_path, capsys):
     assert "ranges" not in doc and len(doc["timeline"]["steps"]) == 2 and png.exists()
     assert main(["profile", "--model", "tiny-qwen3-moe", "--no-breakdown", "--quiet"]) == 2
     assert "give --timeline" in capsys.readouterr().err
+
+
+@pytest.mark.parametrize("flags, says", [
+    (["--policy", "static:0.5,static:0.5", "--timeline", "t.png"], "names a policy twice"),
+    (["--policy", "static:0.5,statik:0.5", "--timeline", "t.png"], "unknown policy 'statik:0.5'"),
+    (["--policy", "static:0.5", "--timeline", "t.svg"], "give a path ending in .png"),
+    (["--policy", "static:0.5", "--timeline", "t.png", "--no-breakdown", "--trace", "t.json"], "leave out --no-breakdown, or --trace"),
+])
+def test_profile_refuses_before_loading(flags, says, tmp_path, monkeypatch, capsys):
+    """Every policy name, a duplicate, the timeline's format and a trace that would not be written
+    are refused before the model loads (a bad second policy once cost the first one's results)."""
+    import writescope.engine.llm as engine
+
+    monkeypatch.chdir(tmp_path)
+    monkeypatch.setattr(engine.LLM, "__init__", lambda *a, **k: pytest.fail("the model was loaded"))
+    assert main(["profile", "--model", "tiny-qwen3-moe", "--quiet", *flags]) == 2
+    assert says in capsys.readouterr().err

@@ -10,7 +10,7 @@
 // its error (the first one is kept until taken), fills its outputs with NaN and still sets its done
 // flag, so nothing waits forever and nothing reads stale results as if they were right.
 // With set_trace(true) each job also records when the worker took it from the queue, when it saw
-// its q (the ready flag) and when it set its done flag, in steady_clock nanoseconds (CLOCK_MONOTONIC
+// its q (the ready flag) and when it was done (just before its done flag), in steady_clock nanoseconds (CLOCK_MONOTONIC
 // on Linux, Python's time.perf_counter_ns): writescope/bench/timeline.py lays them beside the GPU's.
 #pragma once
 #include <immintrin.h>
@@ -154,14 +154,14 @@ class Worker {
         if (done_log_.size() == 4096) done_log_.pop_front();  // unread entries beyond that are dropped
         done_log_.push_back({j.done_value, dt, keys});
       }
-      std::atomic_thread_fence(std::memory_order_release);  // the outputs before the flag
-      *j.done = j.done_value;
-      if (tracing) {
+      if (tracing) {  // before the flag: whoever sees the job done finds its entry
         const int64_t done_ns = now_ns();
         std::lock_guard<std::mutex> lk(mu_);
         if (trace_.size() == MAX_TRACE) trace_.pop_front();  // unread entries beyond that are dropped
         trace_.push_back({j.done_value, taken_ns, seen_ns, done_ns});
       }
+      std::atomic_thread_fence(std::memory_order_release);  // the outputs before the flag
+      *j.done = j.done_value;
     }
   }
 

@@ -149,7 +149,7 @@ class NativeWorker:
     def take_trace(self) -> list[tuple[int, int, int, int]]:
         """``(sequence number, taken, q seen, done)`` of each job recorded since the last call, in
         order: when the worker took the job from its queue, when it saw the job's q (its ready
-        flag), and when it set its done flag, in nanoseconds of ``time.perf_counter_ns``'s clock
+        flag), and when it was done (recorded just before its done flag is set), in nanoseconds of ``time.perf_counter_ns``'s clock
         (CLOCK_MONOTONIC; C++ ``steady_clock`` on Linux). The last 65,536 are kept."""
         return [tuple(t) for t in self._w.take_trace()]
 

@@ -522,42 +522,44 @@ class SplitDecoder:
                 self.copy_stream.wait_stream(evict_stream)  # evicted blocks
                 self._evicted = False
         start = 0
-        for n, fill in enumerate(fills):
-            b = n % len(bufs)
-            total = sum(src.shape[0] for _, src in fill)
-            buf = bufs[b][:total]
-            if self.cuda:
-                with torch.cuda.stream(self.copy_stream):
-                    if self._free_events[b] is not None:
-                        self.copy_stream.wait_event(self._free_events[b])
-                    off = 0
-                    for _, src in fill:
-                        buf[off : off + src.shape[0]].copy_(src, non_blocking=True)
-                        off += src.shape[0]
-                    ready = torch.cuda.Event()
-                    ready.record(self.copy_stream)
-                cur.wait_event(ready)
-            else:
-                torch.cat([src for _, src in fill], out=buf)
-            self._stats.streamed_bytes += buf.numel() * buf.element_size()
-            self._stats.streamed_copies += len(fill)
-            if own:
-                with torch.cuda.stream(cur):
+        try:
+            for n, fill in enumerate(fills):
+                b = n % len(bufs)
+                total = sum(src.shape[0] for _, src in fill)
+                buf = bufs[b][:total]
+                if self.cuda:
+                    with torch.cuda.stream(self.copy_stream):
+                        if self._free_events[b] is not None:
+                            self.copy_stream.wait_event(self._free_events[b])
+                        off = 0
+                        for _, src in fill:
+                            buf[off : off + src.shape[0]].copy_(src, non_blocking=True)
+                            off += src.shape[0]
+                        ready = torch.cuda.Event()
+                        ready.record(self.copy_stream)
+                    cur.wait_event(ready)
+                else:
+                    torch.cat([src for _, src in fill], out=buf)
+                self._stats.streamed_bytes += buf.numel() * buf.element_size()
+                self._stats.streamed_copies += len(fill)
+                if own:
+                    with torch.cuda.stream(cur):
+                        self.gpu.fill(plan, qg, buf, start, scale)
+                elif plan is not None:
                     self.gpu.fill(plan, qg, buf, start, scale)
-            elif plan is not None:
-                self.gpu.fill(plan, qg, buf, start, scale)
-            else:
-                k = buf[:, 0]  # [nb, Hkv, D, dk]
-                v = buf[:, 1] if s.parts == 2 else k[..., : s.layout.v_dim]
-                o_blk[start : start + total], lse_blk[start : start + total] = block_partials(q_blk[start : start + total], k, v)
-            if self.cuda:
-                done = torch.cuda.Event()
-                done.record(cur)
-                self._free_events[b] = done
-            start += total
-        if own:  # decode_end's merge waits for it
-            self._load_done = torch.cuda.Event()
-            self._load_done.record(cur)
+                else:
+                    k = buf[:, 0]  # [nb, Hkv, D, dk]
+                    v = buf[:, 1] if s.parts == 2 else k[..., : s.layout.v_dim]
+                    o_blk[start : start + total], lse_blk[start : start + total] = block_partials(q_blk[start : start + total], k, v)
+                if self.cuda:
+                    done = torch.cuda.Event()
+                    done.record(cur)
+                    self._free_events[b] = done
+                start += total
+        finally:
+            if own:  # decode_end's merge waits for it (after an error part-way, so does abandon)
+                self._load_done = torch.cuda.Event()
+                self._load_done.record(cur)
         return None if plan is not None else merge_segments(o_blk, lse_blk, ids, B)
 
     def _load_in_place(self, qg, sources, scale, evict_stream, plan=None, layer=0):

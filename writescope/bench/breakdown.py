@@ -38,6 +38,7 @@ from __future__ import annotations
 
 import statistics
 import time
+from contextlib import nullcontext
 from dataclasses import dataclass
 
 from torch.profiler import ProfilerActivity, profile, schedule
@@ -149,8 +150,9 @@ def decode_breakdown(llm, prompt_token_ids: list[list[int]], steps: int = 8, ski
     prof = profile(activities=acts, schedule=schedule(wait=1, warmup=skip, active=steps, repeat=1))
     params = SamplingParams(max_tokens=2 + skip + steps, ignore_eos=True)
     llm.step_hook = on_step
+    meter = getattr(llm, "other_work", None)  # profiled steps are slower than real ones: measured, they would place later KV
     try:
-        with prof:
+        with prof, meter.paused() if meter is not None else nullcontext():
             llm.generate(prompt_token_ids=prompt_token_ids, sampling_params=params)
     finally:
         llm.step_hook = None

@@ -34,8 +34,10 @@ alignment's uncertainty (printed); their sum is measured. Per job:
 | ``cpu_idle_ms`` | done -> next job's seen | the CPU side idle before its next layer: the hand-back, the merge, the layer's other work (O), the next q |
 | ``issue_lead_ms`` | the main thread enters the layer's attention (``attend_begin``) -> ``_store`` start | how far the main thread ran ahead of the device; near 0: the device waited for Python (issue-bound) |
 
-The step's ``link_busy`` is the union of its host-to-device copies over the step; ``cpu_busy`` the
-sum of its jobs; ``gpu_busy`` the union of its compute-stream kernels other than ``_wait``.
+The step's ``link_busy`` is the union of its host-to-device copies over the step (kernels reading
+pinned memory in place, such as ``WRITESCOPE_LOAD_READ=in-place`` or host experts read over PCIe,
+use the link too but are kernels, not copies: they count in ``gpu_busy``); ``cpu_busy`` the sum of
+its jobs; ``gpu_busy`` the union of the device's kernels on every stream other than the flag kernels.
 """
 
 from __future__ import annotations
@@ -80,7 +82,7 @@ class StepTimeline:
     jobs: list[Job] = field(default_factory=list)
     stores: list[DeviceEvent] = field(default_factory=list)
     waits: list[DeviceEvent] = field(default_factory=list)
-    kernels: list[DeviceEvent] = field(default_factory=list)  # compute stream, flag kernels excluded
+    kernels: list[DeviceEvent] = field(default_factory=list)  # every stream's, flag kernels excluded
     copies: list[DeviceEvent] = field(default_factory=list)  # host-to-device
     issues: list[int] = field(default_factory=list)  # the main thread entering each decode call's attention
 
@@ -211,13 +213,12 @@ def build_steps(bounds: list[tuple[int, int]], device: list[DeviceEvent], jobs: 
                 continue
             if e.name.startswith("Memcpy HtoD"):
                 st.copies.append(e)
-            elif e.stream != compute or e.name.startswith("Memcpy") or e.name.startswith("Memset"):
+            elif e.name.startswith("Memcpy") or e.name.startswith("Memset"):
                 continue
-            elif e.name == STORE:
-                st.stores.append(e)
-            elif e.name == WAIT:
-                st.waits.append(e)
-            else:
+            elif e.name in (STORE, WAIT):
+                if e.stream == compute:
+                    (st.stores if e.name == STORE else st.waits).append(e)
+            else:  # any stream's: the load partials may run on a stream of their own (WRITESCOPE_LOAD_STREAM=own)
                 st.kernels.append(e)
         st.jobs.sort(key=lambda j: j.seen)
         for xs in (st.stores, st.waits, st.kernels, st.copies):
@@ -243,7 +244,7 @@ def format_summary(timeline: Timeline) -> str:
     lines = [f"timeline of {len(steps)} decode step(s) (medians; ms per step, and per CPU job; {how}):",
              f"  step {step:.2f} ms: CPU worker busy {med('cpu_busy_ms'):.2f} ({100 * med('cpu_busy_ms') / step:.0f}%) in "
              f"{med('jobs'):.0f} jobs; link (host-to-device copies) busy {med('link_busy_ms'):.2f} ({100 * med('link_busy_ms') / step:.0f}%); "
-             f"compute stream busy {med('gpu_busy_ms'):.2f} ({100 * med('gpu_busy_ms') / step:.0f}%) and waiting for the CPU "
+             f"device kernels busy {med('gpu_busy_ms'):.2f} ({100 * med('gpu_busy_ms') / step:.0f}%) and waiting for the CPU "
              f"{med('gpu_wait_ms'):.2f} ({100 * med('gpu_wait_ms') / step:.0f}%)"]
     device = any(s.kernels or s.copies or s.waits or s.stores for s in steps)
     if not device:  # CPU tensors stand in for the device (no CUDA): only the worker's side is timed
@@ -283,7 +284,7 @@ def plot(step: StepTimeline, path: str, title: str = "") -> None:
     rows = [
         ("link (H2D copies)", [(ms(e.start), ms(e.end) - ms(e.start)) for e in step.copies], "tab:green"),
         ("GPU waits for CPU", [(ms(e.start), ms(e.end) - ms(e.start)) for e in step.waits], "tab:red"),
-        ("GPU kernels", [(ms(e.start), ms(e.end) - ms(e.start)) for e in step.kernels], "tab:blue"),
+        ("GPU kernels (any stream)", [(ms(e.start), ms(e.end) - ms(e.start)) for e in step.kernels], "tab:blue"),
         ("CPU worker", [(ms(j.seen), ms(j.done) - ms(j.seen)) for j in step.jobs], "tab:orange"),
     ]
     fig, ax = plt.subplots(figsize=(14, 3.6))
@@ -297,7 +298,7 @@ def plot(step: StepTimeline, path: str, title: str = "") -> None:
     ax.set_xlabel("ms from the step's start (grey lines: the device hands q to the CPU; black ticks: the main thread issues a layer's attention)")
     ax.set_title(title or f"one decode step, {step.ms:.1f} ms")
     fig.tight_layout()
-    fig.savefig(path, dpi=130)
+    fig.savefig(path, dpi=130, format="png")
     plt.close(fig)
 
 
@@ -361,8 +362,9 @@ def decode_timeline(llm, prompt_token_ids: list[list[int]], steps: int = 3, skip
 
     cache.attend_begin = begin  # an instance attribute over the method, removed below
     llm.step_hook = on_step
+    meter = getattr(llm, "other_work", None)  # profiled steps: not to place later KV with (OtherWork.paused)
     try:
-        with prof if prof is not None else nullcontext():
+        with prof if prof is not None else nullcontext(), meter.paused() if meter is not None else nullcontext():
             llm.generate(prompt_token_ids=prompt_token_ids, sampling_params=SamplingParams(max_tokens=2 + skip + steps, ignore_eos=True))
     finally:
         llm.step_hook = None
@@ -380,8 +382,8 @@ def decode_timeline(llm, prompt_token_ids: list[list[int]], steps: int = 3, skip
         by_flags = flag_offset(device, jobs)
         if by_flags is not None:
             (off, uncertainty), aligned_by = by_flags, "flags"
-        else:
-            off, aligned_by = sync_offset(device, window[-1]) or 0, "sync"
-        device = [_shift(e, off) for e in device]
+        elif device:
+            off, aligned_by = sync_offset(device, window[-1]), "sync"
+        device = [_shift(e, off) for e in device] if aligned_by != "host" else []
     return Timeline(build_steps(list(zip(window, window[1:])), device, jobs, issues), aligned_by, uncertainty)
 

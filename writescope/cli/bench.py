@@ -223,7 +223,8 @@ def run(args: argparse.Namespace) -> int:
             return f"{a * 1e9:.3g} ns/token" + (f" ({token / a / 1e9:.3g} GB/s of KV read)" if a > 0 else "")
 
         kept = meter.in_step_a(llm.attention_threads)
-        print(f"A (CPU attention per placed token, {llm.attention_threads} thread(s), every batch): calibration {per_token(roofline.a)}; "
+        print(f"A (CPU attention per placed token, {llm.attention_threads} thread(s), every batch; rows without @switches, "
+              f"those with their own keep theirs apart): calibration {per_token(roofline.a)}; "
               + (f"in-step {per_token(kept)}, kept from decode steps: a writescope row placed its prompts with the one kept "
                  "before it (the first row: an earlier run's, else the calibration's)" if kept is not None
                  else "no in-step A kept: writescope placed its prompts with the calibration's"))

@@ -45,8 +45,11 @@ def run(args: argparse.Namespace) -> int:
         return "  [CLAMPED: cannot be true as measured, see below]" if any(p.startswith(fit) for p in bad) else ""
 
     lims = detail["limits"]
+    size = lims.get("read_bytes") or 0  # calibrations stored before it was kept lack it
+    where = (f"; the host read of {size / 2**20:.0f} MiB, the largest KV calibrated here, from the CPU's caches where it fits "
+             "them, as that KV is") if size else ""
     print(f"  limits here: host read {lims['host_read_gbs']:.1f} GB/s"
-          + ("" if lims["load_path"] == "host read" else f", {lims['load_path']} {lims['load_gbs']:.1f} GB/s") + " (measured)")
+          + ("" if lims["load_path"] == "host read" else f", {lims['load_path']} {lims['load_gbs']:.1f} GB/s") + f" (measured{where})")
     print(f"  A (CPU, compute region)     {r.a * 1e9:10.3f} ns/token  = {tok_bytes / r.a / 1e9:6.1f} GB/s{flag('A and')}")
     print(f"  B (GPU, load region)        {r.b * 1e9:10.3f} ns/token  = {tok_bytes / r.b / 1e9:6.1f} GB/s{flag('B and')}")
     print(f"  C_cpu, C_gpu (fixed/step)   {r.c_cpu * 1e3:.3f} ms, {r.c_gpu * 1e3:.3f} ms")

@@ -58,6 +58,8 @@ def run(args: argparse.Namespace) -> int:
     from writescope.cli.bench import parse_tokens
     from writescope.engine.llm import LLM
     from writescope.engine.model_loader import capped_model_len
+    from writescope.kvcache.spec import Roofline
+    from writescope.scheduler.policies import parse_policy
 
     (context,) = parse_tokens(args.context, "--context")
     if args.batch < 1 or args.steps < 1 or args.skip < 0:
@@ -65,11 +67,23 @@ def run(args: argparse.Namespace) -> int:
     entries = [e.strip() for e in args.policy.split(",") if e.strip()]
     if not entries:
         raise ValueError(f"--policy needs at least one policy, got {args.policy!r}")
-    for entry in entries:
+    if len(set(entries)) < len(entries):
+        raise ValueError(f"--policy names a policy twice ({args.policy!r}): each is profiled once, into files named after it")
+    for entry in entries:  # every policy and switch checked before the model loads, not after the first's run
         switches.check(entry)
+        parse_policy(switches.split(entry)[0], Roofline(a=1.0, b=1.0))  # a stand-in roofline: only the name is checked here
     many = len(entries) > 1
     if args.no_breakdown and args.timeline is None:
         raise ValueError("--no-breakdown leaves only the timeline: give --timeline PNG too")
+    if args.no_breakdown and args.trace is not None:
+        raise ValueError("--trace is the breakdown's trace: leave out --no-breakdown, or --trace")
+    if args.timeline is not None and args.timeline.suffix.lower() != ".png":
+        raise ValueError(f"--timeline writes a PNG: give a path ending in .png, got {str(args.timeline)!r}")
+    if args.timeline is not None:
+        import importlib.util
+
+        if importlib.util.find_spec("matplotlib") is None:
+            raise ValueError("--timeline plots with matplotlib: pip install matplotlib (or the project's [plot] extra)")
     check_stream_share(args)
     check_output_file(args.output_json, "--output-json")  # before the model loads, not after the run
     for entry in entries:

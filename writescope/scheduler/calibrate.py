@@ -194,7 +194,8 @@ def calibrate(
     roofline = Roofline(a, b, c_cpu, c_gpu, b_alone, c_gpu_alone, 0.0)
     return roofline, {"points": points, "batch": batch, "steps": steps, "contexts": fit, "shares": list(shares),
                       "loop_handover_s": handover,
-                      "limits": {"host_read_gbs": limits.host_read, "load_gbs": limits.load, "load_path": limits.load_path},
+                      "limits": {"host_read_gbs": limits.host_read, "load_gbs": limits.load, "load_path": limits.load_path,
+                                 "read_bytes": limits.read_bytes},
                       "implausible": implausible}
 
 

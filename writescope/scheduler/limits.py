@@ -45,6 +45,7 @@ class Limits:
     host_read: float
     load: float
     load_path: str  # how ``load`` was measured, in words
+    read_bytes: int = 0  # the buffer read (0: not given); one that fits the CPU's caches is read from them
 
     def max_gbs(self, side: str) -> tuple[float, str]:
         """``(GB/s a fit of this side may reach, the limit in words)``; ``side`` "cpu" or "load"."""
@@ -72,7 +73,7 @@ def measure_limits(device: torch.device, nbytes: int) -> Limits:
     host = torch.ones(n // 4, dtype=torch.float32)
     read = n / best_seconds(lambda: host.sum()) / 1e9
     if device.type != "cuda":
-        return Limits(read, read, "host read")
+        return Limits(read, read, "host read", n)
     pinned = host.view(torch.uint8).pin_memory()
     dst = torch.empty(n, dtype=torch.uint8, device=device)
 
@@ -82,7 +83,7 @@ def measure_limits(device: torch.device, nbytes: int) -> Limits:
 
     link = n / best_seconds(copy) / 1e9
     del dst, pinned
-    return Limits(read, link, "pinned host-to-device copy")
+    return Limits(read, link, "pinned host-to-device copy", n)
 
 
 def line(points: list[tuple[int, float]]) -> tuple[float, float]:

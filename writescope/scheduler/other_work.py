@@ -98,6 +98,7 @@ class OtherWork:
         self._step_key: tuple[str, int] = ("", 0)
         self._last_layer = None
         self._waiting: deque = deque()  # (key, marks) of steps whose events may not have completed
+        self._paused = False  # inside paused(): nothing measured or kept
 
     # ------------------------------------------------------------------ reading
     def seconds(self, batch: int) -> float | None:
@@ -116,8 +117,8 @@ class OtherWork:
         """Keep A as a policy tracked it over real decode steps with ``threads`` CPU attention
         threads, under the switches set now, for the policies made after it (and, with a
         ``store_key``, for later processes: :meth:`save`). None, or a value that is not finite and
-        positive, keeps nothing."""
-        if seconds_per_token is None or not (math.isfinite(seconds_per_token) and seconds_per_token > 0):
+        positive, keeps nothing; nor does anything inside :meth:`paused`."""
+        if self._paused or seconds_per_token is None or not (math.isfinite(seconds_per_token) and seconds_per_token > 0):
             return
         key = (switch_signature(), threads)
         self._a[key] = float(seconds_per_token)
@@ -180,10 +181,26 @@ class OtherWork:
         """Seconds of link time inside O per layer step at ``batch`` (0 without in-place host experts)."""
         return float(self.link_seconds(batch)) if self.link_seconds is not None else 0.0
 
+    @contextmanager
+    def paused(self):
+        """Measure nothing and keep no A inside the block: steps run under a profiler are slower
+        than the real path (``writescope profile``), and what they measured would place the KV of
+        later batches, in this process and, kept on disk, in later ones. The step under way when it
+        starts is dropped, not measured."""
+        before, self._paused = self._paused, True
+        self._marks, self._last_layer = None, None
+        try:
+            yield
+        finally:
+            self._paused = before
+            self._marks, self._last_layer = None, None
+
     # ------------------------------------------------------------------ marks from the decode path
     def begin(self, layer: int, batch: int) -> None:
         """A decode layer's attention begins (before its KV append); a layer at or below the last
         begun one starts a new step."""
+        if self._paused:
+            return
         if self._last_layer is None or layer <= self._last_layer:
             self._new_step((switch_signature(), batch))
         self._last_layer = layer
@@ -192,7 +209,7 @@ class OtherWork:
 
     def end(self, layer: int) -> None:
         """A decode layer's attention has ended (its merge issued)."""
-        if self._marks is not None:
+        if self._marks is not None and not self._paused:
             self._marks.append(("e", layer, self._stamp()))
 
     # ------------------------------------------------------------------ internals
