@@ -217,5 +217,5 @@ def test_bench_prints_the_kept_in_step_a_beside_the_calibration_s(monkeypatch, t
     token = preset_config("tiny-qwen3-moe").kv_layout.bytes_per_token(4)  # fp32 on the CPU
     assert f"calibration 2 ns/token ({token / 2e-9 / 1e9:.3g} GB/s of KV read)" in line
     kept = re.search(r"in-step ([0-9.e+-]+) ns/token \(([0-9.e+-]+) GB/s of KV read\), kept from decode steps", line)
-    assert kept is not None and float(kept.group(1)) > 2  # the CPU here is slower than the roofline given
-    assert float(kept.group(2)) == pytest.approx(token / (float(kept.group(1)) * 1e-9) / 1e9, rel=0.01)
+    assert kept is not None and float(kept.group(1)) > 0  # measured and kept (its value depends on this machine: not asserted)
+    assert float(kept.group(2)) == pytest.approx(token / (float(kept.group(1)) * 1e-9) / 1e9, rel=0.02)  # both printed to 3 digits

@@ -25,6 +25,7 @@ from __future__ import annotations
 import time
 from collections import deque
 from concurrent.futures import Future, ThreadPoolExecutor, wait
+from contextlib import nullcontext
 from dataclasses import dataclass
 
 import torch
@@ -542,11 +543,9 @@ class SplitDecoder:
                     torch.cat([src for _, src in fill], out=buf)
                 self._stats.streamed_bytes += buf.numel() * buf.element_size()
                 self._stats.streamed_copies += len(fill)
-                if own:
-                    with torch.cuda.stream(cur):
+                if plan is not None:
+                    with torch.cuda.stream(cur) if own else nullcontext():  # own: launched on the load stream
                         self.gpu.fill(plan, qg, buf, start, scale)
-                elif plan is not None:
-                    self.gpu.fill(plan, qg, buf, start, scale)
                 else:
                     k = buf[:, 0]  # [nb, Hkv, D, dk]
                     v = buf[:, 1] if s.parts == 2 else k[..., : s.layout.v_dim]
