@@ -31,7 +31,7 @@
 #   bash benchmarks/h200_session.sh timeline MODEL  # a decode step laid out in time: the CPU worker's jobs, the compute stream and
 #     its waits for the CPU, the link (writescope profile --timeline; TL_POLICIES comma-separated, each with its own @switches,
 #     TL_BATCH 16, TL_CONTEXT 32k, TL_STEPS 3, TL_TAG a file-name suffix, TL_FLAGS more profile flags such as --no-breakdown;
-#     random KV fill)
+#     TL_HOST=1 also profiles the main thread's Python (--host-profile: where the thread that issues the step spends it); random KV fill)
 #   bash benchmarks/h200_session.sh joint MODEL  # issue 16: writescope's per-step expert split vs --expert-stream-share 1 and 0, and gpu
 #     (TPOT_BATCH default 4 here, TPOT_CONTEXT, TPOT_NEW)
 # A grid or calibration with torch's flash op instead of the C++ kernel: WRITESCOPE_CPU_ATTENTION=flash (the environment passes through).
@@ -94,8 +94,8 @@ part() {
       local f="$out/timeline_${m}_${TL_BATCH:-16}x${TL_CONTEXT:-32k}${TL_TAG:-}"
       timeout "$(tmo 400)" python3 -m writescope.cli.main profile --model "$m" --synthetic --device cuda --vram-budget 32GiB \
         --kv-fill random --batch "${TL_BATCH:-16}" --context "${TL_CONTEXT:-32k}" --policy "${TL_POLICIES:-static:0.5,static:0.5@WRITESCOPE_MICRO_BATCHES=2}" \
-        --steps "${TL_STEPS:-3}" --skip 2 --quiet --timeline "$f.png" --output-json "$f.json" ${TL_FLAGS:-} 2>&1 | grep -v USDT | tee "$f.log" \
-        | grep -E "^timeline|^  step|^  per CPU|policy|decode step" ;;
+        --steps "${TL_STEPS:-3}" --skip 2 --quiet --timeline "$f.png" ${TL_HOST:+--host-profile "$f.txt"} --output-json "$f.json" ${TL_FLAGS:-} \
+        2>&1 | grep -v USDT | tee "$f.log" | grep -E "^timeline|^  step|^  per CPU|policy|decode step|^main thread under" ;;
     joint)  # issue 16: the joint roofline's per-step expert split against fixed shares, same batch, one after another
       for run in "writescope:" "writescope:--expert-stream-share 1" "writescope:--expert-stream-share 0" "gpu:"; do
         local pol=${run%%:*} flags=${run#*:} tag=${run#*:}; tag=${tag//--expert-stream-share /_share}; tag=${tag// /}

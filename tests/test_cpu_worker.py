@@ -78,6 +78,38 @@ def test_submit_and_consume_through_the_wrapper():
         w.close()
 
 
+def test_pinned_worker_leaves_the_lowest_cpu_and_gives_the_same_results(monkeypatch):
+    """WRITESCOPE_CPU_PIN=on: the worker runs on the process's CPUs but the lowest when its
+    threads fit there (else it is not pinned), and its results equal the inline call's."""
+    import os
+
+    from writescope.attention.cpu_worker import worker_cpus
+
+    allowed = sorted(os.sched_getaffinity(0))
+    monkeypatch.setenv("WRITESCOPE_CPU_PIN", "on")
+    assert worker_cpus(len(allowed)) == []  # no CPU to leave: not pinned
+    if len(allowed) < 2:
+        pytest.skip("one CPU: nothing to pin to")
+    assert worker_cpus(1) == allowed[1:]
+    gen = torch.Generator().manual_seed(5)
+    w = NativeWorker(1, torch.device("cpu"))
+    try:
+        assert w.cpus == allowed[1:]
+        q, kv = _batch([40, 0, 1], gen)
+        out = _out(q, 48)
+        w.consume(w.submit(q, kv, 0.3, out))
+        assert w._w.pinned and w.submits == 1 and w.submit_wall_ns > 0
+        ro, rl = cpu_kernel.attend(q, kv, 0.3, threads=1)
+        assert torch.equal(out[0], ro) and torch.equal(out[1], rl)
+    finally:
+        w.close()
+    monkeypatch.setenv("WRITESCOPE_CPU_PIN", "off")
+    assert worker_cpus(1) == []
+    monkeypatch.setenv("WRITESCOPE_CPU_PIN", "yes")
+    with pytest.raises(ValueError, match="WRITESCOPE_CPU_PIN"):
+        worker_cpus(1)
+
+
 def test_sequence_numbers_wrap_modulo_2_to_the_32():
     """Past 2^31 jobs the flag values wrap to negative int32s; waits and releases still order them."""
     from writescope.attention.cpu_worker import _int32, _reached
@@ -233,3 +265,20 @@ def test_on_cuda_the_stream_hands_q_over_and_waits_without_the_host():
         w.check()
     finally:
         w.close()
+
+
+def test_attention_threads_from_the_environment(monkeypatch):
+    """WRITESCOPE_CPU_THREADS sets the CPU attention's threads (1 to the CPUs the process may use);
+    unset, the default stays torch's count (less one with CUDA)."""
+    import os
+
+    from writescope.engine.threads import default_attention_threads
+
+    monkeypatch.delenv("WRITESCOPE_CPU_THREADS", raising=False)
+    assert default_attention_threads(torch.device("cpu")) == torch.get_num_threads()
+    monkeypatch.setenv("WRITESCOPE_CPU_THREADS", "1")
+    assert default_attention_threads(torch.device("cpu")) == 1
+    too_many = str(len(os.sched_getaffinity(0)) + 1)
+    monkeypatch.setenv("WRITESCOPE_CPU_THREADS", too_many)
+    with pytest.raises(ValueError, match=f"WRITESCOPE_CPU_THREADS='{too_many}': use an integer from 1 to"):
+        default_attention_threads(torch.device("cpu"))

@@ -521,7 +521,7 @@ static int32_t* flag_ptr(const at::Tensor& flags, int64_t index) {
 
 PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
   py::class_<Worker>(m, "Worker")
-      .def(py::init<int64_t>(), py::arg("threads"))
+      .def(py::init<int64_t, std::vector<int64_t>>(), py::arg("threads"), py::arg("cpus") = std::vector<int64_t>{})
       .def("submit",
            [](Worker& w, at::Tensor q, std::vector<at::Tensor> ks, std::vector<at::Tensor> vs, std::vector<int64_t> rows, int64_t chunk,
               double scale, int64_t isa, at::Tensor out_o, at::Tensor out_lse, at::Tensor flags, int64_t ready_index, int32_t ready_value,
@@ -539,7 +539,8 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
       .def("take_done", &Worker::take_done)
       .def("set_trace", &Worker::set_trace, py::arg("on"))
       .def("take_trace", &Worker::take_trace)
-      .def_property_readonly("threads", &Worker::threads);
+      .def_property_readonly("threads", &Worker::threads)
+      .def_property_readonly("pinned", &Worker::pinned);
   m.def("wait_flag", [](at::Tensor flags, int64_t index, int32_t value, double timeout_s) { return wait_flag(flag_ptr(flags, index), value, timeout_s); },
         "wait (GIL released) until flags[index] reaches value; False after timeout_s", py::call_guard<py::gil_scoped_release>());
   // the GIL is released: the GPU part of the step is launched from the main thread meanwhile

@@ -14,6 +14,8 @@
 // on Linux, Python's time.perf_counter_ns): writescope/bench/timeline.py lays them beside the GPU's.
 #pragma once
 #include <immintrin.h>
+#include <pthread.h>
+#include <sched.h>
 #include <atomic>
 #include <chrono>
 #include <condition_variable>
@@ -30,7 +32,10 @@ static inline bool reached(const volatile int32_t* flag, int32_t value) { return
 
 class Worker {
  public:
-  explicit Worker(int64_t threads) : threads_(std::max<int64_t>(1, threads)), thread_([this] { loop(); }) {}
+  // cpus: the CPUs the worker thread and its OpenMP team may run on (their threads inherit the worker
+  // thread's mask when they are made, on its first job); empty: wherever the process may
+  explicit Worker(int64_t threads, std::vector<int64_t> cpus = {})
+      : threads_(std::max<int64_t>(1, threads)), cpus_(std::move(cpus)), thread_([this] { loop(); }) {}
   ~Worker() { close(); }
   Worker(const Worker&) = delete;
   Worker& operator=(const Worker&) = delete;
@@ -52,13 +57,16 @@ class Worker {
       std::lock_guard<std::mutex> lk(mu_);
       if (stop_) return;
       stop_ = true;
+      stopping_.store(true, std::memory_order_release);
     }
     cv_.notify_one();
     if (thread_.joinable()) thread_.join();
   }
 
   std::string take_error() {
+    if (!has_error_.load(std::memory_order_acquire)) return {};  // no lock on the issuing thread's path
     std::lock_guard<std::mutex> lk(mu_);
+    has_error_.store(false, std::memory_order_relaxed);
     std::string e;
     e.swap(error_);
     return e;
@@ -79,6 +87,7 @@ class Worker {
   }
 
   int64_t threads() const { return threads_; }
+  bool pinned() const { return pinned_.load(); }
 
   // Record each job's times from now on (on) or stop (off; what was recorded stays until taken).
   void set_trace(bool on) { tracing_.store(on, std::memory_order_relaxed); }
@@ -109,9 +118,22 @@ class Worker {
   void fail(const std::string& what) {
     std::lock_guard<std::mutex> lk(mu_);
     if (error_.empty()) error_ = what;
+    has_error_.store(true, std::memory_order_release);
+  }
+
+  // the worker thread onto cpus_ (before its OpenMP team exists: the team inherits the mask); a CPU
+  // list the OS refuses leaves the thread where it was
+  void pin() {
+    if (cpus_.empty()) return;
+    cpu_set_t set;
+    CPU_ZERO(&set);
+    for (int64_t c : cpus_)
+      if (c >= 0 && c < CPU_SETSIZE) CPU_SET((int)c, &set);
+    pinned_ = pthread_setaffinity_np(pthread_self(), sizeof(set), &set) == 0;
   }
 
   void loop() {
+    pin();
     for (;;) {
       Job j;
       {
@@ -124,13 +146,15 @@ class Worker {
       const bool tracing = tracing_.load(std::memory_order_relaxed);
       const int64_t taken_ns = tracing ? now_ns() : 0;
       bool ready = true;
-      for (int64_t spins = 0; !reached(j.ready, j.ready_value); ++spins) {  // q arrives within the layer: spin, then yield
+      // q arrives within the layer: spin, then yield; the stop request read without the lock, which
+      // the issuing thread takes to submit (a spinning waiter taking it each round held submit up)
+      for (int64_t spins = 0; !reached(j.ready, j.ready_value); ++spins) {
         if (spins > 4096) {
-          std::lock_guard<std::mutex> lk(mu_);
-          if (stop_ && !reached(j.ready, j.ready_value)) { ready = false; break; }
+          if (stopping_.load(std::memory_order_acquire) && !reached(j.ready, j.ready_value)) { ready = false; break; }
+          std::this_thread::yield();
+        } else {
+          _mm_pause();
         }
-        if (spins > 4096) std::this_thread::yield();
-        else _mm_pause();
       }
       std::atomic_thread_fence(std::memory_order_acquire);  // q's bytes after the flag that says they are there
       const auto t0 = std::chrono::steady_clock::now();
@@ -171,6 +195,9 @@ class Worker {
   static constexpr size_t MAX_TRACE = 1 << 16;
 
   const int64_t threads_;
+  const std::vector<int64_t> cpus_;
+  std::atomic<bool> pinned_{false};
+  std::atomic<bool> stopping_{false}, has_error_{false};
   std::mutex mu_;
   std::condition_variable cv_;
   std::deque<Job> jobs_;

@@ -19,14 +19,38 @@ every comparison is a signed 32-bit difference (valid while fewer than 2^31 jobs
 
 from __future__ import annotations
 
+import os
+import time
 from collections import deque
 
 import torch
 
 from writescope.attention import cpu_kernel
+from writescope.env import env_choice
 
 WAIT_SECONDS = 60.0  # the longest a stream or the host waits for one job
 _FLAG_READY, _FLAG_DONE, _FLAG_TIMEOUT = 0, 1, 2
+
+
+def pin_wanted() -> bool:
+    """``WRITESCOPE_CPU_PIN``: ``on`` keeps the worker and its OpenMP team off one CPU of those the
+    process may use (the lowest), which is left to the thread that issues the step; ``off`` (the
+    default) lets the OS place them. Waking the worker (a submit) could otherwise put it on the
+    issuing thread's CPU, ahead of that thread.
+
+    Raises:
+        ValueError: another value (names it).
+    """
+    return env_choice("WRITESCOPE_CPU_PIN", ("off", "on")) == "on"
+
+
+def worker_cpus(threads: int) -> list[int]:
+    """The CPUs the worker is pinned to under ``WRITESCOPE_CPU_PIN=on``: those this process may
+    use but the lowest, when ``threads`` fit on them; else none (not pinned)."""
+    if not pin_wanted():
+        return []
+    allowed = sorted(os.sched_getaffinity(0))
+    return allowed[1:] if len(allowed) > 1 and threads <= len(allowed) - 1 else []
 
 
 def _int32(n: int) -> int:
@@ -60,13 +84,16 @@ class NativeWorker:
 
             self._kernels = flag_kernels
         self.flags = torch.zeros(3, dtype=torch.int32, pin_memory=self.cuda)  # ready, done, timeout; outlives the thread (close)
+        self._flag = self.flags.numpy()  # the same memory: read and written without a torch call on the issuing thread
         self._flags_dev = self._kernels.device_view(self.flags, device) if self.cuda else None
         if self.cuda:
             self._kernels.warm(self._flags_dev, _FLAG_TIMEOUT)
         self.seq = 0  # jobs submitted (unbounded; the flags hold it modulo 2^32)
         self._inflight: deque = deque()  # (flag value, tensors the job reads or writes) until its done flag
         self._batch: dict[int, int] = {}  # flag value -> the job's batch size, for take_done
-        self._ext, self._w = ext, ext.Worker(threads)
+        self.submit_wall_ns = self.submit_cpu_ns = self.submits = 0  # the issuing thread's time in the native submit call
+        self.cpus = worker_cpus(threads)
+        self._ext, self._w = ext, ext.Worker(threads, self.cpus)
 
     @property
     def threads(self) -> int:
@@ -86,15 +113,19 @@ class NativeWorker:
         try:
             if self.cuda:
                 self._kernels.store_flag(self._flags_dev, _FLAG_READY, value)
+            t0, c0 = time.perf_counter_ns(), time.thread_time_ns()
             self._w.submit(q, [kv[i][0] for i in rows], [kv[i][1] for i in rows], rows, cpu_kernel.CHUNK, float(scale),
                            cpu_kernel.requested_path(), out[0], out[1], self.flags, _FLAG_READY, value, _FLAG_DONE, value)
+            self.submit_wall_ns += time.perf_counter_ns() - t0
+            self.submit_cpu_ns += time.thread_time_ns() - c0
+            self.submits += 1
         except BaseException:
             self._inflight.pop()
             raise
         self.seq += 1
         self._batch[value] = len(kv)
         if not self.cuda:
-            self.flags[_FLAG_READY] = value  # q is already in host memory
+            self._flag[_FLAG_READY] = value  # q is already in host memory
         return value
 
     def consume(self, seq: int) -> None:
@@ -119,7 +150,7 @@ class NativeWorker:
         return bool(self._ext.wait_flag(self.flags, _FLAG_DONE, seq, WAIT_SECONDS))
 
     def done_value(self) -> int:
-        return int(self.flags[_FLAG_DONE])
+        return int(self._flag[_FLAG_DONE])
 
     def check(self) -> None:
         """Raise the first error a job met since the last check (the worker goes on with later jobs).
@@ -130,8 +161,8 @@ class NativeWorker:
         err = self._w.take_error()
         if err:
             raise RuntimeError(f"CPU attention worker: {err}")
-        if int(self.flags[_FLAG_TIMEOUT]):
-            self.flags[_FLAG_TIMEOUT] = 0
+        if self._flag[_FLAG_TIMEOUT]:
+            self._flag[_FLAG_TIMEOUT] = 0
             raise RuntimeError("a device stream gave up waiting for the CPU attention worker (tens of seconds); "
                                "the outputs of that layer were not waited for")
 

@@ -29,12 +29,12 @@ from contextlib import nullcontext
 from dataclasses import dataclass
 
 import torch
-from torch.profiler import record_function
 
 from writescope.attention import cpu_kernel, gpu_kernel
 from writescope.attention.gpu_decode import GpuDecode
 from writescope.attention.merge import merge_segments, merge_unchecked
 from writescope.attention.partial import attend_blocks, block_partials, cpu_attend
+from writescope.engine.ranges import named
 from writescope.engine.threads import default_attention_threads, intra_op_threads
 from writescope.engine.timing import stamp
 from writescope.env import env_choice
@@ -147,7 +147,8 @@ class SplitDecoder:
         self._buffers: list[torch.Tensor] = []
         self._stage: list[torch.Tensor | None] = [None, None]  # monolithic prepare buffers (pinned)
         self._stage_events: list[object | None] = [None, None]
-        self._free_events: list[object | None] = []
+        self._free_events: list[object | None] = []  # per ping-pong buffer: recorded after its fill's attention
+        self._ready_events: list[object] = []  # per ping-pong buffer: recorded after its fill's copies
         self.last_split = (0, 0)  # (CPU tokens, load-region tokens) of the last decode call
         self.time_gpu = False  # time the GPU part of each call (calibration; see last_gpu_seconds)
         self.gpu_timers: list | None = None  # with time_gpu: (GPU-part timer, had a CPU part) of every call (bench rows)
@@ -231,6 +232,8 @@ class SplitDecoder:
                 torch.empty((s.pingpong_blocks, *s.block_shape()), dtype=s.dtype, device=self.device) for _ in range(s.pingpong_buffers)
             ]
             self._free_events = [None] * s.pingpong_buffers
+            if self.cuda:
+                self._ready_events = [torch.cuda.Event() for _ in range(s.pingpong_buffers)]
         return self._buffers
 
     # ------------------------------------------------------------------ one layer
@@ -268,16 +271,16 @@ class SplitDecoder:
         self._gpu_timer_done = False
         limits = [sq.n_comp[layer] if cpu_blocks is None else cpu_blocks[i] for i, sq in enumerate(seqs)]
         cpu_rows = [i for i in range(B) if limits[i] > 0]
-        with record_function("kv.drain"):
+        with named("kv.drain"):
             for sq in seqs:  # the newest compute block may still sit in pinned staging: write it home first
                 sq.drain(layer)
         fut: Future | None = None
         q_host, q_ready, job = None, None, None
         if cpu_rows and self._use_worker(qg):
-            with record_function("attn.q_to_host"):
+            with named("attn.q_to_host"):
                 job = self._submit(layer, qg, seqs, cpu_rows, limits, scale)
         elif cpu_rows:
-            with record_function("attn.q_to_host"):
+            with named("attn.q_to_host"):
                 q_host, q_ready = self._to_host(qg)
         if cpu_rows and job is None and not self.cpu_inline:
             fut = self.pool.submit(self._cpu_part, layer, q_host, seqs, cpu_rows, limits, scale, q_ready)
@@ -294,10 +297,10 @@ class SplitDecoder:
                 sources = [(i, run) for i, sq in enumerate(seqs) for run in sq.load_runs(layer, 0, sq.n_load[layer], s.pingpong_blocks)]
             prepared = []
             if cpu_blocks is not None:
-                with record_function("attn.monolithic_prepare"):
+                with named("attn.monolithic_prepare"):
                     prepared = self._prepare(layer, seqs, limits)
             sources += prepared
-            with record_function("attn.window"):
+            with named("attn.window"):
                 if fast:
                     plan = self.gpu.step_plan(layer, qg, seqs, [(i, src.shape[0]) for i, src in sources],
                                               None if table is None or prepared else table)
@@ -307,7 +310,7 @@ class SplitDecoder:
                 else:
                     states = [self._window_part(layer, qg, seqs, scale)]
             if sources:
-                with record_function("attn.load_region"):
+                with named("attn.load_region"):
                     part = self._load_part(qg, sources, scale, evict_stream, plan, layer)
                     if part is not None:
                         states.append(part)
@@ -340,7 +343,7 @@ class SplitDecoder:
         B, Hq, _ = p.q.shape
         states = p.states
         try:
-            with record_function("attn.wait_cpu"):
+            with named("attn.wait_cpu"):
                 if p.job is not None:  # on CUDA the stream waits for the worker's done flag, not this thread
                     seq, (o_c, l_c) = p.job
                     self.worker.consume(seq)
@@ -359,7 +362,7 @@ class SplitDecoder:
         self.last_split = p.split
         if p.load_done is not None:  # the load partials, attended on their own stream
             torch.cuda.current_stream(self.device).wait_event(p.load_done)
-        with record_function("attn.merge"):
+        with named("attn.merge"):
             if p.plan is not None:  # one launch: window, load and CPU partials
                 out = self.gpu.merge(p.plan, p.q, states[-1] if p.cpu_rows else None)
                 if p.job is not None and self.partial_in_place:
@@ -510,7 +513,7 @@ class SplitDecoder:
         if plan is None:
             ids, q_blk, o_blk, lse_blk = self._torch_blocks(qg, [(i, src.shape[0]) for fill in fills for i, src in fill], scale)
         bufs = self.buffers()
-        cur = torch.cuda.current_stream(self.device) if self.cuda else None
+        home = cur = torch.cuda.current_stream(self.device) if self.cuda else None  # home: current again at the end
         own = self.load_stream is not None and plan is not None
         if own:  # the fills' attention on the load stream, after q and the plan (made on the compute stream)
             self.load_stream.wait_stream(cur)
@@ -524,41 +527,46 @@ class SplitDecoder:
                 self._evicted = False
         start = 0
         try:
+            if own:
+                torch.cuda.set_stream(cur)
             for n, fill in enumerate(fills):
                 b = n % len(bufs)
                 total = sum(src.shape[0] for _, src in fill)
                 buf = bufs[b][:total]
-                if self.cuda:
-                    with torch.cuda.stream(self.copy_stream):
+                if self.cuda:  # streams switched by hand: a `torch.cuda.stream` block costs tens of us per fill
+                    torch.cuda.set_stream(self.copy_stream)
+                    try:
                         if self._free_events[b] is not None:
                             self.copy_stream.wait_event(self._free_events[b])
                         off = 0
                         for _, src in fill:
                             buf[off : off + src.shape[0]].copy_(src, non_blocking=True)
                             off += src.shape[0]
-                        ready = torch.cuda.Event()
+                        ready = self._ready_events[b]  # re-recorded: the wait below is enqueued before its next record
                         ready.record(self.copy_stream)
+                    finally:
+                        torch.cuda.set_stream(cur)
                     cur.wait_event(ready)
                 else:
                     torch.cat([src for _, src in fill], out=buf)
                 self._stats.streamed_bytes += buf.numel() * buf.element_size()
                 self._stats.streamed_copies += len(fill)
                 if plan is not None:
-                    with torch.cuda.stream(cur) if own else nullcontext():  # own: launched on the load stream
-                        self.gpu.fill(plan, qg, buf, start, scale)
+                    self.gpu.fill(plan, qg, buf, start, scale)  # on cur: the compute stream, or (own) the load stream
                 else:
                     k = buf[:, 0]  # [nb, Hkv, D, dk]
                     v = buf[:, 1] if s.parts == 2 else k[..., : s.layout.v_dim]
                     o_blk[start : start + total], lse_blk[start : start + total] = block_partials(q_blk[start : start + total], k, v)
                 if self.cuda:
-                    done = torch.cuda.Event()
-                    done.record(cur)
-                    self._free_events[b] = done
+                    if self._free_events[b] is None:
+                        self._free_events[b] = torch.cuda.Event()
+                    self._free_events[b].record(cur)  # re-recorded: the copy stream's wait on it was enqueued above
                 start += total
         finally:
             if own:  # decode_end's merge waits for it (after an error part-way, so does abandon)
                 self._load_done = torch.cuda.Event()
                 self._load_done.record(cur)
+                torch.cuda.set_stream(home)
         return None if plan is not None else merge_segments(o_blk, lse_blk, ids, B)
 
     def _load_in_place(self, qg, sources, scale, evict_stream, plan=None, layer=0):
@@ -671,9 +679,9 @@ class SplitDecoder:
         get the empty partial. Runs in the worker thread unless ``cpu_inline``. ``q_ready``: the
         event of q's copy to the host (waited for first, outside the timed part)."""
         if q_ready is not None:
-            with record_function("attn.wait_q"):
+            with named("attn.wait_q"):
                 q_ready.synchronize()
-        with record_function("attn.cpu_part"):
+        with named("attn.cpu_part"):
             return self._cpu_part_body(layer, q_host, seqs, rows, limits, scale)
 
     def _cpu_part_body(self, layer, q_host, seqs, rows, limits, scale):

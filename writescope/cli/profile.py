@@ -32,7 +32,10 @@ def add_parser(sub) -> None:
                    "worker's jobs, the compute stream's kernels and its waits for the CPU, the link's copies, the main thread "
                    "entering each layer's attention; writescope/bench/timeline.py): print where each side waits and plot the first "
                    "step as this PNG")
-    p.add_argument("--no-breakdown", action="store_true", help="with --timeline: only the timeline (no profiled breakdown first)")
+    p.add_argument("--host-profile", type=Path, help="then profile the main thread's Python (cProfile) over as many decode steps: "
+                   "where the thread that issues a step spends its time (writescope/bench/host_profile.py); print the top "
+                   "functions and write pstats' whole listing here (a .txt file)")
+    p.add_argument("--no-breakdown", action="store_true", help="with --timeline or --host-profile: only those (no profiled breakdown first)")
     p.add_argument("--kv-fill", choices=("prefill", "random"), default="prefill",
                    help="prefill: run the prompts (default); random: write their KV as seeded random values through the "
                         "cache instead (full-size decode without the prefill's time; as writescope bench --kv-fill)")
@@ -54,6 +57,7 @@ def run(args: argparse.Namespace) -> int:
 
     from writescope.bench import switches
     from writescope.bench.breakdown import decode_breakdown
+    from writescope.bench.host_profile import main_thread_profile
     from writescope.bench.timeline import decode_timeline, format_summary, plot, to_json
     from writescope.cli.bench import parse_tokens
     from writescope.engine.llm import LLM
@@ -73,8 +77,8 @@ def run(args: argparse.Namespace) -> int:
         switches.check(entry)
         parse_policy(switches.split(entry)[0], Roofline(a=1.0, b=1.0))  # a stand-in roofline: only the name is checked here
     many = len(entries) > 1
-    if args.no_breakdown and args.timeline is None:
-        raise ValueError("--no-breakdown leaves only the timeline: give --timeline PNG too")
+    if args.no_breakdown and args.timeline is None and args.host_profile is None:
+        raise ValueError("--no-breakdown leaves only the timeline or the host profile: give --timeline PNG or --host-profile TXT too")
     if args.no_breakdown and args.trace is not None:
         raise ValueError("--trace is the breakdown's trace: leave out --no-breakdown, or --trace")
     if args.timeline is not None and args.timeline.suffix.lower() != ".png":
@@ -89,6 +93,7 @@ def run(args: argparse.Namespace) -> int:
     for entry in entries:
         check_output_file(_suffixed(args.trace, entry, many), "--trace")
         check_output_file(_suffixed(args.timeline, entry, many), "--timeline")
+        check_output_file(_suffixed(args.host_profile, entry, many), "--host-profile")
     first, first_env = switches.split(entries[0])
     with switches.applied(first_env):
         llm = LLM(args.model, synthetic=args.synthetic, device=args.device, dtype=args.dtype, progress=not args.quiet,
@@ -109,11 +114,13 @@ def run(args: argparse.Namespace) -> int:
     for i, entry in enumerate(entries):
         policy, env = switches.split(entry)
         trace, timeline = _suffixed(args.trace, entry, many), _suffixed(args.timeline, entry, many)
+        host = _suffixed(args.host_profile, entry, many)
         with switches.applied(env):
             if i:  # the first policy's cache was made with the model
                 llm.set_policy(policy, args.window)
             bd = None if args.no_breakdown else decode_breakdown(llm, prompts, args.steps, args.skip, str(trace) if trace else None)
             tl = decode_timeline(llm, prompts, args.steps, args.skip) if timeline is not None else None
+            hp = main_thread_profile(llm, prompts, args.steps, args.skip) if host is not None else None
         name = llm.policy_name + (f" @ {'+'.join(f'{k}={v}' for k, v in env.items())}" if env else "")
         print(f"{args.model} ({n} layer{'s' if n != 1 else ''}, {llm.dtype} on {llm.device}), batch {args.batch} x {context} tokens, "
               f"policy {name}")
@@ -124,12 +131,17 @@ def run(args: argparse.Namespace) -> int:
             if tl.steps:
                 plot(tl.steps[0], str(timeline), f"{args.model}, batch {args.batch} x {context}, policy {name}: one decode step")
                 print(f"wrote {timeline}")
+        if hp is not None:
+            print(hp.table())
+            host.write_text(hp.text)
+            print(f"wrote {host}")
         if trace:
             print(f"wrote {trace}")
         runs.append({"policy": llm.policy_name, "entry": entry, "expert_stream_share": llm.expert_stream_share,
                      **({"step_ms": bd.step_ms, "steps": bd.steps, "other_ms": bd.other_ms,
                          "ranges": {k: dataclasses.asdict(t) for k, t in bd.ranges.items()}} if bd is not None else {}),
-                     **({"timeline": to_json(tl)} if tl is not None else {})})
+                     **({"timeline": to_json(tl)} if tl is not None else {}),
+                     **({"host_profile": hp.to_json()} if hp is not None else {})})
     if args.output_json:
         head = {"model": args.model, "num_layers": n, "batch": args.batch, "context": context, "kv_fill": args.kv_fill}
         args.output_json.write_text(json.dumps({**head, **runs[0]} if not many else {**head, "runs": runs}, indent=1))

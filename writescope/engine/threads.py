@@ -10,13 +10,44 @@ Host experts run on the main thread after the device experts are issued: all thr
 
 from __future__ import annotations
 
+import os
 from contextlib import contextmanager
 
 import torch
 
+THREADS_ENV = "WRITESCOPE_CPU_THREADS"
+
+
+def attention_threads_from_env() -> int | None:
+    """``WRITESCOPE_CPU_THREADS``: the CPU attention's threads, 1 to the CPUs this process may use;
+    unset or empty: None (the default below).
+
+    Raises:
+        ValueError: not such an integer (names the value and the range).
+    """
+    raw = os.environ.get(THREADS_ENV, "").strip()
+    if not raw:
+        return None
+    cpus = len(os.sched_getaffinity(0))
+    try:
+        n = int(raw)
+    except ValueError:
+        n = 0
+    if not 1 <= n <= cpus:
+        raise ValueError(f"{THREADS_ENV}={raw!r}: use an integer from 1 to {cpus} (the CPUs this process may use), or leave it unset")
+    return n
+
 
 def default_attention_threads(device: torch.device) -> int:
-    """Threads for CPU attention: torch's intra-op count, less one with CUDA (see module doc)."""
+    """Threads for CPU attention: ``WRITESCOPE_CPU_THREADS`` when set, else torch's intra-op count,
+    less one with CUDA (see module doc).
+
+    Raises:
+        ValueError: a bad ``WRITESCOPE_CPU_THREADS``.
+    """
+    n = attention_threads_from_env()
+    if n is not None:
+        return n
     n = torch.get_num_threads()
     return max(1, n - 1) if torch.device(device).type == "cuda" else n
 

@@ -18,11 +18,11 @@ from __future__ import annotations
 import math
 
 import torch
-from torch.profiler import record_function
 
 from writescope.attention.metadata import ForwardBatch
 from writescope.attention.reference import attend_sequence
 from writescope.attention.split import SplitDecoder
+from writescope.engine.ranges import named
 from writescope.kvcache.base import KVCache, AttendedNow
 from writescope.engine.threads import default_attention_threads
 from writescope.env import env_choice
@@ -171,7 +171,7 @@ class InplaceKVCache(KVCache):
         if all(n == 1 for n in batch.query_lens):
             if self.other_work is not None and not self._step_batch:  # micro-batched steps interleave: not measured
                 self.other_work.begin(layer_id, len(seqs))
-            with record_function("kv.append"):
+            with named("kv.append"):
                 self._append(seqs, layer_id, new)
             cpu_blocks = None
             if getattr(self.policy, "monolithic", False):
@@ -249,7 +249,7 @@ class InplaceKVCache(KVCache):
 
     def _evict_full(self, seqs: list[SequenceKV], layer_id: int) -> None:
         """Evict every full D-window of ``layer_id`` (after the layer's attention was issued)."""
-        with record_function("kv.evict"):
+        with named("kv.evict"):
             for sq in seqs:
                 if sq.win_len[layer_id] == self.spec.window:
                     self._evict(sq, layer_id)

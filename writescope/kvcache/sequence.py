@@ -21,6 +21,7 @@ from dataclasses import dataclass
 import torch
 
 from writescope.kvcache import pinned
+from writescope.kvcache.huge_pages import compute_empty
 from writescope.kvcache.pinned import device_view, host_empty, unpin
 from writescope.kvcache.prefill_writer import STAGING_BUFFERS
 from writescope.kvcache.spec import PartitionSpec
@@ -67,7 +68,7 @@ class SequenceKV:
         self.n_load = [0] * L  # load-region blocks per layer
         self.homes: list[tuple[int, int]] = []
         cpu_blocks = 0 if policy.max_cpu_share == 0 else self.max_blocks
-        self.compute = torch.empty((L, spec.parts, spec.layout.kv_heads, cpu_blocks * D, spec.dim), dtype=spec.dtype)
+        self.compute = compute_empty((L, spec.parts, spec.layout.kv_heads, cpu_blocks * D, spec.dim), spec.dtype)
         self.slabs: list[LoadSlab] = []
         self.staging: torch.Tensor | None = None  # pinned [L, parts, kv_heads, D, dim] for evictions to compute
         self.pending: list[tuple[object | None, int] | None] = [None] * L  # (CUDA event or None, compute block) awaiting copy-in

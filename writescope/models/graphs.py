@@ -36,8 +36,8 @@ from pathlib import Path
 from typing import Callable
 
 import torch
-from torch.profiler import record_function
 
+from writescope.engine.ranges import named
 from writescope.env import env_choice
 
 MAX_SHAPES = 32  # distinct (micro-batch, tokens) shapes kept (a server's batch sizes); the oldest shape's graphs go first
@@ -156,5 +156,5 @@ class StageGraphs:
             self._shapes[shape] = graphs
             self.captured += 1
         self.replayed += 1
-        with record_function("decode.stage_graph"):  # the ranges inside a graph run only at its capture (bench/breakdown.py)
+        with named("decode.stage_graph"):  # the ranges inside a graph run only at its capture (bench/breakdown.py)
             return g.replay(inputs)

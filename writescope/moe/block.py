@@ -9,9 +9,9 @@ import time
 
 import torch
 from torch import nn
-from torch.profiler import record_function
 
 from writescope.config import MoEConfig
+from writescope.engine.ranges import named
 from writescope.engine.threads import intra_op_threads
 from writescope.layers.mlp import GatedMLP
 from writescope.kvcache.pinned import device_view
@@ -177,7 +177,7 @@ class SparseMoeBlock(nn.Module):
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         """x ``[T, D]`` -> ``[T, D]``, same dtype. Host experts run on the CPU after the device
         experts are issued, so both sides work at once when the device is a GPU."""
-        with record_function("moe.router"):
+        with named("moe.router"):
             weights, ids = route(x, self.gate.weight, self.cfg, self.deepseek)  # [T, K] f32, [T, K]
             if self.routing_counts is not None:  # a popularity profile is recording (on the device, no wait)
                 self.routing_counts += torch.bincount(ids.flatten(), minlength=self.cfg.num_experts)
@@ -189,14 +189,14 @@ class SparseMoeBlock(nn.Module):
         elif self.packed is None:
             self.pack()
         if self.packed is not None and not self.host_experts:
-            with record_function("moe.device_experts"):
+            with named("moe.device_experts"):
                 self.packed(x, weights, ids, out)
             return self._shared(x, out)
         if self._in_place_for(x.dtype, x.device, x.shape[0]):
-            with record_function("moe.device_experts"):
+            with named("moe.device_experts"):
                 if self.packed is not None:
                     self.packed(x, weights, ids, out)  # the same fused kernels (wanted above)
-            with record_function("moe.host_experts_in_place"):
+            with named("moe.host_experts_in_place"):
                 w13, w2, slot_of = self._host_device_views(x.device)
                 fused_decode.fused_experts_into(x, weights, ids, slot_of, w13, w2, self.cfg.intermediate_size, out)
             return self._shared(x, out)
@@ -206,7 +206,7 @@ class SparseMoeBlock(nn.Module):
         """The routed sum ``out`` (float32) plus the shared experts', rounded once to x's dtype."""
         if not self.cfg.n_shared_experts:
             return out.to(x.dtype)
-        with record_function("moe.shared_experts"):
+        with named("moe.shared_experts"):
             return (out + self.shared_experts(x)).to(x.dtype)
 
     def _split_forward(self, x, weights, ids, out):
@@ -236,11 +236,11 @@ class SparseMoeBlock(nn.Module):
                     k = round(min(1.0, self.stream_share) * len(by_tokens))
                 streamed, host = streamed + by_tokens[:k], sorted(by_tokens[k:])
         if host:  # the host experts' tokens and routing weights, copied once: [n_host, D], [n_host] on the CPU
-            with record_function("moe.tokens_to_host"):
+            with named("moe.tokens_to_host"):
                 host_tok = torch.cat([token_of[starts[e] : starts[e + 1]] for e in host])
                 x_host = x[host_tok].to("cpu")
                 w_host = torch.cat([w_sorted[starts[e] : starts[e + 1]] for e in host]).to("cpu")  # float32
-        with record_function("moe.device_experts"):
+        with named("moe.device_experts"):
             if self.packed is not None:
                 self.packed(x, weights, ids, out)
             for e, n in enumerate(counts):
@@ -250,11 +250,11 @@ class SparseMoeBlock(nn.Module):
                 y = self.experts[e](x[tok])  # [n, D]
                 out.index_add_(0, tok, (y * w_sorted[starts[e] : starts[e + 1], None].to(y.dtype)).to(out.dtype))
         if streamed:  # issued before the CPU starts on the rest: copies and GEMMs run meanwhile
-            with record_function("moe.streamed_experts"):
+            with named("moe.streamed_experts"):
                 run_streamed(self.host_pack, streamed, [token_of[starts[e] : starts[e + 1]] for e in streamed],
                              [w_sorted[starts[e] : starts[e + 1]] for e in streamed], x, out)
         if host:
-            with record_function("moe.host_experts"):
+            with named("moe.host_experts"):
                 t0 = time.perf_counter()
                 y = self._host_experts(host, [counts[e] for e in host], x_host, w_host)
                 if self.expert_work is not None:  # E, tracked: CPU seconds per expert weight byte
