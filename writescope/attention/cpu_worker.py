@@ -91,7 +91,8 @@ class NativeWorker:
         self.seq = 0  # jobs submitted (unbounded; the flags hold it modulo 2^32)
         self._inflight: deque = deque()  # (flag value, tensors the job reads or writes) until its done flag
         self._batch: dict[int, int] = {}  # flag value -> the job's batch size, for take_done
-        self.submit_wall_ns = self.submit_cpu_ns = self.submits = 0  # the issuing thread's time in the native submit call
+        # the issuing thread's time in submit: in all (ns), in the native call (wall, on a CPU), and the calls
+        self.submit_total_ns = self.submit_wall_ns = self.submit_cpu_ns = self.submits = 0
         self.cpus = worker_cpus(threads)
         self._ext, self._w = ext, ext.Worker(threads, self.cpus)
 
@@ -105,6 +106,13 @@ class NativeWorker:
         :func:`writescope.attention.cpu_kernel.attend`, ``out`` the pinned ``(o, lse)`` to write.
         On CUDA the ready flag is set on the current stream after whatever was issued before (q's
         copy). Returns the job's sequence number. The tensors are kept alive until it is done."""
+        entered = time.perf_counter_ns()
+        try:
+            return self._submit(q, kv, scale, out)
+        finally:
+            self.submit_total_ns += time.perf_counter_ns() - entered
+
+    def _submit(self, q, kv, scale, out) -> int:
         self.check()
         self._release_done()
         value = _int32(self.seq + 1)

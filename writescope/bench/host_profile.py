@@ -18,6 +18,7 @@ after each step (taken to separate the steps) is left out.
 from __future__ import annotations
 
 import cProfile
+import gc
 import io
 import pstats
 import statistics
@@ -50,6 +51,8 @@ class HostProfile:
     thread_cpu_ms: float = float("nan")  # median CPU time of the main thread in a step (its wall time less time off a CPU)
     submit_wall_ms: float = float("nan")  # per step: the native worker's submit calls, wall time on the main thread
     submit_cpu_ms: float = float("nan")  # ... and the main thread's CPU time in them (less: it was off a CPU, or blocked)
+    submit_total_ms: float = float("nan")  # per step: the worker's submit method in all, timed without cProfile's attribution
+    gc_ms: dict = field(default_factory=dict)  # per step: Python's garbage collections by generation, (collections, ms)
     functions: list[FunctionTime] = field(default_factory=list)  # by own time, largest first
     text: str = ""  # pstats' full listing, by own time
 
@@ -60,7 +63,10 @@ class HostProfile:
                 f"{self.thread_cpu_ms:.2f} ms of it, {self.layer_calls:.0f} decode attention calls a step; ms and calls per step, "
                 f"and per call of the attention")
         if self.submit_wall_ms == self.submit_wall_ms:  # not nan: the native worker took jobs
-            head += f"\nnative worker's submit calls: {self.submit_wall_ms:.3f} ms a step, on a CPU {self.submit_cpu_ms:.3f} ms of it"
+            head += (f"\nnative worker's submit: {self.submit_total_ms:.3f} ms a step in all; its native call {self.submit_wall_ms:.3f} ms, "
+                     f"on a CPU {self.submit_cpu_ms:.3f} ms of it")
+        gcs = ", ".join(f"generation {g}: {n:.1f} taking {ms:.2f} ms" for g, (n, ms) in sorted(self.gc_ms.items())) or "none"
+        head += f"\nPython's garbage collections a step (in whichever function allocated): {gcs}"
         cols = f"{'own ms':>9s} {'cum ms':>9s} {'calls':>9s} {'calls/attn':>10s}  function"
         row = lambda f: f"{f.own_ms:9.3f} {f.cum_ms:9.3f} {f.calls:9.0f} {f.calls / per:10.1f}  {f.name}"  # noqa: E731
         ours = sorted((f for f in self.functions if "writescope" in f.name), key=lambda f: -f.cum_ms)[:top]
@@ -69,7 +75,8 @@ class HostProfile:
 
     def to_json(self, top: int = 60) -> dict:
         return {"step_ms": self.step_ms, "steps": self.steps, "layer_calls": self.layer_calls, "thread_cpu_ms": self.thread_cpu_ms,
-                "submit_wall_ms": self.submit_wall_ms, "submit_cpu_ms": self.submit_cpu_ms,
+                "submit_wall_ms": self.submit_wall_ms, "submit_cpu_ms": self.submit_cpu_ms, "submit_total_ms": self.submit_total_ms,
+                "gc_ms": {str(g): v for g, v in self.gc_ms.items()},
                 "functions": [vars(f) for f in self.functions[:top]]}
 
 
@@ -122,18 +129,33 @@ def main_thread_profile(llm, prompt_token_ids: list[list[int]], steps: int = 3, 
             stamps.append(time.perf_counter())
             cpu.append(time.thread_time())
             w = getattr(decoder, "worker", None)
-            submits.append((w.submit_wall_ns, w.submit_cpu_ns) if w is not None else (0, 0))
+            submits.append((w.submit_wall_ns, w.submit_cpu_ns, w.submit_total_ns) if w is not None else (0, 0, 0))
             if len(stamps) <= steps:
                 prof.enable()
 
+    collected: dict[int, list[float]] = {}  # generation -> [collections, seconds] while profiling
+    gc_start = [0.0]
+
+    def on_gc(phase, info):
+        if not (stamps and len(stamps) <= steps):
+            return
+        if phase == "start":
+            gc_start[0] = time.perf_counter()
+        else:
+            c = collected.setdefault(info["generation"], [0, 0.0])
+            c[0] += 1
+            c[1] += time.perf_counter() - gc_start[0]
+
     cache.attend_begin = begin  # an instance attribute over the method, removed below
     llm.step_hook = on_step
+    gc.callbacks.append(on_gc)
     meter = getattr(llm, "other_work", None)  # profiled steps are slower than real ones: not to place later KV with
     try:
         with meter.paused() if meter is not None else nullcontext():
             llm.generate(prompt_token_ids=prompt_token_ids, sampling_params=SamplingParams(max_tokens=2 + skip + steps, ignore_eos=True))
     finally:
         prof.disable()
+        gc.callbacks.remove(on_gc)
         llm.step_hook = None
         del cache.attend_begin
     done = len(stamps) - 1
@@ -141,13 +163,14 @@ def main_thread_profile(llm, prompt_token_ids: list[list[int]], steps: int = 3, 
         return HostProfile(float("nan"), 0, 0.0)
     step_ms = statistics.median(b - a for a, b in zip(stamps, stamps[1:])) * 1e3
     thread_cpu_ms = statistics.median(b - a for a, b in zip(cpu, cpu[1:])) * 1e3
-    submit_wall, submit_cpu = ((submits[-1][k] - submits[0][k]) / 1e6 / done for k in (0, 1))
+    submit_wall, submit_cpu, submit_total = ((submits[-1][k] - submits[0][k]) / 1e6 / done for k in (0, 1, 2))
     if submits[-1] == submits[0]:  # no native job in the profiled steps
-        submit_wall = submit_cpu = float("nan")
+        submit_wall = submit_cpu = submit_total = float("nan")
     st = pstats.Stats(prof)
     funcs = [FunctionTime(_name(key), nc / done, tt * 1e3 / done, ct * 1e3 / done)
              for key, (_, nc, tt, ct, _) in st.stats.items()]  # type: ignore[attr-defined]
     funcs.sort(key=lambda f: -f.own_ms)
     buf = io.StringIO()
     pstats.Stats(prof, stream=buf).sort_stats("tottime").print_stats()
-    return HostProfile(step_ms, done, calls[0] / done, thread_cpu_ms, submit_wall, submit_cpu, funcs, buf.getvalue())
+    gcs = {g: (n / done, secs * 1e3 / done) for g, (n, secs) in collected.items()}
+    return HostProfile(step_ms, done, calls[0] / done, thread_cpu_ms, submit_wall, submit_cpu, submit_total, gcs, funcs, buf.getvalue())
