@@ -282,3 +282,42 @@ def test_attention_threads_from_the_environment(monkeypatch):
     monkeypatch.setenv("WRITESCOPE_CPU_THREADS", too_many)
     with pytest.raises(ValueError, match=f"WRITESCOPE_CPU_THREADS='{too_many}': use an integer from 1 to"):
         default_attention_threads(torch.device("cpu"))
+
+
+@pytest.mark.parametrize("budget_mib, layout", [(1, "mla"), (64, "mla"), (1, "gqa"), (64, "gqa")])
+def test_a_waiting_job_prereads_its_first_bytes_and_gives_the_same_results(monkeypatch, budget_mib, layout):
+    """WRITESCOPE_CPU_PREREAD: a job whose q has not come reads the first bytes it will read, up to
+    the budget (all of its KV when that is less: each K row once, MLA's values being its keys'
+    first columns), then waits; once q comes its results equal the inline call's."""
+    import time
+
+    monkeypatch.setenv("WRITESCOPE_CPU_PREREAD", str(budget_mib))
+    gen = torch.Generator().manual_seed(11)
+    w = NativeWorker(2, torch.device("cpu"))
+    try:
+        assert w.preread_bytes == budget_mib << 20
+        if layout == "mla":
+            q, kv = _batch([9000, 0, 15, 16, 17], gen)  # [1, n + 3, 64] latents: 1.16 MB of rows, more than 1 MiB
+            total = sum(((x[0].shape[1] - 1) * 64 + 64) * 2 for x in kv if x is not None)
+        else:
+            H, n = 2, 4097
+            q = torch.randn(3, H, 4, 64, generator=gen).bfloat16()
+            k = torch.randn(H, n, 64, generator=gen).bfloat16()
+            v = torch.randn(H, n, 48, generator=gen).bfloat16()
+            kv = [(k, v), None, (k[:, :1], v[:, :1])]
+            total = H * (n * 64 + n * 48) * 2 + H * (64 + 48) * 2  # 1.84 MB: keys, then values, per head
+        rows = [r for r, x in enumerate(kv) if x is not None]
+        flags = torch.zeros(2, dtype=torch.int32)
+        o = _out(q, kv[0][1].shape[2])
+        w._w.submit(q, [kv[r][0] for r in rows], [kv[r][1] for r in rows], rows, cpu_kernel.CHUNK, 0.125, -1, o[0], o[1], flags, 0, 1, 1, 1)
+        want = min(budget_mib << 20, total)
+        deadline = time.monotonic() + 60
+        while w.preread_total() < want and time.monotonic() < deadline:  # no q yet: the job reads ahead, then spins
+            time.sleep(0.01)
+        assert w.preread_total() == want and int(flags[1]) == 0  # read ahead exactly, nothing attended
+        flags[0] = 1  # q is there
+        assert cpu_kernel._extension().wait_flag(flags, 1, 1, 30.0)
+        ro, rl = cpu_kernel.attend(q, kv, 0.125, threads=2)
+        assert torch.equal(o[0], ro) and torch.equal(o[1], rl)
+    finally:
+        w.close()

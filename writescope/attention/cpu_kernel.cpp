@@ -472,6 +472,56 @@ static int64_t run_request(const Request& r) {
   return keys;
 }
 
+// The first `budget` bytes a request will read, in the order its threads take them (sequence by
+// sequence, each head's keys then its values; MLA's values are its keys' first columns, read once),
+// read once by its `r.threads` threads while its q has not arrived: the native worker's pre-read
+// (cpu_worker.h), which fills the caches with what the call reads first during the time it would
+// otherwise spin. Each thread reads its share in 64 KiB pieces and stops at the first piece after
+// `ready` reaches `value`. Returns the bytes read. Reads only: the call's results do not change.
+static int64_t preread(const Request& r, const volatile int32_t* ready, int32_t value, int64_t budget) {
+  const int64_t es = r.bf16 ? 2 : 4;
+  std::vector<const char*> base;
+  std::vector<int64_t> cum{0};
+  auto add = [&](const char* p, int64_t n) {
+    n = std::min(n, budget - cum.back());
+    if (n > 0) { base.push_back(p); cum.push_back(cum.back() + n); }
+  };
+  for (const SeqDesc& x : r.seqs) {
+    if (x.n == 0) continue;
+    for (int64_t h = 0; h < r.H && cum.back() < budget; ++h) {
+      const char* k = x.k + h * x.khs * es;
+      const int64_t kb = ((x.n - 1) * x.krs + r.dk) * es;
+      add(k, kb);
+      const char* v = x.v + h * x.vhs * es;
+      if (!(v >= k && v < k + kb)) add(v, ((x.n - 1) * x.vrs + r.dv) * es);
+    }
+    if (cum.back() >= budget) break;
+  }
+  const int64_t total = cum.back(), T = std::max<int64_t>(1, r.threads), piece = 64 << 10;
+  if (total == 0) return 0;
+  const bool wide = wsnative::cpu_avx512bf16();
+  int64_t done = 0;
+  uint64_t sink = 0;
+#pragma omp parallel num_threads(T) reduction(+ : done) reduction(^ : sink)
+  {
+    const int64_t n = omp_get_num_threads(), t = omp_get_thread_num();
+    int64_t a = total * t / n;
+    const int64_t e = total * (t + 1) / n;
+    size_t i = std::upper_bound(cum.begin(), cum.end(), a) - cum.begin() - 1;
+    while (a < e && (int32_t)((uint32_t)*ready - (uint32_t)value) < 0) {
+      const int64_t hi = std::min({e, a + piece, cum[i + 1]});
+      const char* p = base[i] + (a - cum[i]);
+      sink ^= wide ? wsnative::fold_avx512(p, hi - a) : wsnative::fold_plain(p, hi - a);
+      done += hi - a;
+      a = hi;
+      if (a == cum[i + 1]) ++i;
+    }
+  }
+  static volatile uint64_t keep;
+  keep = sink;  // the loads must happen
+  return done;
+}
+
 }  // namespace ws
 
 #include "cpu_worker.h"
@@ -521,7 +571,8 @@ static int32_t* flag_ptr(const at::Tensor& flags, int64_t index) {
 
 PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
   py::class_<Worker>(m, "Worker")
-      .def(py::init<int64_t, std::vector<int64_t>>(), py::arg("threads"), py::arg("cpus") = std::vector<int64_t>{})
+      .def(py::init<int64_t, std::vector<int64_t>, int64_t>(), py::arg("threads"), py::arg("cpus") = std::vector<int64_t>{},
+           py::arg("preread_bytes") = 0)
       .def("submit",
            [](Worker& w, at::Tensor q, std::vector<at::Tensor> ks, std::vector<at::Tensor> vs, std::vector<int64_t> rows, int64_t chunk,
               double scale, int64_t isa, at::Tensor out_o, at::Tensor out_lse, at::Tensor flags, int64_t ready_index, int32_t ready_value,
@@ -540,7 +591,8 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
       .def("set_trace", &Worker::set_trace, py::arg("on"))
       .def("take_trace", &Worker::take_trace)
       .def_property_readonly("threads", &Worker::threads)
-      .def_property_readonly("pinned", &Worker::pinned);
+      .def_property_readonly("pinned", &Worker::pinned)
+      .def_property_readonly("preread_total", &Worker::preread_total);
   m.def("wait_flag", [](at::Tensor flags, int64_t index, int32_t value, double timeout_s) { return wait_flag(flag_ptr(flags, index), value, timeout_s); },
         "wait (GIL released) until flags[index] reaches value; False after timeout_s", py::call_guard<py::gil_scoped_release>());
   // the GIL is released: the GPU part of the step is launched from the main thread meanwhile

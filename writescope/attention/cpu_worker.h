@@ -33,9 +33,12 @@ static inline bool reached(const volatile int32_t* flag, int32_t value) { return
 class Worker {
  public:
   // cpus: the CPUs the worker thread and its OpenMP team may run on (their threads inherit the worker
-  // thread's mask when they are made, on its first job); empty: wherever the process may
-  explicit Worker(int64_t threads, std::vector<int64_t> cpus = {})
-      : threads_(std::max<int64_t>(1, threads)), cpus_(std::move(cpus)), thread_([this] { loop(); }) {}
+  // thread's mask when they are made, on its first job); empty: wherever the process may.
+  // preread_bytes: while a job waits for its q, its team reads up to this many of the bytes it will
+  // read first (cpu_kernel.cpp, preread); 0: it only spins
+  explicit Worker(int64_t threads, std::vector<int64_t> cpus = {}, int64_t preread_bytes = 0)
+      : threads_(std::max<int64_t>(1, threads)), cpus_(std::move(cpus)), preread_bytes_(std::max<int64_t>(0, preread_bytes)),
+        thread_([this] { loop(); }) {}
   ~Worker() { close(); }
   Worker(const Worker&) = delete;
   Worker& operator=(const Worker&) = delete;
@@ -88,6 +91,7 @@ class Worker {
 
   int64_t threads() const { return threads_; }
   bool pinned() const { return pinned_.load(); }
+  int64_t preread_total() const { return preread_total_.load(); }  // bytes pre-read since the start
 
   // Record each job's times from now on (on) or stop (off; what was recorded stays until taken).
   void set_trace(bool on) { tracing_.store(on, std::memory_order_relaxed); }
@@ -149,6 +153,12 @@ class Worker {
       // q arrives within the layer: spin, then yield; the stop request read without the lock, which
       // the issuing thread takes to submit (a spinning waiter taking it each round held submit up)
       for (int64_t spins = 0; !reached(j.ready, j.ready_value); ++spins) {
+        if (spins == 1024 && preread_bytes_ > 0) {  // still no q after a short spin: read what the job reads first
+          try {
+            preread_total_ += preread(j.r, j.ready, j.ready_value, preread_bytes_);
+          } catch (const std::exception& e) {  // a failed pre-read costs nothing but its time
+          }
+        }
         if (spins > 4096) {
           if (stopping_.load(std::memory_order_acquire) && !reached(j.ready, j.ready_value)) { ready = false; break; }
           std::this_thread::yield();
@@ -196,6 +206,8 @@ class Worker {
 
   const int64_t threads_;
   const std::vector<int64_t> cpus_;
+  const int64_t preread_bytes_;
+  std::atomic<int64_t> preread_total_{0};
   std::atomic<bool> pinned_{false};
   std::atomic<bool> stopping_{false}, has_error_{false};
   std::mutex mu_;

@@ -53,6 +53,29 @@ def worker_cpus(threads: int) -> list[int]:
     return allowed[1:] if len(allowed) > 1 and threads <= len(allowed) - 1 else []
 
 
+PREREAD_ENV = "WRITESCOPE_CPU_PREREAD"
+
+
+def preread_from_env() -> int:
+    """``WRITESCOPE_CPU_PREREAD``: MiB of a queued job's KV its threads read while they wait for its
+    q (the bytes the job reads first, so that they are in the caches when it starts; cpu_kernel.cpp,
+    ``preread``), in bytes; unset or 0: none (the default), the worker only spins.
+
+    Raises:
+        ValueError: not an integer from 0 to 65536 (names the value).
+    """
+    raw = os.environ.get(PREREAD_ENV, "").strip()
+    if not raw:
+        return 0
+    try:
+        mib = int(raw)
+    except ValueError:
+        mib = -1
+    if not 0 <= mib <= 65536:
+        raise ValueError(f"{PREREAD_ENV}={raw!r}: use MiB from 0 (none, the default) to 65536")
+    return mib << 20
+
+
 def _int32(n: int) -> int:
     """n modulo 2^32, as a signed int32 (what the flags hold)."""
     return (n + 2**31) % 2**32 - 2**31
@@ -94,7 +117,8 @@ class NativeWorker:
         # the issuing thread's time in submit: in all (ns), in the native call (wall, on a CPU), and the calls
         self.submit_total_ns = self.submit_wall_ns = self.submit_cpu_ns = self.submits = 0
         self.cpus = worker_cpus(threads)
-        self._ext, self._w = ext, ext.Worker(threads, self.cpus)
+        self.preread_bytes = preread_from_env()
+        self._ext, self._w = ext, ext.Worker(threads, self.cpus, self.preread_bytes)
 
     @property
     def threads(self) -> int:
@@ -191,6 +215,10 @@ class NativeWorker:
         flag), and when it was done (recorded just before its done flag is set), in nanoseconds of ``time.perf_counter_ns``'s clock
         (CLOCK_MONOTONIC; C++ ``steady_clock`` on Linux). The last 65,536 are kept."""
         return [tuple(t) for t in self._w.take_trace()]
+
+    def preread_total(self) -> int:
+        """Bytes the worker's threads read ahead while jobs waited for their q, since the start."""
+        return int(self._w.preread_total)
 
     def totals(self) -> tuple[int, float, int]:
         """(jobs done, seconds attending, keys attended) since the start."""

@@ -38,12 +38,11 @@ from __future__ import annotations
 
 import statistics
 import time
-from contextlib import nullcontext
 from dataclasses import dataclass
 
 from torch.profiler import ProfilerActivity, profile, schedule
 
-from writescope.engine.sampling import SamplingParams
+from writescope.bench.profiled_steps import check_steps, run_decode_steps
 from writescope.engine.timing import synchronize
 
 WORKER_RANGES = ("attn.cpu_part",)
@@ -132,8 +131,7 @@ def decode_breakdown(llm, prompt_token_ids: list[list[int]], steps: int = 8, ski
     Raises:
         ValueError: steps < 1 or skip < 0; and whatever ``generate`` raises for the prompts.
     """
-    if steps < 1 or skip < 0:
-        raise ValueError(f"steps must be >= 1 and skip >= 0, got {steps}, {skip}")
+    check_steps(steps, skip)
     cuda = llm.device.type == "cuda"
     acts = [ProfilerActivity.CPU] + ([ProfilerActivity.CUDA] if cuda else [])
     stamps: list[float] = []
@@ -148,14 +146,7 @@ def decode_breakdown(llm, prompt_token_ids: list[list[int]], steps: int = 8, ski
 
     # step 0 holds the prefill and the first decode step: wait; then skip warm-up steps
     prof = profile(activities=acts, schedule=schedule(wait=1, warmup=skip, active=steps, repeat=1))
-    params = SamplingParams(max_tokens=2 + skip + steps, ignore_eos=True)
-    llm.step_hook = on_step
-    meter = getattr(llm, "other_work", None)  # profiled steps are slower than real ones: measured, they would place later KV
-    try:
-        with prof, meter.paused() if meter is not None else nullcontext():
-            llm.generate(prompt_token_ids=prompt_token_ids, sampling_params=params)
-    finally:
-        llm.step_hook = None
+    run_decode_steps(llm, prompt_token_ids, steps, skip, on_step, around=prof)
     if trace:
         prof.export_chrome_trace(trace)
     active = stamps[skip : skip + steps + 1]  # profiled step j runs from stamp j - 1 to stamp j

@@ -23,10 +23,9 @@ import io
 import pstats
 import statistics
 import time
-from contextlib import nullcontext
 from dataclasses import dataclass, field
 
-from writescope.engine.sampling import SamplingParams
+from writescope.bench.profiled_steps import check_steps, run_decode_steps
 from writescope.engine.timing import synchronize
 
 
@@ -104,22 +103,19 @@ def main_thread_profile(llm, prompt_token_ids: list[list[int]], steps: int = 3, 
     Raises:
         ValueError: steps < 1 or skip < 0; and whatever ``generate`` raises for the prompts.
     """
-    if steps < 1 or skip < 0:
-        raise ValueError(f"steps must be >= 1 and skip >= 0, got {steps}, {skip}")
+    check_steps(steps, skip)
     prof = cProfile.Profile()
     hooks = [0]  # decode steps finished (the first one holds the prefill)
     stamps: list[float] = []
     cpu: list[float] = []  # the main thread's CPU time at each stamp
-    submits: list[tuple[int, int]] = []  # the native worker's submit (wall, CPU) ns so far, at each stamp
+    submits: list[tuple[int, int, int]] = []  # the native worker's submit ns so far (native wall, native CPU, in all), at each stamp
     decoder = getattr(llm.cache, "decoder", None)
-    cache = llm.cache
     calls = [0]
-    inner = cache.attend_begin
+    profiling = lambda: bool(stamps) and len(stamps) <= steps  # noqa: E731 - between the first and the last stamp
 
-    def begin(layer_id, q, k, v, batch, *args, **kwargs):
-        if stamps and len(stamps) <= steps and all(n == 1 for n in batch.query_lens):
+    def on_attention():
+        if profiling():
             calls[0] += 1
-        return inner(layer_id, q, k, v, batch, *args, **kwargs)
 
     def on_step():
         prof.disable()  # the synchronisation that separates the steps is not the step's
@@ -137,7 +133,7 @@ def main_thread_profile(llm, prompt_token_ids: list[list[int]], steps: int = 3, 
     gc_start = [0.0]
 
     def on_gc(phase, info):
-        if not (stamps and len(stamps) <= steps):
+        if not profiling():
             return
         if phase == "start":
             gc_start[0] = time.perf_counter()
@@ -146,18 +142,12 @@ def main_thread_profile(llm, prompt_token_ids: list[list[int]], steps: int = 3, 
             c[0] += 1
             c[1] += time.perf_counter() - gc_start[0]
 
-    cache.attend_begin = begin  # an instance attribute over the method, removed below
-    llm.step_hook = on_step
     gc.callbacks.append(on_gc)
-    meter = getattr(llm, "other_work", None)  # profiled steps are slower than real ones: not to place later KV with
     try:
-        with meter.paused() if meter is not None else nullcontext():
-            llm.generate(prompt_token_ids=prompt_token_ids, sampling_params=SamplingParams(max_tokens=2 + skip + steps, ignore_eos=True))
+        run_decode_steps(llm, prompt_token_ids, steps, skip, on_step, on_attention=on_attention)
     finally:
         prof.disable()
         gc.callbacks.remove(on_gc)
-        llm.step_hook = None
-        del cache.attend_begin
     done = len(stamps) - 1
     if done < 1:
         return HostProfile(float("nan"), 0, 0.0)

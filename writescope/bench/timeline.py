@@ -44,10 +44,9 @@ from __future__ import annotations
 
 import statistics
 import time
-from contextlib import nullcontext
 from dataclasses import dataclass, field
 
-from writescope.engine.sampling import SamplingParams
+from writescope.bench.profiled_steps import check_steps, run_decode_steps
 from writescope.engine.timing import synchronize
 
 STORE, WAIT = "_store", "_wait"  # the flag kernels' names (attention/flag_kernels.py)
@@ -332,21 +331,12 @@ def decode_timeline(llm, prompt_token_ids: list[list[int]], steps: int = 3, skip
     """
     from torch.profiler import ProfilerActivity, profile, schedule
 
-    if steps < 1 or skip < 0:
-        raise ValueError(f"steps must be >= 1 and skip >= 0, got {steps}, {skip}")
+    check_steps(steps, skip)
     cuda = llm.device.type == "cuda"
-    cache = llm.cache
-    decoder = getattr(cache, "decoder", None)
+    decoder = getattr(llm.cache, "decoder", None)
     stamps: list[int] = []  # perf_counter_ns after each decode step (synchronised)
     issues: list[int] = []  # perf_counter_ns as the main thread enters each decode call's attention
     traced: list = []  # the native worker, once made (by the first decode step with a CPU part)
-    inner = cache.attend_begin
-
-    def begin(layer_id, q, k, v, batch, *args, **kwargs):
-        if all(n == 1 for n in batch.query_lens):
-            issues.append(time.perf_counter_ns())
-        return inner(layer_id, q, k, v, batch, *args, **kwargs)
-
     # the profiler's step 0 holds the prefill and the first decode step: wait; then skip warm-up steps
     prof = profile(activities=[ProfilerActivity.CUDA], schedule=schedule(wait=1, warmup=skip, active=steps, repeat=1)) if cuda else None
 
@@ -360,15 +350,9 @@ def decode_timeline(llm, prompt_token_ids: list[list[int]], steps: int = 3, skip
         if prof is not None:
             prof.step()
 
-    cache.attend_begin = begin  # an instance attribute over the method, removed below
-    llm.step_hook = on_step
-    meter = getattr(llm, "other_work", None)  # profiled steps: not to place later KV with (OtherWork.paused)
     try:
-        with prof if prof is not None else nullcontext(), meter.paused() if meter is not None else nullcontext():
-            llm.generate(prompt_token_ids=prompt_token_ids, sampling_params=SamplingParams(max_tokens=2 + skip + steps, ignore_eos=True))
+        run_decode_steps(llm, prompt_token_ids, steps, skip, on_step, on_attention=lambda: issues.append(time.perf_counter_ns()), around=prof)
     finally:
-        llm.step_hook = None
-        del cache.attend_begin
         recorded = traced[0].take_trace() if traced else []
         if traced:
             traced[0].trace(False)

@@ -17,7 +17,7 @@ import torch
 
 def readers() -> dict[str, Callable[[], object]]:
     """Switch name -> its reader (raises ValueError on a bad value)."""
-    from writescope.attention.cpu_worker import pin_wanted
+    from writescope.attention.cpu_worker import pin_wanted, preread_from_env
     from writescope.attention.split import _cpu_partial_in_place, _native_wanted, _own_load_stream
     from writescope.engine.threads import attention_threads_from_env
     from writescope.kvcache.huge_pages import huge_pages_wanted
@@ -48,6 +48,7 @@ def readers() -> dict[str, Callable[[], object]]:
         "WRITESCOPE_CPU_THREADS": attention_threads_from_env,
         "WRITESCOPE_CPU_PIN": pin_wanted,
         "WRITESCOPE_HUGE_PAGES": huge_pages_wanted,
+        "WRITESCOPE_CPU_PREREAD": preread_from_env,
     }
 
 
@@ -75,7 +76,7 @@ NAMES = ("WRITESCOPE_MICRO_BATCHES", "WRITESCOPE_MOE_KERNEL", "WRITESCOPE_LOAD_R
          "WRITESCOPE_GPU_ATTENTION", "WRITESCOPE_CUDA_GRAPHS", "WRITESCOPE_PREFILL_LOAD_STREAM", "WRITESCOPE_CPU_WORKER", "WRITESCOPE_CPU_PARTIAL",
          "WRITESCOPE_GPU_TILES", "WRITESCOPE_MLA_PREFILL", "WRITESCOPE_EXPERT_ISA", "WRITESCOPE_CPU_ATTENTION", "WRITESCOPE_CPU_ISA",
          "WRITESCOPE_CPU_TUNING", "WRITESCOPE_PINNED_POOL", "WRITESCOPE_CPU_THREADS", "WRITESCOPE_CPU_PIN",
-         "WRITESCOPE_HUGE_PAGES")
+         "WRITESCOPE_HUGE_PAGES", "WRITESCOPE_CPU_PREREAD")
 
 
 def check_switches() -> None:

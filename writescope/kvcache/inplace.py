@@ -30,6 +30,7 @@ from writescope.kvcache import pinned as pinned_memory
 from writescope.kvcache.prefill_writer import PrefillWriter
 from writescope.kvcache.sequence import SequenceKV, load_blocks_reserved, pinned_staging_bytes
 from writescope.kvcache.spec import PartitionSpec
+from writescope.scheduler.placement import micro_batched
 from writescope.scheduler.policies import COMPUTE, PlacementPolicy
 
 
@@ -209,7 +210,7 @@ class InplaceKVCache(KVCache):
         ``micro_batches`` is 2 (``WRITESCOPE_MICRO_BATCHES``; the default 1: never), else None. The
         split point balances the compute-region tokens the CPU attends in each half."""
         self._step_batch = 0
-        if self.micro_batches < 2 or len(batch.slots) < 2 or any(n != 1 for n in batch.query_lens):
+        if not micro_batched(self.micro_batches, len(batch.slots)) or any(n != 1 for n in batch.query_lens):
             return None
         cpu = [self._seqs[s].n_comp[0] for s in batch.slots]  # every layer places block j in the same region
         total = sum(cpu)

@@ -41,3 +41,11 @@ class PlacementPolicy:
 
     def __repr__(self) -> str:
         return self.name
+
+
+def micro_batched(micro_batches: int, batch: int) -> bool:
+    """Whether a decode step of ``batch`` sequences with a CPU part runs as two micro-batches when
+    ``micro_batches`` (``WRITESCOPE_MICRO_BATCHES``) are asked for: the one rule that
+    :meth:`~writescope.kvcache.inplace.InplaceKVCache.decode_groups` splits by and that the
+    roofline's balance assumes (with micro-batches the layer's other work overlaps the CPU part)."""
+    return micro_batches >= 2 and batch >= 2

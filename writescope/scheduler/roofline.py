@@ -54,7 +54,7 @@ from dataclasses import dataclass, field
 
 from writescope.kvcache.spec import Roofline
 from writescope.scheduler.joint import joint_split
-from writescope.scheduler.placement import PlacementPolicy
+from writescope.scheduler.placement import PlacementPolicy, micro_batched
 
 A_FLOOR = 0.1  # A is never estimated below this fraction of its calibrated value
 
@@ -197,7 +197,7 @@ class WriteScopePolicy(PlacementPolicy):
         o_link = self.other.link(self.batch) if o is not None else 0.0
         if X > 0:
             r, _ = joint_split(L, X, self.experts.costs())
-        elif o is not None and not (self.micro_batches >= 2 and self.batch >= 2):  # as InplaceKVCache.decode_groups splits
+        elif o is not None and not micro_batched(self.micro_batches, self.batch):  # as InplaceKVCache.decode_groups splits
             r = roofline_share(L, a, rf.b, rf.c_cpu + o, rf.c_gpu + o_link)
         else:
             r = roofline_share(L, a, rf.b, rf.c_cpu, rf.c_gpu)
