@@ -7,12 +7,17 @@ import json
 
 import pytest
 
+from writescope.attention import cpu_kernel
 from writescope.cli.main import main
 
 
-def test_host_profile_counts_the_attention_calls_of_each_step(tmp_path, capsys):
+@pytest.mark.skipif(not cpu_kernel.kernel_available(), reason="no C++ compiler for the CPU attention kernel (no native worker)")
+def test_host_profile_counts_the_attention_calls_of_each_step(tmp_path, capsys, monkeypatch):
     """Per step, one decode attention call per layer (two per layer with two micro-batches), and
-    the decoder's begin among the functions with as many calls; the listing written."""
+    the decoder's begin among the functions with as many calls; the native worker's submits timed;
+    the listing written."""
+    monkeypatch.delenv("WRITESCOPE_CPU_ATTENTION", raising=False)
+    monkeypatch.delenv("WRITESCOPE_CPU_WORKER", raising=False)
     out, txt = tmp_path / "p.json", tmp_path / "host.txt"
     rc = main(["profile", "--model", "tiny-deepseek-v2", "--batch", "2", "--context", "300", "--window", "16",
                "--policy", "static:0.5,static:0.5@WRITESCOPE_MICRO_BATCHES=2", "--steps", "2", "--skip", "1",

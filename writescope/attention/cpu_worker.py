@@ -114,15 +114,22 @@ class NativeWorker:
         self.seq = 0  # jobs submitted (unbounded; the flags hold it modulo 2^32)
         self._inflight: deque = deque()  # (flag value, tensors the job reads or writes) until its done flag
         self._batch: dict[int, int] = {}  # flag value -> the job's batch size, for take_done
-        # the issuing thread's time in submit: in all (ns), in the native call (wall, on a CPU), and the calls
-        self.submit_total_ns = self.submit_wall_ns = self.submit_cpu_ns = self.submits = 0
-        self.cpus = worker_cpus(threads)
+        # the issuing thread's time in submit: in all and in the native call (ns), and the calls
+        self.submit_total_ns = self.submit_wall_ns = self.submits = 0
+        self.cpus = worker_cpus(threads)  # asked for; whether the OS agreed: `pinned`
         self.preread_bytes = preread_from_env()
         self._ext, self._w = ext, ext.Worker(threads, self.cpus, self.preread_bytes)
 
     @property
     def threads(self) -> int:
         return self._w.threads
+
+    @property
+    def pinned(self) -> bool:
+        """The worker thread runs on ``cpus`` (False until it has started, where none were asked
+        for, or where the OS refused the list; ``OMP_PROC_BIND`` / ``GOMP_CPU_AFFINITY`` make
+        OpenMP bind its team itself)."""
+        return bool(self._w.pinned)
 
     def submit(self, q: torch.Tensor, kv: list, scale: float, out: tuple[torch.Tensor, torch.Tensor]) -> int:
         """Queue one layer: ``q [B, kv_heads, G, dk]`` (host memory; on CUDA being copied there on
@@ -145,11 +152,10 @@ class NativeWorker:
         try:
             if self.cuda:
                 self._kernels.store_flag(self._flags_dev, _FLAG_READY, value)
-            t0, c0 = time.perf_counter_ns(), time.thread_time_ns()
+            t0 = time.perf_counter_ns()  # (about 50 ns; the thread's CPU clock would be a system call)
             self._w.submit(q, [kv[i][0] for i in rows], [kv[i][1] for i in rows], rows, cpu_kernel.CHUNK, float(scale),
                            cpu_kernel.requested_path(), out[0], out[1], self.flags, _FLAG_READY, value, _FLAG_DONE, value)
             self.submit_wall_ns += time.perf_counter_ns() - t0
-            self.submit_cpu_ns += time.thread_time_ns() - c0
             self.submits += 1
         except BaseException:
             self._inflight.pop()

@@ -564,9 +564,9 @@ class SplitDecoder:
                 start += total
         finally:
             if own:  # decode_end's merge waits for it (after an error part-way, so does abandon)
+                torch.cuda.set_stream(home)  # first: the compute stream current again whatever the record does
                 self._load_done = torch.cuda.Event()
                 self._load_done.record(cur)
-                torch.cuda.set_stream(home)
         return None if plan is not None else merge_segments(o_blk, lse_blk, ids, B)
 
     def _load_in_place(self, qg, sources, scale, evict_stream, plan=None, layer=0):

@@ -10,9 +10,14 @@ its cumulative time (``cumtime``), per call. It slows pure-Python code by about 
 shares and the call counts, not the absolute milliseconds; the step's wall time under the profiler
 is reported next to them.
 
-Only the decode steps after ``skip`` warm-up steps are profiled, and only the main thread (the
-native CPU worker is C++; a Python thread pool's thread is not profiled). The synchronisation
-after each step (taken to separate the steps) is left out.
+Only the decode steps after ``skip`` warm-up steps are profiled. The native CPU worker is C++ and
+never appears; with ``WRITESCOPE_CPU_WORKER=python`` the thread pool's thread does on Python 3.12
+and later, whose cProfile (built on ``sys.monitoring``) sees every thread, merged into the same
+listing (3.11's sees the thread that enabled it only); the garbage collections counted are the
+process's. The synchronisation after each step (taken to separate the steps) is left out. In the
+H200 runs (Python 3.12) the listing had no entry for a pybind11 method's call, whose time then
+counts as its caller's own, so the native worker's submit is also timed around its call
+(``submit_total_ms``, ``submit_wall_ms``).
 """
 
 from __future__ import annotations
@@ -48,8 +53,7 @@ class HostProfile:
     steps: int
     layer_calls: float  # decode attention calls per step (layers, times micro-batches)
     thread_cpu_ms: float = float("nan")  # median CPU time of the main thread in a step (its wall time less time off a CPU)
-    submit_wall_ms: float = float("nan")  # per step: the native worker's submit calls, wall time on the main thread
-    submit_cpu_ms: float = float("nan")  # ... and the main thread's CPU time in them (less: it was off a CPU, or blocked)
+    submit_wall_ms: float = float("nan")  # per step: the native worker's native submit calls, wall time on the main thread
     submit_total_ms: float = float("nan")  # per step: the worker's submit method in all, timed without cProfile's attribution
     gc_ms: dict = field(default_factory=dict)  # per step: Python's garbage collections by generation, (collections, ms)
     functions: list[FunctionTime] = field(default_factory=list)  # by own time, largest first
@@ -62,8 +66,7 @@ class HostProfile:
                 f"{self.thread_cpu_ms:.2f} ms of it, {self.layer_calls:.0f} decode attention calls a step; ms and calls per step, "
                 f"and per call of the attention")
         if self.submit_wall_ms == self.submit_wall_ms:  # not nan: the native worker took jobs
-            head += (f"\nnative worker's submit: {self.submit_total_ms:.3f} ms a step in all; its native call {self.submit_wall_ms:.3f} ms, "
-                     f"on a CPU {self.submit_cpu_ms:.3f} ms of it")
+            head += f"\nnative worker's submit: {self.submit_total_ms:.3f} ms a step in all, its native call {self.submit_wall_ms:.3f} ms"
         gcs = ", ".join(f"generation {g}: {n:.1f} taking {ms:.2f} ms" for g, (n, ms) in sorted(self.gc_ms.items())) or "none"
         head += f"\nPython's garbage collections a step (in whichever function allocated): {gcs}"
         cols = f"{'own ms':>9s} {'cum ms':>9s} {'calls':>9s} {'calls/attn':>10s}  function"
@@ -74,7 +77,7 @@ class HostProfile:
 
     def to_json(self, top: int = 60) -> dict:
         return {"step_ms": self.step_ms, "steps": self.steps, "layer_calls": self.layer_calls, "thread_cpu_ms": self.thread_cpu_ms,
-                "submit_wall_ms": self.submit_wall_ms, "submit_cpu_ms": self.submit_cpu_ms, "submit_total_ms": self.submit_total_ms,
+                "submit_wall_ms": self.submit_wall_ms, "submit_total_ms": self.submit_total_ms,
                 "gc_ms": {str(g): v for g, v in self.gc_ms.items()},
                 "functions": [vars(f) for f in self.functions[:top]]}
 
@@ -108,7 +111,7 @@ def main_thread_profile(llm, prompt_token_ids: list[list[int]], steps: int = 3, 
     hooks = [0]  # decode steps finished (the first one holds the prefill)
     stamps: list[float] = []
     cpu: list[float] = []  # the main thread's CPU time at each stamp
-    submits: list[tuple[int, int, int]] = []  # the native worker's submit ns so far (native wall, native CPU, in all), at each stamp
+    submits: list[tuple[int, int]] = []  # the native worker's submit ns so far (its native call, in all), at each stamp
     decoder = getattr(llm.cache, "decoder", None)
     calls = [0]
     profiling = lambda: bool(stamps) and len(stamps) <= steps  # noqa: E731 - between the first and the last stamp
@@ -125,7 +128,7 @@ def main_thread_profile(llm, prompt_token_ids: list[list[int]], steps: int = 3, 
             stamps.append(time.perf_counter())
             cpu.append(time.thread_time())
             w = getattr(decoder, "worker", None)
-            submits.append((w.submit_wall_ns, w.submit_cpu_ns, w.submit_total_ns) if w is not None else (0, 0, 0))
+            submits.append((w.submit_wall_ns, w.submit_total_ns) if w is not None else (0, 0))
             if len(stamps) <= steps:
                 prof.enable()
 
@@ -153,9 +156,9 @@ def main_thread_profile(llm, prompt_token_ids: list[list[int]], steps: int = 3, 
         return HostProfile(float("nan"), 0, 0.0)
     step_ms = statistics.median(b - a for a, b in zip(stamps, stamps[1:])) * 1e3
     thread_cpu_ms = statistics.median(b - a for a, b in zip(cpu, cpu[1:])) * 1e3
-    submit_wall, submit_cpu, submit_total = ((submits[-1][k] - submits[0][k]) / 1e6 / done for k in (0, 1, 2))
+    submit_wall, submit_total = ((submits[-1][k] - submits[0][k]) / 1e6 / done for k in (0, 1))
     if submits[-1] == submits[0]:  # no native job in the profiled steps
-        submit_wall = submit_cpu = submit_total = float("nan")
+        submit_wall = submit_total = float("nan")
     st = pstats.Stats(prof)
     funcs = [FunctionTime(_name(key), nc / done, tt * 1e3 / done, ct * 1e3 / done)
              for key, (_, nc, tt, ct, _) in st.stats.items()]  # type: ignore[attr-defined]
@@ -163,4 +166,4 @@ def main_thread_profile(llm, prompt_token_ids: list[list[int]], steps: int = 3, 
     buf = io.StringIO()
     pstats.Stats(prof, stream=buf).sort_stats("tottime").print_stats()
     gcs = {g: (n / done, secs * 1e3 / done) for g, (n, secs) in collected.items()}
-    return HostProfile(step_ms, done, calls[0] / done, thread_cpu_ms, submit_wall, submit_cpu, submit_total, gcs, funcs, buf.getvalue())
+    return HostProfile(step_ms, done, calls[0] / done, thread_cpu_ms, submit_wall, submit_total, gcs, funcs, buf.getvalue())

@@ -4,7 +4,13 @@ The CPU half reads each sequence's compute region, tens of megabytes per layer, 
 With 4 KiB pages every 4 KiB of it needs its own TLB entry; asking the kernel for 2 MiB pages
 (``madvise(MADV_HUGEPAGE)`` on an anonymous mapping, used where
 ``/sys/kernel/mm/transparent_hugepage/enabled`` is ``madvise`` or ``always``) cuts the page walks
-of that read 512-fold. Whether it pays is measured (benchmarks/results/gpu_decode_h200.md).
+of that read 512-fold. Whether it pays is measured (benchmarks/results/gpu_decode_h200.md, run 31:
+not in whole steps, so it is off by default).
+
+Memory: each (layer, part, kv head) stretch of a compute region fills from its start, and the
+kernel may commit a whole 2 MiB page for a stretch's first bytes, so a sequence can hold up to
+2 MiB x layers x parts x kv_heads more than its tokens need (54 MiB for DeepSeek-V2-Lite's 27
+latent stretches, 0.84 GiB at batch 16), which the host-memory check does not count.
 """
 
 from __future__ import annotations
@@ -56,5 +62,9 @@ def compute_empty(shape: tuple[int, ...], dtype: torch.dtype) -> torch.Tensor:
         m = mmap.mmap(-1, nbytes, flags=mmap.MAP_PRIVATE | mmap.MAP_ANONYMOUS)
     except OSError as e:
         raise RuntimeError(f"cannot map {nbytes / 2**30:.3f} GiB of host memory for a compute region {tuple(shape)} {dtype}: {e}") from e
-    m.madvise(mmap.MADV_HUGEPAGE)
+    try:
+        m.madvise(mmap.MADV_HUGEPAGE)
+    except OSError:  # a kernel without transparent huge pages: torch's allocator, as with the switch off
+        m.close()
+        return torch.empty(shape, dtype=dtype)
     return torch.frombuffer(m, dtype=dtype, count=nbytes // dtype.itemsize).view(shape)  # keeps the mapping alive
