@@ -16,6 +16,8 @@ def no_work(monkeypatch):
     import writescope.checkpoint.synthetic as synthetic
     import writescope.engine.llm as llm
 
+    writescope.LLM  # noqa: B018 - the package's lazy names resolved (and kept) before the patch, not to the stand-in below
+
     def loaded(*a, **k):
         raise AssertionError("the work started before the output path was checked")
 
@@ -147,3 +149,19 @@ def test_the_readme_s_first_command_runs(capsys):
     argv = first.split("&& writescope ", 1)[1].split()
     assert main(argv) == 0
     assert "TPOT" in capsys.readouterr().out
+
+
+@pytest.mark.parametrize("argv, says", [
+    (["generate", "--model", "tiny-qwen3-moe", "--machine-text", "2k,8k"], "--machine-text takes one token count, e.g. 32k or 2048; got '2k,8k'"),
+    (["generate", "--model", "tiny-qwen3-moe", "--machine-text", "2x"], "--machine-text '2x' is not a token count: use e.g. 32k or 2048"),
+    (["profile", "--model", "tiny-qwen3-moe", "--context", "1k,2k"], "--context takes one token count"),
+    (["profile", "--model", "tiny-qwen3-moe", "--batch", "1", "--context", "9k"],
+     "--context 9,216: with --skip 2 and --steps 8 a request reaches 9,228 tokens (12 generated), beyond the 8,192 positions "
+     "of tiny-qwen3-moe: use a --context of at most 8,180"),
+    (["generate", "--model", "tiny-qwen3-moe", "--prompt", "hi", "--top-p", "0.5"], "--top-p 0.5 samples, but --temperature 0 decodes greedily"),
+])
+def test_a_flag_a_run_cannot_use_is_refused_before_the_model_loads(no_work, capsys, argv, says):
+    """One token count where a list was given, profile's context past the model's positions with
+    its generated steps, and --top-p without a temperature: each names the flag and what to do."""
+    assert main(argv + ["--quiet"]) == 2
+    assert says in capsys.readouterr().err

@@ -285,3 +285,18 @@ def test_a_bad_switch_fails_before_the_weights_load(name, bad, monkeypatch):
     monkeypatch.setenv(name, bad)
     with pytest.raises(ValueError, match=f"{name}='{bad}'"):
         LLM("tiny-qwen3-moe", policy="resident", progress=False)
+
+
+def test_a_misspelt_switch_is_named_with_the_switch_it_resembles(monkeypatch):
+    """A WRITESCOPE_* variable no part reads has no effect: the engine's check warns, naming the
+    switch it resembles; WRITESCOPE_API_KEY (serve's key) is no switch but is read."""
+    from writescope.engine.switches import check_switches, unknown_switches
+
+    env = {"WRITESCOPE_CPU_THREAD": "1", "WRITESCOPE_API_KEY": "k", "WRITESCOPE_ZZZ": "1", "HOME": "/"}
+    assert unknown_switches(env) == ["WRITESCOPE_CPU_THREAD (did you mean WRITESCOPE_CPU_THREADS?)", "WRITESCOPE_ZZZ"]
+    for name in list(__import__("os").environ):
+        if name.startswith("WRITESCOPE_"):
+            monkeypatch.delenv(name)
+    monkeypatch.setenv("WRITESCOPE_MICRO_BATCHE", "2")
+    with pytest.warns(UserWarning, match=r"WRITESCOPE_MICRO_BATCHE \(did you mean WRITESCOPE_MICRO_BATCHES\?\)"):
+        check_switches()

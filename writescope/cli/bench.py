@@ -49,19 +49,24 @@ def add_parser(sub) -> None:
     p.set_defaults(run=run, flags={"max_batch": "--batch", "prompt_token_ids": "--context", "max_model_len": "--context"})
 
 
-def parse_tokens(text: str, flag: str = "token count") -> list[int]:
-    """``"2k,8k,300"`` -> ``[2048, 8192, 300]``; ``flag`` names the option in errors.
+def parse_tokens(text: str, flag: str = "token count", one: bool = False) -> list[int]:
+    """``"2k,8k,300"`` -> ``[2048, 8192, 300]``; ``flag`` names the option in errors; ``one``: the
+    option takes a single count (a list is refused).
 
     Raises:
-        ValueError: an entry that is not a positive integer with an optional k suffix.
+        ValueError: an entry that is not a positive integer with an optional k suffix; with
+            ``one``, more than one entry.
     """
+    example = "32k or 2048" if one else "2k,8k or 2048"
+    if one and "," in text:
+        raise ValueError(f"{flag} takes one token count, e.g. {example}; got {text!r}")
     out = []
     for part in text.split(","):
         t = part.strip().lower()
         try:
             n = int(float(t[:-1]) * 1024) if t.endswith("k") else int(t)
         except ValueError:
-            raise ValueError(f"{flag} {part!r} is not a token count: use e.g. 2k,8k or 2048") from None
+            raise ValueError(f"{flag} {part!r} is not a token count: use e.g. {example}") from None
         if n < 1:
             raise ValueError(f"{flag} must be >= 1, got {part!r}")
         out.append(n)

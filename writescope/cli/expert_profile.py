@@ -35,7 +35,7 @@ def run(args: argparse.Namespace) -> int:
     check_output_file(args.out, "--out")
     tokens = None
     if args.prompt_file is None:
-        (tokens,) = parse_tokens(args.machine_text, "--machine-text")
+        (tokens,) = parse_tokens(args.machine_text, "--machine-text", one=True)
     elif not args.prompt_file.is_file():
         raise ValueError(f"--prompt-file {args.prompt_file}: no such file")
     if args.prefill_chunk_tokens < 1:

@@ -66,7 +66,7 @@ def add_parser(sub) -> None:
                         "static:R (CPU share R in [0,1]), writescope (roofline share with online feedback; calibrates "
                         "once per machine), monolithic[:R] (the one-state baseline); default resident (nothing measured first; plan and profile default to writescope)")
     p.add_argument("--window", type=int, default=256, help="D: tokens of the D-window and of one KV block (default 256)")
-    p.add_argument("--cpu-threads", type=int, default=None, help="threads for CPU attention (default: all torch threads, less one with CUDA)")
+    p.add_argument("--cpu-threads", type=int, default=None, help="threads for CPU attention, 1 to the CPUs this process may use (default: WRITESCOPE_CPU_THREADS when set, else all torch threads, less one with CUDA)")
     p.add_argument("--expert-threads", type=int, default=None, help="threads for routed experts in host memory (default: all torch threads)")
     p.add_argument("--vram-budget", default=None, help="device memory the run may use, e.g. 32GiB (routed experts beyond it go to the CPU)")
     add_stream_share_flag(p)
@@ -112,6 +112,9 @@ def run(args: argparse.Namespace) -> int:
         if value is not None and value < 1:
             raise ValueError(f"{flag} must be >= 1, got {value}")
     check_stream_share(args)
+    if 0 < args.top_p < 1 and args.temperature == 0:  # (a top-p outside (0, 1] gets SamplingParams's range message)
+        raise ValueError(f"--top-p {args.top_p} samples, but --temperature 0 decodes greedily: give a --temperature above 0 "
+                         "too, or leave --top-p out")
     check_output_file(args.output_json, "--output-json")  # before the model loads, not after the run
     params = [
         SamplingParams(max_tokens=args.max_new_tokens, temperature=args.temperature, top_p=args.top_p, seed=args.seed + i,
@@ -123,7 +126,7 @@ def run(args: argparse.Namespace) -> int:
     if args.machine_text is not None:
         from writescope.cli.bench import parse_tokens
 
-        (machine_tokens,) = parse_tokens(args.machine_text, "--machine-text")
+        (machine_tokens,) = parse_tokens(args.machine_text, "--machine-text", one=True)
     elif (prompts is not None and not prompts[0]) or (prompt_ids is not None and not prompt_ids[0]):
         raise ValueError("the prompt is empty: give at least one token (--prompt, --prompt-file or --prompt-ids)")
     max_model_len = args.max_model_len
@@ -214,7 +217,9 @@ def format_r_trace(trace: list[dict], lines: int = 8) -> str:
         return f"  host experts streamed {p['experts_streamed']}, on the CPU {p['experts_cpu']}" if "experts_streamed" in p else ""
 
     rows = [f"  step {p['step']:>5}  L {p['L']:>10,.0f}  target r(L) {f(p['target'])}  placed {f(p['deployed'])}{experts(p)}" for p in pick]
-    return "r(L) trace (mean placed tokens per sequence L)\n" + "\n".join(rows)
+    return ("r(L) trace (mean placed tokens per sequence L; target: the CPU share new blocks are placed at now; placed: the share "
+            "of the placed tokens in the compute region, where each block stays from its placement on, so it can differ from "
+            "today's target)\n" + "\n".join(rows))
 
 
 def format_timings(outs, policy: str = "resident", cpu_attention: str | None = None, decode_host=None) -> str:

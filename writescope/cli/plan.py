@@ -56,7 +56,7 @@ def run(args: argparse.Namespace) -> int:
         budget = parse_size(args.vram_budget)
     except ValueError as e:
         raise ValueError(f"--vram-budget: {e}") from None
-    (context,) = parse_tokens(args.context, "--context")
+    (context,) = parse_tokens(args.context, "--context", one=True)
     for flag, value in (("--batch", args.batch), ("--window", args.window), ("--max-new-tokens", args.max_new_tokens)):
         if value < 1:
             raise ValueError(f"{flag} must be >= 1, got {value}")

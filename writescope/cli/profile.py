@@ -65,7 +65,7 @@ def run(args: argparse.Namespace) -> int:
     from writescope.kvcache.spec import Roofline
     from writescope.scheduler.policies import parse_policy
 
-    (context,) = parse_tokens(args.context, "--context")
+    (context,) = parse_tokens(args.context, "--context", one=True)
     if args.batch < 1 or args.steps < 1 or args.skip < 0:
         raise ValueError(f"--batch and --steps must be >= 1 and --skip >= 0, got {args.batch}, {args.steps}, {args.skip}")
     entries = [e.strip() for e in args.policy.split(",") if e.strip()]
@@ -89,6 +89,12 @@ def run(args: argparse.Namespace) -> int:
         if importlib.util.find_spec("matplotlib") is None:
             raise ValueError("--timeline plots with matplotlib: pip install matplotlib (or the project's [plot] extra)")
     check_stream_share(args)
+    extra = 2 + args.skip + args.steps  # the tokens the profiled run generates per request
+    limit = capped_model_len(args.model, 2**62, args.num_layers, args.synthetic)  # the model's positions (its config only)
+    if context + extra > limit:  # before the weights load
+        raise ValueError(f"--context {context:,}: with --skip {args.skip} and --steps {args.steps} a request reaches "
+                         f"{context + extra:,} tokens ({extra} generated), beyond the {limit:,} positions of {args.model}: "
+                         f"use a --context of at most {limit - extra:,}")
     check_output_file(args.output_json, "--output-json")  # before the model loads, not after the run
     for entry in entries:
         check_output_file(_suffixed(args.trace, entry, many), "--trace")

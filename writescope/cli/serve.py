@@ -35,7 +35,7 @@ def add_parser(sub) -> None:
     p.add_argument("--policy", default="resident",
                    help="KV placement: resident, gpu, cpu, static:R, writescope, monolithic[:R] (see writescope generate)")
     p.add_argument("--window", type=int, default=256, help="D: tokens of the D-window and of one KV block (default 256)")
-    p.add_argument("--cpu-threads", type=int, default=None, help="threads for CPU attention")
+    p.add_argument("--cpu-threads", type=int, default=None, help="threads for CPU attention (default: WRITESCOPE_CPU_THREADS when set, else all torch threads, less one with CUDA)")
     p.add_argument("--expert-threads", type=int, default=None, help="threads for routed experts in host memory")
     p.add_argument("--vram-budget", default=None,
                    help="device memory the server may use, e.g. 32GiB (planned for --max-num-seqs sequences of --max-model-len)")

@@ -132,8 +132,7 @@ class LLM:
         check_switches()  # every WRITESCOPE_* switch, whatever the policy uses, before anything is built
         if window < 1:
             raise ArgError(f"window (D) must be >= 1 token, got {window}", "window")
-        if cpu_threads is not None and cpu_threads < 1:
-            raise ArgError(f"cpu_threads must be >= 1, got {cpu_threads}", "cpu_threads")
+        _check_cpu_threads(cpu_threads)
         if expert_threads is not None and expert_threads < 1:
             raise ArgError(f"expert_threads must be >= 1, got {expert_threads}", "expert_threads")
         self._expert_share_fixed = expert_stream_share is not None  # else `writescope` splits host experts each step
@@ -228,8 +227,7 @@ class LLM:
         """
         window = window if window is not None else getattr(self, "window", DEFAULT_WINDOW)
         cpu_threads = cpu_threads if cpu_threads is not None else getattr(self, "cpu_threads", None)
-        if cpu_threads is not None and cpu_threads < 1:
-            raise ArgError(f"cpu_threads must be >= 1, got {cpu_threads}", "cpu_threads")
+        _check_cpu_threads(cpu_threads)
         is_adaptive = policy.strip().lower() in ("writescope", "monolithic")
         if is_adaptive and roofline is None:
             roofline = self.roofline(window, cpu_threads)
@@ -463,3 +461,17 @@ def peak_memory(device: torch.device) -> int:
     if device.type == "cuda":
         return torch.cuda.max_memory_allocated(device)
     return resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024
+
+
+def _check_cpu_threads(cpu_threads: int | None) -> None:
+    """The CPU attention's thread count, when given: 1 to the CPUs this process may use (as
+    ``WRITESCOPE_CPU_THREADS``, which a given count overrides).
+
+    Raises:
+        ArgError: outside that range (names it).
+    """
+    if cpu_threads is None:
+        return
+    cpus = len(os.sched_getaffinity(0))
+    if not 1 <= cpu_threads <= cpus:
+        raise ArgError(f"cpu_threads must be 1 to {cpus} (the CPUs this process may use), got {cpu_threads}", "cpu_threads")

@@ -79,11 +79,37 @@ NAMES = ("WRITESCOPE_MICRO_BATCHES", "WRITESCOPE_MOE_KERNEL", "WRITESCOPE_LOAD_R
          "WRITESCOPE_HUGE_PAGES", "WRITESCOPE_CPU_PREREAD")
 
 
+OTHER_NAMES = ("WRITESCOPE_API_KEY",)  # read elsewhere (writescope serve's --api-key default), not a switch
+
+
+def unknown_switches(environ=None) -> list[str]:
+    """``WRITESCOPE_*`` variables set in ``environ`` (default ``os.environ``) that no part of the
+    runtime reads (a misspelt switch has no effect), each with a close known name where there is
+    one: ``"WRITESCOPE_CPU_THREAD (did you mean WRITESCOPE_CPU_THREADS?)"``."""
+    import difflib
+    import os
+
+    env = os.environ if environ is None else environ
+    known = set(NAMES) | set(OTHER_NAMES)
+    out = []
+    tails = sorted(k[len("WRITESCOPE_"):] for k in known)  # compared without the prefix every name shares
+    for name in sorted(n for n in env if n.startswith("WRITESCOPE_") and n not in known):
+        close = difflib.get_close_matches(name[len("WRITESCOPE_"):], tails, n=1)
+        out.append(f"{name} (did you mean WRITESCOPE_{close[0]}?)" if close else name)
+    return out
+
+
 def check_switches() -> None:
-    """Read every switch of :func:`readers` once.
+    """Read every switch of :func:`readers` once, and warn of ``WRITESCOPE_*`` variables that are
+    no switch (:func:`unknown_switches`).
 
     Raises:
         ValueError: the first bad value (the reader's message: variable, value, choices).
     """
     for read in readers().values():
         read()
+    unknown = unknown_switches()
+    if unknown:
+        import warnings
+
+        warnings.warn(f"not a WriteScope switch, so it has no effect: {', '.join(unknown)} (the switches: README.md)", stacklevel=3)

@@ -95,8 +95,15 @@ def parse_policy(text: str, roofline=None) -> PlacementPolicy | None:
     t = text.strip().lower()
     if t == "resident":
         return None
+    if "@" in t:
+        raise ValueError(f"policy {text!r}: @switches (POLICY@NAME=VALUE) are for bench and profile rows; "
+                         f"here set the switch in the environment instead (e.g. {text.split('@', 1)[1].split('+')[0].strip()} before the command) "
+                         f"and give the policy alone ({text.split('@', 1)[0].strip()!r})")
     if t.startswith("monolithic:"):
-        inner = parse_policy("static:" + t.split(":", 1)[1])
+        try:
+            inner = parse_policy("static:" + t.split(":", 1)[1])
+        except ValueError:
+            raise ValueError(f"policy {text!r}: R must be a number in [0, 1] (e.g. monolithic:0.5); policies: {POLICY_NAMES}") from None
         assert inner is not None
         return MonolithicPolicy(inner)
     if t in ("writescope", "monolithic"):
