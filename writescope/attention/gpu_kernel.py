@@ -213,9 +213,21 @@ def tile_settings() -> dict[str, dict[str, int]]:
     return out
 
 
+_TILES_MADE: dict[tuple, dict] = {}  # (dk, dv, parts, G, WRITESCOPE_GPU_TILES) -> _tiles' settings: a launch reads them, not the parse
+
+
 def _tiles(dk: int, dv: int, parts: int, G: int) -> dict:
     """Launch settings for a head shape: BLOCK_N keys per step, and whether MLA's values reuse the
-    loaded key tile (V_IN_K: only when the values are exactly the key's power-of-two main part)."""
+    loaded key tile (V_IN_K: only when the values are exactly the key's power-of-two main part).
+    Kept per shape and ``WRITESCOPE_GPU_TILES`` text (every launch asks; parsing took tens of us)."""
+    key = (dk, dv, parts, G, os.environ.get("WRITESCOPE_GPU_TILES", ""))
+    hit = _TILES_MADE.get(key)
+    if hit is None:
+        hit = _TILES_MADE[key] = _make_tiles(dk, dv, parts, G)
+    return hit
+
+
+def _make_tiles(dk: int, dv: int, parts: int, G: int) -> dict:
     dk_a, dk_b = _pow2_split(dk)
     t = tile_settings()["wide" if dk_a + dk_b > 256 else "narrow"]
     v_in_k = bool(t["V_IN_K"]) and parts == 1 and dv == dk_a and dv <= dk

@@ -136,6 +136,7 @@ class SplitDecoder:
     def __init__(self, spec: PartitionSpec, device: torch.device, cpu_threads: int | None = None, cpu_inline: bool = False):
         self.spec, self.device, self.cpu_inline = spec, device, cpu_inline
         self.cuda = device.type == "cuda"
+        self._index = (device.index if device.index is not None else torch.cuda.current_device()) if self.cuda else None
         self.cpu_threads = cpu_threads or default_attention_threads(device)
         # the worker sets its own intra-op thread count (OpenMP settings are per thread)
         self.pool = ThreadPoolExecutor(1, "writescope-cpu-attn", initializer=torch.set_num_threads, initargs=(self.cpu_threads,))
@@ -167,6 +168,11 @@ class SplitDecoder:
         self._load_done = None  # the last decode_begin's load_done event
         self.in_place = spec.load_read == "in-place"  # the load region read where it lies (no ping-pong buffers)
         self._stage_views: list[torch.Tensor | None] = [None, None]  # in place: CUDA views of the prepare buffers
+
+    def _current(self):
+        """The current CUDA stream of this thread on the decoder's device (by its index: a device
+        object costs a lookup per call, several per layer)."""
+        return torch.cuda.current_stream(self._index)
 
     def warm_up(self, q_heads: int) -> None:
         """Compile the GPU side's Triton kernels for queries of ``q_heads`` heads now (the engine
@@ -324,7 +330,7 @@ class SplitDecoder:
                     self.gpu_timers.append((self._gpu_timer, bool(cpu_rows)))
             if prepared and self.cuda:  # the prepare buffer of this layer's parity is reused once these copies (reads) are done
                 ev = torch.cuda.Event()
-                ev.record(torch.cuda.current_stream(self.device) if self.in_place else self.copy_stream)
+                ev.record(self._current() if self.in_place else self.copy_stream)
                 self._stage_events[layer % 2] = ev
         except BaseException:  # never leave the worker reading a sequence the caller may free after an error,
             self._settle(fut, job, self._load_done)  # and report this error, not one the worker may meet as a consequence
@@ -361,7 +367,7 @@ class SplitDecoder:
             raise
         self.last_split = p.split
         if p.load_done is not None:  # the load partials, attended on their own stream
-            torch.cuda.current_stream(self.device).wait_event(p.load_done)
+            self._current().wait_event(p.load_done)
         with named("attn.merge"):
             if p.plan is not None:  # one launch: window, load and CPU partials
                 out = self.gpu.merge(p.plan, p.q, states[-1] if p.cpu_rows else None)
@@ -377,7 +383,7 @@ class SplitDecoder:
         the next pinned allocation at once (it knows of copies, not of kernels reading host memory).
         Entries whose merge has completed are let go here, without waiting."""
         ev = torch.cuda.Event()
-        ev.record(torch.cuda.current_stream(self.device))
+        ev.record(self._current())
         self._read_in_place.append((ev, tensors))
         while self._read_in_place and self._read_in_place[0][0].query():
             self._read_in_place.popleft()
@@ -390,7 +396,7 @@ class SplitDecoder:
 
     def _settle(self, fut, job, load_done=None) -> None:
         if load_done is not None:
-            torch.cuda.current_stream(self.device).wait_event(load_done)
+            self._current().wait_event(load_done)
         if fut is not None:
             wait([fut])
         if job is not None:
@@ -418,7 +424,7 @@ class SplitDecoder:
         host = torch.empty(t.shape, dtype=t.dtype, pin_memory=True)
         host.copy_(t, non_blocking=True)
         ev = torch.cuda.Event()
-        ev.record(torch.cuda.current_stream(self.device))
+        ev.record(self._current())
         return host, ev
 
     def _start_gpu_timer(self):
@@ -428,7 +434,7 @@ class SplitDecoder:
         if not self.cuda:
             return time.perf_counter() - start
         end = torch.cuda.Event(enable_timing=True)  # after the load partials, wherever they ran
-        end.record(self.load_stream if self._load_done is not None else torch.cuda.current_stream(self.device))
+        end.record(self.load_stream if self._load_done is not None else self._current())
         return start, end
 
     def last_gpu_seconds(self) -> float:
@@ -513,7 +519,7 @@ class SplitDecoder:
         if plan is None:
             ids, q_blk, o_blk, lse_blk = self._torch_blocks(qg, [(i, src.shape[0]) for fill in fills for i, src in fill], scale)
         bufs = self.buffers()
-        home = cur = torch.cuda.current_stream(self.device) if self.cuda else None  # home: current again at the end
+        home = cur = self._current() if self.cuda else None  # home: current again at the end
         own = self.load_stream is not None and plan is not None
         if own:  # the fills' attention on the load stream, after q and the plan (made on the compute stream)
             self.load_stream.wait_stream(cur)
@@ -579,7 +585,7 @@ class SplitDecoder:
         s = self.spec
         B = qg.shape[0]
         if self.cuda and evict_stream is not None and self._evicted:
-            torch.cuda.current_stream(self.device).wait_stream(evict_stream)
+            self._current().wait_stream(evict_stream)
             self._evicted = False
         self._load_written = False
         if plan is None:
