@@ -159,6 +159,9 @@ def test_the_readme_s_first_command_runs(capsys):
      "--context 9,216: with --skip 2 and --steps 8 a request reaches 9,228 tokens (12 generated), beyond the 8,192 positions "
      "of tiny-qwen3-moe: use a --context of at most 8,180"),
     (["generate", "--model", "tiny-qwen3-moe", "--prompt", "hi", "--top-p", "0.5"], "--top-p 0.5 samples, but --temperature 0 decodes greedily"),
+    (["profile", "--model", "tiny-qwen3-moe", "--context", "1", "--steps", "9000"], "use --skip and --steps that add up to at most 8,189"),
+    (["bench", "--model", "tiny-qwen3-moe", "--context", "infk"], "--context 'infk' is not a token count"),
+    (["calibrate", "--model", "tiny-qwen3-moe", "--cpu-threads", "999"], "--cpu-threads must be 1 to"),
 ])
 def test_a_flag_a_run_cannot_use_is_refused_before_the_model_loads(no_work, capsys, argv, says):
     """One token count where a list was given, profile's context past the model's positions with

@@ -278,6 +278,11 @@ def test_attention_threads_from_the_environment(monkeypatch):
     assert default_attention_threads(torch.device("cpu")) == torch.get_num_threads()
     monkeypatch.setenv("WRITESCOPE_CPU_THREADS", "1")
     assert default_attention_threads(torch.device("cpu")) == 1
+    from writescope.engine.threads import check_cpu_threads
+
+    check_cpu_threads(None) or check_cpu_threads(1)  # not given, and 1: fine
+    with pytest.raises(ValueError, match=r"--cpu-threads must be 1 to \d+ \(the CPUs this process may use\), got 0"):
+        check_cpu_threads(0, "--cpu-threads")
     too_many = str(len(os.sched_getaffinity(0)) + 1)
     monkeypatch.setenv("WRITESCOPE_CPU_THREADS", too_many)
     with pytest.raises(ValueError, match=f"WRITESCOPE_CPU_THREADS='{too_many}': use an integer from 1 to"):

@@ -85,7 +85,8 @@ def test_policy_errors_leave_nothing_allocated():
         LLM("tiny-qwen3-moe", progress=False, policy="static:2")
     with pytest.raises(ValueError, match=r"policy 'monolithic:2': R must be a number in \[0, 1\] \(e.g. monolithic:0.5\)"):
         LLM("tiny-qwen3-moe", progress=False, policy="monolithic:2")  # named as given, not as the static share inside it
-    with pytest.raises(ValueError, match=r"@switches .* are for bench and profile rows.*WRITESCOPE_CPU_PARTIAL=copy before the command"):
+    with pytest.raises(ValueError, match=r"@switches .* are for bench and profile rows; here set WRITESCOPE_CPU_PARTIAL=copy in the environment before the command "
+                       r"and give the policy alone \('static:0.5'\)"):
         LLM("tiny-qwen3-moe", progress=False, policy="static:0.5@WRITESCOPE_CPU_PARTIAL=copy")
     with pytest.raises(ValueError, match="cpu_threads"):
         LLM("tiny-qwen3-moe", progress=False, policy="cpu", cpu_threads=0)

@@ -47,7 +47,7 @@ def pin_wanted() -> bool:
 def worker_cpus(threads: int) -> list[int]:
     """The CPUs the worker is pinned to under ``WRITESCOPE_CPU_PIN=on``: those this process may
     use but the lowest, when ``threads`` fit on them; else none (not pinned)."""
-    if not pin_wanted():
+    if not pin_wanted() or not hasattr(os, "sched_getaffinity"):  # no affinity masks on this OS: not pinned
         return []
     allowed = sorted(os.sched_getaffinity(0))
     return allowed[1:] if len(allowed) > 1 and threads <= len(allowed) - 1 else []

@@ -65,7 +65,7 @@ def parse_tokens(text: str, flag: str = "token count", one: bool = False) -> lis
         t = part.strip().lower()
         try:
             n = int(float(t[:-1]) * 1024) if t.endswith("k") else int(t)
-        except ValueError:
+        except (ValueError, OverflowError):  # OverflowError: "infk", "1e400k"
             raise ValueError(f"{flag} {part!r} is not a token count: use e.g. {example}") from None
         if n < 1:
             raise ValueError(f"{flag} must be >= 1, got {part!r}")
@@ -135,8 +135,10 @@ def run(args: argparse.Namespace) -> int:
     done = saved_rows(args) if args.resume else []
     limit = capped_model_len(args.model, 2**62, args.num_layers, args.synthetic)  # the model's positions (its config only)
     if min(contexts) + args.steps + 1 > limit:  # no row could fit: say so before the weights load
+        fix = (f"use a --context of at most {limit - args.steps - 1}" if limit - args.steps - 1 >= 1 else
+               f"use --steps of at most {limit - 2}")
         raise ValueError(f"--context {min(contexts)}: with --steps {args.steps} a request reaches {min(contexts) + args.steps + 1} "
-                         f"tokens, beyond the {limit} positions of {args.model}: use a --context of at most {limit - args.steps - 1}")
+                         f"tokens, beyond the {limit} positions of {args.model}: {fix}")
     check_output_file(args.plot, "--plot")
     if args.steps < 1:
         raise ValueError(f"--steps must be >= 1, got {args.steps}")

@@ -23,8 +23,11 @@ def run(args: argparse.Namespace) -> int:
     from writescope.scheduler import calibrate as cal
     from writescope.scheduler.roofline import WriteScopePolicy, roofline_share
 
-    if args.window < 1 or args.batch < 1 or (args.cpu_threads is not None and args.cpu_threads < 1):
-        raise ValueError(f"--window, --batch and --cpu-threads must be >= 1, got {args.window}, {args.batch}, {args.cpu_threads}")
+    from writescope.engine.threads import check_cpu_threads
+
+    if args.window < 1 or args.batch < 1:
+        raise ValueError(f"--window and --batch must be >= 1, got {args.window}, {args.batch}")
+    check_cpu_threads(args.cpu_threads, "--cpu-threads")
     device = resolve_device(args.device)
     dtype = parse_dtype(args.dtype, device)
     cfg, _ = resolve_config(args.model)

@@ -92,9 +92,10 @@ def run(args: argparse.Namespace) -> int:
     extra = 2 + args.skip + args.steps  # the tokens the profiled run generates per request
     limit = capped_model_len(args.model, 2**62, args.num_layers, args.synthetic)  # the model's positions (its config only)
     if context + extra > limit:  # before the weights load
+        fix = (f"use a --context of at most {limit - extra:,}" if limit - extra >= 1 else
+               f"use --skip and --steps that add up to at most {limit - 3:,}")  # a prompt of 1 token, and 2 more generated
         raise ValueError(f"--context {context:,}: with --skip {args.skip} and --steps {args.steps} a request reaches "
-                         f"{context + extra:,} tokens ({extra} generated), beyond the {limit:,} positions of {args.model}: "
-                         f"use a --context of at most {limit - extra:,}")
+                         f"{context + extra:,} tokens ({extra} generated), beyond the {limit:,} positions of {args.model}: {fix}")
     check_output_file(args.output_json, "--output-json")  # before the model loads, not after the run
     for entry in entries:
         check_output_file(_suffixed(args.trace, entry, many), "--trace")

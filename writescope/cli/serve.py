@@ -61,6 +61,11 @@ def run(args: argparse.Namespace) -> int:
             raise ValueError(f"{flag} must be >= 1, got {value}")
     if args.max_queue < 0:
         raise ValueError(f"--max-queue must be >= 0, got {args.max_queue}")
+    from writescope.engine.threads import check_cpu_threads
+
+    check_cpu_threads(args.cpu_threads, "--cpu-threads")  # before the server listens, as the other flags
+    if args.expert_threads is not None and args.expert_threads < 1:
+        raise ValueError(f"--expert-threads must be >= 1, got {args.expert_threads}")
     if args.api_key is not None and not args.api_key.strip():
         raise ValueError("--api-key is empty: give a key, or leave the flag out")
     check_stream_share(args)

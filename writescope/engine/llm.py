@@ -24,7 +24,7 @@ from writescope.engine.runner import EngineCore, prefill_batch
 from writescope.engine.sampling import SamplingParams
 from writescope.engine.streaming import OnTokens, TokenEvent
 from writescope.engine.switches import check_switches
-from writescope.engine.threads import default_attention_threads, default_expert_threads
+from writescope.engine.threads import check_cpu_threads, default_attention_threads, default_expert_threads
 from writescope.engine.timing import synchronize
 from writescope.kvcache.base import KVCache
 from writescope.kvcache.contiguous import ContiguousKVCache
@@ -463,15 +463,14 @@ def peak_memory(device: torch.device) -> int:
     return resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024
 
 
+
 def _check_cpu_threads(cpu_threads: int | None) -> None:
-    """The CPU attention's thread count, when given: 1 to the CPUs this process may use (as
-    ``WRITESCOPE_CPU_THREADS``, which a given count overrides).
+    """``cpu_threads`` when given: 1 to the CPUs this process may use (engine/threads.py).
 
     Raises:
         ArgError: outside that range (names it).
     """
-    if cpu_threads is None:
-        return
-    cpus = len(os.sched_getaffinity(0))
-    if not 1 <= cpu_threads <= cpus:
-        raise ArgError(f"cpu_threads must be 1 to {cpus} (the CPUs this process may use), got {cpu_threads}", "cpu_threads")
+    try:
+        check_cpu_threads(cpu_threads)
+    except ValueError as e:
+        raise ArgError(str(e), "cpu_threads") from None

@@ -18,6 +18,26 @@ import torch
 THREADS_ENV = "WRITESCOPE_CPU_THREADS"
 
 
+def usable_cpus() -> int:
+    """The CPUs this process may run on (its affinity mask where the OS has one, else all)."""
+    mask = getattr(os, "sched_getaffinity", None)
+    return len(mask(0)) if mask is not None else (os.cpu_count() or 1)
+
+
+def check_cpu_threads(n: int | None, name: str = "cpu_threads") -> None:
+    """A CPU attention thread count given by a caller: 1 to :func:`usable_cpus` (as
+    ``WRITESCOPE_CPU_THREADS``, which a given count overrides); None: not given.
+
+    Raises:
+        ValueError: outside that range (names ``name``, the value and the range).
+    """
+    if n is None:
+        return
+    cpus = usable_cpus()
+    if not 1 <= n <= cpus:
+        raise ValueError(f"{name} must be 1 to {cpus} (the CPUs this process may use), got {n}")
+
+
 def attention_threads_from_env() -> int | None:
     """``WRITESCOPE_CPU_THREADS``: the CPU attention's threads, 1 to the CPUs this process may use;
     unset or empty: None (the default below).
@@ -28,7 +48,7 @@ def attention_threads_from_env() -> int | None:
     raw = os.environ.get(THREADS_ENV, "").strip()
     if not raw:
         return None
-    cpus = len(os.sched_getaffinity(0))
+    cpus = usable_cpus()
     try:
         n = int(raw)
     except ValueError:

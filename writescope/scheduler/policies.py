@@ -96,9 +96,11 @@ def parse_policy(text: str, roofline=None) -> PlacementPolicy | None:
     if t == "resident":
         return None
     if "@" in t:
-        raise ValueError(f"policy {text!r}: @switches (POLICY@NAME=VALUE) are for bench and profile rows; "
-                         f"here set the switch in the environment instead (e.g. {text.split('@', 1)[1].split('+')[0].strip()} before the command) "
-                         f"and give the policy alone ({text.split('@', 1)[0].strip()!r})")
+        alone, rest = (x.strip() for x in text.split("@", 1))
+        sets = " ".join(p.strip() for p in rest.split("+") if p.strip())
+        raise ValueError(f"policy {text!r}: @switches (POLICY@NAME=VALUE) are for bench and profile rows; here set "
+                         + (f"{sets} in the environment before the command" if sets else "switches in the environment")
+                         + (f" and give the policy alone ({alone!r})" if alone else " and give a policy"))
     if t.startswith("monolithic:"):
         try:
             inner = parse_policy("static:" + t.split(":", 1)[1])
