@@ -294,7 +294,10 @@ def plot(step: StepTimeline, path: str, title: str = "") -> None:
         ax.axvline(ms(e.start), ymin=0.0, ymax=1.0, color="black", linewidth=0.3, alpha=0.4)
     ax.set_yticks(range(len(rows)), [r[0] for r in rows])
     ax.set_xlim(0, step.ms)
-    ax.set_xlabel("ms from the step's start (grey lines: the device hands q to the CPU; black ticks: the main thread issues a layer's attention)")
+    notes = (["grey lines: the device hands q to the CPU"] if step.stores else []) + ["black ticks: the main thread issues a layer's attention"]
+    if not (step.copies or step.waits or step.kernels):
+        notes.append("no device profiled: its rows stay empty")
+    ax.set_xlabel(f"ms from the step's start ({'; '.join(notes)})")
     ax.set_title(title or f"one decode step, {step.ms:.1f} ms")
     fig.tight_layout()
     fig.savefig(path, dpi=130, format="png")
