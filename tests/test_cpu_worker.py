@@ -316,7 +316,7 @@ def test_a_waiting_job_prereads_its_first_bytes_and_gives_the_same_results(monke
         o = _out(q, kv[0][1].shape[2])
         w._w.submit(q, [kv[r][0] for r in rows], [kv[r][1] for r in rows], rows, cpu_kernel.CHUNK, 0.125, -1, o[0], o[1], flags, 0, 1, 1, 1)
         want = min(budget_mib << 20, total)
-        deadline = time.monotonic() + 60
+        deadline = time.monotonic() + 600  # a guard against a hang only: the pre-read always comes, nothing is timed
         while w.preread_total() < want and time.monotonic() < deadline:  # no q yet: the job reads ahead, then spins
             time.sleep(0.01)
         assert w.preread_total() == want and int(flags[1]) == 0  # read ahead exactly, nothing attended

@@ -25,7 +25,6 @@ from __future__ import annotations
 import time
 from collections import deque
 from concurrent.futures import Future, ThreadPoolExecutor, wait
-from contextlib import nullcontext
 from dataclasses import dataclass
 
 import torch
@@ -270,7 +269,7 @@ class SplitDecoder:
         """
         s = self.spec
         B, Hq, dk = q.shape
-        Hkv, dv = s.layout.kv_heads, s.layout.v_dim
+        Hkv = s.layout.kv_heads
         qg = q.view(B, Hkv, Hq // Hkv, dk)
         self._stats.layer_steps += 1
         self._stats.last_cpu_seconds, self._stats.last_cpu_tokens = 0.0, 0

@@ -15,6 +15,7 @@ latent stretches, 0.84 GiB at batch 16), which the host-memory check does not co
 
 from __future__ import annotations
 
+import math
 import mmap
 from pathlib import Path
 
@@ -53,9 +54,7 @@ def compute_empty(shape: tuple[int, ...], dtype: torch.dtype) -> torch.Tensor:
     Raises:
         RuntimeError: the mapping failed (names the bytes).
     """
-    nbytes = dtype.itemsize
-    for s in shape:
-        nbytes *= s
+    nbytes = math.prod(shape) * dtype.itemsize
     if nbytes == 0 or not huge_pages_wanted() or not hasattr(mmap, "MADV_HUGEPAGE"):
         return torch.empty(shape, dtype=dtype)
     try:
