@@ -26,8 +26,8 @@
 #      TPOT_FLAGS more generate flags)
 #   bash benchmarks/h200_session.sh variants MODEL  # one process, random KV: VAR_POLICIES rows such as writescope@WRITESCOPE_MICRO_BATCHES=2
 #     (VAR_BATCH 16, VAR_CONTEXT 32k, VAR_STEPS 12, VAR_REPEATS 2, VAR_BUDGET 32GiB, VAR_TAG a file-name suffix)
-#   bash benchmarks/h200_session.sh multi-user:MODEL  # issue 18: two request streams against writescope serve (needs fastapi, uvicorn,
-#     prometheus-client, httpx carried as wheels: the GPU machine has none)
+#   bash benchmarks/h200_session.sh multi-user:MODEL  # issue 18: two request streams against writescope serve (the GPU machine has
+#     no FastAPI: run benchmarks/serve_wheels.sh here first and carry .whl; this part installs them into /tmp/site)
 #   bash benchmarks/h200_session.sh timeline MODEL  # a decode step laid out in time: the CPU worker's jobs, the compute stream and
 #     its waits for the CPU, the link (writescope profile --timeline; TL_POLICIES comma-separated, each with its own @switches,
 #     TL_BATCH 16, TL_CONTEXT 32k, TL_STEPS 3, TL_TAG a file-name suffix, TL_FLAGS more profile flags such as --no-breakdown;
@@ -87,6 +87,11 @@ part() {
         --policies "${VAR_POLICIES:-gpu,writescope,writescope@WRITESCOPE_MICRO_BATCHES=2,writescope@WRITESCOPE_PINGPONG_BUFFERS=4}" --quiet \
         --output-json "$f.json" 2>&1 | tee "$f.log" | tail -24 ;;
     multi-user)  # issue 18 item 5: two concurrent streams against the server, alone and together (MU_STREAMS, MU_POLICIES)
+      if ! python3 -c "import fastapi, uvicorn" 2>/dev/null; then
+        ls .whl/*.whl > /dev/null 2>&1 || { echo "multi-user: no fastapi here; run benchmarks/serve_wheels.sh and carry .whl" >&2; return 1; }
+        python3 -m pip install -q --no-index --no-deps --no-compile --no-cache-dir --upgrade --target /tmp/site .whl/*.whl || return 1
+        export PYTHONPATH="/tmp/site:${PYTHONPATH:-.}"
+      fi
       timeout "$(tmo 400)" python3 benchmarks/multi_user.py --model "${m:-qwen3-30b-a3b}" --synthetic --device cuda --vram-budget 32GiB \
         --streams "${MU_STREAMS:-8x8k,4x8k}" --new-tokens "${MU_NEW:-32}" --policies "${MU_POLICIES:-gpu,static:0.25,writescope}" \
         --out "$out/multi_user_h200" 2>&1 | tee "$out/multi_user_h200.log" | tail -12 ;;

@@ -67,7 +67,9 @@ def test_profile_breaks_a_decode_step_down(tmp_path, capsys):
     for name in ("attn.cpu_part", "attn.window", "attn.load_region", "attn.merge", "moe.router", "moe.device_experts", "kv.append"):
         assert doc["ranges"][name]["cpu_ms"] > 0, name
     main_ms = sum(v["cpu_ms"] for k, v in doc["ranges"].items() if k != "attn.cpu_part")
-    assert main_ms < doc["step_ms"] * 1.05  # the main thread's ranges fit in the step
+    # the main thread's ranges (means over the profiled steps) fit in the mean step, whatever the
+    # load: they lie inside the steps and do not nest (the median step can be shorter than the mean)
+    assert main_ms <= doc["step_mean_ms"] * 1.001 and doc["other_ms"] == pytest.approx(doc["step_mean_ms"] - main_ms, abs=1e-6)
 
 
 def test_profile_refuses_bad_steps():

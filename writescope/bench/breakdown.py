@@ -21,8 +21,10 @@ The engine marks its parts with ``torch.profiler.record_function``:
 For each, per step: CPU wall time (time spent inside the range on its thread, including waiting
 for the device when the range synchronises); device span (on the GPU, from the first kernel or copy
 the range launched to the end of its last, idle gaps included); device busy time (the sum of those
-kernels' and copies' durations). ``other`` is the measured step time minus the main thread's
-ranges: projections, norms, sampling, Python.
+kernels' and copies' durations), each the mean over the profiled steps. ``other`` is the mean
+step time minus the main thread's ranges: projections, norms, sampling, Python. (The median step,
+printed first, is the figure to compare; ``other`` takes the mean so that one slow step, which
+adds to the ranges' totals, adds to the step it is taken from too.)
 
 With CUDA, torch's profiler reports a ``record_function`` range twice in ``key_averages()``: a CPU
 entry (its CPU time, and the summed durations of the kernels launched inside) and a GPU-side
@@ -66,27 +68,33 @@ class RangeTime:
 class Breakdown:
     step_ms: float  # median wall time of a profiled decode step
     steps: int
-    ranges: dict[str, RangeTime]
+    ranges: dict[str, RangeTime]  # each the mean over the profiled steps
     device_timed: bool = True  # device columns measured (CUDA); without CUDA the table leaves them out
+    step_mean_ms: float | None = None  # mean wall time of a profiled step (None: taken as step_ms)
+
+    @property
+    def mean_ms(self) -> float:
+        """The mean step (ms), which the ranges' per-step times are averages over."""
+        return self.step_ms if self.step_mean_ms is None else self.step_mean_ms
 
     @property
     def other_ms(self) -> float:
-        """Step time outside the main thread's named ranges (ms per step, >= 0)."""
-        return max(0.0, self.step_ms - sum(t.cpu_ms for n, t in self.ranges.items() if n not in WORKER_RANGES))
+        """Mean step time outside the main thread's named ranges (ms per step, >= 0)."""
+        return max(0.0, self.mean_ms - sum(t.cpu_ms for n, t in self.ranges.items() if n not in WORKER_RANGES))
 
     def table(self) -> str:
         """The breakdown as text, ranges by CPU time. The main thread's rows and ``other`` add up
         to the step; the worker's row (in brackets) overlaps them."""
         dev = f" {'device span ms':>15s} {'device busy ms':>15s}" if self.device_timed else ""
-        lines = [f"decode step {self.step_ms:.2f} ms (median of {self.steps} profiled steps; profiler overhead included)",
-                 f"{'range':24s} {'thread':7s} {'CPU ms/step':>12s} {'% of step':>10s}{dev}"]
+        lines = [f"decode step {self.step_ms:.2f} ms (median of {self.steps} profiled steps, mean {self.mean_ms:.2f}; profiler overhead included)",
+                 f"{'range':24s} {'thread':7s} {'CPU ms/step':>12s} {'% of mean':>10s}{dev}"]
         for name, t in sorted(self.ranges.items(), key=lambda kv: -kv[1].cpu_ms):
             worker = name in WORKER_RANGES
-            pct = f"{100 * t.cpu_ms / self.step_ms:.1f}%"
+            pct = f"{100 * t.cpu_ms / self.mean_ms:.1f}%"
             cols = f" {t.device_ms:15.3f} {t.device_busy_ms:15.3f}" if self.device_timed else ""
             lines.append(f"{name:24s} {'worker' if worker else 'main':7s} {t.cpu_ms:12.3f} {f'({pct})' if worker else pct:>10s}{cols}")
         other = self.other_ms
-        lines.append(f"{'other (main)':24s} {'main':7s} {other:12.3f} {f'{100 * other / self.step_ms:.1f}%':>10s}")
+        lines.append(f"{'other (main)':24s} {'main':7s} {other:12.3f} {f'{100 * other / self.mean_ms:.1f}%':>10s}")
         if self.device_timed:
             lines.append("device span: first to last GPU work launched in the range, idle gaps included; busy: that work's durations summed")
         return "\n".join(lines)
@@ -150,9 +158,10 @@ def decode_breakdown(llm, prompt_token_ids: list[list[int]], steps: int = 8, ski
     if trace:
         prof.export_chrome_trace(trace)
     active = stamps[skip : skip + steps + 1]  # profiled step j runs from stamp j - 1 to stamp j
-    step_ms = statistics.median(b - a for a, b in zip(active, active[1:])) * 1e3 if len(active) > 1 else float("nan")
+    walls = [(b - a) * 1e3 for a, b in zip(active, active[1:])]
+    step_ms = statistics.median(walls) if walls else float("nan")
     ranges = {}
     if stats is not None and worker[skip + steps] > worker[skip]:
         ranges["attn.cpu_part"] = RangeTime((worker[skip + steps] - worker[skip]) * 1e3 / steps)
     ranges.update(range_times(prof.key_averages(), steps))
-    return Breakdown(step_ms, steps, ranges, device_timed=cuda)
+    return Breakdown(step_ms, steps, ranges, device_timed=cuda, step_mean_ms=statistics.fmean(walls) if walls else None)

@@ -145,7 +145,7 @@ def run(args: argparse.Namespace) -> int:
         if trace:
             print(f"wrote {trace}")
         runs.append({"policy": llm.policy_name, "entry": entry, "expert_stream_share": llm.expert_stream_share,
-                     **({"step_ms": bd.step_ms, "steps": bd.steps, "other_ms": bd.other_ms,
+                     **({"step_ms": bd.step_ms, "step_mean_ms": bd.mean_ms, "steps": bd.steps, "other_ms": bd.other_ms,
                          "ranges": {k: dataclasses.asdict(t) for k, t in bd.ranges.items()}} if bd is not None else {}),
                      **({"timeline": to_json(tl)} if tl is not None else {}),
                      **({"host_profile": hp.to_json()} if hp is not None else {})})
