@@ -8,7 +8,9 @@ adaptive `writescope` policy, in one run.
 
 Each stream is ``B x L``: B requests of L prompt tokens (random ids, seeded), all sent at once over
 loopback with streaming on, ``--new-tokens`` tokens each (ignore_eos). A request's ms per step is
-the mean gap between its streamed tokens after the first (the inter-token latency a user sees);
+the time from its first streamed chunk to its last over the tokens those later chunks carried (the
+inter-token latency a user sees; the server merges the tokens a slow reader has not taken into one
+chunk, so chunks are counted by their ``token_ids``, not one a token);
 a stream's figure is the median over its requests, with the spread (min-max). The server runs in
 this process on the loaded model (the model loads once; each configuration gets a fresh engine and
 cache; the placed CPU share is read from each request as its slot is freed, over all requests of a
@@ -47,10 +49,11 @@ def parse_streams(text: str) -> list[tuple[int, int]]:
     return out
 
 
-async def _one(client, url: str, model: str, prompt: list[int], new_tokens: int) -> list[float]:
-    """Streams one completion; returns the arrival times of its tokens (seconds)."""
+async def _one(client, url: str, model: str, prompt: list[int], new_tokens: int) -> list[tuple[float, int]]:
+    """Streams one completion; returns each chunk's arrival time (seconds) and how many tokens it carried."""
     times = []
-    body = {"model": model, "prompt": prompt, "max_tokens": new_tokens, "temperature": 0, "stream": True, "ignore_eos": True}
+    body = {"model": model, "prompt": prompt, "max_tokens": new_tokens, "temperature": 0, "stream": True, "ignore_eos": True,
+            "return_token_ids": True}
     async with client.stream("POST", url + "/v1/completions", json=body, timeout=3600) as r:
         if r.status_code != 200:
             raise RuntimeError(f"request refused: {r.status_code} {(await r.aread())[:300]!r}")
@@ -58,8 +61,15 @@ async def _one(client, url: str, model: str, prompt: list[int], new_tokens: int)
             if line.startswith("data: ") and line != "data: [DONE]":
                 chunk = json.loads(line[6:])
                 if chunk.get("choices"):
-                    times.append(time.perf_counter())
+                    times.append((time.perf_counter(), len(chunk["choices"][0].get("token_ids") or ())))
     return times
+
+
+def ms_per_step(chunks: list[tuple[float, int]]) -> float | None:
+    """Mean ms per token after the first chunk: (last arrival - first) / the tokens after the first
+    chunk; None when no token came after the first chunk."""
+    later = sum(n for _, n in chunks[1:])
+    return (chunks[-1][0] - chunks[0][0]) / later * 1e3 if later else None
 
 
 def run_config(llm, model: str, policy: str, streams: list[tuple[int, int]], active: list[int], new_tokens: int, seed: int) -> list[dict]:
@@ -101,7 +111,7 @@ def run_config(llm, model: str, policy: str, streams: list[tuple[int, int]], act
     llm.cache.free = free
     rows = []
     for i in active:
-        per_req = [(t[-1] - t[0]) / (len(t) - 1) * 1e3 for s, t in results if s == i and len(t) > 1]
+        per_req = [ms for s, t in results if s == i and (ms := ms_per_step(t)) is not None]
         b, ctx = streams[i]
         rows.append({"policy": policy, "together": len(active) > 1, "stream": f"{b}x{ctx}", "requests": b,
                      "ms_per_step": statistics.median(per_req) if per_req else None,

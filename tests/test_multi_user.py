@@ -19,7 +19,13 @@ def _bench():
     return mod
 
 
-def test_two_streams_alone_and_together(tmp_path):
+def test_two_streams_alone_and_together(tmp_path, monkeypatch):
+    from writescope.serve.async_engine import RequestStream
+
+    async def one_output(self):  # each engine output read alone, so that every request streams more than one chunk
+        return [await self.queue.get()]
+
+    monkeypatch.setattr(RequestStream, "queued", one_output)
     mu = _bench()
     out = tmp_path / "mu"
     rows = mu.main(["--streams", "3x48,2x33", "--new-tokens", "4", "--policies", "gpu,static:0.5", "--solo-policy", "static:0.25",
@@ -40,3 +46,11 @@ def test_stream_specs_are_checked():
     for bad in ("8k", "0x8k", "axb"):
         with pytest.raises(ValueError, match="--streams"):
             mu.parse_streams(bad)
+
+
+def test_a_step_is_timed_by_the_tokens_chunks_carry():
+    """The server merges what a slow reader has not taken into one chunk: a chunk of 3 tokens
+    stands for 3 steps."""
+    mu = _bench()
+    assert mu.ms_per_step([(1.0, 1), (1.1, 1), (1.4, 3)]) == pytest.approx(100.0)  # 0.4 s over 4 tokens after the first chunk
+    assert mu.ms_per_step([(1.0, 4)]) is None and mu.ms_per_step([(1.0, 1), (1.2, 0)]) is None

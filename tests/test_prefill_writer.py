@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import threading
 import time
 
 import pytest
@@ -24,13 +25,22 @@ def slow_writes(monkeypatch):
     monkeypatch.setattr(pw, "_finish", slow)
 
 
-def test_chunks_land_in_strided_rows_after_flush(slow_writes):
+def test_chunks_land_in_strided_rows_after_flush(slow_writes, monkeypatch):
+    slow, gate = pw._finish, threading.Event()
+
+    def held(event, stage, dst):  # the last chunk (3 of 101 tokens) lands only once the test has looked
+        if dst.shape[2] == 3:
+            assert gate.wait(600)
+        slow(event, stage, dst)
+
+    monkeypatch.setattr(pw, "_finish", held)
     src = torch.randn(2, 3, 101, 8)
     region = torch.zeros(2, 3, 200, 8)  # per-head rows with a larger capacity: dst is strided
     dst = region[:, :, 50:151]
     w = PrefillWriter(buffer_bytes=2 * 3 * 8 * 4 * 7, dtype=torch.float32, device=torch.device("cpu"), buffers=2)  # 7 tokens a chunk
-    w.write(dst, src)  # 15 chunks through 2 buffers: the issuing thread waits for free buffers
+    w.write(dst, src)  # 15 chunks through 2 buffers: the issuing thread waits for free buffers, never for its last copy
     assert w.in_flight > 0 and not torch.equal(dst, src)  # still landing
+    gate.set()
     w.flush()
     assert torch.equal(dst, src) and w.in_flight == 0
     assert torch.all(region[:, :, :50] == 0) and torch.all(region[:, :, 151:] == 0)

@@ -58,6 +58,7 @@ class HostProfile:
     gc_ms: dict = field(default_factory=dict)  # per step: Python's garbage collections by generation, (collections, ms)
     functions: list[FunctionTime] = field(default_factory=list)  # by own time, largest first
     text: str = ""  # pstats' full listing, by own time
+    step_mean_ms: float = float("nan")  # mean wall time of a profiled step: the per-step figures above are means over the steps
 
     def table(self, top: int = 25) -> str:
         """The ``top`` functions by own time, and the ``top`` of WriteScope's own by cumulative time."""
@@ -76,7 +77,7 @@ class HostProfile:
                           "WriteScope's functions by cumulative time:", cols, *map(row, ours)])
 
     def to_json(self, top: int = 60) -> dict:
-        return {"step_ms": self.step_ms, "steps": self.steps, "layer_calls": self.layer_calls, "thread_cpu_ms": self.thread_cpu_ms,
+        return {"step_ms": self.step_ms, "step_mean_ms": self.step_mean_ms, "steps": self.steps, "layer_calls": self.layer_calls, "thread_cpu_ms": self.thread_cpu_ms,
                 "submit_wall_ms": self.submit_wall_ms, "submit_total_ms": self.submit_total_ms,
                 "gc_ms": {str(g): v for g, v in self.gc_ms.items()},
                 "functions": [vars(f) for f in self.functions[:top]]}
@@ -154,7 +155,7 @@ def main_thread_profile(llm, prompt_token_ids: list[list[int]], steps: int = 3, 
     done = len(stamps) - 1
     if done < 1:
         return HostProfile(float("nan"), 0, 0.0)
-    step_ms = statistics.median(b - a for a, b in zip(stamps, stamps[1:])) * 1e3
+    walls = [(b - a) * 1e3 for a, b in zip(stamps, stamps[1:])]
     thread_cpu_ms = statistics.median(b - a for a, b in zip(cpu, cpu[1:])) * 1e3
     submit_wall, submit_total = ((submits[-1][k] - submits[0][k]) / 1e6 / done for k in (0, 1))
     if submits[-1] == submits[0]:  # no native job in the profiled steps
@@ -166,4 +167,5 @@ def main_thread_profile(llm, prompt_token_ids: list[list[int]], steps: int = 3, 
     buf = io.StringIO()
     pstats.Stats(prof, stream=buf).sort_stats("tottime").print_stats()
     gcs = {g: (n / done, secs * 1e3 / done) for g, (n, secs) in collected.items()}
-    return HostProfile(step_ms, done, calls[0] / done, thread_cpu_ms, submit_wall, submit_total, gcs, funcs, buf.getvalue())
+    return HostProfile(statistics.median(walls), done, calls[0] / done, thread_cpu_ms, submit_wall, submit_total, gcs, funcs, buf.getvalue(),
+                       step_mean_ms=statistics.fmean(walls))

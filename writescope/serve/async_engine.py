@@ -225,6 +225,8 @@ class AsyncEngine:
         waiting_now = {r.request_id for r in sch.waiting}
         with self._lock:
             self._waiting &= waiting_now | {rid for rid in self._waiting if rid not in self._streams}
+        if self.metrics is not None:  # the gauges first: a client that has its last token sees them current
+            self.metrics.sample_engine(self.core)
         for out in outs:
             stream, index = self._streams.get(out.request_id, (None, 0))
             if self.metrics is not None:
@@ -234,5 +236,3 @@ class AsyncEngine:
                 stream.put(index, out)
                 if out.finished:
                     del self._streams[out.request_id]
-        if self.metrics is not None:
-            self.metrics.sample_engine(self.core)
