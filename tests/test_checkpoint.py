@@ -116,3 +116,23 @@ def test_make_checkpoint_on_cuda_writes_the_cpu_values(tmp_path):
         assert main(["make-checkpoint", "--preset", "tiny-deepseek-v2", "--out", str(tmp_path / device), "--device", device, "--quiet"]) == 0
     a, b = load_ours(tmp_path / "cpu", torch.bfloat16).state_dict(), load_ours(tmp_path / "cuda", torch.bfloat16).state_dict()
     assert a.keys() == b.keys() and all(torch.equal(a[k], b[k]) for k in a)
+
+
+def test_a_checkpoint_without_its_tokenizer_is_warned_of(made, tmp_path):
+    """Its text would go through the stand-in BPE, which is not the model's: said at load."""
+    import shutil
+
+    from writescope import LLM
+
+    name, path = made
+    bare = tmp_path / "bare"
+    shutil.copytree(path, bare)
+    (bare / "tokenizer.json").unlink()
+    with pytest.warns(UserWarning, match="has no tokenizer.json: text is tokenized by a stand-in"):
+        LLM(str(bare), progress=False)
+    import warnings
+
+    with warnings.catch_warnings(record=True) as seen:
+        warnings.simplefilter("always")
+        LLM(str(path), progress=False)  # with it: no such warning
+    assert not [w for w in seen if "tokenizer.json" in str(w.message)]

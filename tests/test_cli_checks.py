@@ -168,3 +168,54 @@ def test_a_flag_a_run_cannot_use_is_refused_before_the_model_loads(no_work, caps
     its generated steps, and --top-p without a temperature: each names the flag and what to do."""
     assert main(argv + ["--quiet"]) == 2
     assert says in capsys.readouterr().err
+
+
+def test_ctrl_c_ends_a_command_without_a_traceback_and_says_what_was_kept(monkeypatch, tmp_path, capsys):
+    from writescope.cli import bench, generate
+    from writescope.cli.main import main
+
+    def interrupted(args):
+        raise KeyboardInterrupt
+
+    monkeypatch.setattr(generate, "run", interrupted)
+    assert main(["generate", "--model", "tiny-qwen3-moe", "--prompt", "hi"]) == 130
+    err = capsys.readouterr().err
+    assert "writescope generate: interrupted" in err and "Traceback" not in err
+    monkeypatch.setattr(bench, "run", interrupted)
+    rows = tmp_path / "rows.json"
+    rows.write_text("{}")  # what a bench saves as its rows finish
+    assert main(["bench", "--model", "tiny-qwen3-moe", "--output-json", str(rows)]) == 130
+    assert f"the rows finished so far are in {rows} (run the same command with --resume" in capsys.readouterr().err
+
+
+def test_make_checkpoint_suggests_the_preset_meant(tmp_path, capsys):
+    from writescope.cli.main import main
+
+    assert main(["make-checkpoint", "--preset", "Tiny_Qwen3", "--out", str(tmp_path / "c"), "--quiet"]) == 2
+    err = capsys.readouterr().err
+    assert "unknown preset 'Tiny_Qwen3'; did you mean 'tiny-qwen3-moe'?" in err and "checkpoint directory" not in err
+
+
+def test_the_cli_words_its_own_warnings_without_a_source_line():
+    import os
+    import warnings
+
+    from writescope.cli.main import _worded
+
+    fmt = _worded(warnings.formatwarning, "generate")
+    ours = os.path.join(os.sep, "site", "writescope", "engine", "switches.py")
+    assert fmt("not a switch", UserWarning, ours, 115) == "writescope generate: warning: not a switch\n"
+    theirs = fmt("old", DeprecationWarning, ours, 3), fmt("lib", UserWarning, os.path.join(os.sep, "site", "torch", "x.py"), 7)
+    assert all("x.py:7" in t or "switches.py:3" in t for t in theirs)  # others keep their source line
+
+
+def test_a_busy_machine_is_noted_beside_the_timings(monkeypatch):
+    import os
+
+    from writescope.engine import threads
+
+    monkeypatch.setattr(threads, "usable_cpus", lambda: 4)
+    monkeypatch.setattr(os, "getloadavg", lambda: (6.5, 1.0, 1.0))
+    assert "the load average (6.5) exceeds the 4 CPUs this process may use" in threads.busy_note()
+    monkeypatch.setattr(os, "getloadavg", lambda: (3.9, 9.0, 9.0))
+    assert threads.busy_note() is None

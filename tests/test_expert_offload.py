@@ -7,6 +7,7 @@ import torch
 
 from writescope import LLM
 from writescope.attention.metadata import ForwardBatch
+from writescope.engine.threads import usable_cpus
 from writescope.kvcache.contiguous import ContiguousKVCache
 from writescope.moe.block import SparseMoeBlock
 
@@ -99,15 +100,17 @@ def test_thread_split_is_explicit(monkeypatch):
         yield
 
     monkeypatch.setattr(block_mod, "intra_op_threads", spy)
-    llm = LLM("tiny-qwen3-moe", progress=False, expert_threads=2, policy="static:0.5", cpu_threads=1)  # 1: any machine has it
-    assert llm.expert_threads == 2 and llm.attention_threads == 1 and llm.cache.decoder.cpu_threads == 1
+    experts = min(2, usable_cpus())  # each count within the CPUs this process may use
+    llm = LLM("tiny-qwen3-moe", progress=False, expert_threads=experts, policy="static:0.5", cpu_threads=1)
+    assert llm.expert_threads == experts and llm.attention_threads == 1 and llm.cache.decoder.cpu_threads == 1
     blocks = [m for m in llm.model.modules() if isinstance(m, SparseMoeBlock)]
     for b in blocks:
         b.offload_experts(range(b.cfg.num_experts))
     llm.generate(prompt_token_ids=[[5, 6, 7, 8]], sampling_params=None)
-    assert seen and set(seen) == {2}  # the host experts' GEMMs on that many intra-op threads
-    with pytest.raises(ValueError, match="expert_threads"):
-        LLM("tiny-qwen3-moe", progress=False, expert_threads=0)
+    assert seen and set(seen) == {experts}  # the host experts' GEMMs on that many intra-op threads
+    for bad in (0, usable_cpus() + 1):
+        with pytest.raises(ValueError, match=f"expert_threads must be 1 to {usable_cpus()} .*got {bad}"):
+            LLM("tiny-qwen3-moe", progress=False, expert_threads=bad)
 
 
 @pytest.mark.parametrize("preset", ["tiny-qwen3-moe", "tiny-mixtral", "tiny-deepseek-v2"])

@@ -57,6 +57,10 @@ def test_profile_file_round_trip_and_errors(tmp_path):
         ExpertProfile({i: [1.0, 2.0, 3.0] for i in cfg.moe.moe_layers}).check(list(cfg.moe.moe_layers), cfg.moe.num_experts)
     with pytest.raises(ValueError, match="missing"):
         ExpertProfile({0: [1.0] * 16}).check(list(cfg.moe.moe_layers), cfg.moe.num_experts)
+    # another model's profile: what is missing and what is extra, as spans, and which model made it
+    with pytest.raises(ValueError, match=r"\(it was made with tiny-x\): 45 of this model's MoE layers missing \(3\.\.47\), "
+                                         r"1 not MoE layers of this model \(60; its MoE layers: 0\.\.47\)"):
+        ExpertProfile({0: [1.0], 1: [1.0], 2: [1.0], 60: [1.0]}, model="tiny-x").check(list(range(48)), 1)
     with pytest.raises(ValueError, match="finite and >= 0"):
         ExpertProfile({i: [-1.0] * 16 for i in cfg.moe.moe_layers}).check(list(cfg.moe.moe_layers), cfg.moe.num_experts)
     (tmp_path / "bad.json").write_text("{not json")

@@ -182,6 +182,7 @@ def test_profile_timeline_alone(tmp_path, capsys):
     (["--policy", "static:0.5,static:0.5", "--timeline", "t.png"], "names a policy twice"),
     (["--policy", "static:0.5,statik:0.5", "--timeline", "t.png"], "unknown policy 'statik:0.5'"),
     (["--policy", "static:0.5", "--timeline", "t.svg"], "give a path ending in .png"),
+    (["--policy", "static:0.5", "--host-profile", "h.png"], "--host-profile writes text (pstats' listing): give a path ending in .txt"),
     (["--policy", "static:0.5", "--timeline", "t.png", "--no-breakdown", "--trace", "t.json"], "leave out --no-breakdown, or --trace"),
 ])
 def test_profile_refuses_before_loading(flags, says, tmp_path, monkeypatch, capsys):

@@ -14,6 +14,7 @@ import torch
 from writescope.budget.plan import MemoryPlan
 from writescope.budget.weights import weight_sizes
 from writescope.config import ModelConfig
+from writescope.errors import ArgError, plural
 from writescope.host_memory import host_free_now, host_memory_total  # noqa: F401 - imported from here too
 from writescope.kvcache import pinned
 
@@ -64,8 +65,9 @@ def check_fits(
     ``host_free`` / ``device_free``: bytes available now (None: unknown, not checked).
 
     Raises:
-        ValueError: naming the bytes needed and available and what to change (a smaller model,
-            fewer layers, a smaller dtype, fewer or shorter requests, a budget).
+        ArgError: naming the bytes needed and available and what to change (a smaller model,
+            fewer layers, a smaller dtype, fewer or shorter requests, a budget), with the API's
+            argument names (the CLI words them as its flags).
     """
     if kv_tokens < 0:
         raise ValueError(f"kv_tokens must be >= 0, got {kv_tokens}")
@@ -83,34 +85,41 @@ def check_fits(
                 f"+ KV {dev_kv / GiB:.2f} GiB ({kv_tokens:,} tokens)")
     free, where, source = (host_free, "host memory", "MemAvailable") if on_cpu else (device_free, f"{device}", "free device memory")
     if free is not None and need > PLANNED_SHARE * free:
-        raise ValueError(
-            f"{cfg.architecture} ({cfg.num_layers} layers) in {dtype} needs {need / GiB:.2f} GiB of {where}: {what}; "
+        raise ArgError(
+            f"{cfg.architecture} ({plural(cfg.num_layers, 'layer')}) in {dtype} needs {need / GiB:.2f} GiB of {where}: {what}; "
             f"{free / GiB:.2f} GiB is available ({source}), of which {PLANNED_SHARE:.0%} ({PLANNED_SHARE * free / GiB:.2f} GiB) "
-            f"may be planned. Nothing was built. {_advice(cfg, dtype, device, kv, PLANNED_SHARE * free, plan)}"
+            f"may be planned. Nothing was built. {_advice(cfg, dtype, device, kv, PLANNED_SHARE * free, plan)}",
+            *ADVICE_NAMES,
         )
     if plan is None and not on_cpu and not kv_on_device and host_free is not None and kv > PLANNED_SHARE * host_free:
-        raise ValueError(
+        raise ArgError(
             f"the requests' KV needs {kv / GiB:.2f} GiB of host memory ({kv_tokens:,} tokens, partitioned policy) but "
             f"{host_free / GiB:.2f} GiB is available (MemAvailable), of which {PLANNED_SHARE:.0%} may be planned. Nothing was "
-            "built: use fewer or shorter requests (--batch, --max-new-tokens, a shorter prompt)"
+            "built: use fewer or shorter requests (max_batch, max_tokens, a shorter prompt)",
+            *ADVICE_NAMES,
         )
 
 
 def _advice(cfg: ModelConfig, dtype: torch.dtype, device: torch.device, kv: int, room: float, plan: MemoryPlan | None) -> str:
-    """What to change, in words, with the largest ``num_layers`` of this shape that fits ``room``."""
+    """What to change, in words with the Python API's argument names (:data:`ADVICE_NAMES`; the CLI
+    rewords them as its flags), with the largest ``num_layers`` of this shape that fits ``room``."""
     tips = []
     if plan is None:
         fit = next((n for n in range(cfg.num_layers - 1, 0, -1)
                     if weight_bytes(cfg.with_overrides(num_hidden_layers=n), dtype) + kv * n / cfg.num_layers <= room), None)
         tips.append("a smaller model (e.g. a tiny-* preset)")
         if fit is not None:
-            tips.append(f"fewer layers of this shape with synthetic weights (num_layers / --num-layers {fit} fits)")
+            tips.append(f"fewer layers of this shape with synthetic weights (num_layers {fit} fits)")
         if dtype.itemsize > 2:
-            tips.append("16-bit weights (dtype / --dtype bf16: half the bytes)")
-    tips.append("fewer or shorter requests (--batch, --max-new-tokens, a shorter prompt, --max-model-len)")
+            tips.append("16-bit weights (dtype bf16: half the bytes)")
+    if plan is not None or kv >= 0.05 * room:  # the requests' KV matters (a plan is sized for them)
+        tips.append("fewer or shorter requests (max_batch, max_tokens, a shorter prompt, max_model_len)")
     if device.type == "cuda":
-        tips.append("a --vram-budget that fits the device (routed experts beyond it go to host memory)"
-                    if plan is None else "a smaller --vram-budget")
+        tips.append("a vram_budget that fits the device (routed experts beyond it go to host memory)"
+                    if plan is None else "a smaller vram_budget (the plan's device part shrinks with it)")
     else:
-        tips.append("a machine with more memory or a GPU (--device cuda, with --vram-budget)")
+        tips.append("a machine with more memory, or a GPU (with a vram_budget)")
     return "Use " + "; ".join(tips[:-1]) + "; or " + tips[-1] + "."
+
+
+ADVICE_NAMES = ("num_layers", "dtype", "max_batch", "max_tokens", "max_model_len", "vram_budget")

@@ -9,7 +9,7 @@ import time
 def add_parser(sub) -> None:
     p = sub.add_parser("calibrate", help="measure the CPU and load-path costs of the model's KV shape on this machine")
     p.add_argument("--model", required=True, help="checkpoint directory or preset name (only its config is read)")
-    p.add_argument("--device", default="auto", help="auto, cpu or cuda")
+    p.add_argument("--device", default="auto", help="auto (cuda when present, the default), cpu or cuda")
     p.add_argument("--dtype", default="auto", help="auto (bf16 on cuda, fp32 on cpu), bf16, fp16, fp32")
     p.add_argument("--window", type=int, default=256, help="D, tokens per block (default 256)")
     p.add_argument("--batch", type=int, default=16, help="sequences in the measured batch (default 16)")

@@ -48,14 +48,14 @@ def add_parser(sub) -> None:
                      help="prompts of TOKENS tokens (k = 1024) of real text read from this machine (Python's license and "
                           "standard-library docstrings); request i starts 997 i tokens further in")
     p.add_argument("--max-new-tokens", type=int, default=32, help="tokens to generate per request (default 32)")
-    p.add_argument("--batch", type=int, default=1, help="copies of the prompt in the batch (default 1)")
+    p.add_argument("--batch", type=int, default=1, help="requests in the batch (default 1): copies of the prompt, or with --machine-text each its own stretch of text")
     p.add_argument("--temperature", type=float, default=0.0, help="0 = greedy (default)")
     p.add_argument("--top-p", type=float, default=1.0,
                    help="nucleus sampling: sample from the smallest set of tokens whose probabilities sum to P, in (0, 1] "
                         "(default 1: all tokens; only with --temperature > 0)")
     p.add_argument("--seed", type=int, default=0, help="sampling seed; request i of the batch uses seed + i (default 0)")
     p.add_argument("--weight-seed", type=int, default=0, help="seed of the synthetic weights (default 0)")
-    p.add_argument("--device", default="auto", help="auto, cpu or cuda")
+    p.add_argument("--device", default="auto", help="auto (cuda when present, the default), cpu or cuda")
     p.add_argument("--dtype", default="auto", help="auto (bf16 on cuda, fp32 on cpu), bf16, fp16, fp32")
     p.add_argument("--max-model-len", type=int, default=None, help="cap on prompt + new tokens per request")
     p.add_argument("--prefill-chunk-tokens", type=int, default=8192,
@@ -67,7 +67,7 @@ def add_parser(sub) -> None:
                         "once per machine), monolithic[:R] (the one-state baseline); default resident (nothing measured first; plan and profile default to writescope)")
     p.add_argument("--window", type=int, default=256, help="D: tokens of the D-window and of one KV block (default 256)")
     p.add_argument("--cpu-threads", type=int, default=None, help="threads for CPU attention, 1 to the CPUs this process may use (default: WRITESCOPE_CPU_THREADS when set, else all torch threads, less one with CUDA)")
-    p.add_argument("--expert-threads", type=int, default=None, help="threads for routed experts in host memory (default: all torch threads)")
+    p.add_argument("--expert-threads", type=int, default=None, help="threads for routed experts in host memory, 1 to the CPUs this process may use (default: all torch threads)")
     p.add_argument("--vram-budget", default=None, help="device memory the run may use, e.g. 32GiB (routed experts beyond it go to the CPU)")
     add_stream_share_flag(p)
     add_expert_profile_flag(p)
@@ -166,7 +166,7 @@ def run(args: argparse.Namespace) -> int:
         if held:
             print(f"device memory when the cap was set: {held['allocated'] / 2**30:.2f} GiB in tensors, "
                   f"{held['reserved'] / 2**30:.2f} GiB held (plan: {p.weights_gpu / 2**30:.2f} GiB of weights)")
-    print(f"model: {cfg.architecture} ({cfg.num_layers} layers, {cfg.moe.num_experts} experts, top-{cfg.moe.top_k}), "
+    print(f"model: {cfg.architecture} ({plural(cfg.num_layers, 'layer')}, {cfg.moe.num_experts} experts, top-{cfg.moe.top_k}), "
           f"{llm.load_info['source']}, {llm.dtype} on {llm.device}, loaded in {llm.load_info['load_s']:.1f} s; "
           f"experts: {'grouped GEMMs' if llm.load_info.get('grouped_experts') else 'one GEMM chain per expert (no grouped GEMM here)'}")
     print(core_plan(llm))
@@ -179,6 +179,7 @@ def run(args: argparse.Namespace) -> int:
         print(f"prompts: {args.batch} x {machine_tokens} tokens of this machine's text (Python's license and docstrings; "
               f"read from {have:,} tokens of text{', repeated where they run out' if have < machine_tokens + (args.batch - 1) * 997 else ''})")
     from writescope.engine.streaming import BatchProgress, TextStreamer
+    from writescope.engine.threads import busy_note
 
     stream = None  # a single request's text printed as it is decoded; a batch's progress bar (stderr)
     if not args.quiet:
@@ -195,6 +196,8 @@ def run(args: argparse.Namespace) -> int:
         if args.batch != 1 or args.quiet:
             print(o.text)
     print("\n" + format_timings(outs, llm.policy_name, llm.cpu_attention, llm.decode_host))
+    if (busy := busy_note()) is not None:
+        print(busy)
     if llm.r_trace:
         print(format_r_trace(llm.r_trace))
     if args.output_json:

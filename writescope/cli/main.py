@@ -5,6 +5,8 @@ from __future__ import annotations
 import argparse
 import os
 import sys
+import warnings
+from pathlib import Path
 
 from writescope.cli import bench, calibrate, expert_profile, generate, make_checkpoint, plan, profile, serve
 from writescope.cli.outputs import attach_negative_values
@@ -53,6 +55,8 @@ def main(argv: list[str] | None = None) -> int:
     serve.add_parser(sub)
     # "--vram-budget -1GiB" reaches the budget's own check instead of argparse's "expected one argument"
     args = parser.parse_args(attach_negative_values(sys.argv[1:] if argv is None else list(argv)))
+    shown = warnings.formatwarning
+    warnings.formatwarning = _worded(shown, args.command)
     try:
         return args.run(args)
     except ValueError as e:
@@ -68,6 +72,26 @@ def main(argv: list[str] | None = None) -> int:
     except (FileNotFoundError, FileExistsError) as e:
         print(f"writescope {args.command}: error: {e}", file=sys.stderr)
         return 2
+    except KeyboardInterrupt:  # Ctrl-C: no traceback; say what was kept
+        kept = ""
+        if args.command == "bench" and getattr(args, "output_json", None) and Path(args.output_json).is_file():
+            kept = f"; the rows finished so far are in {args.output_json} (run the same command with --resume to go on)"
+        print(f"\nwritescope {args.command}: interrupted{kept}", file=sys.stderr)
+        return 130
+    finally:
+        warnings.formatwarning = shown
+
+
+def _worded(shown, command: str):
+    """``warnings.formatwarning`` for a command: WriteScope's own warnings as ``writescope CMD:
+    warning: ...`` (no source path and line, which mean nothing to a user); others as before."""
+
+    def fmt(message, category, filename, lineno, line=None):
+        if issubclass(category, UserWarning) and f"{os.sep}writescope{os.sep}" in str(filename):
+            return f"writescope {command}: warning: {message}\n"
+        return shown(message, category, filename, lineno, line)
+
+    return fmt
 
 
 if __name__ == "__main__":

@@ -83,6 +83,8 @@ def run(args: argparse.Namespace) -> int:
         raise ValueError("--trace is the breakdown's trace: leave out --no-breakdown, or --trace")
     if args.timeline is not None and args.timeline.suffix.lower() != ".png":
         raise ValueError(f"--timeline writes a PNG: give a path ending in .png, got {str(args.timeline)!r}")
+    if args.host_profile is not None and args.host_profile.suffix.lower() in (".png", ".jpg", ".jpeg", ".svg", ".pdf", ".json"):
+        raise ValueError(f"--host-profile writes text (pstats' listing): give a path ending in .txt, got {str(args.host_profile)!r}")
     if args.timeline is not None:
         import importlib.util
 

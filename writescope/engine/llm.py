@@ -133,8 +133,7 @@ class LLM:
         if window < 1:
             raise ArgError(f"window (D) must be >= 1 token, got {window}", "window")
         _check_cpu_threads(cpu_threads)
-        if expert_threads is not None and expert_threads < 1:
-            raise ArgError(f"expert_threads must be >= 1, got {expert_threads}", "expert_threads")
+        _check_cpu_threads(expert_threads, "expert_threads")
         self._expert_share_fixed = expert_stream_share is not None  # else `writescope` splits host experts each step
         if expert_stream_share is None:
             expert_stream_share = default_stream_share(self.device)
@@ -464,13 +463,14 @@ def peak_memory(device: torch.device) -> int:
 
 
 
-def _check_cpu_threads(cpu_threads: int | None) -> None:
-    """``cpu_threads`` when given: 1 to the CPUs this process may use (engine/threads.py).
+def _check_cpu_threads(threads: int | None, name: str = "cpu_threads") -> None:
+    """A thread count (``cpu_threads``, ``expert_threads``) when given: 1 to the CPUs this process
+    may use (engine/threads.py).
 
     Raises:
         ArgError: outside that range (names it).
     """
     try:
-        check_cpu_threads(cpu_threads)
+        check_cpu_threads(threads, name)
     except ValueError as e:
-        raise ArgError(str(e), "cpu_threads") from None
+        raise ArgError(str(e), name) from None

@@ -2,8 +2,8 @@
 
 from __future__ import annotations
 
-import difflib
 import time
+import warnings
 from pathlib import Path
 
 import torch
@@ -16,7 +16,7 @@ from writescope.errors import ArgError
 from writescope.engine.timing import synchronize
 from writescope.models import build_model
 from writescope.models.causal_lm import CausalLM
-from writescope.presets import PRESETS, preset_config
+from writescope.presets import PRESETS, did_you_mean, preset_config
 
 DTYPES = {
     "bf16": torch.bfloat16, "bfloat16": torch.bfloat16,
@@ -76,9 +76,8 @@ def resolve_config(model: str, num_layers: int | None = None, synthetic: bool = 
     elif model in PRESETS:
         cfg, ckpt = preset_config(model), None
     else:
-        close = difflib.get_close_matches(model, list(PRESETS), n=1)
-        hint = f"did you mean {close[0]!r}? " if close else ""
-        raise ArgError(f"model {model!r} is neither a checkpoint directory nor a preset; {hint}presets: {', '.join(PRESETS)}", "model")
+        raise ArgError(f"model {model!r} is neither a checkpoint directory nor a preset; {did_you_mean(model)}presets: {', '.join(PRESETS)}",
+                       "model")
     if num_layers is not None:
         if not 1 <= num_layers <= cfg.num_layers:
             raise ArgError(f"num_layers {num_layers} must be in [1, {cfg.num_layers}] (the layers of {model})", "num_layers")
@@ -115,6 +114,11 @@ def load_model(
         load_weights(net, ckpt, progress=progress)
         source = f"checkpoint {ckpt}"
     tok = _tokenizer(cfg, ckpt)
+    if ckpt is not None and not synthetic and not (ckpt / "tokenizer.json").is_file():
+        warnings.warn(f"{ckpt} has no tokenizer.json: text is tokenized by a stand-in byte-level BPE that is not this model's, "
+                      "so text prompts and the output text mean nothing (token ids in and out are unaffected). Give the "
+                      "checkpoint its tokenizer.json (transformers: AutoTokenizer.from_pretrained(DIR).save_pretrained(DIR) "
+                      "writes one)", stacklevel=2)
     synchronize(device)
     return cfg, net, tok, {"source": source, "load_s": time.perf_counter() - t0}
 

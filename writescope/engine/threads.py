@@ -24,6 +24,21 @@ def usable_cpus() -> int:
     return len(mask(0)) if mask is not None else (os.cpu_count() or 1)
 
 
+def busy_note() -> str | None:
+    """A note when the machine's 1-minute load average exceeds the CPUs this process may use (other
+    processes compete for them: torch's intra-op threads then wait on one another, and timings
+    can be many times slower); None otherwise, or where the OS gives no load average."""
+    try:
+        load = os.getloadavg()[0]
+    except (AttributeError, OSError):
+        return None
+    cpus = usable_cpus()
+    if load <= cpus:
+        return None
+    return (f"note: the load average ({load:.1f}) exceeds the {cpus} CPUs this process may use: other processes compete for "
+            "them and these timings suffer (torch's threads most: OMP_NUM_THREADS=1, or fewer --cpu-threads, may help)")
+
+
 def check_cpu_threads(n: int | None, name: str = "cpu_threads") -> None:
     """A CPU attention thread count given by a caller: 1 to :func:`usable_cpus` (as
     ``WRITESCOPE_CPU_THREADS``, which a given count overrides); None: not given.

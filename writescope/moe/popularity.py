@@ -26,6 +26,18 @@ from pathlib import Path
 import torch
 
 
+def _spans(ids: list[int], most: int = 6) -> str:
+    """``[0, 1, 2, 5, 7, 8]`` -> ``"0..2, 5, 7..8"`` (sorted runs; past ``most`` runs, ``", ..."``)."""
+    runs: list[list[int]] = []
+    for i in sorted(ids):
+        if runs and i == runs[-1][1] + 1:
+            runs[-1][1] = i
+        else:
+            runs.append([i, i])
+    text = [f"{a}..{b}" if b > a else f"{a}" for a, b in runs[:most]]
+    return ", ".join(text + (["..."] if len(runs) > most else []))
+
+
 @dataclass
 class ExpertProfile:
     """Routing counts per MoE layer: ``layers[layer_id][e]`` assignments to expert e."""
@@ -44,8 +56,10 @@ class ExpertProfile:
         missing = [i for i in moe_layers if i not in self.layers]
         extra = sorted(set(self.layers) - set(moe_layers))
         if missing or extra:
-            raise ValueError(f"{where}: layers {missing[:5]} missing, {extra[:5]} not MoE layers of this model "
-                             f"(its MoE layers: {moe_layers[0]}..{moe_layers[-1]}): make the profile with this model")
+            made = f" (it was made with {self.model})" if self.model else ""
+            raise ValueError(f"{where}{made}: {len(missing)} of this model's MoE layers missing ({_spans(missing) or 'none'}), "
+                             f"{len(extra)} not MoE layers of this model ({_spans(extra) or 'none'}; its MoE layers: "
+                             f"{_spans(moe_layers)}): make the profile with this model (writescope expert-profile)")
         for i in moe_layers:
             row = self.layers[i]
             if len(row) != num_experts:

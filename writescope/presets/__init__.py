@@ -6,6 +6,7 @@
 
 from __future__ import annotations
 
+import difflib
 import json
 from importlib import resources
 
@@ -21,8 +22,17 @@ def preset_hf_dict(name: str) -> dict:
         ValueError: unknown preset (the message lists the known ones).
     """
     if name not in PRESETS:
-        raise ValueError(f"unknown preset {name!r}; known presets: {', '.join(PRESETS)} (or pass a checkpoint directory)")
+        raise ValueError(f"unknown preset {name!r}; {did_you_mean(name)}known presets: {', '.join(PRESETS)}")
     return json.loads(resources.files(__package__).joinpath(f"{name}.json").read_text())
+
+
+def did_you_mean(name: str) -> str:
+    """``"did you mean 'tiny-qwen3-moe'? "`` for the preset closest to ``name`` (case and ``_``
+    for ``-`` aside), or ``""`` when none is close."""
+    norm = {p.replace("-", ""): p for p in PRESETS}
+    key = name.lower().replace("_", "-")
+    close = difflib.get_close_matches(key, list(PRESETS), n=1) or [norm[k] for k in difflib.get_close_matches(key.replace("-", ""), list(norm), n=1)]
+    return f"did you mean {close[0]!r}? " if close else ""
 
 
 def preset_config(name: str) -> ModelConfig:
