@@ -47,7 +47,8 @@ def test_configurations_where_writescope_loses_beyond_the_noise_are_named():
             _row(16384, "gpu", 10.0, repeat=0), _row(16384, "gpu", 12.0, repeat=1),
             _row(16384, "writescope", 9.0, repeat=0), _row(16384, "writescope", 11.0, repeat=1)]  # within the noise
     h = headline("m", rows)
-    assert h.below == [f"4x8K: {7.25 / 10.2:.2f}x gpu [{7.0 / 10.4:.2f}-{7.5 / 10.0:.2f}]"]
+    # the runs the table shows (of median TPOT: the slower for two), the interval over all runs
+    assert h.below == [f"4x8K: {7.0 / 10.0:.2f}x gpu [{7.0 / 10.4:.2f}-{7.5 / 10.0:.2f}]"]
     assert "slower than the best baseline beyond the noise in 1 of 2 configurations: 4x8K" in format_headline([h])
     assert headline("m", _grid()).below == [] and "beyond the noise" not in format_headline([headline("m", _grid())])
 

@@ -174,7 +174,7 @@ def test_bench_report_gives_each_ratio_its_spread_and_says_when_it_is_noise():
     rows = _rows()
     best = format_best(rows)
     assert "batch 1 context 8192: best gpu (2.00 ms)" in best
-    assert "attention 2.00x [1.86-2.14], decode 1.00x [0.91-1.07, within the noise] over gpu" in best
+    assert "attention 2.04x [1.86-2.14], decode 1.00x [0.91-1.07, within the noise] over gpu" in best
     assert "one run per configuration" not in best
     table = format_table(rows)
     assert len(table.splitlines()) == 1 + 4 + 2, "one line per configuration and policy, medians, and the two notes"
@@ -239,7 +239,7 @@ def test_bench_cli_repeats_every_configuration_with_the_policies_taking_turns(tm
     assert order == [(c, p) for c in (8192, 16384) for _ in range(3) for p in ("gpu", "writescope")]
     printed = capsys.readouterr().out
     assert "3 runs of each" in printed
-    assert "attention 2.00x [1.86-2.14], decode 1.00x [0.91-1.07, within the noise] over gpu" in printed
+    assert "attention 2.04x [1.86-2.14], decode 1.00x [0.91-1.07, within the noise] over gpu" in printed
     assert "gpu 1.41x (2) [1.32-1.49]" in printed
     doc = json.loads(out.read_text())
     assert doc["complete"] and [r["extra"]["repeat"] for r in doc["rows"]] == [0, 0, 1, 1, 2, 2] * 2

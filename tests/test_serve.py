@@ -157,6 +157,33 @@ def test_malformed_bodies_and_the_server_stays_up(server):
     assert r.status_code == 200 and r.json()["usage"]["completion_tokens"] >= 1
 
 
+def test_unknown_paths_and_methods_get_openai_errors_naming_the_routes(server):
+    """404 and 405 (starlette's own) in OpenAI's error shape, saying what exists."""
+    r = httpx.get(server.url + "/foo")
+    err = r.json()["error"]
+    assert r.status_code == 404 and err["code"] == 404 and err["type"] == "invalid_request_error", r.text
+    assert err["message"] == ("unknown path /foo; the API: GET /v1/models, POST /v1/completions, POST /v1/chat/completions, "
+                              "GET /health, GET /metrics")
+    r = httpx.get(server.url + "/v1/completions")
+    assert r.status_code == 405 and r.headers["Allow"] == "POST", r.text
+    assert r.json()["error"]["message"] == "no route GET /v1/completions: POST it"
+    r = httpx.post(server.url + "/health")
+    assert r.status_code == 405 and r.json()["error"]["message"] == "no route POST /health: GET it", r.text
+
+
+def test_a_json_body_without_its_content_type_is_named(server):
+    """curl -d sends a form's Content-Type: the body is not read as JSON, and the 400 says which header to send."""
+    body = json.dumps({"model": MODEL, "prompt": "hi", "max_tokens": 2})
+    r = httpx.post(server.url + "/v1/completions", content=body, headers={"content-type": "application/x-www-form-urlencoded"})
+    msg = r.json()["error"]["message"]
+    assert r.status_code == 400 and "it came as Content-Type application/x-www-form-urlencoded" in msg, r.text
+    assert "send the header 'Content-Type: application/json'" in msg
+    r = httpx.post(server.url + "/v1/completions", json=[1, 2])  # JSON, but not an object: no word of the header
+    assert r.status_code == 400 and "Content-Type" not in r.json()["error"]["message"], r.text
+    r = httpx.post(server.url + "/v1/completions", content=body, headers={"content-type": "application/json"}, timeout=WAIT_S)
+    assert r.status_code == 200, r.text
+
+
 def test_api_key_and_loading_health():
     """A server whose model has not loaded: /health is 503; with --api-key, /v1/* wants the key."""
     state = ServerState(MODEL, api_key="s3cret")
@@ -219,6 +246,41 @@ def test_full_queue_gets_503_with_retry_after(llm, server):
     assert llm.cache.active_slots == []
 
 
+def test_max_queue_0_takes_requests_while_a_batch_place_is_free(llm, server):
+    """--max-queue 0: no request waits; one is taken while a place of --max-num-seqs is free (n=2 on
+    an idle server of 2 places too), the next gets 503 with Retry-After while they run."""
+    state = ServerState(MODEL)
+    engine = AsyncEngine(llm, max_num_seqs=2, max_queue=0)
+    release = threading.Event()
+    real = engine.core.step
+
+    def held_step():
+        release.wait(WAIT_S)
+        return real()
+
+    engine.core.step = held_step
+    state.ready(engine, llm.tokenizer)
+    wait_until(lambda: server.engine.snapshot()["running"] == 0, "the module server to be idle")  # they share the model
+    body = {"model": MODEL, "prompt": "no queue", "max_tokens": 3}
+    with ServerThread(build_app(state)) as srv:
+        r = httpx.post(srv.url + "/v1/completions", json={**body, "n": 3}, timeout=WAIT_S)
+        assert r.status_code == 400 and "n must be in [1, 2] (--max-num-seqs 2, with --max-queue 0), got 3" in r.text, r.text
+        results: list = []
+        both = threading.Thread(target=lambda: results.append(httpx.post(srv.url + "/v1/completions", json={**body, "n": 2},
+                                                                         timeout=WAIT_S)))
+        both.start()
+        wait_until(lambda: engine.snapshot()["waiting"] + engine.snapshot()["running"] >= 2, "n=2 to be taken")
+        r = httpx.post(srv.url + "/v1/completions", json=body, timeout=WAIT_S)
+        assert r.status_code == 503 and r.headers["Retry-After"] == "1", r.text
+        assert "of the 2 places in the batch are taken (--max-num-seqs 2; --max-queue 0: no request waits)" in r.text
+        release.set()
+        both.join(WAIT_S)
+        assert results[0].status_code == 200 and len(results[0].json()["choices"]) == 2, results[0].text
+        for _ in range(2):  # idle again: each is taken at once
+            assert httpx.post(srv.url + "/v1/completions", json=body, timeout=WAIT_S).status_code == 200
+    assert llm.cache.active_slots == []
+
+
 def test_engine_failure_fails_the_request_alone(server, monkeypatch):
     core = server.engine.core
     real = core._prefill_chunk
@@ -273,12 +335,61 @@ def test_cli_refuses_bad_flags_before_binding(capsys):
     assert "--port" in capsys.readouterr().err
 
 
-def test_cli_load_failure_stops_the_server(capsys):
-    """The model loads after the server binds (so /health can say 503): a load that fails stops it, exit 2."""
+@pytest.fixture
+def no_listening(monkeypatch):
+    """The server must not start: uvicorn's ``Server.run`` fails the test."""
+    import uvicorn
+
+    def run(*args, **kwargs):
+        raise AssertionError("the server started listening")
+
+    monkeypatch.setattr(uvicorn.Server, "run", run)
+
+
+REFUSED = [  # what LLM would refuse once the server listens, refused before: (flags, environment, words)
+    (["--policy", "bogus"], {}, "unknown policy 'bogus'"),
+    (["--model", "no-such-model"], {}, "--model 'no-such-model' is neither a checkpoint directory nor a preset"),
+    (["--model", "/no/such/dir"], {}, "--model '/no/such/dir' is neither a checkpoint directory nor a preset"),
+    (["--device", "tpu"], {}, "unknown device 'tpu'"),
+    (["--dtype", "int3"], {}, "int3"),
+    (["--vram-budget", "lots"], {}, "--vram-budget: 'lots' is not a size"),
+    ([], {"WRITESCOPE_CPU_ATTENTION": "flsh"}, "WRITESCOPE_CPU_ATTENTION='flsh'"),
+    ([], {"WRITESCOPE_CPU_ATTENTION": "kernel", "WRITESCOPE_CPU_ISA": "avx9"}, "WRITESCOPE_CPU_ISA='avx9'"),
+    ([], {"WRITESCOPE_GPU_ATTENTION": "cudnn"}, "WRITESCOPE_GPU_ATTENTION='cudnn'"),
+]
+
+
+@pytest.mark.parametrize("flags, env, words", REFUSED, ids=["policy", "preset", "directory", "device", "dtype", "vram-budget",
+                                                             "cpu-attention", "cpu-isa", "gpu-attention"])
+def test_cli_refuses_what_llm_would_before_listening(capsys, monkeypatch, no_listening, flags, env, words):
     from writescope.cli.main import main
 
-    assert main(["serve", "--model", "no-such-model", "--port", "0", "--log-level", "warning"]) == 2
-    assert "neither a checkpoint directory nor a preset" in capsys.readouterr().err
+    for name, value in env.items():
+        monkeypatch.setenv(name, value)
+    argv = ["serve", "--model", MODEL, "--port", "0", *flags]
+    assert main(argv) == 2
+    err = capsys.readouterr().err
+    assert err.startswith("writescope serve: error: ") and words in err and "Error: " not in err, err
+
+
+def test_cli_help_says_what_max_queue_0_does(capsys):
+    from writescope.cli.main import main
+
+    with pytest.raises(SystemExit):
+        main(["serve", "--help"])
+    assert "0: none wait: a request is taken while one of the --max-num-seqs places is free" in " ".join(capsys.readouterr().out.split())
+
+
+def test_cli_load_failure_stops_the_server(capsys):
+    """The model loads after the server binds (so /health can say 503): a load that fails stops it,
+    exit 2, saying why in the command's flags, without the exception's class."""
+    from writescope.cli.main import main
+
+    argv = ["serve", "--model", MODEL, "--device", "cpu", "--vram-budget", "1MiB", "--port", "0", "--log-level", "warning"]
+    assert main(argv) == 2
+    err = capsys.readouterr().err
+    assert err.startswith("writescope serve: error: a GPU budget of 0.001 GiB is below the minimum"), err
+    assert "raise --vram-budget, lower --max-num-seqs or --max-model-len" in err and "PlanDoesNotFit" not in err
 
 
 def test_chat_template_from_tokenizer_config(tmp_path):

@@ -90,7 +90,7 @@ def test_echo_with_max_tokens_0_returns_the_prompt_alone(server):
 @pytest.mark.parametrize("change, words, param", [
     ({"echo": True, "logprobs": 1}, ["echo", "logprobs"], "logprobs"),
     ({"echo": True, "logprobs": 0, "stream": True}, ["echo", "logprobs"], "logprobs"),
-    ({"max_tokens": 0}, ["max_tokens 0", "echo"], None),
+    ({"max_tokens": 0}, ["max_tokens: 0 generates nothing", "echo"], "max_tokens"),
 ], ids=["echo-with-logprobs", "echo-with-logprobs-0-streamed", "max-tokens-0-without-echo"])
 def test_what_echo_cannot_do_gets_400_naming_the_fields(server, change, words, param):
     r = post(server, "/v1/completions", **{"prompt": PROMPT, "max_tokens": 3, **change})

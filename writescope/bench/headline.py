@@ -20,7 +20,7 @@ import statistics
 from dataclasses import dataclass, field
 from pathlib import Path
 
-from writescope.bench.report import ratio, runs, speedup_spread, speedups, static_share
+from writescope.bench.report import median_run, run_ratio, runs, speedup_spread, speedups, static_share
 from writescope.bench.runner import BenchRow
 
 TARGET = 1.7  # issue 17's target: writescope over the best baseline, per model
@@ -53,17 +53,18 @@ def headline(model: str, rows: list[BenchRow], min_context: int = 8192, source: 
     cells = {(b, c) for (b, c, p) in runs(rows) if c >= min_context}
     for b, c in sorted(cells):
         group = {p: [r for r in rs if r.fits and r.step_tok_s > 0] for (bb, cc, p), rs in runs(rows).items() if (bb, cc) == (b, c)}
-        base = {p: statistics.median(r.step_tok_s for r in rs) for p, rs in group.items() if rs and _is_baseline(p)}
+        base = {p: median_run(rs).step_tok_s for p, rs in group.items() if rs and _is_baseline(p)}  # the table's run of each
         ws = group.get("writescope") or []
         if base:
             name = max(base, key=base.get)
             counts[name] = counts.get(name, 0) + 1
             if ws and all(r.step_tok_s > 0 for r in ws):
-                x, lo, hi = ratio([r.step_tok_s for r in ws], [r.step_tok_s for r in group[name]])
+                x, lo, hi = run_ratio(ws, group[name], "step_tok_s")
                 if hi < 1:
                     below.append(f"{b}x{c // 1024}K: {x:.2f}x {name} [{lo:.2f}-{hi:.2f}]")
         if ws and all(r.tpot_bound_ms > 0 for r in ws):
-            ratios.append(statistics.median(r.tpot_ms for r in ws) / statistics.median(r.tpot_bound_ms for r in ws))
+            shown = median_run(ws)
+            ratios.append(shown.tpot_ms / shown.tpot_bound_ms)
     return Headline(model, best[1] if best else 0, best[0] if best else None, spread.get("best baseline"),
                     s["gpu"][0] if "gpu" in s else None, max(counts, key=counts.get) if counts else "-",
                     statistics.median(ratios) if ratios else None, source, below)

@@ -21,8 +21,25 @@ def runs(rows: list[BenchRow]) -> dict[tuple[int, int, str], list[BenchRow]]:
 
 def ratio(num: list[float], den: list[float]) -> tuple[float, float, float]:
     """``median(num) / median(den)`` and its interval over the repeats, ``(ratio, min(num) /
-    max(den), max(num) / min(den))``: every ratio the runs allow (all three equal for one run each)."""
+    max(den), max(num) / min(den))``: every ratio the runs allow (all three equal for one run each).
+    The report's own ratios are :func:`run_ratio`'s (the figures of the runs the table shows)."""
     return statistics.median(num) / statistics.median(den), min(num) / max(den), max(num) / min(den)
+
+
+def median_run(group: list[BenchRow]) -> BenchRow:
+    """The run of a (batch, context, policy) that the report shows: the one of median TPOT (of an
+    even count the upper middle one, the slower: of two runs, the report never shows the better
+    one alone). Every figure of a row comes from this one run, so they agree (decode tok/s is its
+    batch / TPOT); a column's per-figure median over an even count would mix two runs."""
+    ordered = sorted(group, key=lambda r: r.tpot_ms)
+    return ordered[len(ordered) // 2]
+
+
+def run_ratio(num: list[BenchRow], den: list[BenchRow], key: str) -> tuple[float, float, float]:
+    """:func:`ratio` of ``key`` between two policies' runs: the ratio of their :func:`median_run`
+    figures (the table's), the interval from the min and max over all the runs."""
+    _, lo, hi = ratio([getattr(r, key) for r in num], [getattr(r, key) for r in den])
+    return getattr(median_run(num), key) / getattr(median_run(den), key), lo, hi
 
 
 def format_ratio(r: float, lo: float, hi: float) -> str:
@@ -33,17 +50,18 @@ def format_ratio(r: float, lo: float, hi: float) -> str:
     return f"{r:.2f}x [{lo:.2f}-{hi:.2f}{', within the noise' if lo <= 1 <= hi else ''}]"
 
 
-def _spread_cell(values: list[float], fmt: str) -> str:
-    """The median, and with more than one run, half the range as a percentage of it."""
-    med = statistics.median(values)
-    if len(values) < 2 or med <= 0:
-        return format(med, fmt)
-    return f"{format(med, fmt)} ±{50 * (max(values) - min(values)) / med:.0f}%"
+def _spread_cell(value: float, values: list[float], fmt: str) -> str:
+    """``value`` (the median run's), and with more than one run, half the range of ``values`` as a
+    percentage of it."""
+    if len(values) < 2 or value <= 0:
+        return format(value, fmt)
+    return f"{format(value, fmt)} ±{50 * (max(values) - min(values)) / value:.0f}%"
 
 
 def format_table(rows: list[BenchRow]) -> str:
-    """One line per (batch, context, policy): medians over its repeats, with ``±`` half their
-    spread (max - min) as a percentage of the median where there is more than one."""
+    """One line per (batch, context, policy): the figures of its :func:`median_run` (the run of
+    median TPOT), with ``±`` half the spread (max - min) over its repeats as a percentage of that
+    run's figure where there is more than one."""
     head = ("batch", "context", "policy", "prefill tok/s", "decode tok/s", "TPOT ms", "x bound", "attn ms/layer", "prep ms/layer", "r",
             "GB/s", "% bound")
     lines = [head]
@@ -54,14 +72,14 @@ def format_table(rows: list[BenchRow]) -> str:
             lines.append((str(b), str(c), p, f"does not fit: {group[0].reason}") + ("",) * (len(head) - 4))
             continue
         repeated |= len(ok) > 1
-        med = lambda key: statistics.median(getattr(r, key) for r in ok)  # noqa: E731
-        dep = [r.r_deployed for r in ok if r.r_deployed is not None]
+        m = median_run(ok)  # every column from this one run
         lines.append((
-            str(b), str(c), p, f"{med('prefill_tok_s'):,.0f}", _spread_cell([r.step_tok_s for r in ok], ",.1f"), f"{med('tpot_ms'):.2f}",
-            f"{med('tpot_ms') / med('tpot_bound_ms'):.2f}x" if med("tpot_bound_ms") > 0 and med("tpot_ms") > 0 else "-",
-            _spread_cell([r.attn_ms_per_layer for r in ok], ".3f"), f"{med('prepare_ms_per_layer'):.3f}" if med("prepare_ms_per_layer") else "-",
-            f"{statistics.median(dep):.3f}" if dep else "-", f"{med('gbs'):.1f}",
-            f"{100 * med('frac_of_bound'):.1f}" if med("frac_of_bound") else "-",
+            str(b), str(c), p, f"{m.prefill_tok_s:,.0f}", _spread_cell(m.step_tok_s, [r.step_tok_s for r in ok], ",.1f"), f"{m.tpot_ms:.2f}",
+            f"{m.tpot_ms / m.tpot_bound_ms:.2f}x" if m.tpot_bound_ms > 0 and m.tpot_ms > 0 else "-",
+            _spread_cell(m.attn_ms_per_layer, [r.attn_ms_per_layer for r in ok], ".3f"),
+            f"{m.prepare_ms_per_layer:.3f}" if m.prepare_ms_per_layer else "-",
+            f"{m.r_deployed:.3f}" if m.r_deployed is not None else "-", f"{m.gbs:.1f}",
+            f"{100 * m.frac_of_bound:.1f}" if m.frac_of_bound else "-",
         ))
     widths = [max(len(x[i]) for x in lines if not x[3].startswith("does not fit") or i < 3) for i in range(len(head))]
     out = []
@@ -71,7 +89,8 @@ def format_table(rows: list[BenchRow]) -> str:
         else:
             out.append("  ".join(v.rjust(w) for v, w in zip(x, widths)))
     if repeated:
-        out.append("(medians over the repeats; ±: half their spread, max - min, as a share of the median)")
+        out.append("(over the repeats, each row is its run of median TPOT, of an even count the upper middle (slower) one, every column "
+                   "from that run; ±: half their spread, max - min, as a share of that run's figure)")
     out.append("(decode tok/s: batch / TPOT, the decode steps alone; freeing the finished requests' KV after them is not in it)")
     bounds = {}
     for (b, c, _), group in runs(rows).items():
@@ -101,22 +120,18 @@ def static_share(policy: str) -> float | None:
     return parsed.share if isinstance(parsed, StaticPolicy) else None
 
 
-def _median_run(group: list[BenchRow], key: str) -> BenchRow:
-    """The run whose ``key`` is the median of the group's (the lower middle one for an even count)."""
-    ordered = sorted(group, key=lambda r: getattr(r, key))
-    return ordered[(len(ordered) - 1) // 2]
-
-
 def best_static(rows: list[BenchRow]) -> dict[tuple[int, int], BenchRow]:
     """Per (batch, context): the static row (``gpu``, ``cpu`` or ``static:R``) with the least
     decode attention time per layer (the time the share changes; decode tok/s also holds the
     expert and Python costs of the step, which on the H200 varied by +-15% between runs of the
-    same policy); with repeats, each policy's run of median attention time."""
+    same policy); with repeats, each policy's :func:`median_run` (the run its table row shows)."""
     best: dict[tuple[int, int], BenchRow] = {}
     for (b, c, p), group in runs(rows).items():
-        ok = [r for r in group if r.fits and r.attn_ms_per_layer > 0]
+        ok = [r for r in group if r.fits]
         if ok and static_share(p) is not None:
-            r = _median_run(ok, "attn_ms_per_layer")
+            r = median_run(ok)
+            if r.attn_ms_per_layer <= 0:
+                continue
             if (b, c) not in best or r.attn_ms_per_layer < best[(b, c)].attn_ms_per_layer:
                 best[(b, c)] = r
     return best
@@ -125,7 +140,8 @@ def best_static(rows: list[BenchRow]) -> dict[tuple[int, int], BenchRow]:
 def format_best(rows: list[BenchRow]) -> str:
     """Per (batch, context): the best static share against writescope's deployed r, and
     writescope's speedups over ``gpu`` (attention time, decode tok/s) with their intervals over
-    the repeats (:func:`format_ratio`: "within the noise" where the interval holds 1)."""
+    the repeats (:func:`format_ratio`: "within the noise" where the interval holds 1); each
+    policy's figures those of its :func:`median_run`, as in the table."""
     best = best_static(rows)
     if not best:
         return ""
@@ -135,12 +151,12 @@ def format_best(rows: list[BenchRow]) -> str:
     for (b, c), r in sorted(best.items()):
         w = groups.get((b, c, "writescope")) or []
         g = groups.get((b, c, "gpu")) or groups.get((b, c, "static:0")) or []
-        dep = [x.r_deployed for x in w if x.r_deployed is not None]
-        text = (f"writescope r = {statistics.median(dep):.3f}, {statistics.median(x.attn_ms_per_layer for x in w):.2f} ms"
-                if dep else "no writescope row")
+        m = median_run(w) if w else None
+        dep = m is not None and m.r_deployed is not None
+        text = f"writescope r = {m.r_deployed:.3f}, {m.attn_ms_per_layer:.2f} ms" if dep else "no writescope row"
         if dep and g and all(x.attn_ms_per_layer > 0 for x in w) and all(x.step_tok_s > 0 for x in g):
-            attn = ratio([x.attn_ms_per_layer for x in g], [x.attn_ms_per_layer for x in w])
-            tok = ratio([x.step_tok_s for x in w], [x.step_tok_s for x in g])
+            attn = run_ratio(g, w, "attn_ms_per_layer")
+            tok = run_ratio(w, g, "step_tok_s")
             text += f" (attention {format_ratio(*attn)}, decode {format_ratio(*tok)} over gpu)"
         lines.append(f"  batch {b} context {c}: best {r.policy} ({r.attn_ms_per_layer:.2f} ms); {text}")
     if not any(len(g) > 1 for g in groups.values()):
@@ -150,18 +166,18 @@ def format_best(rows: list[BenchRow]) -> str:
 
 def format_split_parts(rows: list[BenchRow]) -> str:
     """Per (batch, context, policy) with a CPU part: its attention calls' parts in ms
-    (:func:`writescope.bench.runner.split_parts`; medians over the repeats): the whole call, the
-    GPU part, the CPU part and its in-step rate, and what is left for the hand-over (the call
-    less the larger side)."""
+    (:func:`writescope.bench.runner.split_parts`; with repeats, those of the :func:`median_run`,
+    the run the table shows): the whole call, the GPU part, the CPU part and its in-step rate, and
+    what is left for the hand-over (the call less the larger side)."""
     lines = []
     for (b, c, p), group in runs(rows).items():
-        parts = [r.extra["split_parts"] for r in group if r.fits and "cpu" in r.extra.get("split_parts", {})]
-        if not parts:
+        ok = [r for r in group if r.fits]
+        parts = median_run(ok).extra.get("split_parts", {}) if ok else {}
+        if "cpu" not in parts:
             continue
-        med = {k: statistics.median(x[k] for x in parts) for k in ("attention", "gpu_part", "cpu", "cpu_ns_per_token", "cpu_gbs")}
-        hand = med["attention"] - max(med["gpu_part"], med["cpu"])
-        lines.append(f"  batch {b} context {c} {p}: attention {med['attention']:.2f}, GPU part {med['gpu_part']:.2f}, "
-                     f"CPU {med['cpu']:.2f} ({med['cpu_ns_per_token']:.1f} ns/token, {med['cpu_gbs']:.1f} GB/s), "
+        hand = parts["attention"] - max(parts["gpu_part"], parts["cpu"])
+        lines.append(f"  batch {b} context {c} {p}: attention {parts['attention']:.2f}, GPU part {parts['gpu_part']:.2f}, "
+                     f"CPU {parts['cpu']:.2f} ({parts['cpu_ns_per_token']:.1f} ns/token, {parts['cpu_gbs']:.1f} GB/s), "
                      f"hand-over {hand:.2f}")
     if not lines:
         return ""
@@ -195,30 +211,30 @@ BASELINES = ("gpu", "cpu", "monolithic", "best static", "best baseline")
 def _speedup_ratios(rows: list[BenchRow], min_context: int) -> tuple[dict[str, list[tuple[float, float, float]]], int]:
     """Per baseline, writescope's :func:`ratio` of decode tok/s over it in each (batch, context >=
     ``min_context``) configuration; and the configurations where writescope failed but a baseline ran."""
-    tok: dict[tuple[int, int], dict[str, list[float]]] = {}
+    tok: dict[tuple[int, int], dict[str, list[BenchRow]]] = {}
     failed: set[tuple[int, int]] = set()
     for r in rows:
         if r.context < min_context:
             continue
         if r.fits and r.step_tok_s > 0:
-            tok.setdefault((r.batch, r.context), {}).setdefault(r.policy, []).append(r.step_tok_s)
+            tok.setdefault((r.batch, r.context), {}).setdefault(r.policy, []).append(r)
         elif r.policy == "writescope":
             failed.add((r.batch, r.context))
     ratios: dict[str, list[tuple[float, float, float]]] = {}
     missed = 0
     for key, by_policy in tok.items():
-        med = {p: statistics.median(v) for p, v in by_policy.items()}
+        med = {p: median_run(v).step_tok_s for p, v in by_policy.items()}  # the runs the table shows
         base = {p: by_policy[p] for p in med if p in ("gpu", "cpu", "monolithic")}
         statics = [p for p in med if static_share(p) is not None]
         if statics:
             base["best static"] = by_policy[max(statics, key=med.get)]
         if base:
-            base["best baseline"] = max(base.values(), key=statistics.median)
+            base["best baseline"] = max(base.values(), key=lambda v: median_run(v).step_tok_s)
         if "writescope" not in med:
             missed += key in failed and bool(base)
             continue
         for name, v in base.items():
-            ratios.setdefault(name, []).append(ratio(by_policy["writescope"], v))
+            ratios.setdefault(name, []).append(run_ratio(by_policy["writescope"], v, "step_tok_s"))
     return ratios, missed
 
 
@@ -233,7 +249,7 @@ def speedups(rows: list[BenchRow], min_context: int = 8192) -> dict[str, tuple[f
     (per configuration the static share, ``gpu`` and ``cpu`` included, with the most decode
     tok/s) and ``best baseline`` (the most decode tok/s of all of those). The paper's Figure 9
     compares decode throughput this way. Rows repeated for one (batch, context, policy) count as
-    their median. Returns ``{baseline: (geometric mean, configurations it covers)}`` for baselines
+    their :func:`median_run` (the run the table shows). Returns ``{baseline: (geometric mean, configurations it covers)}`` for baselines
     measured beside at least one writescope row, and ``{"writescope did not fit": (0, n)}`` when
     writescope failed in n configurations where some baseline ran (those are left out of the means)."""
     ratios, missed = _speedup_ratios(rows, min_context)
@@ -283,7 +299,7 @@ def plot(rows: list[BenchRow], path: Path) -> None:
     for n, b in enumerate(batches):
         for ax, key, label in ((axes[0][2 * n], "step_tok_s", "decode tok/s (batch / TPOT)"), (axes[0][2 * n + 1], "attn_ms_per_layer", "attention ms per layer")):
             for pol in shown:
-                pts = sorted((c, statistics.median(getattr(r, key) for r in g if r.fits))  # medians over the repeats
+                pts = sorted((c, getattr(median_run([r for r in g if r.fits]), key))  # the runs the table shows
                              for (bb, c, pp), g in runs(rows).items() if bb == b and pp == pol and any(r.fits for r in g))
                 if pts:
                     ax.plot([p[0] for p in pts], [p[1] for p in pts], marker="o", label=pol)
@@ -299,8 +315,8 @@ def plot(rows: list[BenchRow], path: Path) -> None:
         ctx = sorted(c for (bb, c) in best if bb == b)
         if ctx:
             ax.plot(ctx, [static_share(best[(b, c)].policy) for c in ctx], marker="s", ls="--", label=f"best static, batch {b}")
-        dep = sorted((c, statistics.median(x)) for (bb, c, pp), g in runs(rows).items() if bb == b and pp == "writescope"
-                     for x in [[r.r_deployed for r in g if r.fits and r.r_deployed is not None]] if x)
+        dep = sorted((c, m.r_deployed) for (bb, c, pp), g in runs(rows).items() if bb == b and pp == "writescope"
+                     and any(r.fits for r in g) for m in [median_run([r for r in g if r.fits])] if m.r_deployed is not None)
         if dep:
             ax.plot([p[0] for p in dep], [p[1] for p in dep], marker="o", label=f"writescope r, batch {b}")
     ax.set_xscale("log", base=2)

@@ -24,8 +24,9 @@ memory) becomes a row with ``fits = False`` and the reason; the grid goes on.
 
 With ``repeats`` R > 1 every configuration is measured R times, the policies of one (batch,
 context) taking turns (R passes over them, so a slow spell of the machine falls on all of them),
-one row per run (``extra["repeat"]``); :mod:`writescope.bench.report` gives the median and the
-spread of each, and the interval of each ratio from the repeats' min and max.
+one row per run (``extra["repeat"]``); :mod:`writescope.bench.report` gives the figures of each
+configuration's run of median TPOT (all from that one run: ``report.median_run``) and the spread
+of each, and the interval of each ratio from the repeats' min and max.
 """
 
 from __future__ import annotations

@@ -10,28 +10,31 @@ from pathlib import Path
 from writescope.cli.experts import add_expert_profile_flag, add_stream_share_flag, check_stream_share
 from writescope.cli.outputs import check_output_file
 
+DEFAULT_POLICIES = "gpu,cpu,static:0.5,monolithic,writescope"
+
 
 def add_parser(sub) -> None:
     p = sub.add_parser("bench", help="compare KV placement policies: prefill and decode over a grid")
     p.add_argument("--model", required=True, help="checkpoint directory or preset name")
     p.add_argument("--synthetic", action="store_true", help="seeded synthetic weights instead of the checkpoint's")
     p.add_argument("--num-layers", type=int, default=None, help="keep only the first N decoder layers (synthetic weights; a shape benchmark)")
-    p.add_argument("--batch", default="4", help="comma-separated batch sizes (default 4)")
+    p.add_argument("--batch", default="4", help="comma-separated batch sizes, in sequences (default 4)")
     p.add_argument("--context", default="2k", help="comma-separated prompt lengths, k = 1024 (default 2k)")
-    p.add_argument("--policies", default="gpu,cpu,static:0.5,monolithic,writescope",
+    p.add_argument("--policies", default=DEFAULT_POLICIES,
                    help="comma-separated policies; POLICY@NAME=VALUE+NAME=VALUE runs one under other switches (writescope/bench/switches.py), "
-                        "e.g. static:0.5@WRITESCOPE_MICRO_BATCHES=2")
+                        f"e.g. static:0.5@WRITESCOPE_MICRO_BATCHES=2 (default {DEFAULT_POLICIES})")
     p.add_argument("--steps", type=int, default=8, help="decode steps per configuration (default 8)")
     p.add_argument("--repeats", type=int, default=3,
-                   help="runs of every configuration, the policies taking turns (default 3): the table gives medians and "
-                        "their spread, each speedup its interval over the runs and says when it is within the noise")
+                   help="runs of every configuration, the policies taking turns (default 3): the table gives each configuration's "
+                        "run of median TPOT and the spread over the runs, each speedup its interval over the runs and says "
+                        "when it is within the noise")
     p.add_argument("--sweep-static", type=int, default=0, metavar="N", help="also run static:i/N for i = 0..N (the measured best share)")
     p.add_argument("--window", type=int, default=256, help="D (default 256)")
     p.add_argument("--device", default="auto", help="auto (cuda when present), cpu or cuda")
     p.add_argument("--dtype", default="auto", help="auto (bf16 on cuda, fp32 on cpu), bf16, fp16, fp32")
     p.add_argument("--h2d-gbs", type=float, default=None,
                    help="host-to-device GB/s for the bounds, given with --cpu-gbs (default: both measured in this run, "
-                        "alone and at once: bench/bounds.py)")
+                        "alone and at once: writescope/bench/bounds.py)")
     p.add_argument("--cpu-gbs", type=float, default=None, help="host read GB/s for the bounds (default: measured in this run)")
     p.add_argument("--vram-budget", default=None, help="device memory the run may use, e.g. 32GiB")
     add_stream_share_flag(p)
@@ -73,6 +76,22 @@ def parse_tokens(text: str, flag: str = "token count", one: bool = False) -> lis
     return out
 
 
+def parse_counts(text: str, flag: str) -> list[int]:
+    """``"4,16"`` -> ``[4, 16]``: plain positive integers (sequence counts; no k suffix);
+    ``flag`` names the option in errors.
+
+    Raises:
+        ValueError: an entry that is not a positive integer.
+    """
+    out = []
+    for part in text.split(","):
+        t = part.strip()
+        if not (t.isascii() and t.isdigit()) or int(t) < 1:  # isdigit: no sign, point, k or "1_0"
+            raise ValueError(f"{flag} {text!r}: a comma-separated list of sequence counts, e.g. 4,16")
+        out.append(int(t))
+    return out
+
+
 # the flags that decide what a row measures: a resumed grid keeps rows only where they all match
 RESUME_KEYS = ("model", "synthetic", "num_layers", "steps", "window", "device", "dtype", "vram_budget", "expert_stream_share",
                "expert_profile", "kv_fill")
@@ -111,7 +130,7 @@ def run(args: argparse.Namespace) -> int:
     from writescope.engine.model_loader import capped_model_len
     from writescope.scheduler.policies import parse_policy
 
-    batches, contexts = parse_tokens(args.batch, "--batch"), parse_tokens(args.context, "--context")
+    batches, contexts = parse_counts(args.batch, "--batch"), parse_tokens(args.context, "--context")
     if args.plot:
         import importlib.util
 
@@ -125,6 +144,8 @@ def run(args: argparse.Namespace) -> int:
         bounds.given(args.h2d_gbs, args.cpu_gbs, True)  # checked before the model loads
 
     policies = [p.strip() for p in args.policies.split(",") if p.strip()]
+    if not policies:  # else nothing is measured and the table is empty
+        raise ValueError(f"--policies {args.policies!r} names no policy: give a comma-separated list, e.g. the default {DEFAULT_POLICIES}")
     needs_roofline = any(switches.split(p)[0].lower() in ("writescope", "monolithic") for p in policies)
     for p in policies:
         switches.check(p)  # unknown switches and bad values fail before the model loads
@@ -215,6 +236,10 @@ def run(args: argparse.Namespace) -> int:
     print(format_table(rows))
     if llm.device.type == "cpu":
         print("note: on the CPU the 'GPU' side runs as CPU tensors: these timings and speedups say nothing about a GPU machine")
+    from writescope.engine.threads import busy_note
+
+    if (busy := busy_note()) is not None:
+        print(busy)
     if args.kv_fill == "random":
         print("prefill tok/s is 0: --kv-fill random wrote the prompts' KV as random values without running the prompts")
     meter = getattr(llm, "other_work", None)

@@ -10,18 +10,7 @@ from pathlib import Path
 
 from writescope.cli import bench, calibrate, expert_profile, generate, make_checkpoint, plan, profile, serve
 from writescope.cli.outputs import attach_negative_values
-from writescope.errors import ArgError
-
-# what a memory plan's refusal tells each command's user to change (its own flags; the API's
-# argument names are the default of writescope.budget.plan.MemoryPlan.problem)
-PLAN_FLAGS = {
-    "generate": ("--vram-budget", "--batch or --max-model-len (it defaults to the model's limit unless the prompt's length is known)",
-                 "--policy"),
-    "plan": ("--vram-budget", "--batch, --context or --max-new-tokens", "--policy"),
-    "bench": ("--vram-budget", "--batch or --context (the plan is for the largest of each)", "--policies"),
-    "profile": ("--vram-budget", "--batch or --context", "--policy"),
-    "serve": ("--vram-budget", "--max-num-seqs or --max-model-len", "--policy"),
-}
+from writescope.cli.wording import worded
 
 
 def package_version() -> str:
@@ -60,14 +49,9 @@ def main(argv: list[str] | None = None) -> int:
     try:
         return args.run(args)
     except ValueError as e:
-        from writescope.budget.plan import PlanDoesNotFit, PlanFlags
-
-        if isinstance(e, PlanDoesNotFit) and args.command in PLAN_FLAGS:
-            e = e.plan.problem(PlanFlags(*PLAN_FLAGS[args.command]))
         # an API error names API arguments: reworded with this command's flags (args.flags, set by the
         # subcommand: API argument name -> flag; others become --name-with-dashes)
-        msg = e.worded({"synthetic=True": "--synthetic", **getattr(args, "flags", {})}) if isinstance(e, ArgError) else str(e)
-        print(f"writescope {args.command}: error: {msg}", file=sys.stderr)
+        print(f"writescope {args.command}: error: {worded(e, args.command, getattr(args, 'flags', {}))}", file=sys.stderr)
         return 2
     except (FileNotFoundError, FileExistsError) as e:
         print(f"writescope {args.command}: error: {e}", file=sys.stderr)

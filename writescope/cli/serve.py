@@ -8,7 +8,6 @@ import sys
 import threading
 
 from writescope.cli.experts import add_stream_share_flag, check_stream_share
-from writescope.errors import ArgError
 
 FLAGS = {"max_batch": "--max-num-seqs", "max_num_seqs": "--max-num-seqs", "seed": "--weight-seed"}
 
@@ -26,17 +25,18 @@ def add_parser(sub) -> None:
     p.add_argument("--max-model-len", type=int, default=None,
                    help="cap on prompt + max_tokens per request (default: the model's limit)")
     p.add_argument("--max-queue", type=int, default=256,
-                   help="requests that may wait for admission; more get 503 with Retry-After (default 256)")
+                   help="requests that may wait for a place in the batch; more get 503 with Retry-After (default 256; "
+                        "0: none wait: a request is taken while one of the --max-num-seqs places is free, else 503)")
     p.add_argument("--prefill-chunk-tokens", type=int, default=2048,
                    help="prompt tokens per engine step (default 2048: running requests decode between chunks)")
-    p.add_argument("--device", default="auto", help="auto, cpu or cuda")
+    p.add_argument("--device", default="auto", help="auto (cuda when present, the default), cpu or cuda")
     p.add_argument("--dtype", default="auto", help="auto (bf16 on cuda, fp32 on cpu), bf16, fp16, fp32")
     p.add_argument("--weight-seed", type=int, default=0, help="seed of the synthetic weights and default sampling seed (default 0)")
     p.add_argument("--policy", default="resident",
-                   help="KV placement: resident, gpu, cpu, static:R, writescope, monolithic[:R] (see writescope generate)")
+                   help="KV placement: resident, gpu, cpu, static:R, writescope, monolithic[:R] (default resident: all KV on the device; see writescope generate)")
     p.add_argument("--window", type=int, default=256, help="D: tokens of the D-window and of one KV block (default 256)")
     p.add_argument("--cpu-threads", type=int, default=None, help="threads for CPU attention (default: WRITESCOPE_CPU_THREADS when set, else all torch threads, less one with CUDA)")
-    p.add_argument("--expert-threads", type=int, default=None, help="threads for routed experts in host memory")
+    p.add_argument("--expert-threads", type=int, default=None, help="threads for routed experts in host memory, 1 to the CPUs this process may use")
     p.add_argument("--vram-budget", default=None,
                    help="device memory the server may use, e.g. 32GiB (planned for --max-num-seqs sequences of --max-model-len)")
     add_stream_share_flag(p)
@@ -64,11 +64,11 @@ def run(args: argparse.Namespace) -> int:
     from writescope.engine.threads import check_cpu_threads
 
     check_cpu_threads(args.cpu_threads, "--cpu-threads")  # before the server listens, as the other flags
-    if args.expert_threads is not None and args.expert_threads < 1:
-        raise ValueError(f"--expert-threads must be >= 1, got {args.expert_threads}")
+    check_cpu_threads(args.expert_threads, "--expert-threads")
     if args.api_key is not None and not args.api_key.strip():
         raise ValueError("--api-key is empty: give a key, or leave the flag out")
     check_stream_share(args)
+    check_before_listening(args)
     if args.host not in ("127.0.0.1", "localhost", "::1") and args.api_key is None:
         print(f"writescope serve: WARNING: binding {args.host} without --api-key: anyone who reaches this port can use the model",
               file=sys.stderr)
@@ -81,6 +81,54 @@ def run(args: argparse.Namespace) -> int:
         print(f"writescope serve: error: {state.load_error}", file=sys.stderr)
         return 2
     return 0
+
+
+def check_before_listening(args: argparse.Namespace) -> None:
+    """Refuse before the server listens what ``LLM`` would refuse after it (the model loads once the
+    server answers): the device and dtype, the policy, the ``WRITESCOPE_*`` switches and the model
+    name or directory, read by the functions ``LLM`` reads them with (as ``writescope generate``
+    refuses them before doing anything); also the --vram-budget's size, as ``writescope plan``.
+    What this CPU's attention kernel offers (``WRITESCOPE_CPU_ISA`` beyond it) is known once the
+    kernel builds, while the model loads.
+
+    Raises:
+        ValueError: the first bad one (an :class:`ArgError` names API arguments: main() words them as flags).
+    """
+    import warnings
+
+    from writescope.attention import cpu_kernel
+    from writescope.budget.plan import parse_size
+    from writescope.engine.model_loader import parse_dtype, resolve_config, resolve_device
+    from writescope.engine.switches import check_switches
+    from writescope.env import env_choice
+    from writescope.kvcache.spec import Roofline
+    from writescope.scheduler.policies import parse_policy
+
+    parse_dtype(args.dtype, resolve_device(args.device))
+    parse_policy(args.policy, roofline=Roofline(1.0, 1.0))  # a stand-in roofline: only the name is checked here
+    with warnings.catch_warnings():  # a misspelt switch's name is warned of once, by LLM, as the model loads
+        warnings.simplefilter("ignore")
+        check_switches()
+    # cpu_kernel.prepare() reads these as LLM starts, but builds the kernel too (a minute on a new machine)
+    if env_choice("WRITESCOPE_CPU_ATTENTION", ("kernel", "flash")) == "kernel":
+        cpu_kernel.requested_path()  # WRITESCOPE_CPU_ISA
+    resolve_config(args.model, None, args.synthetic)
+    if args.vram_budget is not None:
+        try:
+            parse_size(args.vram_budget)
+        except ValueError as e:
+            raise ValueError(f"--vram-budget: {e}") from None
+
+
+def load_error_message(e: Exception) -> str:
+    """What ``writescope serve: error:`` says of a load that failed, worded as main() words a
+    command's errors (API arguments as this command's flags); the exception's class is named only
+    for one main() does not expect (a bug, or the machine: ``RuntimeError: CUDA out of memory``)."""
+    from writescope.cli.wording import worded
+
+    if isinstance(e, (ValueError, FileNotFoundError, FileExistsError)):
+        return worded(e, "serve", FLAGS)
+    return f"{type(e).__name__}: {e}"
 
 
 def _load(args, state, server) -> None:
@@ -97,7 +145,7 @@ def _load(args, state, server) -> None:
         engine = AsyncEngine(llm, max_num_seqs=args.max_num_seqs, max_queue=args.max_queue)
         template = ChatTemplate.for_model(args.model)
     except Exception as e:  # noqa: BLE001 - reported by run() after the server stops
-        state.load_error = e.worded({"synthetic=True": "--synthetic", **FLAGS}) if isinstance(e, ArgError) else f"{type(e).__name__}: {e}"
+        state.load_error = load_error_message(e)
         server.should_exit = True
         return
     state.ready(engine, llm.tokenizer, template)

@@ -7,8 +7,8 @@ needs ``Authorization: Bearer KEY`` (401 otherwise). Errors are OpenAI's JSON sh
 ``{"error": {"message", "type", "param", "code"}}``: 400 for a bad body (JSON, types, ranges, a
 prompt beyond the limits, an unknown field, one of OpenAI's fields this server does not implement
 at a value that would change the result: writescope/serve/protocol.py), 401, 404 for an unknown
-model, 503 with Retry-After when the queue is full or the model is loading, 500 when the engine
-failed on the request.
+model, 404 or 405 for a path or method that is no route (naming the routes), 503 with Retry-After
+when the queue is full or the model is loading, 500 when the engine failed on the request.
 
 Sampling fields: OpenAI's ``max_tokens`` (chat: also ``max_completion_tokens``), ``temperature``,
 ``top_p``, ``seed``, ``stop`` (up to 4 strings: the text ends before the first one generated,
@@ -40,6 +40,8 @@ from dataclasses import dataclass, field
 from fastapi import FastAPI, Request
 from fastapi.exceptions import RequestValidationError
 from fastapi.responses import JSONResponse, Response, StreamingResponse
+from fastapi.routing import APIRoute
+from starlette.exceptions import HTTPException
 
 from writescope.engine.sampling import SamplingParams
 from writescope.errors import ArgError
@@ -90,7 +92,10 @@ def _error(status: int, message: str, type_: str, param: str | None = None, head
     return JSONResponse({"error": {"message": message, "type": type_, "param": param, "code": status}}, status, headers=headers)
 
 
-def _validation_message(exc: RequestValidationError) -> tuple[str, str | None]:
+def _validation_message(exc: RequestValidationError, content_type: str | None = None) -> tuple[str, str | None]:
+    """The 400's message (up to 5 errors, each at its place) and ``param``: the first error's
+    field. ``content_type``: the request's header, named where the body was not read as JSON
+    (FastAPI reads it as JSON only under a JSON content type: ``curl -d`` sends a form's)."""
     parts, param = [], None
     for e in exc.errors()[:5]:
         loc = [str(x) for x in e.get("loc", ()) if x != "body"]
@@ -101,8 +106,28 @@ def _validation_message(exc: RequestValidationError) -> tuple[str, str | None]:
         msg = e.get("msg", "invalid").removeprefix("Value error, ")
         worded = e.get("type") in ("missing", *VALUE_WORDED)  # the message says the value (or there is none)
         got = f" (got {e['input']!r:.60})" if "input" in e and not worded and loc else ""
+        if not loc and isinstance(e.get("input"), bytes):  # the body as bytes: not read as JSON
+            sent = f"it came as Content-Type {content_type}" if content_type else "it came without a Content-Type"
+            msg += (f" (the body was not read as JSON: {sent}): send the header 'Content-Type: application/json' "
+                    "(curl: -H 'Content-Type: application/json', or --json)")
         parts.append(f"{where}: {msg}{got}")
     return "; ".join(parts), param
+
+
+def _no_route(app: FastAPI, request: Request, exc: HTTPException) -> JSONResponse:
+    """Starlette's own errors (404: no such path, 405: not that method) in OpenAI's shape, naming
+    what exists; any other keeps its detail."""
+    method, path = request.method, request.url.path
+    if exc.status_code == 405:
+        allowed = (exc.headers or {}).get("Allow", "")
+        msg = f"no route {method} {path}: " + (f"{' or '.join(allowed.split(', '))} it" if allowed else "no method is allowed")
+    elif exc.status_code == 404:
+        routes = sorted((r for r in app.routes if isinstance(r, APIRoute)), key=lambda r: not r.path.startswith("/v1"))
+        named = ", ".join(f"{' or '.join(sorted(r.methods))} {r.path}" for r in routes)
+        msg = f"unknown path {path}; the API: {named}"
+    else:
+        msg = str(exc.detail)
+    return _error(exc.status_code, msg, "invalid_request_error", headers=exc.headers)
 
 
 def build_app(state: ServerState, on_shutdown=None) -> FastAPI:
@@ -122,8 +147,12 @@ def build_app(state: ServerState, on_shutdown=None) -> FastAPI:
 
     @app.exception_handler(RequestValidationError)
     async def _bad_body(request, exc: RequestValidationError):
-        msg, param = _validation_message(exc)
+        msg, param = _validation_message(exc, request.headers.get("content-type"))
         return _error(400, msg, "invalid_request_error", param)
+
+    @app.exception_handler(HTTPException)
+    async def _http_error(request, exc: HTTPException):
+        return _no_route(app, request, exc)
 
     @app.exception_handler(APIError)
     async def _api_error(request, exc: APIError):

@@ -87,6 +87,8 @@ class AsyncEngine:
         llm: the loaded model and cache.
         max_num_seqs: requests holding KV at once (see :class:`EngineCore`).
         max_queue: requests that may wait for admission; beyond, :meth:`submit` raises QueueFull.
+            0: none wait: a request is taken while a place in the batch (``max_num_seqs``) is free,
+            else refused with QueueFull.
         metrics: a :class:`~writescope.serve.metrics.ServeMetrics`, or None.
 
     Raises:
@@ -129,23 +131,32 @@ class AsyncEngine:
 
         Raises:
             ArgError: a request that could never run (see :meth:`EngineCore.make_request`), ``n``
-                above ``max_queue``, or ``n`` choices whose KV could never be held at once
-                (:meth:`Scheduler.check_group`).
-            QueueFull: fewer than ``n`` places are left of ``max_queue``.
+                above ``max_queue`` (``max_num_seqs`` with ``max_queue`` 0), or ``n`` choices whose
+                KV could never be held at once (:meth:`Scheduler.check_group`).
+            QueueFull: fewer than ``n`` places are left of ``max_queue`` (with ``max_queue`` 0: of
+                ``max_num_seqs``, less the requests running or not admitted yet).
             EngineDead: the engine stopped.
         """
         if not self._alive:
             raise EngineDead(self.error or "the engine is shut down")
         n = params.n
-        if n > max(1, self.max_queue):
-            raise ArgError(f"n must be in [1, {max(1, self.max_queue)}] (--max-queue {self.max_queue}), got {n}", "n")
+        limit, why = ((self.max_queue, f"--max-queue {self.max_queue}") if self.max_queue else
+                      (self.max_num_seqs, f"--max-num-seqs {self.max_num_seqs}, with --max-queue 0"))
+        if n > limit:
+            raise ArgError(f"n must be in [1, {limit}] ({why}), got {n}", "n")
         choices = expand(params)
         reqs = [self.core.make_request(prompt_ids, p, request_id=f"req-{next(self._ids)}", checked=i > 0)
                 for i, p in enumerate(choices)]  # the first is checked; the others are the same request
         if n > 1:
             self.core.scheduler.check_group(len(prompt_ids), params.max_tokens, n)
         with self._lock:
-            if len(self._waiting) + n > self.max_queue:
+            if not self.max_queue:  # no waiting queue: the batch's places, less those held or promised (not admitted yet)
+                held = len(self.core.scheduler.active) + len(self._waiting)  # (one admitted now may count twice)
+                if held + n > self.max_num_seqs:
+                    raise QueueFull(f"{min(held, self.max_num_seqs)} of the {self.max_num_seqs} places in the batch are taken (--max-num-seqs "
+                                    f"{self.max_num_seqs}; --max-queue 0: no request waits)"
+                                    + (f", no room for n={n} more" if n > 1 else "") + ": try again later")
+            elif len(self._waiting) + n > self.max_queue:
                 waiting = plural(len(self._waiting), "request")
                 raise QueueFull(f"{waiting} already wait for admission (--max-queue {self.max_queue})"
                                 + (f", no room for n={n} more" if n > 1 else "") + ": try again later")

@@ -34,7 +34,7 @@ MAX_STOP = 4  # stop strings per request (OpenAI's limit)
 MAX_TOP_LOGPROBS = 5  # top logprobs per token (the completions API's limit; chat's too here)
 VLLM_EXTENSIONS = ("ignore_eos", "stop_token_ids", "return_token_ids", "include_stop_str_in_output")  # read beside OpenAI's
 #: the validation error types whose message names the field's value itself (the 400 adds no "(got ...)")
-VALUE_WORDED = ("unknown_field", "unsupported_field")
+VALUE_WORDED = ("unknown_field", "unsupported_field", "field_value")
 
 Number = Union[StrictInt, StrictFloat]
 TokenIds = Annotated[list[Annotated[StrictInt, Field(ge=0)]], Field(min_length=1)]
@@ -106,10 +106,17 @@ class _Body(BaseModel):
                 words = f"{_json(value)} is not supported by this server ({field.why}): leave it out or send {field.instead}"
                 errors.append(("unsupported_field", words, name, value))
         if errors:
-            raise ValidationError.from_exception_data(type(self).__name__, [
-                InitErrorDetails(type=PydanticCustomError(kind, "{message}", {"message": msg}), loc=(name,), input=value)
-                for kind, msg, name, value in errors])
+            raise _field_errors(self, errors)
         return self
+
+
+def _field_errors(body: BaseModel, errors: list[tuple[str, str, str, object]]) -> ValidationError:
+    """A validation error of ``body`` (a model validator's), each of ``errors`` (error type,
+    message, field, value) at its field's place (``loc``), so the 400 names the field, also as
+    ``param``; a model validator's ValueError would have no place."""
+    return ValidationError.from_exception_data(type(body).__name__, [
+        InitErrorDetails(type=PydanticCustomError(kind, "{message}", {"message": msg}), loc=(name,), input=value)
+        for kind, msg, name, value in errors])
 
 
 def _json(value) -> str:
@@ -200,7 +207,8 @@ class CompletionRequest(_Common):
     @model_validator(mode="after")
     def _max_tokens(self):
         if self.max_tokens == 0 and not self.echo:
-            raise ValueError("max_tokens 0 generates nothing: give max_tokens >= 1, or echo: true to get the prompt back alone")
+            raise _field_errors(self, [("field_value", "0 generates nothing: give max_tokens >= 1, or echo: true to get the "
+                                        "prompt back alone", "max_tokens", 0)])
         return self
 
 
@@ -234,8 +242,8 @@ class ChatMessage(_Body):
     def _content_or_a_call(self):
         extra = self.model_extra or {}
         if self.content is None and not extra.get("tool_calls") and not extra.get("function_call"):
-            raise ValueError("content: a message needs its text (a string or a list of text parts); "
-                             "null is OpenAI's form only beside tool_calls, which this server does not do")
+            raise _field_errors(self, [("field_value", "a message needs its text (a string or a list of text parts); null is "
+                                        "OpenAI's form only beside tool_calls, which this server does not do", "content", None)])
         return self
 
     def text(self) -> str:
