@@ -215,10 +215,11 @@ def test_disconnected_client_frees_its_kv(server):
     wait_until(lambda: metrics(server.url)[abort_key] == before[abort_key] + 1, "the abort to be counted")
 
 
-def test_full_queue_gets_503_with_retry_after(llm, server):
-    """An engine whose steps are held: requests wait, and the one past --max-queue is refused."""
+def _held_engine(llm, server, max_num_seqs: int, max_queue: int):
+    """A server state over a second engine on the module's model whose steps wait for the returned
+    event (set it to let them run); once the module's server is idle, as they share the model."""
     state = ServerState(MODEL)
-    engine = AsyncEngine(llm, max_num_seqs=1, max_queue=2)
+    engine = AsyncEngine(llm, max_num_seqs=max_num_seqs, max_queue=max_queue)
     release = threading.Event()
     real = engine.core.step
 
@@ -228,7 +229,13 @@ def test_full_queue_gets_503_with_retry_after(llm, server):
 
     engine.core.step = held_step
     state.ready(engine, llm.tokenizer)
-    wait_until(lambda: server.engine.snapshot()["running"] == 0, "the module server to be idle")  # they share the model
+    wait_until(lambda: server.engine.snapshot()["running"] == 0, "the module server to be idle")
+    return state, engine, release
+
+
+def test_full_queue_gets_503_with_retry_after(llm, server):
+    """An engine whose steps are held: requests wait, and the one past --max-queue is refused."""
+    state, engine, release = _held_engine(llm, server, max_num_seqs=1, max_queue=2)
     body = {"model": MODEL, "prompt": "queued", "max_tokens": 3}
     with ServerThread(build_app(state)) as srv:
         results: list = []
@@ -249,18 +256,7 @@ def test_full_queue_gets_503_with_retry_after(llm, server):
 def test_max_queue_0_takes_requests_while_a_batch_place_is_free(llm, server):
     """--max-queue 0: no request waits; one is taken while a place of --max-num-seqs is free (n=2 on
     an idle server of 2 places too), the next gets 503 with Retry-After while they run."""
-    state = ServerState(MODEL)
-    engine = AsyncEngine(llm, max_num_seqs=2, max_queue=0)
-    release = threading.Event()
-    real = engine.core.step
-
-    def held_step():
-        release.wait(WAIT_S)
-        return real()
-
-    engine.core.step = held_step
-    state.ready(engine, llm.tokenizer)
-    wait_until(lambda: server.engine.snapshot()["running"] == 0, "the module server to be idle")  # they share the model
+    state, engine, release = _held_engine(llm, server, max_num_seqs=2, max_queue=0)
     body = {"model": MODEL, "prompt": "no queue", "max_tokens": 3}
     with ServerThread(build_app(state)) as srv:
         r = httpx.post(srv.url + "/v1/completions", json={**body, "n": 3}, timeout=WAIT_S)
