@@ -234,7 +234,7 @@ def format_timings(outs, policy: str = "resident", cpu_attention: str | None = N
     tpots = sorted(o.metrics.tpot_s for o in outs)
     rows = [
         ("batch", f"{len(outs)}"),
-        ("prompt tokens (total)", f"{sum(o.metrics.prompt_tokens for o in outs)}"),
+        ("prompt tokens (total)", f"{sum(o.metrics.prompt_tokens for o in outs):,}"),
         ("prefill", f"{m.prefill_tok_s:,.0f} tok/s"),
         ("TTFT", f"{m.ttft_s * 1e3:,.1f} ms"),
         ("TPOT (median over requests of each one's mean)" if len(outs) > 1 else "TPOT (mean)", f"{tpots[len(tpots) // 2] * 1e3:,.2f} ms"),
