@@ -171,6 +171,8 @@ def test_a_flag_a_run_cannot_use_is_refused_before_the_model_loads(no_work, caps
 
 
 def test_ctrl_c_ends_a_command_without_a_traceback_and_says_what_was_kept(monkeypatch, tmp_path, capsys):
+    import os
+
     from writescope.cli import bench, generate
     from writescope.cli.main import main
 
@@ -181,9 +183,18 @@ def test_ctrl_c_ends_a_command_without_a_traceback_and_says_what_was_kept(monkey
     assert main(["generate", "--model", "tiny-qwen3-moe", "--prompt", "hi"]) == 130
     err = capsys.readouterr().err
     assert "writescope generate: interrupted" in err and "Traceback" not in err
-    monkeypatch.setattr(bench, "run", interrupted)
     rows = tmp_path / "rows.json"
-    rows.write_text("{}")  # what a bench saves as its rows finish
+    rows.write_text("{}")  # left by an earlier run: not this run's rows
+    os.utime(rows, (1e9, 1e9))
+    monkeypatch.setattr(bench, "run", interrupted)
+    assert main(["bench", "--model", "tiny-qwen3-moe", "--output-json", str(rows)]) == 130
+    assert "the rows finished so far" not in capsys.readouterr().err
+
+    def saved_then_interrupted(args):  # what a bench saves as its rows finish
+        rows.write_text("{}")
+        raise KeyboardInterrupt
+
+    monkeypatch.setattr(bench, "run", saved_then_interrupted)
     assert main(["bench", "--model", "tiny-qwen3-moe", "--output-json", str(rows)]) == 130
     assert f"the rows finished so far are in {rows} (run the same command with --resume" in capsys.readouterr().err
 
@@ -202,10 +213,13 @@ def test_the_cli_words_its_own_warnings_without_a_source_line():
 
     from writescope.cli.main import _worded
 
+    import writescope.engine.switches as switches
+
     fmt = _worded(warnings.formatwarning, "generate")
-    ours = os.path.join(os.sep, "site", "writescope", "engine", "switches.py")
+    ours = switches.__file__
     assert fmt("not a switch", UserWarning, ours, 115) == "writescope generate: warning: not a switch\n"
-    theirs = fmt("old", DeprecationWarning, ours, 3), fmt("lib", UserWarning, os.path.join(os.sep, "site", "torch", "x.py"), 7)
+    lib = os.path.join(os.path.dirname(os.path.dirname(os.path.dirname(ours))), ".venv", "writescope", "torch", "x.py")  # a clone's venv
+    theirs = fmt("old", DeprecationWarning, ours, 3), fmt("lib", UserWarning, lib, 7)
     assert all("x.py:7" in t or "switches.py:3" in t for t in theirs)  # others keep their source line
 
 

@@ -72,7 +72,9 @@ def test_generate_cli_refuses_before_building_and_counts_the_requests_kv(machine
         main(argv + ["--batch", str(batch - 1)]) if batch > 1 else main(argv + ["--batch", "1", "--max-new-tokens", "1"])
     machine.clear()
     assert main(argv + ["--batch", str(batch)]) == 2
-    assert f"{batch * 4003:,} tokens" in capsys.readouterr().err and machine == []
+    err = capsys.readouterr().err
+    assert f"{batch * 4003:,} tokens" in err and machine == []
+    assert "fewer or shorter requests (--batch, --max-new-tokens or a shorter prompt)" in err  # generate's flags for the API's kv_tokens
 
 
 def test_profile_checks_before_building(machine, capsys):

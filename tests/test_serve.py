@@ -322,6 +322,39 @@ def test_metrics_count_what_was_served(server):
 
 
 # ---------------------------------------------------------------- the command line
+def test_max_queue_0_counts_a_request_admitted_this_step_once(llm, server):
+    """A request the scheduler admitted is still among the submitted ids until its first step is
+    published: while that step runs, one place of two is taken, not two."""
+    wait_until(lambda: server.engine.snapshot()["running"] == 0, "the module server to be idle")  # they share the model
+    engine = AsyncEngine(llm, max_num_seqs=2, max_queue=0)
+    inside, release = threading.Event(), threading.Event()
+    real = engine.core._prefill_chunk
+
+    def held_prefill(req):  # the first request's first step: admitted, running
+        inside.set()
+        release.wait(WAIT_S)
+        return real(req)
+
+    engine.core._prefill_chunk = held_prefill
+    engine.start()
+    ids = llm.tokenizer.encode("one place of two")
+
+    async def both():
+        first = engine.submit(ids, SamplingParams(max_tokens=2))
+        while not inside.is_set():
+            await asyncio.sleep(0.01)
+        second = engine.submit(ids, SamplingParams(max_tokens=2))  # QueueFull here before the fix
+        release.set()
+        return [[o async for o in first], [o async for o in second]]
+
+    try:
+        outs = asyncio.run(both())
+    finally:
+        release.set()
+        engine.shutdown()
+    assert all(o and o[-1][1].finished for o in outs)
+
+
 def test_cli_refuses_bad_flags_before_binding(capsys):
     from writescope.cli.main import main
 
@@ -352,11 +385,12 @@ REFUSED = [  # what LLM would refuse once the server listens, refused before: (f
     ([], {"WRITESCOPE_CPU_ATTENTION": "flsh"}, "WRITESCOPE_CPU_ATTENTION='flsh'"),
     ([], {"WRITESCOPE_CPU_ATTENTION": "kernel", "WRITESCOPE_CPU_ISA": "avx9"}, "WRITESCOPE_CPU_ISA='avx9'"),
     ([], {"WRITESCOPE_GPU_ATTENTION": "cudnn"}, "WRITESCOPE_GPU_ATTENTION='cudnn'"),
+    (["--max-model-len", "10000000"], {}, "--max-model-len 10000000 must be in [1, "),
 ]
 
 
 @pytest.mark.parametrize("flags, env, words", REFUSED, ids=["policy", "preset", "directory", "device", "dtype", "vram-budget",
-                                                             "cpu-attention", "cpu-isa", "gpu-attention"])
+                                                             "cpu-attention", "cpu-isa", "gpu-attention", "max-model-len"])
 def test_cli_refuses_what_llm_would_before_listening(capsys, monkeypatch, no_listening, flags, env, words):
     from writescope.cli.main import main
 

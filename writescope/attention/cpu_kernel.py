@@ -39,6 +39,7 @@ from pathlib import Path
 
 import torch
 
+from writescope.env import env_choice
 from writescope.native import build
 
 CHUNK = 128  # keys per chunk of a portion (its scores, p and values stay in L2; 128 measured faster than 256 on the H200 host)
@@ -128,9 +129,19 @@ def path_for(dtype: torch.dtype, dk: int, dv: int) -> str:
     return PATHS[_extension().path_for(requested_path(), dtype == torch.bfloat16, dk, dv)]
 
 
+def attention_choice() -> str:
+    """``WRITESCOPE_CPU_ATTENTION``: ``"kernel"`` (the C++ kernel, the default) or ``"flash"``
+    (torch's op), read without building anything.
+
+    Raises:
+        ValueError: another value (names it and the choices).
+    """
+    return env_choice("WRITESCOPE_CPU_ATTENTION", ("kernel", "flash"))
+
+
 def kernel_selected() -> bool:
     """``WRITESCOPE_CPU_ATTENTION`` is ``kernel`` (the default) and the kernel builds."""
-    return os.environ.get("WRITESCOPE_CPU_ATTENTION", "kernel").lower() == "kernel" and kernel_available()
+    return attention_choice() == "kernel" and kernel_available()
 
 
 def backend_key() -> str:
@@ -153,10 +164,7 @@ def prepare(progress: bool = True) -> str:
         ValueError: a variable has an unknown value, or ``WRITESCOPE_CPU_ISA`` names a path
             this CPU lacks (names it and what the CPU offers).
     """
-    value = os.environ.get("WRITESCOPE_CPU_ATTENTION", "kernel")
-    if value.lower() not in ("flash", "kernel"):
-        raise ValueError(f"WRITESCOPE_CPU_ATTENTION={value!r}: use 'kernel' (the C++ kernel, the default) or 'flash' (torch's op)")
-    if value.lower() == "flash":
+    if attention_choice() == "flash":
         return "torch's flash op"
     req = requested_path()
     tuning = tuning_from_env()

@@ -95,7 +95,7 @@ def check_fits(
         raise ArgError(
             f"the requests' KV needs {kv / GiB:.2f} GiB of host memory ({kv_tokens:,} tokens, partitioned policy) but "
             f"{host_free / GiB:.2f} GiB is available (MemAvailable), of which {PLANNED_SHARE:.0%} may be planned. Nothing was "
-            "built: use fewer or shorter requests (max_batch, max_tokens, a shorter prompt)",
+            "built: use fewer or shorter requests (kv_tokens)",
             *ADVICE_NAMES,
         )
 
@@ -112,8 +112,10 @@ def _advice(cfg: ModelConfig, dtype: torch.dtype, device: torch.device, kv: int,
             tips.append(f"fewer layers of this shape with synthetic weights (num_layers {fit} fits)")
         if dtype.itemsize > 2:
             tips.append("16-bit weights (dtype bf16: half the bytes)")
-    if plan is not None or kv >= 0.05 * room:  # the requests' KV matters (a plan is sized for them)
-        tips.append("fewer or shorter requests (max_batch, max_tokens, a shorter prompt, max_model_len)")
+    if plan is not None:  # the plan is sized for max_batch requests of max_model_len tokens
+        tips.append("fewer or shorter requests (max_batch, max_model_len)")
+    elif kv >= 0.05 * room:  # the requests' KV matters
+        tips.append("fewer or shorter requests (kv_tokens)")
     if device.type == "cuda":
         tips.append("a vram_budget that fits the device (routed experts beyond it go to host memory)"
                     if plan is None else "a smaller vram_budget (the plan's device part shrinks with it)")
@@ -122,4 +124,4 @@ def _advice(cfg: ModelConfig, dtype: torch.dtype, device: torch.device, kv: int,
     return "Use " + "; ".join(tips[:-1]) + "; or " + tips[-1] + "."
 
 
-ADVICE_NAMES = ("num_layers", "dtype", "max_batch", "max_tokens", "max_model_len", "vram_budget")
+ADVICE_NAMES = ("num_layers", "dtype", "kv_tokens", "max_batch", "max_model_len", "vram_budget")

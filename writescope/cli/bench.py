@@ -128,7 +128,10 @@ def run(args: argparse.Namespace) -> int:
     from writescope.bench.runner import BenchConfig, complete_cells, run_grid
     from writescope.engine.llm import LLM
     from writescope.engine.model_loader import capped_model_len
+    from writescope.engine.threads import busy_note
     from writescope.scheduler.policies import parse_policy
+
+    busy = busy_note("OMP_NUM_THREADS=1, or a lower WRITESCOPE_CPU_THREADS,")  # before this run's own threads add to the load
 
     batches, contexts = parse_counts(args.batch, "--batch"), parse_tokens(args.context, "--context")
     if args.plot:
@@ -236,9 +239,7 @@ def run(args: argparse.Namespace) -> int:
     print(format_table(rows))
     if llm.device.type == "cpu":
         print("note: on the CPU the 'GPU' side runs as CPU tensors: these timings and speedups say nothing about a GPU machine")
-    from writescope.engine.threads import busy_note
-
-    if (busy := busy_note()) is not None:
+    if busy is not None:
         print(busy)
     if args.kv_fill == "random":
         print("prefill tok/s is 0: --kv-fill random wrote the prompts' KV as random values without running the prompts")

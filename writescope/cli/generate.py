@@ -77,6 +77,7 @@ def add_parser(sub) -> None:
                         "(without --quiet a single request's text is printed as it is decoded, and a batch shows a bar "
                         "of the tokens generated with tok/s)")
     p.set_defaults(run=run, flags={"max_tokens": "--max-new-tokens", "max_batch": "--batch", "seed": "--weight-seed",
+                                   "kv_tokens": "--batch, --max-new-tokens or a shorter prompt",
                                    "sampling_params": "--batch"})
 
 
@@ -102,6 +103,9 @@ def _prompt(args) -> tuple[list[str] | None, list[list[int]] | None]:
 
 def run(args: argparse.Namespace) -> int:
     from writescope import LLM, SamplingParams
+    from writescope.engine.threads import busy_note
+
+    busy = busy_note()  # before this run's own threads add to the load average
 
     source = next(f for f in ("--prompt-file", "--prompt", "--prompt-ids", "--machine-text")
                   if getattr(args, f[2:].replace("-", "_")) is not None)
@@ -179,7 +183,6 @@ def run(args: argparse.Namespace) -> int:
         print(f"prompts: {args.batch} x {machine_tokens} tokens of this machine's text (Python's license and docstrings; "
               f"read from {have:,} tokens of text{', repeated where they run out' if have < machine_tokens + (args.batch - 1) * 997 else ''})")
     from writescope.engine.streaming import BatchProgress, TextStreamer
-    from writescope.engine.threads import busy_note
 
     stream = None  # a single request's text printed as it is decoded; a batch's progress bar (stderr)
     if not args.quiet:
@@ -196,7 +199,7 @@ def run(args: argparse.Namespace) -> int:
         if args.batch != 1 or args.quiet:
             print(o.text)
     print("\n" + format_timings(outs, llm.policy_name, llm.cpu_attention, llm.decode_host))
-    if (busy := busy_note()) is not None:
+    if busy is not None:
         print(busy)
     if llm.r_trace:
         print(format_r_trace(llm.r_trace))

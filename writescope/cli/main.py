@@ -5,6 +5,7 @@ from __future__ import annotations
 import argparse
 import os
 import sys
+import time
 import warnings
 from pathlib import Path
 
@@ -44,7 +45,7 @@ def main(argv: list[str] | None = None) -> int:
     serve.add_parser(sub)
     # "--vram-budget -1GiB" reaches the budget's own check instead of argparse's "expected one argument"
     args = parser.parse_args(attach_negative_values(sys.argv[1:] if argv is None else list(argv)))
-    shown = warnings.formatwarning
+    shown, started = warnings.formatwarning, time.time()
     warnings.formatwarning = _worded(shown, args.command)
     try:
         return args.run(args)
@@ -57,8 +58,8 @@ def main(argv: list[str] | None = None) -> int:
         print(f"writescope {args.command}: error: {e}", file=sys.stderr)
         return 2
     except KeyboardInterrupt:  # Ctrl-C: no traceback; say what was kept
-        kept = ""
-        if args.command == "bench" and getattr(args, "output_json", None) and Path(args.output_json).is_file():
+        kept, out = "", Path(getattr(args, "output_json", None) or "")
+        if args.command == "bench" and out.name and out.is_file() and out.stat().st_mtime >= started - 2:  # written by this run (coarse file clocks allowed for)
             kept = f"; the rows finished so far are in {args.output_json} (run the same command with --resume to go on)"
         print(f"\nwritescope {args.command}: interrupted{kept}", file=sys.stderr)
         return 130
@@ -70,8 +71,10 @@ def _worded(shown, command: str):
     """``warnings.formatwarning`` for a command: WriteScope's own warnings as ``writescope CMD:
     warning: ...`` (no source path and line, which mean nothing to a user); others as before."""
 
+    ours = Path(__file__).resolve().parent.parent  # the package's own files (not a library's in a clone's .venv)
+
     def fmt(message, category, filename, lineno, line=None):
-        if issubclass(category, UserWarning) and f"{os.sep}writescope{os.sep}" in str(filename):
+        if issubclass(category, UserWarning) and Path(str(filename)).resolve().is_relative_to(ours):
             return f"writescope {command}: warning: {message}\n"
         return shown(message, category, filename, lineno, line)
 

@@ -41,7 +41,8 @@ def add_parser(sub) -> None:
                         "cache instead (full-size decode without the prefill's time; as writescope bench --kv-fill)")
     p.add_argument("--output-json", type=Path, help="write the breakdown here")
     p.add_argument("--quiet", action="store_true", help="no progress bars")
-    p.set_defaults(run=run, flags={"max_batch": "--batch", "prompt_token_ids": "--context", "max_model_len": "--context"})
+    p.set_defaults(run=run, flags={"max_batch": "--batch", "prompt_token_ids": "--context", "max_model_len": "--context",
+                                   "kv_tokens": "--batch, --context or --steps"})
 
 
 def _suffixed(path: Path | None, entry: str, many: bool) -> Path | None:

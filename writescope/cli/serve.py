@@ -9,7 +9,8 @@ import threading
 
 from writescope.cli.experts import add_stream_share_flag, check_stream_share
 
-FLAGS = {"max_batch": "--max-num-seqs", "max_num_seqs": "--max-num-seqs", "seed": "--weight-seed"}
+FLAGS = {"max_batch": "--max-num-seqs", "max_num_seqs": "--max-num-seqs", "seed": "--weight-seed",
+         "num_layers": "--num-layers of writescope generate or bench (serve loads whole models)"}
 
 
 def add_parser(sub) -> None:
@@ -99,8 +100,8 @@ def check_before_listening(args: argparse.Namespace) -> None:
     from writescope.attention import cpu_kernel
     from writescope.budget.plan import parse_size
     from writescope.engine.model_loader import parse_dtype, resolve_config, resolve_device
+    from writescope.engine.prompts import check_max_model_len
     from writescope.engine.switches import check_switches
-    from writescope.env import env_choice
     from writescope.kvcache.spec import Roofline
     from writescope.scheduler.policies import parse_policy
 
@@ -110,9 +111,10 @@ def check_before_listening(args: argparse.Namespace) -> None:
         warnings.simplefilter("ignore")
         check_switches()
     # cpu_kernel.prepare() reads these as LLM starts, but builds the kernel too (a minute on a new machine)
-    if env_choice("WRITESCOPE_CPU_ATTENTION", ("kernel", "flash")) == "kernel":
+    if cpu_kernel.attention_choice() == "kernel":
         cpu_kernel.requested_path()  # WRITESCOPE_CPU_ISA
-    resolve_config(args.model, None, args.synthetic)
+    cfg, _ = resolve_config(args.model, None, args.synthetic)
+    check_max_model_len(args.max_model_len, cfg.max_position_embeddings)
     if args.vram_budget is not None:
         try:
             parse_size(args.vram_budget)

@@ -19,7 +19,7 @@ from writescope.layers.attention import mla_prefill_mode
 from writescope.errors import ArgError, plural
 from writescope.engine.choices import expand_batch, group
 from writescope.engine.outputs import CompletionOutput, RequestMetrics, RequestOutput
-from writescope.engine.prompts import check_token_ids, token_lists, too_long
+from writescope.engine.prompts import check_max_model_len, check_token_ids, token_lists, too_long
 from writescope.engine.runner import EngineCore, prefill_batch
 from writescope.engine.sampling import SamplingParams
 from writescope.engine.streaming import OnTokens, TokenEvent
@@ -143,9 +143,7 @@ class LLM:
         if cfg.model_type == "deepseek_v2":
             mla_prefill_mode()  # a bad WRITESCOPE_MLA_PREFILL fails here, before the weights load
         limit = cfg.max_position_embeddings
-        if max_model_len is not None and not 1 <= max_model_len <= limit:
-            raise ArgError(f"max_model_len {max_model_len} must be in [1, {limit}] (the model's max_position_embeddings)",
-                           "max_model_len")
+        check_max_model_len(max_model_len, limit)
         self.max_model_len = max_model_len or limit
         self.vram_plan, self.max_batch = None, max_batch  # max_batch: what the plan is sized for (EngineCore's seats)
         if vram_budget is not None:  # checked before any weight is loaded

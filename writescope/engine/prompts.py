@@ -91,3 +91,14 @@ def too_long(name: str, i: int, tokens: int, max_tokens: int, limit: int, model_
         + (" or raise max_model_len" if limit < model_limit else ""),
         name, "max_tokens", "max_model_len",
     )
+
+
+def check_max_model_len(max_model_len: int | None, limit: int) -> None:
+    """``max_model_len`` (None: the model's limit) within ``[1, limit]``, the model's
+    ``max_position_embeddings``.
+
+    Raises:
+        ArgError: outside that range (names ``max_model_len``).
+    """
+    if max_model_len is not None and not 1 <= max_model_len <= limit:
+        raise ArgError(f"max_model_len {max_model_len} must be in [1, {limit}] (the model's max_position_embeddings)", "max_model_len")

@@ -24,10 +24,11 @@ def usable_cpus() -> int:
     return len(mask(0)) if mask is not None else (os.cpu_count() or 1)
 
 
-def busy_note() -> str | None:
+def busy_note(remedy: str = "OMP_NUM_THREADS=1, or fewer --cpu-threads") -> str | None:
     """A note when the machine's 1-minute load average exceeds the CPUs this process may use (other
     processes compete for them: torch's intra-op threads then wait on one another, and timings
-    can be many times slower); None otherwise, or where the OS gives no load average."""
+    can be many times slower); None otherwise, or where the OS gives no load average. Take it
+    before a run's own threads add to the load; ``remedy``: what the command can set."""
     try:
         load = os.getloadavg()[0]
     except (AttributeError, OSError):
@@ -36,7 +37,7 @@ def busy_note() -> str | None:
     if load <= cpus:
         return None
     return (f"note: the load average ({load:.1f}) exceeds the {cpus} CPUs this process may use: other processes compete for "
-            "them and these timings suffer (torch's threads most: OMP_NUM_THREADS=1, or fewer --cpu-threads, may help)")
+            f"them and these timings suffer (torch's threads most: {remedy} may help)")
 
 
 def check_cpu_threads(n: int | None, name: str = "cpu_threads") -> None:

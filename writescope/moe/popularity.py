@@ -29,7 +29,7 @@ import torch
 def _spans(ids: list[int], most: int = 6) -> str:
     """``[0, 1, 2, 5, 7, 8]`` -> ``"0..2, 5, 7..8"`` (sorted runs; past ``most`` runs, ``", ..."``)."""
     runs: list[list[int]] = []
-    for i in sorted(ids):
+    for i in sorted(set(ids)):
         if runs and i == runs[-1][1] + 1:
             runs[-1][1] = i
         else:

@@ -151,7 +151,8 @@ class AsyncEngine:
             self.core.scheduler.check_group(len(prompt_ids), params.max_tokens, n)
         with self._lock:
             if not self.max_queue:  # no waiting queue: the batch's places, less those held or promised (not admitted yet)
-                held = len(self.core.scheduler.active) + len(self._waiting)  # (one admitted now may count twice)
+                # a request admitted this step is in both until _publish prunes the waiting ids: counted once
+                held = len({r.request_id for r in list(self.core.scheduler.active)} | self._waiting)
                 if held + n > self.max_num_seqs:
                     raise QueueFull(f"{min(held, self.max_num_seqs)} of the {self.max_num_seqs} places in the batch are taken (--max-num-seqs "
                                     f"{self.max_num_seqs}; --max-queue 0: no request waits)"
