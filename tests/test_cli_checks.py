@@ -197,6 +197,10 @@ def test_ctrl_c_ends_a_command_without_a_traceback_and_says_what_was_kept(monkey
     monkeypatch.setattr(bench, "run", saved_then_interrupted)
     assert main(["bench", "--model", "tiny-qwen3-moe", "--output-json", str(rows)]) == 130
     assert f"the rows finished so far are in {rows} (run the same command with --resume" in capsys.readouterr().err
+    os.utime(rows, (1e9, 1e9))  # resumed: the earlier rows are the ones to go on from
+    monkeypatch.setattr(bench, "run", interrupted)
+    assert main(["bench", "--model", "tiny-qwen3-moe", "--output-json", str(rows), "--resume"]) == 130
+    assert "the rows finished so far are in" in capsys.readouterr().err
 
 
 def test_make_checkpoint_suggests_the_preset_meant(tmp_path, capsys):

@@ -112,3 +112,14 @@ def test_tiny_model_passes_and_unknown_memory_is_not_checked():
     check_fits(resolve_config("mixtral-8x7b")[0], torch.float32, torch.device("cpu"), 0, host_free=None)
     with pytest.raises(ValueError, match="kv_tokens must be >= 0"):
         check_fits(cfg, torch.float32, torch.device("cpu"), -1, host_free=1 * GiB)
+
+
+def test_a_plan_for_a_known_prompt_names_what_sets_its_length(machine, capsys):
+    """generate plans a budget for the prompt plus --max-new-tokens when the prompt's length is
+    known: the advice names those, not --max-model-len (which it did not read)."""
+    argv = ["generate", "--model", "qwen3-30b-a3b", "--device", "cpu", "--machine-text", "2k", "--vram-budget", "40GiB",
+            "--dtype", "bf16", "--quiet"]
+    assert main(argv) == 2
+    err = capsys.readouterr().err
+    assert "the plan's device and host parts" in err and machine == []
+    assert "fewer or shorter requests (--batch, --max-new-tokens (or a shorter prompt))" in err and "--max-model-len" not in err

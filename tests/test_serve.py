@@ -341,8 +341,11 @@ def test_max_queue_0_counts_a_request_admitted_this_step_once(llm, server):
 
     async def both():
         first = engine.submit(ids, SamplingParams(max_tokens=2))
-        while not inside.is_set():
+        for _ in range(WAIT_S * 100):  # a bound, not a timing: the step comes at once
+            if inside.is_set():
+                break
             await asyncio.sleep(0.01)
+        assert inside.is_set(), "the first request's prefill never ran"
         second = engine.submit(ids, SamplingParams(max_tokens=2))  # QueueFull here before the fix
         release.set()
         return [[o async for o in first], [o async for o in second]]

@@ -154,7 +154,7 @@ def format_best(rows: list[BenchRow]) -> str:
         m = median_run(w) if w else None
         dep = m is not None and m.r_deployed is not None
         text = (f"writescope r = {m.r_deployed:.3f}, {m.attn_ms_per_layer:.2f} ms" if dep else
-                "no writescope row" if m is None else "writescope placed no KV off the device (no r)")
+                "no writescope row" if m is None else "writescope's run has no r recorded")
         if dep and g and all(x.attn_ms_per_layer > 0 for x in w) and all(x.step_tok_s > 0 for x in g):
             attn = run_ratio(g, w, "attn_ms_per_layer")
             tok = run_ratio(w, g, "step_tok_s")

@@ -21,7 +21,9 @@ def add_parser(sub) -> None:
     p.add_argument("--vram-budget", default=None, help="GPU memory the pass may use, e.g. 32GiB (the routing does not depend on it)")
     p.add_argument("--prefill-chunk-tokens", type=int, default=4096, help="tokens per prefill chunk (default 4096)")
     p.add_argument("--quiet", action="store_true", help="no progress output")
-    p.set_defaults(run=run)
+    # the API's names in errors (a memory check's advice), as this command's flags
+    p.set_defaults(run=run, flags={"num_layers": "writescope generate --num-layers", "max_batch": "one sequence",
+                                   "max_model_len": "fewer --machine-text tokens or a shorter --prompt-file"})
 
 
 def run(args: argparse.Namespace) -> int:
@@ -40,8 +42,12 @@ def run(args: argparse.Namespace) -> int:
         raise ValueError(f"--prompt-file {args.prompt_file}: no such file")
     if args.prefill_chunk_tokens < 1:
         raise ValueError(f"--prefill-chunk-tokens must be >= 1, got {args.prefill_chunk_tokens}")
+    from writescope.engine.model_loader import capped_model_len, load_tokenizer
+
+    routed = tokens if tokens is not None else len(load_tokenizer(args.model, args.synthetic).encode(args.prompt_file.read_text(encoding="utf-8")))
     llm = LLM(args.model, synthetic=args.synthetic, device=args.device, dtype=args.dtype, progress=not args.quiet,
               policy="resident" if args.vram_budget is None else "gpu", vram_budget=args.vram_budget, max_batch=1,
+              max_model_len=capped_model_len(args.model, routed + 1, None, args.synthetic),  # a budget's plan: for what is routed
               prefill_chunk_tokens=args.prefill_chunk_tokens)
     if not llm.config.moe.moe_layers:
         raise ValueError(f"{args.model} has no MoE layers: nothing to profile")

@@ -140,6 +140,7 @@ def run(args: argparse.Namespace) -> int:
             from writescope.engine.model_loader import capped_model_len
 
             max_model_len = capped_model_len(args.model, known + args.max_new_tokens, args.num_layers, args.synthetic)
+            args.flags = {**args.flags, "max_model_len": "--max-new-tokens (or a shorter prompt)"}  # what sets it here
     if machine_tokens is not None or prompt_ids is not None:
         prompt_tokens = machine_tokens if machine_tokens is not None else len(prompt_ids[0])
     else:  # counted with the model's tokenizer (read without building the model)

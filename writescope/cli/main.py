@@ -59,7 +59,8 @@ def main(argv: list[str] | None = None) -> int:
         return 2
     except KeyboardInterrupt:  # Ctrl-C: no traceback; say what was kept
         kept, out = "", Path(getattr(args, "output_json", None) or "")
-        if args.command == "bench" and out.name and out.is_file() and out.stat().st_mtime >= started - 2:  # written by this run (coarse file clocks allowed for)
+        ours = getattr(args, "resume", False) or (out.name and out.is_file() and out.stat().st_mtime >= started - 2)  # this run's (coarse clocks allowed)
+        if args.command == "bench" and out.name and out.is_file() and ours:
             kept = f"; the rows finished so far are in {args.output_json} (run the same command with --resume to go on)"
         print(f"\nwritescope {args.command}: interrupted{kept}", file=sys.stderr)
         return 130

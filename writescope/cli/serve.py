@@ -10,7 +10,7 @@ import threading
 from writescope.cli.experts import add_stream_share_flag, check_stream_share
 
 FLAGS = {"max_batch": "--max-num-seqs", "max_num_seqs": "--max-num-seqs", "seed": "--weight-seed",
-         "num_layers": "--num-layers of writescope generate or bench (serve loads whole models)"}
+         "num_layers": "writescope generate --num-layers"}  # serve loads whole models
 
 
 def add_parser(sub) -> None:

@@ -133,10 +133,12 @@ class Scheduler:
         return admitted
 
     def prefilled(self, req: Request) -> None:
-        """A prefilling request's prompt is cached and its first token sampled: it decodes."""
-        self.prefilling.remove(req)
+        """A prefilling request's prompt is cached and its first token sampled: it decodes. (Added
+        to ``running`` before it leaves ``prefilling``: a thread reading :attr:`active` meanwhile,
+        the server's admission, sees it once or twice, never not at all.)"""
         req.status = RUNNING
         self.running.append(req)
+        self.prefilling.remove(req)
 
     def stop_reason(self, req: Request) -> str | None:
         """``stop`` (an end token unless ignore_eos, a stop token, or a stop string completed by

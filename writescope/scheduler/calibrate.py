@@ -184,6 +184,8 @@ def calibrate(
         if not bad:
             break
         bar.total += sum(len(fit) * (1 if series == "alone" else len(shares)) for series in bad)
+        bar.set_description(f"calibrate ({' and '.join(bad)} again: an impossible fit)")
+        bar.refresh()
         for series in bad:
             measure(series)
     bar.close()
