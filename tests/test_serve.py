@@ -509,3 +509,31 @@ def test_a_batch_of_one_prompt_is_that_prompt(server):
     one = httpx.post(server.url + "/v1/completions", json={**body, "prompt": "hi"}, timeout=WAIT_S).json()
     listed = httpx.post(server.url + "/v1/completions", json={**body, "prompt": ["hi"]}, timeout=WAIT_S).json()
     assert listed["choices"][0]["text"] == one["choices"][0]["text"]
+
+
+def test_ctrl_c_stops_the_server_gracefully_and_quietly():
+    """SIGINT: uvicorn stops (the lifespan shuts the engine down) and hands the signal back; the
+    command then says it stopped and exits 0, with no traceback."""
+    import os
+    import signal
+    import subprocess
+    import sys
+
+    env = {**os.environ, "PYTHONUNBUFFERED": "1"}
+    proc = subprocess.Popen([sys.executable, "-m", "writescope", "serve", "--model", MODEL, "--device", "cpu", "--port", "0"],
+                            stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True, env=env)
+    seen: list[str] = []
+    reader = threading.Thread(target=lambda: seen.extend(iter(proc.stdout.readline, "")), daemon=True)
+    reader.start()
+    try:
+        wait_until(lambda: any(" ready on http" in line for line in seen) or proc.poll() is not None, "the server to be ready")
+        assert any(" ready on http" in line for line in seen), "".join(seen)
+        proc.send_signal(signal.SIGINT)
+        proc.wait(timeout=WAIT_S)
+        reader.join(WAIT_S)
+    finally:
+        if proc.poll() is None:
+            proc.kill()
+    text = "".join(seen)
+    assert proc.returncode == 0, text
+    assert "Waiting for application shutdown" in text and "writescope serve: stopped (Ctrl-C)" in text and "Traceback" not in text, text

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import argparse
 import os
+import signal
 import sys
 import threading
 
@@ -77,10 +78,24 @@ def run(args: argparse.Namespace) -> int:
     state = ServerState(args.served_model_name or args.model, api_key=args.api_key)
     server = uvicorn.Server(uvicorn_config(build_app(state), args.host, args.port, args.log_level))
     threading.Thread(target=_load, args=(args, state, server), name="writescope-load", daemon=True).start()
-    server.run()  # /health answers 503 while the model loads; SIGINT / SIGTERM stop it gracefully
+    stopped = []
+
+    def stop(signum, frame):  # uvicorn hands the Ctrl-C it stopped on back once it is done: the stop asked for, not an error
+        stopped.append(signum)
+        server.should_exit = True
+
+    main_thread = threading.current_thread() is threading.main_thread()
+    previous = signal.signal(signal.SIGINT, stop) if main_thread else None
+    try:
+        server.run()  # /health answers 503 while the model loads; SIGINT / SIGTERM stop it gracefully
+    finally:
+        if main_thread:
+            signal.signal(signal.SIGINT, previous)
     if state.load_error is not None:
         print(f"writescope serve: error: {state.load_error}", file=sys.stderr)
         return 2
+    if stopped:
+        print("writescope serve: stopped (Ctrl-C): requests in flight finished or were cancelled", file=sys.stderr)
     return 0
 
 
