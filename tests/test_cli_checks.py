@@ -215,11 +215,11 @@ def test_the_cli_words_its_own_warnings_without_a_source_line():
     import os
     import warnings
 
-    from writescope.cli.main import _worded
+    from writescope.cli.main import _warning_format
 
     import writescope.engine.switches as switches
 
-    fmt = _worded(warnings.formatwarning, "generate")
+    fmt = _warning_format(warnings.formatwarning, "generate")
     ours = switches.__file__
     assert fmt("not a switch", UserWarning, ours, 115) == "writescope generate: warning: not a switch\n"
     lib = os.path.join(os.path.dirname(os.path.dirname(os.path.dirname(ours))), ".venv", "writescope", "torch", "x.py")  # a clone's venv

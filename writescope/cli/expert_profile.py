@@ -35,32 +35,29 @@ def run(args: argparse.Namespace) -> int:
     from writescope.moe.popularity import ExpertProfile, recording
 
     check_output_file(args.out, "--out")
-    tokens = None
-    if args.prompt_file is None:
-        (tokens,) = parse_tokens(args.machine_text, "--machine-text", one=True)
-    elif not args.prompt_file.is_file():
+    if args.prompt_file is not None and not args.prompt_file.is_file():
         raise ValueError(f"--prompt-file {args.prompt_file}: no such file")
     if args.prefill_chunk_tokens < 1:
         raise ValueError(f"--prefill-chunk-tokens must be >= 1, got {args.prefill_chunk_tokens}")
     from writescope.engine.model_loader import capped_model_len, load_tokenizer
 
-    routed = tokens if tokens is not None else len(load_tokenizer(args.model, args.synthetic).encode(args.prompt_file.read_text(encoding="utf-8")))
+    tok = load_tokenizer(args.model, args.synthetic)  # the model's own (LLM gives the same), read before the build
+    if args.prompt_file is None:
+        from writescope.engine.machine_text import machine_prompts
+
+        (tokens,) = parse_tokens(args.machine_text, "--machine-text", one=True)
+        ids = machine_prompts(tok, tokens, 1)[0][0]
+    else:
+        ids = tok.encode(args.prompt_file.read_text(encoding="utf-8"))
+        if not ids:
+            raise ValueError(f"--prompt-file {args.prompt_file}: no tokens")
     llm = LLM(args.model, synthetic=args.synthetic, device=args.device, dtype=args.dtype, progress=not args.quiet,
               policy="resident" if args.vram_budget is None else "gpu", vram_budget=args.vram_budget, max_batch=1,
-              max_model_len=capped_model_len(args.model, routed + 1, None, args.synthetic),  # a budget's plan: for what is routed
+              max_model_len=capped_model_len(args.model, len(ids) + 1, None, args.synthetic),  # a budget's plan: for what is routed
               prefill_chunk_tokens=args.prefill_chunk_tokens)
     if not llm.config.moe.moe_layers:
         raise ValueError(f"{args.model} has no MoE layers: nothing to profile")
-    if tokens is None:
-        ids = llm.tokenizer.encode(args.prompt_file.read_text(encoding="utf-8"))
-        if not ids:
-            raise ValueError(f"--prompt-file {args.prompt_file}: no tokens")
-    else:
-        from writescope.engine.machine_text import machine_prompts
-
-        ids = machine_prompts(llm.tokenizer, tokens, 1)[0][0]
-    limit = llm.max_model_len - 1
-    ids = ids[:limit]
+    ids = ids[: llm.max_model_len - 1]
     t0 = time.perf_counter()
     with recording(llm.model) as counts:
         llm.generate(prompt_token_ids=[ids], sampling_params=SamplingParams(max_tokens=1, ignore_eos=True))

@@ -46,32 +46,28 @@ def main(argv: list[str] | None = None) -> int:
     # "--vram-budget -1GiB" reaches the budget's own check instead of argparse's "expected one argument"
     args = parser.parse_args(attach_negative_values(sys.argv[1:] if argv is None else list(argv)))
     shown, started = warnings.formatwarning, time.time()
-    warnings.formatwarning = _worded(shown, args.command)
+    warnings.formatwarning = _warning_format(shown, args.command)
     try:
         return args.run(args)
-    except ValueError as e:
+    except (ValueError, FileNotFoundError, FileExistsError) as e:
         # an API error names API arguments: reworded with this command's flags (args.flags, set by the
         # subcommand: API argument name -> flag; others become --name-with-dashes)
         print(f"writescope {args.command}: error: {worded(e, args.command, getattr(args, 'flags', {}))}", file=sys.stderr)
         return 2
-    except (FileNotFoundError, FileExistsError) as e:
-        print(f"writescope {args.command}: error: {e}", file=sys.stderr)
-        return 2
     except KeyboardInterrupt:  # Ctrl-C: no traceback; say what was kept
-        kept, out = "", Path(getattr(args, "output_json", None) or "")
-        ours = getattr(args, "resume", False) or (out.name and out.is_file() and out.stat().st_mtime >= started - 2)  # this run's (coarse clocks allowed)
-        if args.command == "bench" and out.name and out.is_file() and ours:
-            kept = f"; the rows finished so far are in {args.output_json} (run the same command with --resume to go on)"
+        out, kept = Path(getattr(args, "output_json", None) or ""), ""
+        # a bench's rows: those this run wrote (coarse file clocks allowed for), or the ones it resumes
+        if args.command == "bench" and out.name and out.is_file() and (getattr(args, "resume", False) or out.stat().st_mtime >= started - 2):
+            kept = f"; the rows finished so far are in {out} (run the same command with --resume to go on)"
         print(f"\nwritescope {args.command}: interrupted{kept}", file=sys.stderr)
         return 130
     finally:
         warnings.formatwarning = shown
 
 
-def _worded(shown, command: str):
+def _warning_format(shown, command: str):
     """``warnings.formatwarning`` for a command: WriteScope's own warnings as ``writescope CMD:
     warning: ...`` (no source path and line, which mean nothing to a user); others as before."""
-
     ours = Path(__file__).resolve().parent.parent  # the package's own files (not a library's in a clone's .venv)
 
     def fmt(message, category, filename, lineno, line=None):
