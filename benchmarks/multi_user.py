@@ -14,7 +14,8 @@ chunk, so chunks are counted by their ``token_ids``, not one a token);
 a stream's figure is the median over its requests, with the spread (min-max). The server runs in
 this process on the loaded model (the model loads once; each configuration gets a fresh engine and
 cache; the placed CPU share is read from each request as its slot is freed, over all requests of a
-configuration). Writes OUT.json and OUT.md (one row per configuration and stream) and prints the table.
+configuration; on CUDA the peak of device memory allocated in each configuration, and where it
+went when a request failed). Writes OUT.json and OUT.md (one row per configuration and stream) and prints the table.
 """
 
 from __future__ import annotations
@@ -22,7 +23,9 @@ from __future__ import annotations
 import argparse
 import asyncio
 import json
+import os
 import statistics
+import sys
 import time
 
 import torch
@@ -60,6 +63,8 @@ async def _one(client, url: str, model: str, prompt: list[int], new_tokens: int)
         async for line in r.aiter_lines():
             if line.startswith("data: ") and line != "data: [DONE]":
                 chunk = json.loads(line[6:])
+                if "error" in chunk:  # the server's in-stream failure (serve/app.py): no step time without the tokens
+                    raise RuntimeError(f"request failed in the server: {chunk['error'].get('message', chunk['error'])}")
                 if chunk.get("choices"):
                     times.append((time.perf_counter(), len(chunk["choices"][0].get("token_ids") or ())))
     return times
@@ -73,7 +78,11 @@ def ms_per_step(chunks: list[tuple[float, int]]) -> float | None:
 
 
 def run_config(llm, model: str, policy: str, streams: list[tuple[int, int]], active: list[int], new_tokens: int, seed: int) -> list[dict]:
-    """Serve the ``active`` streams together under ``policy``; one row per active stream."""
+    """Serve the ``active`` streams together under ``policy``; one row per active stream.
+
+    Raises:
+        RuntimeError: a request was refused or failed in the server (its message).
+    """
     import httpx
 
     from writescope.serve.app import ServerState, build_app
@@ -99,6 +108,9 @@ def run_config(llm, model: str, policy: str, streams: list[tuple[int, int]], act
         free(slot)
 
     llm.cache.free = recording_free
+    cuda = llm.device.type == "cuda"
+    if cuda:
+        torch.cuda.reset_peak_memory_stats(llm.device)
     with ServerThread(build_app(state)) as srv:
         async def main():
             async with httpx.AsyncClient() as client:
@@ -107,8 +119,16 @@ def run_config(llm, model: str, policy: str, streams: list[tuple[int, int]], act
                 done = await asyncio.gather(*(j for _, j in flat))
             return [(i, t) for (i, _), t in zip(flat, done)]
 
-        results = asyncio.run(main())
-    llm.cache.free = free
+        try:
+            results = asyncio.run(main())
+        except RuntimeError:
+            if cuda:  # where the device memory went, for the plan's next look (budget/plan.py)
+                print(f"{policy}, streams {active}: device memory when the run failed:\n"
+                      f"{torch.cuda.memory_summary(llm.device, abbreviated=True)}", file=sys.stderr)
+            raise
+        finally:
+            llm.cache.free = free
+    peak = torch.cuda.max_memory_allocated(llm.device) / 2**30 if cuda else None
     rows = []
     for i in active:
         per_req = [ms for s, t in results if s == i and (ms := ms_per_step(t)) is not None]
@@ -116,7 +136,8 @@ def run_config(llm, model: str, policy: str, streams: list[tuple[int, int]], act
         rows.append({"policy": policy, "together": len(active) > 1, "stream": f"{b}x{ctx}", "requests": b,
                      "ms_per_step": statistics.median(per_req) if per_req else None,
                      "min_ms": min(per_req) if per_req else None, "max_ms": max(per_req) if per_req else None,
-                     "deployed_r": placed["compute"] / (placed["compute"] + placed["load"]) if placed["compute"] + placed["load"] else None})
+                     "deployed_r": placed["compute"] / (placed["compute"] + placed["load"]) if placed["compute"] + placed["load"] else None,
+                     "peak_device_gib": peak})
     return rows
 
 
@@ -132,9 +153,12 @@ def main(argv: list[str] | None = None) -> list[dict]:
     ap.add_argument("--policies", default="gpu,static:0.25,writescope", help="policies for the streams together (the solo runs use writescope)")
     ap.add_argument("--solo-policy", default="writescope")
     ap.add_argument("--window", type=int, default=256)
+    ap.add_argument("--prefill-chunk-tokens", type=int, default=4096,
+                    help="prompt tokens per prefill forward pass (default 4096: the prefill's activations fit beside a 32 GiB plan)")
     ap.add_argument("--seed", type=int, default=0)
     ap.add_argument("--out", default=None, help="write OUT.json and OUT.md")
     args = ap.parse_args(argv)
+    os.environ.setdefault("PYTORCH_CUDA_ALLOC_CONF", "expandable_segments:True")  # as the CLI (cli/main.py), before CUDA starts
     streams = parse_streams(args.streams)
     if args.new_tokens < 2:
         raise ValueError(f"--new-tokens must be >= 2 (a step time needs two tokens), got {args.new_tokens}")
@@ -143,17 +167,19 @@ def main(argv: list[str] | None = None) -> list[dict]:
     total = sum(b for b, _ in streams)
     longest = max(ctx for _, ctx in streams) + args.new_tokens + 1
     llm = LLM(args.model, synthetic=args.synthetic, device=args.device, dtype=args.dtype, progress=False, policy=args.solo_policy,
-              window=args.window, vram_budget=args.vram_budget, max_batch=total, max_model_len=longest)
+              window=args.window, vram_budget=args.vram_budget, max_batch=total, max_model_len=longest,
+              prefill_chunk_tokens=args.prefill_chunk_tokens)
     rows = []
     for i in range(len(streams)):  # each stream alone
         rows += run_config(llm, args.model, args.solo_policy, streams, [i], args.new_tokens, args.seed)
     for pol in args.policies.split(","):  # all together
         rows += run_config(llm, args.model, pol.strip(), streams, list(range(len(streams))), args.new_tokens, args.seed)
-    lines = ["| policy | streams | stream | ms per step (median) | min-max | placed r (all requests) |", "|---|---|---|---|---|---|"]
+    lines = ["| policy | streams | stream | ms per step (median) | min-max | placed r (all requests) | peak device GiB |",
+             "|---|---|---|---|---|---|---|"]
     for r in rows:
         f = (lambda x: "-" if x is None else f"{x:.2f}")
         lines.append(f"| {r['policy']} | {'together' if r['together'] else 'alone'} | {r['stream']} | {f(r['ms_per_step'])} | "
-                     f"{f(r['min_ms'])}-{f(r['max_ms'])} | {f(r['deployed_r'])} |")
+                     f"{f(r['min_ms'])}-{f(r['max_ms'])} | {f(r['deployed_r'])} | {f(r['peak_device_gib'])} |")
     print("\n".join(lines))
     if args.out:
         with open(args.out + ".json", "w") as fh:

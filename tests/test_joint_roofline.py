@@ -166,6 +166,65 @@ def test_writescope_splits_host_experts_each_step_with_the_same_tokens():
     assert fixed.expert_work is None and fixed.policy.experts is None  # --expert-stream-share: the fixed baseline
 
 
+def test_the_expert_stream_share_is_set_and_given_back_on_a_loaded_model():
+    """``LLM.set_expert_stream_share``: a fixed share detaches the joint split (every block takes
+    it, the same tokens), None gives the choice back to ``writescope``; a bad share or a running
+    request changes nothing."""
+    from writescope.errors import ArgError
+
+    prompts = [[5, 6, 7] * 12, [8, 9] * 20]
+    llm = _half_on_host_llm()
+    llm.set_policy("writescope", roofline=Roofline(a=1e-9, b=1e-3, c_cpu=0.0, c_gpu=0.0))
+    want = [o.token_ids for o in llm.generate(prompt_token_ids=prompts)]
+    assert llm.expert_work is not None and llm.expert_stream_share_given is None
+    llm.set_expert_stream_share(0.5)
+    assert llm.expert_work is None and llm.policy.experts is None and llm.expert_stream_share_given == 0.5
+    assert {b.stream_share for b in _blocks(llm)} == {0.5} and llm.expert_stream_share == 0.5
+    assert [o.token_ids for o in llm.generate(prompt_token_ids=prompts)] == want
+    for bad in (-0.1, 1.5, float("nan")):
+        with pytest.raises(ArgError, match="expert_stream_share must be in"):
+            llm.set_expert_stream_share(bad)
+    assert llm.expert_stream_share_given == 0.5
+    llm.set_expert_stream_share(None)
+    assert llm.expert_work is not None and llm.policy.experts is llm.expert_work and llm.expert_stream_share_given is None
+    slot = llm.cache.allocate(64)  # a request holding KV
+    with pytest.raises(ValueError, match="while 1 request run"):
+        llm.set_expert_stream_share(0.0)
+    assert llm.expert_work is not None and {b.stream_share for b in _blocks(llm)} == {0.0}  # as before (the CPU's default)
+    llm.cache.free(slot)
+
+
+def test_a_bench_row_sets_its_own_expert_stream_share():
+    """``POLICY@expert_stream_share=S`` (bench/switches.py): the row runs with that share and the
+    next row with the run's own; bad values fail the check before any work."""
+    from writescope.bench import switches
+    from writescope.bench.runner import BenchConfig, run_one
+
+    assert switches.settings({"expert_stream_share": "0.25", "WRITESCOPE_MICRO_BATCHES": "2"}) == (
+        {"WRITESCOPE_MICRO_BATCHES": "2"}, {"expert_stream_share": 0.25})
+    assert switches.settings({"expert_stream_share": "Auto"})[1] == {"expert_stream_share": None}
+    switches.check("writescope@expert_stream_share=1")
+    for bad in ("2", "x", "nan", ""):
+        with pytest.raises(ValueError, match="give a share in \\[0, 1\\]"):
+            switches.check(f"writescope@expert_stream_share={bad}")
+    with pytest.raises(ValueError, match="or expert_stream_share"):
+        switches.check("writescope@EXPERT_SHARE=1")
+    llm = _half_on_host_llm()
+    seen = []
+    original = llm.set_expert_stream_share
+
+    def recording(share):
+        original(share)
+        seen.append((share, {b.stream_share for b in _blocks(llm)}))
+
+    llm.set_expert_stream_share = recording
+    cfg = BenchConfig([2], [40], ["static:0.5@expert_stream_share=1"], steps=2, window=16, warmup=False, kv_fill="random")
+    row = run_one(llm, cfg, 2, 40, "static:0.5@expert_stream_share=1")
+    assert row.fits and row.tpot_ms > 0 and row.extra["switches"] == {"expert_stream_share": "1"}
+    assert seen == [(1.0, {1.0}), (None, {0.0})]  # the row's share, then the run's own (None: the CPU's default 0)
+    assert llm.expert_stream_share_given is None
+
+
 def test_the_expert_split_is_chosen_in_decode_only_and_balances_the_expert_phase():
     class Decoder:
         last_split = None
@@ -185,23 +244,59 @@ def test_the_expert_split_is_chosen_in_decode_only_and_balances_the_expert_phase
     assert work.choose([10**7] * 10) == streamed_count([10**7] * 10, 16 * 32768 * 2e-8, 16 * 32768 * 2e-8, work.costs())
 
 
+def _h200_link(llm) -> Roofline:
+    """A roofline whose link carries 55 GB/s (the H200 machine's host-to-GPU rate)."""
+    return Roofline(a=1e-9, b=llm.config.kv_layout.bytes_per_token(llm.dtype.itemsize) / 55e9, c_cpu=0.0, c_gpu=0.0)
+
+
 def test_writescope_reads_host_experts_in_place_where_the_fused_kernels_can(monkeypatch):
     """Where every hosted block reads its hit host experts in place (the fused decode kernels on
-    CUDA), ``writescope`` attaches no per-step expert split (r(L) is the KV-only one) and says so;
-    where one block cannot, the split stays."""
+    CUDA) and that is expected to be faster than the split (tiny experts: the split's overhead per
+    layer decides), ``writescope`` attaches no per-step expert split (r(L) is the KV-only one) and
+    says so; where one block cannot, the split stays; over a link slow enough that reading the
+    experts in place takes longer than the split, the split is attached and says why."""
     from writescope.moe.block import SparseMoeBlock
 
     llm = _half_on_host_llm()
-    rf = Roofline(a=1e-9, b=1e-3, c_cpu=0.0, c_gpu=0.0)
+    rf = _h200_link(llm)
     monkeypatch.setattr(SparseMoeBlock, "reads_host_experts_in_place", lambda self, tokens=None: True)
     llm.set_policy("writescope", roofline=rf)
     assert llm.expert_work is None and llm.policy.experts is None
     assert all(b.expert_work is None for b in _blocks(llm))
     assert llm.host_experts_in_decode() == "host experts read in place over PCIe by the fused decode kernels"
+    llm.set_policy("writescope", roofline=Roofline(a=1e-9, b=1e-3, c_cpu=0.0, c_gpu=0.0))  # 1 ms a KV token: a slow link
+    assert llm.expert_work is not None and all(b.expert_work is llm.expert_work for b in _blocks(llm) if b.host_experts)
+    words = llm.host_experts_in_decode()
+    assert "joint roofline" in words and "read in place over PCIe they would take" in words and "of 2 tokens" in words
     first = next(b for b in _blocks(llm) if b.host_experts)
     monkeypatch.setattr(SparseMoeBlock, "reads_host_experts_in_place", lambda self, tokens=None: self is not first)
     llm.set_policy("writescope", roofline=rf)
     assert llm.expert_work is not None and "joint roofline" in llm.host_experts_in_decode()
+    assert llm.expert_work.why == ""  # not chosen over the in-place read: one block cannot read in place
+
+
+def test_the_expert_phase_model_of_the_in_place_read_and_the_split():
+    """In place: every byte at the link's rate; split: balanced (X e g / (e + g)) plus the overhead
+    per layer with host experts; the figures of run 34's Mixtral and run 18's Qwen3 pick as measured."""
+    from writescope.scheduler.expert_work import SPLIT_OVERHEAD_S, expert_phase_seconds
+
+    e, g = 1 / 75e9, 1 / 55e9
+    in_place, split = expert_phase_seconds([1e9, 0.0, 2e9], e, g, overhead=1e-3)
+    assert in_place == pytest.approx(3e9 * g)
+    assert split == pytest.approx(3e9 * e * g / (e + g) + 2e-3)  # the empty layer pays no overhead
+    assert expert_phase_seconds([], e, g) == (0.0, 0.0)
+    mixtral = [3.95 * 352e6] * 32  # about 3.95 hit host experts of 352 MB a layer at 4 tokens (185 of 256 on the host)
+    qwen3 = [14.6 * 9.4e6] * 48  # about 14.6 of 9.4 MB at 4 tokens (half on the host)
+    assert expert_phase_seconds(mixtral, e, g)[1] < expert_phase_seconds(mixtral, e, g)[0]  # split (433 vs 961 ms measured)
+    assert expert_phase_seconds(qwen3, e, g)[0] < expert_phase_seconds(qwen3, e, g)[1]  # in place (304 vs 428 ms measured)
+    assert SPLIT_OVERHEAD_S > 0
+    for bad in ((0.0, g), (e, float("inf")), (float("nan"), g)):
+        with pytest.raises(ValueError, match="positive and finite"):
+            expert_phase_seconds([1.0], *bad)
+    with pytest.raises(ValueError, match=">= 0"):
+        expert_phase_seconds([float("nan")], e, g)
+    with pytest.raises(ValueError, match=">= 0"):
+        expert_phase_seconds([1.0], e, g, overhead=-1.0)
 
 
 def test_the_real_in_place_check_decides_whether_writescope_splits(monkeypatch):
@@ -226,7 +321,7 @@ def test_the_real_in_place_check_decides_whether_writescope_splits(monkeypatch):
     base = make_plan(cfg, torch.float16, 2**40, 2, cfg.max_position_embeddings, 0, StaticPolicy(0.5), 16)
     half = base.gpu_min + (base.experts_total // 2 + 8) * base.expert_bytes
     llm = LLM("tiny-qwen3-moe", progress=False, policy="static:0.5", window=16, vram_budget=half, max_batch=2, dtype="fp16")
-    rf = Roofline(a=1e-9, b=1e-3, c_cpu=0.0, c_gpu=0.0)
+    rf = _h200_link(llm)
     in_place = "host experts read in place over PCIe by the fused decode kernels"
     assert llm.host_experts_in_decode() == in_place  # static:0.5: no split to attach either way
     llm.set_policy("writescope", roofline=rf)

@@ -54,3 +54,32 @@ def test_a_step_is_timed_by_the_tokens_chunks_carry():
     mu = _bench()
     assert mu.ms_per_step([(1.0, 1), (1.1, 1), (1.4, 3)]) == pytest.approx(100.0)  # 0.4 s over 4 tokens after the first chunk
     assert mu.ms_per_step([(1.0, 4)]) is None and mu.ms_per_step([(1.0, 1), (1.2, 0)]) is None
+
+
+def test_a_request_that_fails_in_the_server_stops_the_run_with_its_message():
+    """An in-stream error event (serve/app.py's shape) is raised with the server's message; the
+    run's rows are not left empty without a word (run 35 on the H200: every row '-')."""
+    import asyncio
+
+    mu = _bench()
+
+    class Reply:
+        status_code = 200
+
+        async def __aenter__(self):
+            return self
+
+        async def __aexit__(self, *exc):
+            return False
+
+        async def aiter_lines(self):
+            yield 'data: {"choices": [{"text": "a", "token_ids": [5]}]}'
+            yield 'data: {"error": {"message": "the request failed inside the engine: CUDA out of memory", "type": "server_error"}}'
+            yield "data: [DONE]"
+
+    class Client:
+        def stream(self, *args, **kwargs):
+            return Reply()
+
+    with pytest.raises(RuntimeError, match="request failed in the server: the request failed inside the engine: CUDA out of memory"):
+        asyncio.run(mu._one(Client(), "http://x", "m", [1, 2], 4))

@@ -282,9 +282,13 @@ def run_one(llm: LLM, cfg: BenchConfig, batch: int, context: int, policy: str, r
     base, env = switches.split(policy)  # POLICY@NAME=VALUE+...: the row's own switches, for its cache and its forwards
     if env:
         row.extra["switches"] = env
+    env, settings = switches.settings(env)
+    share_before = llm.expert_stream_share_given
     pinned_before = dict(pinned.STATS)
     try:
         with switches.applied(env):
+            if "expert_stream_share" in settings:
+                llm.set_expert_stream_share(settings["expert_stream_share"])
             llm.set_policy(base, cfg.window, roofline=roofline)
             timer = _TimedAttend(llm.cache, llm.device)
             if isinstance(llm.cache, InplaceKVCache):  # each call's GPU part timed too (events, no synchronisation)
@@ -308,6 +312,8 @@ def run_one(llm: LLM, cfg: BenchConfig, batch: int, context: int, policy: str, r
     finally:
         if timer is not None:
             timer.remove()
+        if "expert_stream_share" in settings and not llm.cache.active_slots:  # the next row starts from the run's own share
+            llm.set_expert_stream_share(share_before)
         decoder = getattr(llm.cache, "decoder", None) if isinstance(llm.cache, InplaceKVCache) else None
         timers = decoder.gpu_timers if decoder is not None else None
         if decoder is not None:  # what comes after the row (another generate on this cache) is not timed

@@ -5,6 +5,11 @@ made or on every forward, so variants compare in one process on the loaded weigh
 load, one random KV fill per row) instead of one process each, e.g.
 ``--policies "static:0.5,static:0.5@WRITESCOPE_MICRO_BATCHES=2,gpu@WRITESCOPE_MOE_KERNEL=grouped"``.
 
+Besides the environment switches a row may set the engine's ``expert_stream_share`` (a float in
+[0, 1], or ``auto``: the device's default and, under ``writescope``, its per-step split), so fixed
+expert splits compare with the joint roofline's in one process:
+``--policies "writescope,writescope@expert_stream_share=0,writescope@expert_stream_share=0.5"``.
+
 Limits: the device-memory plan made at load stands (a switch that needs more device memory, such
 as more ping-pong buffers, is not re-planned, and may not fit where the default does); adaptive
 policies keep the roofline calibrated at load under the default switches; the CUDA graphs switch
@@ -21,6 +26,32 @@ from typing import Callable, Iterator
 PER_ROW = ("WRITESCOPE_MICRO_BATCHES", "WRITESCOPE_MOE_KERNEL", "WRITESCOPE_LOAD_READ", "WRITESCOPE_LOAD_STREAM", "WRITESCOPE_PINGPONG_BUFFERS",
            "WRITESCOPE_GPU_ATTENTION", "WRITESCOPE_CPU_TUNING", "WRITESCOPE_CPU_PARTIAL", "WRITESCOPE_CPU_THREADS", "WRITESCOPE_CPU_PIN",
            "WRITESCOPE_HUGE_PAGES", "WRITESCOPE_CPU_PREREAD")  # read when a cache (its CPU worker) is made or on every forward
+
+
+SETTINGS = ("expert_stream_share",)  # engine settings a row may set (not environment variables)
+
+
+def expert_share(value: str) -> float | None:
+    """A row's ``expert_stream_share`` value: a float in [0, 1], or ``auto`` (None).
+
+    Raises:
+        ValueError: anything else (names the value).
+    """
+    if value.strip().lower() == "auto":
+        return None
+    try:
+        share = float(value)
+    except ValueError:
+        share = float("nan")
+    if not 0.0 <= share <= 1.0:
+        raise ValueError(f"expert_stream_share={value!r}: give a share in [0, 1] (of the few-token host experts streamed), or auto")
+    return share
+
+
+def settings(switches: dict[str, str]) -> tuple[dict[str, str], dict[str, float | None]]:
+    """A row's switches split into environment switches and engine settings (parsed)."""
+    env = {k: v for k, v in switches.items() if k not in SETTINGS}
+    return env, {k: expert_share(v) for k, v in switches.items() if k in SETTINGS}
 
 
 def _readers() -> dict[str, Callable[[], object]]:
@@ -53,10 +84,14 @@ def check(entry: str) -> None:
         ValueError: an unknown switch (names the ones offered), or a bad value (the reader's message).
     """
     _, switches = split(entry)
+    try:
+        switches, _ = settings(switches)
+    except ValueError as e:
+        raise ValueError(f"policy {entry!r}: {e}") from None
     readers = _readers()
     for name in switches:
         if name not in readers:
-            raise ValueError(f"policy {entry!r}: {name} is not a per-row switch; use {', '.join(readers)}")
+            raise ValueError(f"policy {entry!r}: {name} is not a per-row switch; use {', '.join(readers)} or {', '.join(SETTINGS)}")
     with applied(switches):
         for name in switches:
             try:

@@ -22,7 +22,8 @@ def add_parser(sub) -> None:
     p.add_argument("--context", default="2k", help="comma-separated prompt lengths, k = 1024 (default 2k)")
     p.add_argument("--policies", default=DEFAULT_POLICIES,
                    help="comma-separated policies; POLICY@NAME=VALUE+NAME=VALUE runs one under other switches (writescope/bench/switches.py), "
-                        f"e.g. static:0.5@WRITESCOPE_MICRO_BATCHES=2 (default {DEFAULT_POLICIES})")
+                        f"e.g. static:0.5@WRITESCOPE_MICRO_BATCHES=2, or with its own expert split, writescope@expert_stream_share=0 "
+                        f"(default {DEFAULT_POLICIES})")
     p.add_argument("--steps", type=int, default=8, help="decode steps per configuration (default 8)")
     p.add_argument("--repeats", type=int, default=3,
                    help="runs of every configuration, the policies taking turns (default 3): the table gives each configuration's "

@@ -135,6 +135,7 @@ class LLM:
         _check_cpu_threads(cpu_threads)
         _check_cpu_threads(expert_threads, "expert_threads")
         self._expert_share_fixed = expert_stream_share is not None  # else `writescope` splits host experts each step
+        self.expert_stream_share_given = expert_stream_share  # None: the device's default (see set_expert_stream_share)
         if expert_stream_share is None:
             expert_stream_share = default_stream_share(self.device)
         if not 0.0 <= expert_stream_share <= 1.0:
@@ -247,15 +248,39 @@ class LLM:
         self.cache, self.policy, self.window, self.cpu_threads = cache, parsed, window, cpu_threads
         self.attention_threads = cpu_threads or default_attention_threads(self.device)  # what the CPU attention uses
         self.policy_name = "resident" if parsed is None else parsed.name
-        kv_token = self.config.kv_layout.bytes_per_token(self.dtype.itemsize)
-        self.expert_work = attach_expert_work(parsed, getattr(cache, "decoder", None), self._moe_blocks, kv_token,
-                                              self._expert_share_fixed, self.max_batch)
         if isinstance(cache, InplaceKVCache):  # O, measured across caches (scheduler/other_work.py)
             cache.other_work = self.other_work
         if isinstance(parsed, WriteScopePolicy):  # O, and A from earlier decode steps where they were kept
             parsed.attach(self.other_work, self.attention_threads, cache.micro_batches)
+        self._attach_expert_work()
+
+    def _attach_expert_work(self) -> None:
+        """The joint roofline's per-step expert split for the policy and expert share set now
+        (scheduler/expert_work.py), and the in-place expert reads' link time the KV roofline counts."""
+        kv_token = self.config.kv_layout.bytes_per_token(self.dtype.itemsize)
+        self.expert_work = attach_expert_work(self.policy, getattr(self.cache, "decoder", None), self._moe_blocks, kv_token,
+                                              self._expert_share_fixed, self.max_batch)
+        if isinstance(self.policy, WriteScopePolicy):
             self.other_work.link_seconds = None if self.expert_work is not None else in_place_link_seconds(
-                self._moe_blocks, parsed.roofline.b / kv_token, self.config.num_layers, self.max_batch)
+                self._moe_blocks, self.policy.roofline.b / kv_token, self.config.num_layers, self.max_batch)
+
+    def set_expert_stream_share(self, share: float | None) -> None:
+        """Fix the share of the few-token host experts a decode step streams (``share`` in [0, 1],
+        as ``expert_stream_share`` at construction; the rest the CPU computes), or give the choice
+        back (None: the device's default, and under ``writescope`` the joint roofline's per-step
+        split). Takes effect from the next forward, under the current policy.
+
+        Raises:
+            ValueError: a share outside [0, 1] (or NaN), or requests still holding KV (nothing changes).
+        """
+        if share is not None and not 0.0 <= share <= 1.0:
+            raise ArgError(f"expert_stream_share must be in [0, 1], got {share}", "expert_stream_share")
+        if self.cache.active_slots:
+            raise ValueError(f"cannot change the expert stream share while {plural(len(self.cache.active_slots), 'request')} run")
+        self._expert_share_fixed, self.expert_stream_share_given = share is not None, share
+        for b in self._moe_blocks:
+            b.stream_share = default_stream_share(self.device) if share is None else share
+        self._attach_expert_work()
 
     @property
     def expert_stream_share(self) -> float | None:
@@ -278,8 +303,10 @@ class LLM:
         share = self.expert_stream_share
         if share is None:
             return "no routed experts in host memory"
-        if getattr(self, "expert_work", None) is not None:
-            return "host experts split between streaming and the CPU each decode step by the joint roofline (--policy writescope)"
+        work = getattr(self, "expert_work", None)
+        if work is not None:
+            why = f": {work.why}" if work.why else ""
+            return f"host experts split between streaming and the CPU each decode step by the joint roofline (--policy writescope){why}"
         hosted = [b for b in self._moe_blocks if b.host_experts]
         if all(b.reads_host_experts_in_place(self.max_batch) for b in hosted):  # implies share 1 (block._host_in_place_configured)
             return "host experts read in place over PCIe by the fused decode kernels"

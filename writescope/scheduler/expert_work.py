@@ -73,6 +73,7 @@ class ExpertWork:
         self.decoder, self.policy = decoder, policy
         self.overlap = False  # see the module docstring
         self.n_streamed = self.n_computed = 0
+        self.why = ""  # why the split was taken over the in-place read, in words ("" when that was not possible)
 
     def expected_bytes(self, batch: int) -> float:
         """Hit host expert bytes per layer step that r(L) plans for: 0 without ``overlap`` (the
@@ -149,6 +150,45 @@ def measure_cpu_expert_cost(block, experts: int = 8, reps: int = 3) -> float:
     return statistics.median(times[1:]) / (len(host) * block.host_pack.expert_nbytes)
 
 
+# What the per-step split costs a decode layer step beyond its balanced expert phase, against the
+# host experts read in place (seconds): the routing read back to the host (a device wait), the
+# block without a CUDA graph, and the CPU's experts computed on the issuing thread, which issues
+# nothing meanwhile. From run 18 (Qwen3-30B-A3B 4 x 32K, 48 layers, about 138 MB of hit host
+# experts a layer step, benchmarks/results/gpu_decode_h200.md): the split 428 ms a step against
+# 343 streaming every host expert through the same read-back path, where the model expected the
+# split 1.4 ms a layer faster (3.2 ms a layer unmodelled), and that path 39 ms (0.8 ms a layer)
+# slower than the in-place read.
+SPLIT_OVERHEAD_S = 4.0e-3
+
+
+def expert_phase_seconds(layer_bytes: list[float], e: float, g: float,
+                         overhead: float = SPLIT_OVERHEAD_S) -> tuple[float, float]:
+    """``(in_place, split)``: expected seconds of a decode step's host-expert phases, summed over
+    its layers, read in place over PCIe (every byte at the link's ``g``) or split each layer step
+    between the link and the CPU (``e``) so both finish together, plus ``overhead`` per layer
+    step that has host experts.
+
+    Args:
+        layer_bytes: expected hit host expert bytes of each layer step (:func:`expected_host_expert_bytes`).
+        e: CPU seconds per expert weight byte; g: link seconds per byte (both > 0).
+        overhead: the split's cost per layer step beyond the balance (:data:`SPLIT_OVERHEAD_S`).
+
+    The balanced split of X bytes takes X e g / (e + g): the CPU computes v bytes and the link
+    carries X - v with v e = (X - v) g (scheduler/joint.py's expert split, whole experts taken
+    as divisible).
+
+    Raises:
+        ValueError: e or g not positive and finite, a negative or NaN layer_bytes or overhead.
+    """
+    if not (e > 0 and g > 0 and math.isfinite(e) and math.isfinite(g)):
+        raise ValueError(f"expert costs must be positive and finite, got E={e}, G={g} s/byte")
+    if not overhead >= 0 or any(not x >= 0 for x in layer_bytes):
+        raise ValueError(f"expert bytes and the overhead must be >= 0, got {layer_bytes}, {overhead}")
+    in_place = sum(x * g for x in layer_bytes)
+    split = sum(x * e * g / (e + g) + overhead for x in layer_bytes if x > 0)
+    return in_place, split
+
+
 def attach_expert_work(policy, decoder, blocks: list, kv_bytes_per_token: int, fixed_share: bool,
                        decode_tokens: int | None = None) -> ExpertWork | None:
     """Give the ``writescope`` policy and the MoE blocks with host experts one :class:`ExpertWork`
@@ -158,15 +198,19 @@ def attach_expert_work(policy, decoder, blocks: list, kv_bytes_per_token: int, f
     block reads its hit host experts in place inside the fused decode kernels for every decode
     step up to ``decode_tokens`` tokens (:meth:`SparseMoeBlock.reads_host_experts_in_place`; r(L)
     is then the KV-only one too; a batch whose assignments could exceed the kernels' row limit
-    keeps the split for all of its steps).
+    keeps the split for all of its steps) and the in-place read is expected to be faster there.
 
-    Why the in-place read wins over the per-step split where it runs: the split must read each
+    Why the in-place read usually wins over the per-step split where it runs: the split must read each
     layer's routing back to the host (a device wait in every MoE layer, no CUDA graph for the
     block) and computes the CPU's experts on the issuing thread, while the in-place read issues
     nothing per expert. Measured on the H200 (run 18, benchmarks/results/gpu_decode_h200.md),
     Qwen3-30B-A3B 4 x 32K under 32 GiB, one process: ``writescope`` with the split 428 ms per
     step, the same KV share (``static:0.5``) with its host experts read in place 304 ms.
-    ``WRITESCOPE_MOE_KERNEL=grouped`` brings the split back.
+    ``WRITESCOPE_MOE_KERNEL=grouped`` brings the split back. Where the host experts' bytes
+    dominate the step the split wins instead (Mixtral-8x7B 4 x 8K, run 34: every few-token host
+    expert computed on the CPU 433 ms a step, read in place 961 ms): with ``decode_tokens`` known,
+    :func:`expert_phase_seconds` compares the two at that many tokens and the split is attached
+    when it is expected to be faster (``work.why`` says by how much).
 
     Args:
         policy: the cache's placement policy.
@@ -187,13 +231,27 @@ def attach_expert_work(policy, decoder, blocks: list, kv_bytes_per_token: int, f
     if fixed_share or not isinstance(policy, WriteScopePolicy):
         return None
     hosted = [b for b in blocks if b.host_experts and b.streams_host_experts()]
-    if not hosted or all(b.reads_host_experts_in_place(decode_tokens) for b in hosted):
+    if not hosted:
         return None
+    g = policy.roofline.b / kv_bytes_per_token
+    e = None
+    why = ""
+    if all(b.reads_host_experts_in_place(decode_tokens) for b in hosted):
+        if decode_tokens is None:
+            return None
+        e = measure_cpu_expert_cost(hosted[0])
+        layer_bytes = [expected_host_expert_bytes([b], decode_tokens) for b in hosted]
+        in_place_s, split_s = expert_phase_seconds(layer_bytes, e, g)
+        if in_place_s <= split_s:
+            return None
+        why = (f"read in place over PCIe they would take about {in_place_s * 1e3:.0f} ms a decode step of"
+               f" {decode_tokens} tokens, split about {split_s * 1e3:.0f} ms")
     cfg = hosted[0].cfg
     total = sum(b.cfg.num_experts for b in blocks)
-    work = ExpertWork(measure_cpu_expert_cost(hosted[0]), policy.roofline.b / kv_bytes_per_token,
+    work = ExpertWork(measure_cpu_expert_cost(hosted[0]) if e is None else e, g,
                       sum(len(b.host_experts) for b in blocks) / total, hosted[0].host_pack.expert_nbytes,
                       cfg.num_experts, cfg.top_k, decoder, policy)
+    work.why = why
     policy.experts = work
     for b in hosted:
         b.expert_work = work
