@@ -223,6 +223,25 @@ def test_a_bench_row_sets_its_own_expert_stream_share():
     assert row.fits and row.tpot_ms > 0 and row.extra["switches"] == {"expert_stream_share": "1"}
     assert seen == [(1.0, {1.0}), (None, {0.0})]  # the row's share, then the run's own (None: the CPU's default 0)
     assert llm.expert_stream_share_given is None
+    assert "expert_split" not in row.extra  # a fixed share: no per-step split
+
+
+def test_a_bench_row_records_the_joint_expert_split():
+    """A ``writescope`` row with the per-step expert split records, per decode step, the hit host
+    experts streamed and computed on the CPU and the rates balanced (a slow link: all on the CPU),
+    and the report prints them."""
+    from writescope.bench.report import format_expert_split
+    from writescope.bench.runner import BenchConfig, run_one
+
+    llm = _half_on_host_llm()
+    cfg = BenchConfig([2], [40], ["writescope"], steps=3, window=16, warmup=False, kv_fill="random")
+    row = run_one(llm, cfg, 2, 40, "writescope", roofline=Roofline(a=1e-9, b=1e-3, c_cpu=0.0, c_gpu=0.0))
+    x = row.extra["expert_split"]
+    assert x["steps"] == 3 and x["streamed_per_step"] == 0 and x["cpu_per_step"] > 0
+    assert x["cpu_gbs"] > 0 and x["link_gbs"] == pytest.approx(1e-9 / (1e-3 / llm.config.kv_layout.bytes_per_token(4)))
+    text = format_expert_split([row])
+    assert text.startswith("the joint roofline's expert split") and "batch 2 context 40 writescope: 0.0 streamed" in text
+    assert format_expert_split([]) == ""
 
 
 def test_the_expert_split_is_chosen_in_decode_only_and_balances_the_expert_phase():

@@ -187,6 +187,24 @@ def format_split_parts(rows: list[BenchRow]) -> str:
                       + lines)
 
 
+def format_expert_split(rows: list[BenchRow]) -> str:
+    """Per (batch, context, policy) whose decode steps split hit host experts between the link and
+    the CPU (``extra["expert_split"]``: :func:`writescope.bench.runner.expert_split`; with repeats,
+    the :func:`median_run`'s): experts streamed and computed on the CPU per decode step (all
+    layers), and the rates the split balanced; empty when no row split."""
+    lines = []
+    for (b, c, p), group in runs(rows).items():
+        ok = [r for r in group if r.fits]
+        x = median_run(ok).extra.get("expert_split") if ok else None
+        if x:
+            lines.append(f"  batch {b} context {c} {p}: {x['streamed_per_step']:.1f} streamed, {x['cpu_per_step']:.1f} on the CPU "
+                         f"(E {x['cpu_gbs']:.1f} GB/s, G {x['link_gbs']:.1f} GB/s)")
+    if not lines:
+        return ""
+    return "\n".join(["the joint roofline's expert split (hit host experts per decode step, all layers; "
+                       "the CPU's and the link's rates of expert weights it balanced them with):"] + lines)
+
+
 def format_pinning(rows: list[BenchRow]) -> str:
     """One line for the grid: what page-locking host memory cost before the rows' timed steps
     (``extra["pinned"]``: registered GB and seconds, GB the pinned pool lent again instead) and

@@ -272,6 +272,20 @@ def split_parts(decoder, timers: list | None, attention_s: list[float], bytes_pe
     return out
 
 
+def expert_split(work, trace: list[dict] | None) -> dict | None:
+    """What the joint roofline's per-step expert split (``work``: an
+    :class:`~writescope.scheduler.expert_work.ExpertWork`, or None) did over a run's decode steps,
+    from its r(L) ``trace``: hit host experts streamed and computed on the CPU per decode step,
+    and the rates it balanced them with at the end (E as the CPU's GB/s of expert weights, G as
+    the link's); None without a split or without decode steps."""
+    points = [p for p in trace or () if "experts_streamed" in p]
+    if work is None or not points:
+        return None
+    return {"steps": len(points), "streamed_per_step": sum(p["experts_streamed"] for p in points) / len(points),
+            "cpu_per_step": sum(p["experts_cpu"] for p in points) / len(points),
+            "cpu_gbs": 1e-9 / work.e.value, "link_gbs": 1e-9 / work.g}
+
+
 def run_one(llm: LLM, cfg: BenchConfig, batch: int, context: int, policy: str, roofline=None) -> BenchRow:
     row = BenchRow(batch, context, policy)
     g = torch.Generator().manual_seed(cfg.seed + 1000 * batch + context)
@@ -298,6 +312,7 @@ def run_one(llm: LLM, cfg: BenchConfig, batch: int, context: int, policy: str, r
                 llm._prefill = random_kv_prefill(llm, cfg.seed + batch + context)  # an instance attribute: removed below
             try:
                 outs = llm.generate(prompt_token_ids=prompts, sampling_params=params)
+                work = llm.expert_work  # this row's per-step expert split (a restored share below attaches another)
             finally:
                 llm.progress = progress
                 llm.__dict__.pop("_prefill", None)
@@ -328,6 +343,9 @@ def run_one(llm: LLM, cfg: BenchConfig, batch: int, context: int, policy: str, r
     other = llm.other_work.seconds(batch) if getattr(llm, "other_work", None) is not None else None
     if other is not None:  # O at this batch, as the split gate saw it after this row (scheduler/other_work.py)
         row.extra["other_work_ms"] = other * 1e3
+    split = expert_split(work, llm.r_trace)
+    if split is not None:
+        row.extra["expert_split"] = split
     m = outs[0].metrics
     row.prefill_tok_s, row.decode_tok_s = (0.0 if cfg.kv_fill == "random" else m.prefill_tok_s), m.decode_tok_s
     row.extra["kv_fill"] = cfg.kv_fill
