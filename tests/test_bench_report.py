@@ -118,4 +118,5 @@ def test_help_shows_the_default_policies(capsys):
     with pytest.raises(SystemExit):
         main(["bench", "--help"])
     text = " ".join(capsys.readouterr().out.split())  # argparse wraps the help at spaces
-    assert "e.g. static:0.5@WRITESCOPE_MICRO_BATCHES=2 (default gpu,cpu,static:0.5,monolithic,writescope)" in text
+    assert ("e.g. static:0.5@WRITESCOPE_MICRO_BATCHES=2, or with its own expert split, writescope@expert_stream_share=0 "
+            "(default gpu,cpu,static:0.5,monolithic,writescope)") in text
