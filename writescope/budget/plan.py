@@ -16,6 +16,13 @@ wider than SDPA's fused kernels take (MLA), also the bound on the math path's sc
 mask (``writescope.attention.reference.SCORE_BYTES``) and float32 copies of one sequence's keys
 (two) and values with ``WRITESCOPE_MLA_PREFILL=absorbed``; with ``expanded`` (the default) instead one
 sequence's per-head keys and values and the same bound. A fixed ``RESERVE`` covers the allocator's fragmentation.
+
+Beside them, ``GEMM_WORKSPACES``: PyTorch gives cuBLAS a workspace for every (thread's handle,
+stream) pair that runs a GEMM, allocated from the caching allocator and kept (32 MiB each on
+Hopper): the issuing stream, the CUDA graphs' warm-up stream and their capture stream
+(models/graphs.py keeps one of each). Run 35 on the H200 ran out of device memory in a server's
+decode step when each graph's warm-up took a new stream, one workspace per stream up to torch's
+32 pooled streams: about 1 GiB the plan did not count (benchmarks/results/gpu_decode_h200.md).
 """
 
 from __future__ import annotations
@@ -36,6 +43,9 @@ from writescope.scheduler.policies import PlacementPolicy
 
 GiB = 2**30
 RESERVE = 512 * 2**20  # bytes kept free on the GPU for allocator fragmentation
+CUBLAS_WORKSPACE = 32 * 2**20  # one cuBLAS workspace (PyTorch's default on Hopper; smaller on older GPUs)
+GEMM_STREAMS = 3  # streams that run GEMMs: the issuing one, the graphs' warm-up and capture streams (module doc)
+GEMM_WORKSPACES = GEMM_STREAMS * CUBLAS_WORKSPACE
 
 
 @dataclass(frozen=True)
@@ -56,6 +66,7 @@ class MemoryPlan:
     pinned_staging: int
     host_free: int | None
     stream_slots: int = 0  # device weight slots for streaming host experts in long prefills (0: not streamed)
+    workspaces: int = GEMM_WORKSPACES  # cuBLAS workspaces of the streams that run GEMMs (module doc)
 
     @property
     def experts_gpu(self) -> int:
@@ -64,7 +75,7 @@ class MemoryPlan:
     @property
     def gpu_min(self) -> int:
         """Everything but routed experts: the least budget that can run."""
-        return self.non_expert_weights + self.kv_gpu + self.pingpong + self.activations + self.reserve
+        return self.non_expert_weights + self.kv_gpu + self.pingpong + self.activations + self.workspaces + self.reserve
 
     @property
     def gpu_total(self) -> int:
@@ -78,8 +89,8 @@ class MemoryPlan:
     @property
     def working_gpu(self) -> int:
         """Bytes the plan keeps on the GPU beside the weights and the reserve: KV, ping-pong,
-        activations and expert streaming slots."""
-        return self.kv_gpu + self.pingpong + self.activations + self.stream_slots
+        activations, GEMM workspaces and expert streaming slots."""
+        return self.kv_gpu + self.pingpong + self.activations + self.workspaces + self.stream_slots
 
     def placement_line(self) -> str:
         """One line for the CLI: the budget and where the routed experts go."""
@@ -102,7 +113,8 @@ class MemoryPlan:
             return (
                 f"a GPU budget of {self.budget / GiB:.3f} GiB is below the minimum of {self.gpu_min / GiB:.3f} GiB "
                 f"(non-expert weights {self.non_expert_weights / GiB:.2f} + KV on the GPU {self.kv_gpu / GiB:.2f} + ping-pong "
-                f"{self.pingpong / GiB:.2f} + activations {self.activations / GiB:.2f} + reserve {self.reserve / GiB:.2f}): "
+                f"{self.pingpong / GiB:.2f} + activations {self.activations / GiB:.2f} + GEMM workspaces {self.workspaces / GiB:.2f} "
+                f"+ reserve {self.reserve / GiB:.2f}): "
                 f"raise {f.budget}, lower {f.sizes}"
                 + (f", or use a partitioned {f.policy} (KV in host memory)" if self.kv_host == 0 else "")
             )
@@ -217,6 +229,7 @@ def format_plan(plan: MemoryPlan, cfg: ModelConfig) -> str:
         ("  KV on GPU (D-windows; all KV if resident)", g(plan.kv_gpu)),
         ("  ping-pong buffers", g(plan.pingpong)),
         ("  activations (estimate)", g(plan.activations)),
+        ("  GEMM workspaces (cuBLAS, per stream)", g(plan.workspaces)),
         ("  expert streaming slots (prefill)", g(plan.stream_slots)),
         ("  reserve", g(plan.reserve)),
         ("  GPU total", g(plan.gpu_total)),

@@ -52,12 +52,29 @@ def graphs_wanted(device: torch.device) -> bool:
     return env_choice("WRITESCOPE_CUDA_GRAPHS", ("on", "off")) == "on" and device.type == "cuda"
 
 
+_WARMUP: dict[int, "torch.cuda.Stream"] = {}  # device index -> the one stream every capture's warm-up runs on
+
+
+def warmup_stream(device: torch.device) -> "torch.cuda.Stream":
+    """The side stream of ``device`` on which every capture warms up. One for the process: cuBLAS
+    keeps a workspace (32 MiB on Hopper) for every stream that runs a GEMM, from the caching
+    allocator and never freed, so a new stream per capture grew device memory by up to 32 of
+    them past the budget's plan (run 35 on the H200; budget/plan.py ``GEMM_WORKSPACES``)."""
+    index = torch.device(device).index
+    index = torch.cuda.current_device() if index is None else index
+    stream = _WARMUP.get(index)
+    if stream is None:
+        stream = _WARMUP[index] = torch.cuda.Stream(index)
+    return stream
+
+
 class CudaCapture:
     """One stage captured as a CUDA graph (see module doc)."""
 
     def __init__(self, fn: Callable, inputs: tuple, pool):
         self.static = tuple(t.clone() for t in inputs)
-        side, cur = torch.cuda.Stream(), torch.cuda.current_stream()
+        cur = torch.cuda.current_stream()
+        side = warmup_stream(cur.device)
         side.wait_stream(cur)
         with torch.cuda.stream(side):  # the warm-up, on a side stream as torch's graph docs advise
             fn(*self.static)
