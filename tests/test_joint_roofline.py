@@ -83,6 +83,41 @@ def test_whole_expert_split_against_every_k():
     assert streamed_count([], 0.0, 0.0, c) == 0
 
 
+def test_the_cpu_call_s_fixed_part_moves_whole_experts_to_the_link():
+    """Two experts of 10 MB, E 1e-11 and G 1.5e-11 s/byte: without a fixed part one is streamed
+    (1.5e-4 s against 2e-4 all on the CPU); a fixed part of 2e-4 s ties one and two streamed (the
+    fewer win), 3e-4 s streams both. Streaming all pays no CPU call."""
+    c = JointCosts(a=1e-8, b=1e-8, e=1e-11, g=1.5e-11)
+    assert [streamed_count([1e7] * 2, 0.0, 0.0, c, call) for call in (0.0, 2e-4, 3e-4)] == [1, 1, 2]
+    assert streamed_count([1e7] * 2, 0.0, 0.0, JointCosts(a=1e-8, b=1e-8, e=1e-12, g=1e-9), 1.0) == 2
+
+
+def test_e_is_tracked_without_the_call_s_fixed_part():
+    from writescope.scheduler.expert_work import ExpertWork
+
+    work = ExpertWork(e=1e-11, g=2e-11, host_fraction=0.5, expert_bytes=10**8, num_experts=8, top_k=2, call=1e-3, alpha=1.0, window=1)
+    work.observe(1e-3 + 1e-11 * 10**8, 10**8)  # one expert: the fixed part and 1 ms of weights
+    assert work.e.value == pytest.approx(1e-11)
+    work.observe(1e-3, 10**8)  # a call no longer than the fixed part: a tenth of its time per byte, never 0
+    assert work.e.value == pytest.approx(1e-4 / 10**8)
+    for bad in (-1.0, float("inf"), float("nan")):
+        with pytest.raises(ValueError, match="fixed seconds per expert call"):
+            ExpertWork(e=1e-11, g=2e-11, host_fraction=0.5, expert_bytes=1, num_experts=8, top_k=2, call=bad)
+
+
+def test_the_cpu_expert_cost_is_measured_as_a_line():
+    """E (seconds per byte, > 0) and the call's fixed part (>= 0) from the tiny model's host
+    experts; with one host expert the fixed part is 0."""
+    from writescope.scheduler.expert_work import measure_cpu_expert_cost
+
+    llm = _half_on_host_llm()
+    block = next(b for b in _blocks(llm) if len(b.host_experts) >= 2)
+    e, call = measure_cpu_expert_cost(block)
+    assert 0 < e < 1e-6 and 0 <= call < 1.0
+    e1, call1 = measure_cpu_expert_cost(block, experts=1)
+    assert e1 > 0 and call1 == 0.0
+
+
 def test_costs_are_checked():
     with pytest.raises(ValueError, match="cost e"):
         JointCosts(1e-9, 1e-9, float("nan"), 1e-11)
@@ -241,6 +276,7 @@ def test_a_bench_row_records_the_joint_expert_split():
     assert x["cpu_gbs"] > 0 and x["link_gbs"] == pytest.approx(1e-9 / (1e-3 / llm.config.kv_layout.bytes_per_token(4)))
     text = format_expert_split([row])
     assert text.startswith("the joint roofline's expert split") and "batch 2 context 40 writescope: 0.0 streamed" in text
+    assert x["cpu_call_ms"] >= 0 and "ms a call" in text
     assert format_expert_split([]) == ""
 
 

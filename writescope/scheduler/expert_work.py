@@ -46,24 +46,29 @@ class ExpertWork:
     """Tracked expert costs and the per-step expert split.
 
     Args:
-        e: initial CPU seconds per expert weight byte (a measurement: :func:`writescope.moe.cpu_experts`
-            timings, or the block's first steps).
+        e: initial CPU seconds per expert weight byte (a measurement: :func:`measure_cpu_expert_cost`).
         g: link seconds per byte (the calibrated streaming rate: B / KV bytes per token).
         host_fraction: routed experts in host memory / all routed experts (over the hosted blocks).
         expert_bytes: weight bytes of one routed expert.
         num_experts, top_k: the routing.
         decoder: the split decoder whose last call gives this step's KV split (``last_split``).
         policy: the ``writescope`` policy: its online A and its roofline (B, C_cpu, C_gpu).
+        call: the CPU's fixed seconds per expert call (measured with ``e``), >= 0: each step's
+            choice counts it once when the CPU takes any expert, and a call's time less it
+            updates E.
 
     Counters ``n_streamed`` and ``n_computed`` add up the experts of every layer step (the trace reads
     and resets them).
     """
 
     def __init__(self, e: float, g: float, host_fraction: float, expert_bytes: int, num_experts: int, top_k: int, decoder=None,
-                 policy=None, alpha: float = 0.3, window: int = 3):
+                 policy=None, alpha: float = 0.3, window: int = 3, call: float = 0.0):
         if not (e > 0 and g > 0 and math.isfinite(e) and math.isfinite(g)):
             raise ValueError(f"expert costs must be positive and finite, got E={e}, G={g} s/byte")
+        if not (call >= 0 and math.isfinite(call)):
+            raise ValueError(f"the CPU's fixed seconds per expert call must be finite and >= 0, got {call}")
         self.e = OnlineEstimate(e, alpha, window)
+        self.call = call
         self.g = g
         self.host_fraction, self.expert_bytes = host_fraction, expert_bytes
         self.num_experts, self.top_k = num_experts, top_k
@@ -111,15 +116,17 @@ class ExpertWork:
             cpu_tokens, load_tokens = self.decoder.last_split
             cpu_s = cpu_tokens * c.a + (c.c_cpu if cpu_tokens else 0.0)
             link_s = load_tokens * c.b + c.c_gpu
-        k = streamed_count(sizes, cpu_s, link_s, c)
+        k = streamed_count(sizes, cpu_s, link_s, c, self.call)
         self.n_streamed += k
         self.n_computed += len(sizes) - k
         return k
 
     def observe(self, seconds: float, nbytes: int) -> None:
-        """One measured CPU expert call: ``seconds`` for ``nbytes`` of expert weights."""
+        """One measured CPU expert call: ``seconds`` for ``nbytes`` of expert weights; E is
+        updated with the call's time less its fixed part (at least a tenth of the call's time: a
+        fixed part measured too large does not drive E to 0)."""
         if nbytes > 0 and seconds > 0 and self.decoding():  # a prefill's experts have many tokens: not E
-            self.e.update(seconds / nbytes)
+            self.e.update(max(seconds - self.call, 0.1 * seconds) / nbytes)
 
     def take_counts(self) -> tuple[int, int]:
         """``(streamed, computed)`` experts since the last call."""
@@ -128,10 +135,14 @@ class ExpertWork:
         return out
 
 
-def measure_cpu_expert_cost(block, experts: int = 8, reps: int = 3) -> float:
-    """CPU seconds per expert weight byte of ``block``'s host expert path (the C++ kernel where it
-    is used): one random token on each of up to ``experts`` host experts, the median of ``reps``
-    calls after one unmeasured call. The starting value of E, tracked from then on."""
+def measure_cpu_expert_cost(block, experts: int = 8, reps: int = 3) -> tuple[float, float]:
+    """``(e, call)``: CPU seconds per expert weight byte of ``block``'s host expert path (the C++
+    kernel where it is used) and its fixed seconds per call, from calls with one random token on
+    each of 1 and of up to ``experts`` host experts (each the median of ``reps`` calls after one
+    unmeasured call): the line through the two. A decode layer step's CPU call has 1-4 experts,
+    where the fixed part is a visible share. With one host expert (or a slope that noise made
+    negative) all of a call's time is counted per byte and ``call`` is 0. The starting values of
+    E (tracked from then on) and of the fixed part."""
     import statistics
     import time
 
@@ -140,14 +151,26 @@ def measure_cpu_expert_cost(block, experts: int = 8, reps: int = 3) -> float:
     host = sorted(block.host_experts)[:experts]
     g = torch.Generator().manual_seed(0)
     x = torch.randn(len(host), block.gate.weight.shape[1], generator=g).to(block.host_pack.w13.dtype)
-    w = torch.full((len(host),), 1.0 / len(host))
-    times = []
-    with torch.no_grad():
-        for _ in range(reps + 1):
-            t0 = time.perf_counter()
-            block._host_experts(host, [1] * len(host), x, w)
-            times.append(time.perf_counter() - t0)
-    return statistics.median(times[1:]) / (len(host) * block.host_pack.expert_nbytes)
+    nbytes = block.host_pack.expert_nbytes
+
+    def timed(n: int) -> float:
+        w = torch.full((n,), 1.0 / n)
+        times = []
+        with torch.no_grad():
+            for _ in range(reps + 1):
+                t0 = time.perf_counter()
+                block._host_experts(host[:n], [1] * n, x[:n], w)
+                times.append(time.perf_counter() - t0)
+        return statistics.median(times[1:])
+
+    many = timed(len(host))
+    if len(host) < 2:
+        return many / nbytes, 0.0
+    one = timed(1)
+    slope = (many - one) / ((len(host) - 1) * nbytes)
+    if not slope > 0:
+        return many / (len(host) * nbytes), 0.0
+    return slope, max(0.0, one - slope * nbytes)
 
 
 # What the per-step split costs a decode layer step beyond its balanced expert phase, against the
@@ -234,12 +257,12 @@ def attach_expert_work(policy, decoder, blocks: list, kv_bytes_per_token: int, f
     if not hosted:
         return None
     g = policy.roofline.b / kv_bytes_per_token
-    e = None
+    e = call = None
     why = ""
     if all(b.reads_host_experts_in_place(decode_tokens) for b in hosted):
         if decode_tokens is None:
             return None
-        e = measure_cpu_expert_cost(hosted[0])
+        e, call = measure_cpu_expert_cost(hosted[0])
         layer_bytes = [expected_host_expert_bytes([b], decode_tokens) for b in hosted]
         in_place_s, split_s = expert_phase_seconds(layer_bytes, e, g)
         if in_place_s <= split_s:
@@ -248,9 +271,10 @@ def attach_expert_work(policy, decoder, blocks: list, kv_bytes_per_token: int, f
                f" {decode_tokens} tokens, split about {split_s * 1e3:.0f} ms")
     cfg = hosted[0].cfg
     total = sum(b.cfg.num_experts for b in blocks)
-    work = ExpertWork(measure_cpu_expert_cost(hosted[0]) if e is None else e, g,
-                      sum(len(b.host_experts) for b in blocks) / total, hosted[0].host_pack.expert_nbytes,
-                      cfg.num_experts, cfg.top_k, decoder, policy)
+    if e is None:
+        e, call = measure_cpu_expert_cost(hosted[0])
+    work = ExpertWork(e, g, sum(len(b.host_experts) for b in blocks) / total, hosted[0].host_pack.expert_nbytes,
+                      cfg.num_experts, cfg.top_k, decoder, policy, call=call)
     work.why = why
     policy.experts = work
     for b in hosted:

@@ -100,7 +100,7 @@ def joint_split(L: float, X: float, c: JointCosts) -> tuple[float, float]:
     return min(1.0, max(0.0, r)), min(1.0, max(0.0, s))
 
 
-def streamed_count(sizes: list[float], cpu_seconds: float, link_seconds: float, c: JointCosts) -> int:
+def streamed_count(sizes: list[float], cpu_seconds: float, link_seconds: float, c: JointCosts, cpu_call: float = 0.0) -> int:
     """How many of a layer step's hit host experts to stream, the rest computed on the CPU.
 
     Args:
@@ -109,6 +109,8 @@ def streamed_count(sizes: list[float], cpu_seconds: float, link_seconds: float, 
         cpu_seconds, link_seconds: what the step's KV already costs each side (its split is fixed
             by placement), fixed costs included.
         c: the costs (``e`` and ``g`` are used).
+        cpu_call: the CPU's fixed seconds of a call with any experts (the kernel's start and
+            hand-back), paid when it computes at least one.
 
     Returns:
         k in [0, len(sizes)]: the whole-expert split whose slower side finishes first (ties: the
@@ -121,7 +123,7 @@ def streamed_count(sizes: list[float], cpu_seconds: float, link_seconds: float, 
     for k in range(n + 1):
         if k > 0:
             streamed += sizes[k - 1]
-        t = max(cpu_seconds + (total - streamed) * c.e, link_seconds + streamed * c.g)
+        t = max(cpu_seconds + (total - streamed) * c.e + (cpu_call if k < n else 0.0), link_seconds + streamed * c.g)
         if t < best_t - 1e-15:
             best_k, best_t = k, t
     return best_k
