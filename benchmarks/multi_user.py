@@ -15,7 +15,7 @@ a stream's figure is the median over its requests, with the spread (min-max). Th
 this process on the loaded model (the model loads once; each configuration gets a fresh engine and
 cache; the placed CPU share is read from each request as its slot is freed, over all requests of a
 configuration; on CUDA the peak of device memory allocated in each configuration, and where it
-went when a request failed). Writes OUT.json and OUT.md (one row per configuration and stream) and prints the table.
+went when a request failed: a failed configuration is a row with its error, and the run goes on). Writes OUT.json and OUT.md (one row per configuration and stream) and prints the table.
 """
 
 from __future__ import annotations
@@ -64,7 +64,8 @@ async def _one(client, url: str, model: str, prompt: list[int], new_tokens: int)
             if line.startswith("data: ") and line != "data: [DONE]":
                 chunk = json.loads(line[6:])
                 if "error" in chunk:  # the server's in-stream failure (serve/app.py): no step time without the tokens
-                    raise RuntimeError(f"request failed in the server: {chunk['error'].get('message', chunk['error'])}")
+                    err = chunk["error"]
+                    raise RuntimeError(f"request failed in the server: {err.get('message', err) if isinstance(err, dict) else err}")
                 if chunk.get("choices"):
                     times.append((time.perf_counter(), len(chunk["choices"][0].get("token_ids") or ())))
     return times
@@ -137,7 +138,7 @@ def run_config(llm, model: str, policy: str, streams: list[tuple[int, int]], act
                      "ms_per_step": statistics.median(per_req) if per_req else None,
                      "min_ms": min(per_req) if per_req else None, "max_ms": max(per_req) if per_req else None,
                      "deployed_r": placed["compute"] / (placed["compute"] + placed["load"]) if placed["compute"] + placed["load"] else None,
-                     "peak_device_gib": peak})
+                     "peak_device_gib": peak, "error": None})
     return rows
 
 
@@ -170,16 +171,23 @@ def main(argv: list[str] | None = None) -> list[dict]:
               window=args.window, vram_budget=args.vram_budget, max_batch=total, max_model_len=longest,
               prefill_chunk_tokens=args.prefill_chunk_tokens)
     rows = []
-    for i in range(len(streams)):  # each stream alone
-        rows += run_config(llm, args.model, args.solo_policy, streams, [i], args.new_tokens, args.seed)
-    for pol in args.policies.split(","):  # all together
-        rows += run_config(llm, args.model, pol.strip(), streams, list(range(len(streams))), args.new_tokens, args.seed)
+    configs = [(args.solo_policy, [i]) for i in range(len(streams))]  # each stream alone
+    configs += [(pol.strip(), list(range(len(streams)))) for pol in args.policies.split(",")]  # all together
+    for policy, active in configs:
+        try:
+            rows += run_config(llm, args.model, policy, streams, active, args.new_tokens, args.seed)
+        except (RuntimeError, ValueError) as e:  # a failed configuration is a row that says why; the others still run
+            print(f"{policy}, streams {active}: {e}", file=sys.stderr)
+            rows += [{"policy": policy, "together": len(active) > 1, "stream": f"{streams[i][0]}x{streams[i][1]}", "requests": streams[i][0],
+                      "ms_per_step": None, "min_ms": None, "max_ms": None, "deployed_r": None, "peak_device_gib": None,
+                      "error": str(e).split("\n")[0][:300]} for i in active]
     lines = ["| policy | streams | stream | ms per step (median) | min-max | placed r (all requests) | peak device GiB |",
              "|---|---|---|---|---|---|---|"]
     for r in rows:
         f = (lambda x: "-" if x is None else f"{x:.2f}")
         lines.append(f"| {r['policy']} | {'together' if r['together'] else 'alone'} | {r['stream']} | {f(r['ms_per_step'])} | "
                      f"{f(r['min_ms'])}-{f(r['max_ms'])} | {f(r['deployed_r'])} | {f(r['peak_device_gib'])} |")
+    lines += [f"\n{r['policy']} {r['stream']}: failed: {r['error']}" for r in rows if r.get("error")]
     print("\n".join(lines))
     if args.out:
         with open(args.out + ".json", "w") as fh:

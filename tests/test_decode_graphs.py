@@ -222,25 +222,14 @@ def test_repacked_experts_are_captured_again():
 def test_every_capture_warms_up_on_one_stream():
     """One warm-up stream per device for every capture (a stream per capture gave cuBLAS a
     workspace per stream, about 1 GiB past the budget's plan in run 35); the captured GEMM replays."""
-    from writescope.models.graphs import CudaCapture, warmup_stream
+    from writescope.models import graphs
 
     dev = torch.device("cuda")
-    assert warmup_stream(dev) is warmup_stream(torch.device("cuda", torch.cuda.current_device()))
+    one = graphs.warmup_stream(dev)
+    assert one is graphs.warmup_stream(torch.device("cuda", torch.cuda.current_device()))
     w = torch.randn(256, 256, device=dev)
     x = torch.randn(4, 256, device=dev)
-    seen = []
-    real = torch.cuda.Stream
-
-    def counting(*args, **kwargs):
-        seen.append(1)
-        return real(*args, **kwargs)
-
-    caps = [CudaCapture(lambda t: t @ w, (x,), None)]  # the first makes the streams it needs (torch's capture stream too)
-    torch.cuda.Stream = counting
-    try:
-        caps += [CudaCapture(lambda t: t @ w, (x,), None) for _ in range(2)]
-    finally:
-        torch.cuda.Stream = real
-    assert not seen  # no new stream for later captures
+    caps = [graphs.CudaCapture(lambda t: t @ w, (x,), None) for _ in range(3)]
+    assert all(c.warmup is one for c in caps) and len(graphs._WARMUP) == 1
     for c in caps:
         torch.testing.assert_close(c.replay((x,)), x @ w)

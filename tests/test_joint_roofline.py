@@ -222,6 +222,17 @@ def test_the_expert_stream_share_is_set_and_given_back_on_a_loaded_model():
     assert llm.expert_stream_share_given == 0.5
     llm.set_expert_stream_share(None)
     assert llm.expert_work is not None and llm.policy.experts is llm.expert_work and llm.expert_stream_share_given is None
+    def failing():
+        raise RuntimeError("measuring failed")
+
+    llm._attach_expert_work = failing  # an attach that fails: the share before comes back, no split left attached
+    with pytest.raises(RuntimeError, match="measuring failed"):
+        llm.set_expert_stream_share(1.0)
+    assert llm.expert_stream_share_given is None and {b.stream_share for b in _blocks(llm)} == {0.0}
+    assert llm.expert_work is None and llm.policy.experts is None and all(b.expert_work is None for b in _blocks(llm))
+    del llm._attach_expert_work
+    llm.set_expert_stream_share(None)
+    assert llm.expert_work is not None
     slot = llm.cache.allocate(64)  # a request holding KV
     with pytest.raises(ValueError, match="while 1 request run"):
         llm.set_expert_stream_share(0.0)
@@ -248,17 +259,22 @@ def test_a_bench_row_sets_its_own_expert_stream_share():
     seen = []
     original = llm.set_expert_stream_share
 
-    def recording(share):
-        original(share)
+    def recording(share, attach=True):
+        original(share, attach)
         seen.append((share, {b.stream_share for b in _blocks(llm)}))
 
     llm.set_expert_stream_share = recording
-    cfg = BenchConfig([2], [40], ["static:0.5@expert_stream_share=1"], steps=2, window=16, warmup=False, kv_fill="random")
-    row = run_one(llm, cfg, 2, 40, "static:0.5@expert_stream_share=1")
+    rf = Roofline(a=1e-9, b=1e-3, c_cpu=0.0, c_gpu=0.0)  # a slow link: writescope would split
+    cfg = BenchConfig([2], [40], ["writescope@expert_stream_share=1"], steps=2, window=16, warmup=False, kv_fill="random")
+    row = run_one(llm, cfg, 2, 40, "writescope@expert_stream_share=1", roofline=rf)
     assert row.fits and row.tpot_ms > 0 and row.extra["switches"] == {"expert_stream_share": "1"}
-    assert seen == [(1.0, {1.0}), (None, {0.0})]  # the row's share, then the run's own (None: the CPU's default 0)
-    assert llm.expert_stream_share_given is None
+    assert seen == [(1.0, {1.0})] and llm.expert_work is None
     assert "expert_split" not in row.extra  # a fixed share: no per-step split
+    row = run_one(llm, cfg, 2, 40, "writescope", roofline=rf)  # the next row: the run's own share (None: the CPU's default 0)
+    assert row.fits and seen == [(1.0, {1.0}), (None, {0.0})] and llm.expert_stream_share_given is None
+    assert llm.expert_work is not None and "expert_split" in row.extra
+    run_one(llm, cfg, 2, 40, "writescope", roofline=rf)
+    assert len(seen) == 2  # already the run's share: not set again
 
 
 def test_a_bench_row_records_the_joint_expert_split():
@@ -322,7 +338,9 @@ def test_writescope_reads_host_experts_in_place_where_the_fused_kernels_can(monk
     llm.set_policy("writescope", roofline=Roofline(a=1e-9, b=1e-3, c_cpu=0.0, c_gpu=0.0))  # 1 ms a KV token: a slow link
     assert llm.expert_work is not None and all(b.expert_work is llm.expert_work for b in _blocks(llm) if b.host_experts)
     words = llm.host_experts_in_decode()
-    assert "joint roofline" in words and "read in place over PCIe they would take" in words and "of 2 tokens" in words
+    assert "joint roofline" in words and "read in place over PCIe below" in words and "at 2 tokens the expert phase" in words
+    below = llm.expert_work.in_place_below
+    assert 1 <= below <= 2 and f"split from {below} tokens" in words
     first = next(b for b in _blocks(llm) if b.host_experts)
     monkeypatch.setattr(SparseMoeBlock, "reads_host_experts_in_place", lambda self, tokens=None: self is not first)
     llm.set_policy("writescope", roofline=rf)
@@ -344,7 +362,7 @@ def test_the_expert_phase_model_of_the_in_place_read_and_the_split():
     qwen3 = [14.6 * 9.4e6] * 48  # about 14.6 of 9.4 MB at 4 tokens (half on the host)
     assert expert_phase_seconds(mixtral, e, g)[1] < expert_phase_seconds(mixtral, e, g)[0]  # split (433 vs 961 ms measured)
     assert expert_phase_seconds(qwen3, e, g)[0] < expert_phase_seconds(qwen3, e, g)[1]  # in place (304 vs 428 ms measured)
-    assert SPLIT_OVERHEAD_S > 0
+    assert expert_phase_seconds([1e9], e, g)[1] == pytest.approx(1e9 * e * g / (e + g) + SPLIT_OVERHEAD_S)  # the default overhead
     for bad in ((0.0, g), (e, float("inf")), (float("nan"), g)):
         with pytest.raises(ValueError, match="positive and finite"):
             expert_phase_seconds([1.0], *bad)
@@ -352,6 +370,53 @@ def test_the_expert_phase_model_of_the_in_place_read_and_the_split():
         expert_phase_seconds([float("nan")], e, g)
     with pytest.raises(ValueError, match=">= 0"):
         expert_phase_seconds([1.0], e, g, overhead=-1.0)
+
+
+def _fake_blocks(layers, num_experts, top_k, on_host, expert_bytes):
+    from types import SimpleNamespace
+
+    cfg = SimpleNamespace(num_experts=num_experts, top_k=top_k)
+    return [SimpleNamespace(host_experts=set(range(on_host)), cfg=cfg, host_pack=SimpleNamespace(expert_nbytes=expert_bytes))
+            for _ in range(layers)]
+
+
+def test_the_split_starts_at_the_fewest_tokens_where_it_wins():
+    """Qwen3-30B-A3B with half its experts on the host: the in-place read up to a few tokens, the
+    split from some count past 4 (run 18 measured the in-place read faster at 4); Mixtral-8x7B
+    (185 of 256 on the host): the split from the first token; a budget of tokens below the first
+    win: None. The answer is the first count at which the split wins (bisection checked against
+    a scan)."""
+    from writescope.scheduler.expert_work import expected_host_expert_bytes, expert_phase_seconds, split_from
+
+    e, g = 1 / 75e9, 1 / 55e9
+    qwen3 = _fake_blocks(48, 128, 8, 64, 3 * 2048 * 768 * 2)
+    first = split_from(qwen3, 64, e, g)
+    assert first is not None and 4 < first <= 64
+    scan = next(t for t in range(1, 65) if (lambda p: p[1] < p[0])(
+        expert_phase_seconds([expected_host_expert_bytes([b], t) for b in qwen3], e, g)))
+    assert first == scan
+    assert split_from(qwen3, first - 1, e, g) is None and split_from(qwen3, 0, e, g) is None
+    mixtral = _fake_blocks(32, 8, 2, 6, 3 * 4096 * 14336 * 2)
+    assert split_from(mixtral, 4, e, g) == 1
+
+
+def test_a_pass_below_the_split_s_threshold_reads_host_experts_in_place(monkeypatch):
+    """With the split attached from N tokens, a block's passes of fewer tokens take the in-place
+    read (configured as before), passes of N or more the split; without a threshold every pass splits."""
+    from types import SimpleNamespace
+
+    from writescope.moe import fused_decode
+    from writescope.moe.block import SparseMoeBlock
+
+    monkeypatch.setattr(fused_decode, "env_fused", lambda: True)
+    llm = _half_on_host_llm(share=1.0)
+    b = next(blk for blk in _blocks(llm) if blk.host_experts)
+    monkeypatch.setattr(SparseMoeBlock, "why_not_streamed", lambda self: None)
+    assert b._host_in_place_configured(3) and b._host_in_place_configured(None)
+    b.expert_work = SimpleNamespace(in_place_below=4)
+    assert [b._host_in_place_configured(t) for t in (1, 3, 4, 16, None)] == [True, True, False, False, False]
+    b.expert_work = SimpleNamespace(in_place_below=0)
+    assert not b._host_in_place_configured(1)
 
 
 def test_the_real_in_place_check_decides_whether_writescope_splits(monkeypatch):

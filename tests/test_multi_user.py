@@ -83,3 +83,25 @@ def test_a_request_that_fails_in_the_server_stops_the_run_with_its_message():
 
     with pytest.raises(RuntimeError, match="request failed in the server: the request failed inside the engine: CUDA out of memory"):
         asyncio.run(mu._one(Client(), "http://x", "m", [1, 2], 4))
+
+
+def test_a_failed_configuration_is_a_row_and_the_others_still_run(tmp_path):
+    """A configuration whose requests fail gives rows with the error; the run goes on and writes its files."""
+    mu = _bench()
+    real = mu.run_config
+
+    def failing_gpu(llm, model, policy, *args):
+        if policy == "gpu":
+            raise RuntimeError("request failed in the server: decode step failed: OutOfMemoryError\nmore")
+        return real(llm, model, policy, *args)
+
+    mu.run_config = failing_gpu
+    out = tmp_path / "mu"
+    rows = mu.main(["--streams", "2x40,1x33", "--new-tokens", "3", "--policies", "gpu,static:0.5", "--solo-policy", "static:0.25",
+                    "--window", "16", "--out", str(out)])
+    failed = [r for r in rows if r["error"]]
+    assert [(r["policy"], r["stream"]) for r in failed] == [("gpu", "2x40"), ("gpu", "1x33")]
+    assert all(r["error"] == "request failed in the server: decode step failed: OutOfMemoryError" and r["ms_per_step"] is None
+               for r in failed)
+    assert [r["error"] for r in rows if r["policy"] != "gpu"] == [None] * 4  # (their times depend on how chunks merge: not checked)
+    assert "gpu 2x40: failed: request failed in the server" in out.with_suffix(".md").read_text()

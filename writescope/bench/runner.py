@@ -297,12 +297,12 @@ def run_one(llm: LLM, cfg: BenchConfig, batch: int, context: int, policy: str, r
     if env:
         row.extra["switches"] = env
     env, settings = switches.settings(env)
-    share_before = llm.expert_stream_share_given
+    share = settings.get("expert_stream_share", llm.expert_stream_share_at_load)  # a row without its own: the run's
     pinned_before = dict(pinned.STATS)
     try:
         with switches.applied(env):
-            if "expert_stream_share" in settings:
-                llm.set_expert_stream_share(settings["expert_stream_share"])
+            if share != llm.expert_stream_share_given:  # set_policy below attaches the per-step split for it
+                llm.set_expert_stream_share(share, attach=False)
             llm.set_policy(base, cfg.window, roofline=roofline)
             timer = _TimedAttend(llm.cache, llm.device)
             if isinstance(llm.cache, InplaceKVCache):  # each call's GPU part timed too (events, no synchronisation)
@@ -327,8 +327,6 @@ def run_one(llm: LLM, cfg: BenchConfig, batch: int, context: int, policy: str, r
     finally:
         if timer is not None:
             timer.remove()
-        if "expert_stream_share" in settings and not llm.cache.active_slots:  # the next row starts from the run's own share
-            llm.set_expert_stream_share(share_before)
         decoder = getattr(llm.cache, "decoder", None) if isinstance(llm.cache, InplaceKVCache) else None
         timers = decoder.gpu_timers if decoder is not None else None
         if decoder is not None:  # what comes after the row (another generate on this cache) is not timed

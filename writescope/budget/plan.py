@@ -19,8 +19,9 @@ sequence's per-head keys and values and the same bound. A fixed ``RESERVE`` cove
 
 Beside them, ``GEMM_WORKSPACES``: PyTorch gives cuBLAS a workspace for every (thread's handle,
 stream) pair that runs a GEMM, allocated from the caching allocator and kept (32 MiB each on
-Hopper): the issuing stream, the CUDA graphs' warm-up stream and their capture stream
-(models/graphs.py keeps one of each). Run 35 on the H200 ran out of device memory in a server's
+Hopper): the stream of the thread that loads and calibrates, that of the thread that issues
+decode steps (a server's engine thread is another), the CUDA graphs' warm-up stream and their
+capture stream (models/graphs.py keeps one of each). Counted from the code, not yet measured. Run 35 on the H200 ran out of device memory in a server's
 decode step when each graph's warm-up took a new stream, one workspace per stream up to torch's
 32 pooled streams: about 1 GiB the plan did not count (benchmarks/results/gpu_decode_h200.md).
 """
@@ -44,7 +45,7 @@ from writescope.scheduler.policies import PlacementPolicy
 GiB = 2**30
 RESERVE = 512 * 2**20  # bytes kept free on the GPU for allocator fragmentation
 CUBLAS_WORKSPACE = 32 * 2**20  # one cuBLAS workspace (PyTorch's default on Hopper; smaller on older GPUs)
-GEMM_STREAMS = 3  # streams that run GEMMs: the issuing one, the graphs' warm-up and capture streams (module doc)
+GEMM_STREAMS = 4  # (thread, stream) pairs that run GEMMs: loading, issuing, the graphs' warm-up and capture (module doc)
 GEMM_WORKSPACES = GEMM_STREAMS * CUBLAS_WORKSPACE
 
 

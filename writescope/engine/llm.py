@@ -136,6 +136,7 @@ class LLM:
         _check_cpu_threads(expert_threads, "expert_threads")
         self._expert_share_fixed = expert_stream_share is not None  # else `writescope` splits host experts each step
         self.expert_stream_share_given = expert_stream_share  # None: the device's default (see set_expert_stream_share)
+        self.expert_stream_share_at_load = expert_stream_share  # what a bench row without its own share runs with
         if expert_stream_share is None:
             expert_stream_share = default_stream_share(self.device)
         if not 0.0 <= expert_stream_share <= 1.0:
@@ -261,26 +262,47 @@ class LLM:
         self.expert_work = attach_expert_work(self.policy, getattr(self.cache, "decoder", None), self._moe_blocks, kv_token,
                                               self._expert_share_fixed, self.max_batch)
         if isinstance(self.policy, WriteScopePolicy):
-            self.other_work.link_seconds = None if self.expert_work is not None else in_place_link_seconds(
-                self._moe_blocks, self.policy.roofline.b / kv_token, self.config.num_layers, self.max_batch)
+            spb, below = self.policy.roofline.b / kv_token, getattr(self.expert_work, "in_place_below", 0)
+            if self.expert_work is None:
+                self.other_work.link_seconds = in_place_link_seconds(self._moe_blocks, spb, self.config.num_layers, self.max_batch)
+            elif below > 1:  # passes below the split's threshold read host experts in place: their link time counts there
+                link = in_place_link_seconds(self._moe_blocks, spb, self.config.num_layers, below - 1)
+                self.other_work.link_seconds = None if link is None else (lambda batch: link(batch) if batch < below else 0.0)
+            else:
+                self.other_work.link_seconds = None
 
-    def set_expert_stream_share(self, share: float | None) -> None:
+    def set_expert_stream_share(self, share: float | None, attach: bool = True) -> None:
         """Fix the share of the few-token host experts a decode step streams (``share`` in [0, 1],
         as ``expert_stream_share`` at construction; the rest the CPU computes), or give the choice
         back (None: the device's default, and under ``writescope`` the joint roofline's per-step
-        split). Takes effect from the next forward, under the current policy.
+        split). Takes effect from the next forward, under the current policy; ``attach=False``
+        leaves the per-step split's attachment to the next :meth:`set_policy` (which makes it anyway).
 
         Raises:
-            ValueError: a share outside [0, 1] (or NaN), or requests still holding KV (nothing changes).
+            ValueError: a share outside [0, 1] (or NaN), or requests still holding KV (nothing
+                changes); an error while attaching the split (the share set before stays, with no
+                per-step split attached).
         """
         if share is not None and not 0.0 <= share <= 1.0:
             raise ArgError(f"expert_stream_share must be in [0, 1], got {share}", "expert_stream_share")
         if self.cache.active_slots:
             raise ValueError(f"cannot change the expert stream share while {plural(len(self.cache.active_slots), 'request')} run")
+        before = (self._expert_share_fixed, self.expert_stream_share_given, [b.stream_share for b in self._moe_blocks])
         self._expert_share_fixed, self.expert_stream_share_given = share is not None, share
         for b in self._moe_blocks:
             b.stream_share = default_stream_share(self.device) if share is None else share
-        self._attach_expert_work()
+        if not attach:
+            return
+        try:
+            self._attach_expert_work()
+        except BaseException:
+            self._expert_share_fixed, self.expert_stream_share_given, shares = before
+            for b, old in zip(self._moe_blocks, shares):
+                b.stream_share, b.expert_work = old, None
+            self.expert_work = None
+            if isinstance(self.policy, WriteScopePolicy):
+                self.policy.experts = None
+            raise
 
     @property
     def expert_stream_share(self) -> float | None:

@@ -74,7 +74,7 @@ class CudaCapture:
     def __init__(self, fn: Callable, inputs: tuple, pool):
         self.static = tuple(t.clone() for t in inputs)
         cur = torch.cuda.current_stream()
-        side = warmup_stream(cur.device)
+        side = self.warmup = warmup_stream(cur.device)
         side.wait_stream(cur)
         with torch.cuda.stream(side):  # the warm-up, on a side stream as torch's graph docs advise
             fn(*self.static)

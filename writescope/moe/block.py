@@ -75,12 +75,16 @@ class SparseMoeBlock(nn.Module):
             key += (w13.data_ptr(), w2.data_ptr(), slot_of.data_ptr(), tuple(self.host_pack.ids))
         return key
 
-    def _host_in_place_configured(self) -> bool:
-        """Whether decode passes read the hit host experts' weights in place, over PCIe, inside the
-        fused kernels (``WRITESCOPE_MOE_KERNEL=fused``): only where every hit host expert would be
-        streamed anyway (``stream_share`` 1, no joint per-step split, streaming possible here), so
-        the placement policy is unchanged; nothing is read back to the host and nothing is copied."""
-        return (self.host_pack is not None and self.grouped and self.stream_share >= 1.0 and self.expert_work is None
+    def _host_in_place_configured(self, tokens: int | None = None) -> bool:
+        """Whether decode passes of ``tokens`` tokens (None: unknown) read the hit host experts'
+        weights in place, over PCIe, inside the fused kernels (``WRITESCOPE_MOE_KERNEL=fused``):
+        only where every hit host expert would be streamed anyway (``stream_share`` 1, streaming
+        possible here) and no joint per-step split takes them (none attached, or one that leaves
+        passes of fewer than its ``in_place_below`` tokens to the in-place read), so the placement
+        policy is unchanged; nothing is read back to the host and nothing is copied."""
+        work = self.expert_work
+        unsplit = work is None or (tokens is not None and tokens < getattr(work, "in_place_below", 0))
+        return (self.host_pack is not None and self.grouped and self.stream_share >= 1.0 and unsplit
                 and fused_decode.env_fused() and self.why_not_streamed() is None)
 
     def reads_host_experts_in_place(self, tokens: int | None = None) -> bool:
@@ -97,7 +101,7 @@ class SparseMoeBlock(nn.Module):
         """Whether a pass of ``tokens`` tokens (None: unknown, decode-sized) takes the in-place
         path: configured, the fused kernels run for this dtype, device and row count, and the
         device experts (if any) are packed."""
-        return (bool(self.host_experts) and self._host_in_place_configured()
+        return (bool(self.host_experts) and self._host_in_place_configured(tokens)
                 and fused_decode.wanted_for(dtype, device, None if tokens is None else tokens * self.cfg.top_k)
                 and (self.packed is not None or len(self.host_experts) == self.cfg.num_experts))
 

@@ -79,6 +79,9 @@ class ExpertWork:
         self.overlap = False  # see the module docstring
         self.n_streamed = self.n_computed = 0
         self.why = ""  # why the split was taken over the in-place read, in words ("" when that was not possible)
+        # decode passes of fewer tokens read their host experts in place instead (the blocks ask:
+        # SparseMoeBlock._host_in_place_configured); 0: the split takes every pass
+        self.in_place_below = 0
 
     def expected_bytes(self, batch: int) -> float:
         """Hit host expert bytes per layer step that r(L) plans for: 0 without ``overlap`` (the
@@ -212,6 +215,29 @@ def expert_phase_seconds(layer_bytes: list[float], e: float, g: float,
     return in_place, split
 
 
+def split_from(blocks: list, most_tokens: int, e: float, g: float, overhead: float = SPLIT_OVERHEAD_S) -> int | None:
+    """The fewest decode tokens, up to ``most_tokens``, at which the per-step split of ``blocks``'
+    hit host experts is expected to beat reading them in place (:func:`expert_phase_seconds` at
+    the uniform routing's expected bytes, which grow with the tokens), or None when it never is."""
+    lo, hi = 1, most_tokens
+    if hi < 1:
+        return None
+
+    def wins(tokens: int) -> bool:
+        in_place, split = expert_phase_seconds([expected_host_expert_bytes([b], tokens) for b in blocks], e, g, overhead)
+        return split < in_place
+
+    if not wins(hi):
+        return None
+    while lo < hi:  # the split's gain grows with the bytes, so the first win is found by bisection
+        mid = (lo + hi) // 2
+        if wins(mid):
+            hi = mid
+        else:
+            lo = mid + 1
+    return lo
+
+
 def attach_expert_work(policy, decoder, blocks: list, kv_bytes_per_token: int, fixed_share: bool,
                        decode_tokens: int | None = None) -> ExpertWork | None:
     """Give the ``writescope`` policy and the MoE blocks with host experts one :class:`ExpertWork`
@@ -233,7 +259,9 @@ def attach_expert_work(policy, decoder, blocks: list, kv_bytes_per_token: int, f
     dominate the step the split wins instead (Mixtral-8x7B 4 x 8K, run 34: every few-token host
     expert computed on the CPU 433 ms a step, read in place 961 ms): with ``decode_tokens`` known,
     :func:`expert_phase_seconds` compares the two at that many tokens and the split is attached
-    when it is expected to be faster (``work.why`` says by how much).
+    when it is expected to be faster at that many tokens, from the fewest tokens a decode step at
+    which it is (``work.in_place_below``: smaller passes still read in place; ``work.why`` says
+    so, with the two estimates). With ``decode_tokens`` None the in-place read is kept.
 
     Args:
         policy: the cache's placement policy.
@@ -259,23 +287,27 @@ def attach_expert_work(policy, decoder, blocks: list, kv_bytes_per_token: int, f
     g = policy.roofline.b / kv_bytes_per_token
     e = call = None
     why = ""
+    first = 0
     if all(b.reads_host_experts_in_place(decode_tokens) for b in hosted):
         if decode_tokens is None:
             return None
-        e, call = measure_cpu_expert_cost(hosted[0])
-        layer_bytes = [expected_host_expert_bytes([b], decode_tokens) for b in hosted]
-        in_place_s, split_s = expert_phase_seconds(layer_bytes, e, g)
-        if in_place_s <= split_s:
+        most = [expected_host_expert_bytes([b], decode_tokens) for b in hosted]
+        if sum(most) * g <= len(most) * SPLIT_OVERHEAD_S:  # read in place faster than the split's overhead alone
             return None
-        why = (f"read in place over PCIe they would take about {in_place_s * 1e3:.0f} ms a decode step of"
-               f" {decode_tokens} tokens, split about {split_s * 1e3:.0f} ms")
+        e, call = measure_cpu_expert_cost(hosted[0])
+        first = split_from(hosted, decode_tokens, e, g)
+        if first is None:
+            return None
+        in_place_s, split_s = expert_phase_seconds(most, e, g)
+        why = (f"split from {first} tokens a decode step, read in place over PCIe below; at {decode_tokens} tokens the"
+               f" expert phase would take about {in_place_s * 1e3:.0f} ms read in place, {split_s * 1e3:.0f} ms split")
     cfg = hosted[0].cfg
     total = sum(b.cfg.num_experts for b in blocks)
     if e is None:
         e, call = measure_cpu_expert_cost(hosted[0])
     work = ExpertWork(e, g, sum(len(b.host_experts) for b in blocks) / total, hosted[0].host_pack.expert_nbytes,
                       cfg.num_experts, cfg.top_k, decoder, policy, call=call)
-    work.why = why
+    work.why, work.in_place_below = why, first
     policy.experts = work
     for b in hosted:
         b.expert_work = work
