@@ -389,11 +389,13 @@ REFUSED = [  # what LLM would refuse once the server listens, refused before: (f
     ([], {"WRITESCOPE_CPU_ATTENTION": "kernel", "WRITESCOPE_CPU_ISA": "avx9"}, "WRITESCOPE_CPU_ISA='avx9'"),
     ([], {"WRITESCOPE_GPU_ATTENTION": "cudnn"}, "WRITESCOPE_GPU_ATTENTION='cudnn'"),
     (["--max-model-len", "10000000"], {}, "--max-model-len 10000000 must be in [1, "),
+    (["--vram-budget", "1MiB"], {}, "a GPU budget of 0.001 GiB is below the minimum of"),  # the plan, as LLM makes it
 ]
 
 
 @pytest.mark.parametrize("flags, env, words", REFUSED, ids=["policy", "preset", "directory", "device", "dtype", "vram-budget",
-                                                             "cpu-attention", "cpu-isa", "gpu-attention", "max-model-len"])
+                                                             "cpu-attention", "cpu-isa", "gpu-attention", "max-model-len",
+                                                             "vram-budget-too-small"])
 def test_cli_refuses_what_llm_would_before_listening(capsys, monkeypatch, no_listening, flags, env, words):
     from writescope.cli.main import main
 

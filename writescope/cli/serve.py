@@ -101,11 +101,12 @@ def run(args: argparse.Namespace) -> int:
 
 def check_before_listening(args: argparse.Namespace) -> None:
     """Refuse before the server listens what ``LLM`` would refuse after it (the model loads once the
-    server answers): the device and dtype, the policy, the ``WRITESCOPE_*`` switches and the model
-    name or directory, read by the functions ``LLM`` reads them with (as ``writescope generate``
-    refuses them before doing anything); also the --vram-budget's size, as ``writescope plan``.
-    What this CPU's attention kernel offers (``WRITESCOPE_CPU_ISA`` beyond it) is known once the
-    kernel builds, while the model loads.
+    server answers): ``LLM``'s own checks of its arguments, before anything is built
+    (:func:`writescope.engine.arguments.check_arguments`: the device and dtype, the policy, the
+    ``WRITESCOPE_*`` switches, the model name or directory, ``--max-model-len``, the threads, the
+    expert share, and with ``--vram-budget`` the memory plan), as ``writescope generate`` refuses
+    them before doing anything. What this CPU's attention kernel offers (``WRITESCOPE_CPU_ISA``
+    beyond it) is known once the kernel builds, while the model loads.
 
     Raises:
         ValueError: the first bad one (an :class:`ArgError` names API arguments: main() words them as flags).
@@ -113,28 +114,17 @@ def check_before_listening(args: argparse.Namespace) -> None:
     import warnings
 
     from writescope.attention import cpu_kernel
-    from writescope.budget.plan import parse_size
-    from writescope.engine.model_loader import parse_dtype, resolve_config, resolve_device
-    from writescope.engine.prompts import check_max_model_len
-    from writescope.engine.switches import check_switches
-    from writescope.kvcache.spec import Roofline
-    from writescope.scheduler.policies import parse_policy
+    from writescope.engine.arguments import check_arguments
 
-    parse_dtype(args.dtype, resolve_device(args.device))
-    parse_policy(args.policy, roofline=Roofline(1.0, 1.0))  # a stand-in roofline: only the name is checked here
     with warnings.catch_warnings():  # a misspelt switch's name is warned of once, by LLM, as the model loads
         warnings.simplefilter("ignore")
-        check_switches()
+        check_arguments(args.model, synthetic=args.synthetic, device=args.device, dtype=args.dtype, max_model_len=args.max_model_len,
+                        prefill_chunk_tokens=args.prefill_chunk_tokens, policy=args.policy, window=args.window,
+                        cpu_threads=args.cpu_threads, vram_budget=args.vram_budget, max_batch=args.max_num_seqs,
+                        expert_threads=args.expert_threads, expert_stream_share=args.expert_stream_share)
     # cpu_kernel.prepare() reads these as LLM starts, but builds the kernel too (a minute on a new machine)
     if cpu_kernel.attention_choice() == "kernel":
         cpu_kernel.requested_path()  # WRITESCOPE_CPU_ISA
-    cfg, _ = resolve_config(args.model, None, args.synthetic)
-    check_max_model_len(args.max_model_len, cfg.max_position_embeddings)
-    if args.vram_budget is not None:
-        try:
-            parse_size(args.vram_budget)
-        except ValueError as e:
-            raise ValueError(f"--vram-budget: {e}") from None
 
 
 def load_error_message(e: Exception) -> str:

@@ -13,18 +13,16 @@ import torch
 from writescope.attention import cpu_kernel
 from writescope.budget.apply import enforce_budget, host_experts, place_experts
 from writescope.budget.memory import available_memory, check_fits, host_memory_total  # noqa: F401 - also imported from here
-from writescope.budget.plan import make_plan, parse_size
-from writescope.engine.model_loader import load_model, parse_dtype, resolve_config, resolve_device
-from writescope.layers.attention import mla_prefill_mode
+from writescope.engine.arguments import check_arguments, check_threads
+from writescope.engine.model_loader import load_model
 from writescope.errors import ArgError, plural
 from writescope.engine.choices import expand_batch, group
 from writescope.engine.outputs import CompletionOutput, RequestMetrics, RequestOutput
-from writescope.engine.prompts import check_max_model_len, check_token_ids, token_lists, too_long
+from writescope.engine.prompts import check_token_ids, token_lists, too_long
 from writescope.engine.runner import EngineCore, prefill_batch
 from writescope.engine.sampling import SamplingParams
 from writescope.engine.streaming import OnTokens, TokenEvent
-from writescope.engine.switches import check_switches
-from writescope.engine.threads import check_cpu_threads, default_attention_threads, default_expert_threads
+from writescope.engine.threads import default_attention_threads, default_expert_threads
 from writescope.engine.timing import synchronize
 from writescope.kvcache.base import KVCache
 from writescope.kvcache.contiguous import ContiguousKVCache
@@ -124,40 +122,17 @@ class LLM:
         expert_profile=None,
         kv_tokens: int = 0,
     ):
-        self.device = resolve_device(device)
-        self.dtype = parse_dtype(dtype, self.device)
-        if prefill_chunk_tokens < 1:
-            raise ArgError(f"prefill_chunk_tokens must be >= 1, got {prefill_chunk_tokens}", "prefill_chunk_tokens")
-        sizing = parse_policy(policy, roofline=Roofline(1.0, 1.0))  # fails before loading weights; sizes the budget plan
-        check_switches()  # every WRITESCOPE_* switch, whatever the policy uses, before anything is built
-        if window < 1:
-            raise ArgError(f"window (D) must be >= 1 token, got {window}", "window")
-        _check_cpu_threads(cpu_threads)
-        _check_cpu_threads(expert_threads, "expert_threads")
+        checked = check_arguments(model, synthetic=synthetic, device=device, dtype=dtype, max_model_len=max_model_len,
+                                  prefill_chunk_tokens=prefill_chunk_tokens, policy=policy, window=window, cpu_threads=cpu_threads,
+                                  vram_budget=vram_budget, max_batch=max_batch, num_layers=num_layers,
+                                  expert_threads=expert_threads, expert_stream_share=expert_stream_share)
+        self.device, self.dtype, sizing, cfg = checked.device, checked.dtype, checked.sizing, checked.config
+        self.max_model_len, self.vram_plan, self.max_batch = checked.max_model_len, checked.plan, max_batch  # max_batch: the plan's seats
         self._expert_share_fixed = expert_stream_share is not None  # else `writescope` splits host experts each step
         self.expert_stream_share_given = expert_stream_share  # None: the device's default (see set_expert_stream_share)
         self.expert_stream_share_at_load = expert_stream_share  # what a bench row without its own share runs with
         if expert_stream_share is None:
             expert_stream_share = default_stream_share(self.device)
-        if not 0.0 <= expert_stream_share <= 1.0:
-            raise ArgError(f"expert_stream_share must be in [0, 1], got {expert_stream_share}", "expert_stream_share")
-        cfg, _ = resolve_config(model, num_layers, synthetic)
-        if cfg.model_type == "deepseek_v2":
-            mla_prefill_mode()  # a bad WRITESCOPE_MLA_PREFILL fails here, before the weights load
-        limit = cfg.max_position_embeddings
-        check_max_model_len(max_model_len, limit)
-        self.max_model_len = max_model_len or limit
-        self.vram_plan, self.max_batch = None, max_batch  # max_batch: what the plan is sized for (EngineCore's seats)
-        if vram_budget is not None:  # checked before any weight is loaded
-            if max_batch < 1:
-                raise ArgError(f"max_batch must be >= 1, got {max_batch}", "max_batch")
-            try:
-                budget = parse_size(vram_budget) if isinstance(vram_budget, str) else int(vram_budget)
-            except ValueError as e:
-                raise ArgError(f"vram_budget: {e}", "vram_budget") from None
-            self.vram_plan = make_plan(cfg, self.dtype, budget, max_batch, self.max_model_len, 0, sizing, window,
-                                       prefill_chunk_tokens, available_memory(torch.device("cpu")))
-            self.vram_plan.check()
         check_fits(cfg, self.dtype, self.device, kv_tokens, available_memory(torch.device("cpu")),  # before anything is built
                    available_memory(self.device) if self.device.type == "cuda" else None, self.vram_plan, sizing is None)
         # a bad WRITESCOPE_CPU_ATTENTION fails here; the kernel, if selected, is built before calibration and timing
@@ -226,7 +201,7 @@ class LLM:
         """
         window = window if window is not None else getattr(self, "window", DEFAULT_WINDOW)
         cpu_threads = cpu_threads if cpu_threads is not None else getattr(self, "cpu_threads", None)
-        _check_cpu_threads(cpu_threads)
+        check_threads(cpu_threads)
         is_adaptive = policy.strip().lower() in ("writescope", "monolithic")
         if is_adaptive and roofline is None:
             roofline = self.roofline(window, cpu_threads)
@@ -507,17 +482,3 @@ def peak_memory(device: torch.device) -> int:
     if device.type == "cuda":
         return torch.cuda.max_memory_allocated(device)
     return resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024
-
-
-
-def _check_cpu_threads(threads: int | None, name: str = "cpu_threads") -> None:
-    """A thread count (``cpu_threads``, ``expert_threads``) when given: 1 to the CPUs this process
-    may use (engine/threads.py).
-
-    Raises:
-        ArgError: outside that range (names it).
-    """
-    try:
-        check_cpu_threads(threads, name)
-    except ValueError as e:
-        raise ArgError(str(e), name) from None
