@@ -514,8 +514,10 @@ def test_a_batch_of_one_prompt_is_that_prompt(server):
 
 
 def test_ctrl_c_stops_the_server_gracefully_and_quietly():
-    """SIGINT: uvicorn stops (the lifespan shuts the engine down) and hands the signal back; the
-    command then says it stopped and exits 0, with no traceback."""
+    """SIGINT with a long streamed request in flight: the request ends at once with finish_reason
+    "abort" and ``[DONE]`` (its connection closes, so uvicorn's graceful wait does not run out and
+    cancel it with a traceback), uvicorn stops and hands the signal back; the command says it
+    stopped and exits 0, with no traceback."""
     import os
     import signal
     import subprocess
@@ -530,12 +532,27 @@ def test_ctrl_c_stops_the_server_gracefully_and_quietly():
     try:
         wait_until(lambda: any(" ready on http" in line for line in seen) or proc.poll() is not None, "the server to be ready")
         assert any(" ready on http" in line for line in seen), "".join(seen)
+        url = next(line for line in seen if " ready on http" in line).split(" ready on ")[1].split()[0]
+        events: list[str] = []
+        assert not url.endswith(":0"), url  # the port --port 0 picked
+        body = {"model": MODEL, "prompt": "hi", "max_tokens": 8000, "ignore_eos": True, "stream": True, "temperature": 0}
+
+        def stream():
+            with httpx.stream("POST", url + "/v1/completions", json=body, timeout=WAIT_S) as r:
+                events.extend(line for line in r.iter_lines() if line.startswith("data: "))
+
+        client = threading.Thread(target=stream, daemon=True)
+        client.start()
+        wait_until(lambda: len(events) >= 2, "the stream to start")
         proc.send_signal(signal.SIGINT)
+        client.join(WAIT_S)
         proc.wait(timeout=WAIT_S)
         reader.join(WAIT_S)
+        assert events[-1] == "data: [DONE]" and '"finish_reason": "abort"' in events[-2], events[-3:]
     finally:
         if proc.poll() is None:
             proc.kill()
     text = "".join(seen)
     assert proc.returncode == 0, text
     assert "Waiting for application shutdown" in text and "writescope serve: stopped (Ctrl-C)" in text and "Traceback" not in text, text
+    assert "graceful shutdown exceeded" not in text, text

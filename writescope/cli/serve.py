@@ -84,6 +84,15 @@ def run(args: argparse.Namespace) -> int:
         stopped.append(signum)
         server.should_exit = True
 
+    uvicorn_exit = server.handle_exit  # what uvicorn's own signal handlers call while it serves
+
+    def handle_exit(signum, frame):
+        if state.engine is not None:  # requests in flight end now (finish_reason "abort"), so their connections close
+            state.engine.shutdown(timeout=0)  # and uvicorn's graceful wait for them does not run out and cancel them
+        uvicorn_exit(signum, frame)
+
+    server.handle_exit = handle_exit
+
     main_thread = threading.current_thread() is threading.main_thread()
     previous = signal.signal(signal.SIGINT, stop) if main_thread else None
     try:
@@ -95,7 +104,7 @@ def run(args: argparse.Namespace) -> int:
         print(f"writescope serve: error: {state.load_error}", file=sys.stderr)
         return 2
     if stopped:
-        print("writescope serve: stopped (Ctrl-C): requests in flight finished or were cancelled", file=sys.stderr)
+        print("writescope serve: stopped (Ctrl-C): requests in flight were cancelled (finish_reason \"abort\")", file=sys.stderr)
     return 0
 
 
@@ -138,6 +147,14 @@ def load_error_message(e: Exception) -> str:
     return f"{type(e).__name__}: {e}"
 
 
+def _bound_port(server, asked: int) -> int:
+    """The port uvicorn listens on (the one it picked for ``--port 0``), else ``asked`` (not yet bound)."""
+    for srv in getattr(server, "servers", None) or ():
+        for sock in getattr(srv, "sockets", None) or ():
+            return sock.getsockname()[1]
+    return asked
+
+
 def _load(args, state, server) -> None:
     """Load the model and start the engine (in the background: the server already answers)."""
     from writescope import LLM
@@ -156,5 +173,5 @@ def _load(args, state, server) -> None:
         server.should_exit = True
         return
     state.ready(engine, llm.tokenizer, template)
-    print(f"writescope serve: {state.model_name} ready on http://{args.host}:{args.port} (policy {llm.policy_name}, "
+    print(f"writescope serve: {state.model_name} ready on http://{args.host}:{_bound_port(server, args.port)} (policy {llm.policy_name}, "
           f"max_model_len {llm.max_model_len}, max_num_seqs {engine.max_num_seqs}, chat template: {template.name})", flush=True)
