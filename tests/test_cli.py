@@ -89,9 +89,11 @@ def test_expert_stream_share_flag_reaches_the_engine_and_defaults_to_the_device_
         argv = argv + ["--model", "tiny-qwen3-moe", "--quiet"]
         assert _llm_kwargs(monkeypatch, module, argv)["expert_stream_share"] is None, argv
         assert _llm_kwargs(monkeypatch, module, argv + ["--expert-stream-share", "0"])["expert_stream_share"] == 0.0, argv
-        for bad in ("1.5", "nan"):
+        assert _llm_kwargs(monkeypatch, module, argv + ["--expert-stream-share", "auto"])["expert_stream_share"] is None, argv
+        for bad in ("1.5", "nan", "half"):
             assert _llm_kwargs(monkeypatch, module, argv + ["--expert-stream-share", bad]) == {}, argv  # refused before loading
-            assert f"--expert-stream-share must be in [0, 1], got {bad}" in capsys.readouterr().err
+            assert f"--expert-stream-share {bad!r}: give the share of decode's host experts streamed to the GPU, in [0, 1]" \
+                in capsys.readouterr().err
 
 
 def test_core_plan_names_the_worker_the_kernel_path_and_the_experts(monkeypatch):

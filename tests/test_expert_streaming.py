@@ -94,8 +94,9 @@ def test_expert_stream_share_reaches_every_block_and_is_checked_first(monkeypatc
     assert llm.expert_stream_share is None and llm.host_experts_in_decode() == "no routed experts in host memory"
     assert {b.stream_share for b in _blocks(LLM("tiny-mixtral", progress=False))} == {0.0}  # no CUDA: nothing to stream to
     monkeypatch.setattr(engine, "load_model", lambda *a, **k: pytest.fail("loaded weights despite a bad share"))
-    with pytest.raises(ValueError, match="expert_stream_share must be in"):
-        LLM("tiny-mixtral", progress=False, expert_stream_share=1.5)
+    for bad in (1.5, "auto"):  # a string is refused by name too (None is the default)
+        with pytest.raises(ValueError, match="expert_stream_share must be a number in"):
+            LLM("tiny-mixtral", progress=False, expert_stream_share=bad)
 
 
 def test_default_share_streams_on_cuda_only():

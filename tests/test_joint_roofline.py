@@ -216,8 +216,8 @@ def test_the_expert_stream_share_is_set_and_given_back_on_a_loaded_model():
     assert llm.expert_work is None and llm.policy.experts is None and llm.expert_stream_share_given == 0.5
     assert {b.stream_share for b in _blocks(llm)} == {0.5} and llm.expert_stream_share == 0.5
     assert [o.token_ids for o in llm.generate(prompt_token_ids=prompts)] == want
-    for bad in (-0.1, 1.5, float("nan")):
-        with pytest.raises(ArgError, match="expert_stream_share must be in"):
+    for bad in (-0.1, 1.5, float("nan"), "auto", "0.5", True):
+        with pytest.raises(ArgError, match="expert_stream_share must be a number in"):
             llm.set_expert_stream_share(bad)
     assert llm.expert_stream_share_given == 0.5
     llm.set_expert_stream_share(None)
@@ -251,7 +251,7 @@ def test_a_bench_row_sets_its_own_expert_stream_share():
     assert switches.settings({"expert_stream_share": "Auto"})[1] == {"expert_stream_share": None}
     switches.check("writescope@expert_stream_share=1")
     for bad in ("2", "x", "nan", ""):
-        with pytest.raises(ValueError, match="give a share in \\[0, 1\\]"):
+        with pytest.raises(ValueError, match="give the share of decode's host experts streamed to the GPU, in \\[0, 1\\]"):
             switches.check(f"writescope@expert_stream_share={bad}")
     with pytest.raises(ValueError, match="or expert_stream_share"):
         switches.check("writescope@EXPERT_SHARE=1")
@@ -275,6 +275,15 @@ def test_a_bench_row_sets_its_own_expert_stream_share():
     assert llm.expert_work is not None and "expert_split" in row.extra
     run_one(llm, cfg, 2, 40, "writescope", roofline=rf)
     assert len(seen) == 2  # already the run's share: not set again
+
+
+def test_a_share_where_no_expert_is_on_the_host_is_warned_of():
+    from writescope import LLM
+
+    llm = LLM("tiny-qwen3-moe", progress=False)
+    with pytest.warns(UserWarning, match="expert_stream_share=0.5 changes nothing here: no routed experts are in host memory"):
+        llm.set_expert_stream_share(0.5)
+    assert llm.expert_stream_share_given == 0.5
 
 
 def test_a_bench_row_records_the_joint_expert_split():

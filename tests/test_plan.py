@@ -92,7 +92,9 @@ def test_the_plan_counts_the_gemm_workspaces():
     assert plan.gpu_min == plan.non_expert_weights + plan.kv_gpu + plan.pingpong + plan.activations + plan.workspaces + RESERVE
     assert plan.working_gpu == plan.kv_gpu + plan.pingpong + plan.activations + plan.workspaces + plan.stream_slots
     assert plan.gpu_total <= 32 * GiB
-    assert re.search(r"GEMM workspaces \(cuBLAS, per stream\)\s+0\.12 GiB", format_plan(plan, cfg))
+    assert re.search(r"GEMM workspaces \(cuBLAS: 4 streams x 32 MiB\)\s+0\.12 GiB", format_plan(plan, cfg))
+    none = make_plan(cfg, torch.bfloat16, 32 * GiB, 12, 8209, 0, StaticPolicy(0.5), 256, 4096, gemm_workspaces=0)
+    assert none.gpu_min == plan.gpu_min - GEMM_WORKSPACES
     small = make_plan(cfg, torch.bfloat16, 3 * GiB, 4, 8192, 256, StaticPolicy(0.5))
     with pytest.raises(ValueError, match=r"GEMM workspaces 0\.12 \+ reserve 0\.50"):
         small.check()

@@ -31,11 +31,12 @@ PER_ROW = ("WRITESCOPE_MICRO_BATCHES", "WRITESCOPE_MOE_KERNEL", "WRITESCOPE_LOAD
 SETTINGS = ("expert_stream_share",)  # engine settings a row may set (not environment variables)
 
 
-def expert_share(value: str) -> float | None:
-    """A row's ``expert_stream_share`` value: a float in [0, 1], or ``auto`` (None).
+def expert_share(value: str, name: str = "expert_stream_share") -> float | None:
+    """An ``expert_stream_share`` given as text (a bench row's setting, the CLI's flag): a number
+    in [0, 1], or ``auto`` (None: the device's default and, under ``writescope``, its per-step split).
 
     Raises:
-        ValueError: anything else (names the value).
+        ValueError: anything else (names ``name`` and the value).
     """
     if value.strip().lower() == "auto":
         return None
@@ -44,7 +45,8 @@ def expert_share(value: str) -> float | None:
     except ValueError:
         share = float("nan")
     if not 0.0 <= share <= 1.0:
-        raise ValueError(f"expert_stream_share={value!r}: give a share in [0, 1] (of the few-token host experts streamed), or auto")
+        raise ValueError(f"{name} {value!r}: give the share of decode's host experts streamed to the GPU, in [0, 1] "
+                         "(the CPU computes the rest), or auto")
     return share
 
 

@@ -171,8 +171,11 @@ def make_plan(
     window: int = DEFAULT_WINDOW,
     prefill_chunk_tokens: int = 8192,
     host_free: int | None = None,
+    gemm_workspaces: int = GEMM_WORKSPACES,
 ) -> MemoryPlan:
-    """The plan for ``batch`` sequences of ``context + max_new_tokens`` tokens under ``budget`` bytes.
+    """The plan for ``batch`` sequences of ``context + max_new_tokens`` tokens under ``budget`` bytes
+    (``gemm_workspaces``: the cuBLAS workspaces' bytes; counted whatever the device, as the reserve
+    is, so that a plan made on the CPU is the one CUDA gets).
 
     ``policy`` None means ``resident`` (all KV on the GPU). The plan is not checked here: call
     :meth:`MemoryPlan.check`.
@@ -205,7 +208,7 @@ def make_plan(
         act += SCORE_BYTES + cap * (2 * cfg.kv_layout.k_dim + cfg.kv_layout.v_dim) * 4
     expert_bytes = w.expert * item
     plan = MemoryPlan(budget, w.non_expert * item, expert_bytes, (), w.num_experts * w.moe_layers, kv_gpu, pingpong, act, RESERVE,
-                      host, pinned, staging, host_free)
+                      host, pinned, staging, host_free, workspaces=gemm_workspaces)
     room = max(0, budget - plan.gpu_min)
     n = min(plan.experts_total, room // expert_bytes) if expert_bytes else 0
     slots = stream_plan_bytes(H, m.intermediate_size, item) if expert_bytes else 0
@@ -230,7 +233,7 @@ def format_plan(plan: MemoryPlan, cfg: ModelConfig) -> str:
         ("  KV on GPU (D-windows; all KV if resident)", g(plan.kv_gpu)),
         ("  ping-pong buffers", g(plan.pingpong)),
         ("  activations (estimate)", g(plan.activations)),
-        ("  GEMM workspaces (cuBLAS, per stream)", g(plan.workspaces)),
+        (f"  GEMM workspaces (cuBLAS: {GEMM_STREAMS} streams x {CUBLAS_WORKSPACE >> 20} MiB)", g(plan.workspaces)),
         ("  expert streaming slots (prefill)", g(plan.stream_slots)),
         ("  reserve", g(plan.reserve)),
         ("  GPU total", g(plan.gpu_total)),

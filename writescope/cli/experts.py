@@ -7,16 +7,22 @@ import argparse
 
 
 def add_stream_share_flag(p: argparse.ArgumentParser) -> None:
-    p.add_argument("--expert-stream-share", type=float, default=None, metavar="F",
+    p.add_argument("--expert-stream-share", default=None, metavar="F",
                    help="of the routed experts in host memory with few tokens (decode), the fraction streamed to the GPU each "
-                        "step while the CPU computes the rest, 0-1 (0: CPU only; 1: stream all; default 1 on CUDA, 0 without)")
+                        "step while the CPU computes the rest, 0-1 (0: CPU only; 1: stream all), or auto (the default: "
+                        "1 on CUDA, 0 without, and --policy writescope chooses each step)")
 
 
 def check_stream_share(args: argparse.Namespace) -> None:
-    """Raises ValueError, naming the value, when ``--expert-stream-share`` is outside [0, 1] (NaN included)."""
-    share = args.expert_stream_share
-    if share is not None and not 0.0 <= share <= 1.0:
-        raise ValueError(f"--expert-stream-share must be in [0, 1], got {share}")
+    """Parse ``--expert-stream-share`` in place: a number in [0, 1] or ``auto`` (None).
+
+    Raises:
+        ValueError: anything else (NaN included), naming the flag and the value.
+    """
+    from writescope.bench.switches import expert_share
+
+    if isinstance(args.expert_stream_share, str):
+        args.expert_stream_share = expert_share(args.expert_stream_share, "--expert-stream-share")
 
 
 def add_expert_profile_flag(p: argparse.ArgumentParser) -> None:

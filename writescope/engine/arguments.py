@@ -53,6 +53,20 @@ def check_threads(threads: int | None, name: str = "cpu_threads") -> None:
         raise ArgError(str(e), name) from None
 
 
+def check_share(share) -> None:
+    """``expert_stream_share``: None (the device's default and, under ``writescope``, the per-step
+    split) or a number in [0, 1].
+
+    Raises:
+        ArgError: anything else (NaN, a string such as ``"auto"``: pass None), naming the value.
+    """
+    if share is None:
+        return
+    if isinstance(share, bool) or not isinstance(share, (int, float)) or not 0.0 <= share <= 1.0:
+        raise ArgError(f"expert_stream_share must be a number in [0, 1], or None for the default, got {share!r}",
+                       "expert_stream_share")
+
+
 def check_arguments(model: str, *, synthetic: bool = False, device: str = "auto", dtype: str | torch.dtype = "auto",
                     max_model_len: int | None = None, prefill_chunk_tokens: int = 8192, policy: str = "resident",
                     window: int = DEFAULT_WINDOW, cpu_threads: int | None = None, vram_budget: int | str | None = None,
@@ -78,8 +92,7 @@ def check_arguments(model: str, *, synthetic: bool = False, device: str = "auto"
         raise ArgError(f"window (D) must be >= 1 token, got {window}", "window")
     check_threads(cpu_threads)
     check_threads(expert_threads, "expert_threads")
-    if expert_stream_share is not None and not 0.0 <= expert_stream_share <= 1.0:
-        raise ArgError(f"expert_stream_share must be in [0, 1], got {expert_stream_share}", "expert_stream_share")
+    check_share(expert_stream_share)
     cfg, _ = resolve_config(model, num_layers, synthetic)
     if cfg.model_type == "deepseek_v2":
         mla_prefill_mode()  # a bad WRITESCOPE_MLA_PREFILL

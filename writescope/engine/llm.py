@@ -13,7 +13,7 @@ import torch
 from writescope.attention import cpu_kernel
 from writescope.budget.apply import enforce_budget, host_experts, place_experts
 from writescope.budget.memory import available_memory, check_fits, host_memory_total  # noqa: F401 - also imported from here
-from writescope.engine.arguments import check_arguments, check_threads
+from writescope.engine.arguments import check_arguments, check_share, check_threads
 from writescope.engine.model_loader import load_model
 from writescope.errors import ArgError, plural
 from writescope.engine.choices import expand_batch, group
@@ -258,10 +258,12 @@ class LLM:
                 changes); an error while attaching the split (the share set before stays, with no
                 per-step split attached).
         """
-        if share is not None and not 0.0 <= share <= 1.0:
-            raise ArgError(f"expert_stream_share must be in [0, 1], got {share}", "expert_stream_share")
+        check_share(share)
         if self.cache.active_slots:
             raise ValueError(f"cannot change the expert stream share while {plural(len(self.cache.active_slots), 'request')} run")
+        if share is not None and not any(b.host_experts for b in self._moe_blocks):
+            warnings.warn(f"expert_stream_share={share} changes nothing here: no routed experts are in host memory "
+                          "(every one fits the device under this budget, or no vram_budget was given)", stacklevel=2)
         before = (self._expert_share_fixed, self.expert_stream_share_given, [b.stream_share for b in self._moe_blocks])
         self._expert_share_fixed, self.expert_stream_share_given = share is not None, share
         for b in self._moe_blocks:
