@@ -223,14 +223,21 @@ def test_the_expert_stream_share_is_set_and_given_back_on_a_loaded_model():
     llm.set_expert_stream_share(None)
     assert llm.expert_work is not None and llm.policy.experts is llm.expert_work and llm.expert_stream_share_given is None
     def failing():
+        for b in _blocks(llm):  # as attach_expert_work does first
+            b.expert_work = None
+        llm.policy.experts = None
         raise RuntimeError("measuring failed")
 
-    llm._attach_expert_work = failing  # an attach that fails: the share before comes back, no split left attached
+    work, link = llm.expert_work, llm.other_work.link_seconds
+    llm._attach_expert_work = failing  # an attach that fails: everything as before
     with pytest.raises(RuntimeError, match="measuring failed"):
         llm.set_expert_stream_share(1.0)
     assert llm.expert_stream_share_given is None and {b.stream_share for b in _blocks(llm)} == {0.0}
-    assert llm.expert_work is None and llm.policy.experts is None and all(b.expert_work is None for b in _blocks(llm))
+    assert llm.expert_work is work and llm.policy.experts is work and llm.other_work.link_seconds is link
+    assert all(b.expert_work is work for b in _blocks(llm) if b.host_experts)
     del llm._attach_expert_work
+    llm.set_expert_stream_share(1.0, attach=False)  # detached until set_policy attaches (a fixed share: none)
+    assert llm.expert_work is None and llm.policy.experts is None and all(b.expert_work is None for b in _blocks(llm))
     llm.set_expert_stream_share(None)
     assert llm.expert_work is not None
     slot = llm.cache.allocate(64)  # a request holding KV
@@ -275,6 +282,21 @@ def test_a_bench_row_sets_its_own_expert_stream_share():
     assert llm.expert_work is not None and "expert_split" in row.extra
     run_one(llm, cfg, 2, 40, "writescope", roofline=rf)
     assert len(seen) == 2  # already the run's share: not set again
+
+
+def test_a_share_is_any_real_number_in_range():
+    from fractions import Fraction
+
+    import numpy as np
+
+    from writescope.engine.arguments import check_share
+    from writescope.errors import ArgError
+
+    for ok in (None, 0, 1, 0.5, np.float32(0.25), Fraction(1, 3)):
+        check_share(ok)
+    for bad in (True, "0.5", "auto", np.float64("nan"), 2, -1e-9):
+        with pytest.raises(ArgError, match="expert_stream_share must be a number in \\[0, 1\\], or None"):
+            check_share(bad)
 
 
 def test_a_share_where_no_expert_is_on_the_host_is_warned_of():

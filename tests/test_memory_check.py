@@ -33,7 +33,11 @@ def machine(monkeypatch):
             raise _Built(name)
         return f
 
-    monkeypatch.setattr(engine, "available_memory", lambda device: 24 * GiB if device.type == "cpu" else None)
+    import writescope.engine.arguments as arguments
+
+    free = lambda device: 24 * GiB if device.type == "cpu" else None  # noqa: E731
+    monkeypatch.setattr(engine, "available_memory", free)
+    monkeypatch.setattr(arguments, "available_memory", free)  # the plan's host memory (engine/arguments.py)
     monkeypatch.setattr(loader, "build_model", spy("build_model"))
     monkeypatch.setattr(loader, "fill_synthetic", spy("fill_synthetic"))
     monkeypatch.setattr(engine.cpu_kernel, "prepare", spy("cpu_kernel.prepare"))  # builds the C++ kernel

@@ -513,7 +513,8 @@ def test_a_batch_of_one_prompt_is_that_prompt(server):
     assert listed["choices"][0]["text"] == one["choices"][0]["text"]
 
 
-def test_ctrl_c_stops_the_server_gracefully_and_quietly():
+@pytest.mark.parametrize("signame, words", [("SIGINT", "stopped (Ctrl-C)"), ("SIGTERM", "stopped (SIGTERM)")])
+def test_ctrl_c_stops_the_server_gracefully_and_quietly(signame, words):
     """SIGINT with a long streamed request in flight: the request ends at once with finish_reason
     "abort" and ``[DONE]`` (its connection closes, so uvicorn's graceful wait does not run out and
     cancel it with a traceback), uvicorn stops and hands the signal back; the command says it
@@ -544,7 +545,7 @@ def test_ctrl_c_stops_the_server_gracefully_and_quietly():
         client = threading.Thread(target=stream, daemon=True)
         client.start()
         wait_until(lambda: len(events) >= 2, "the stream to start")
-        proc.send_signal(signal.SIGINT)
+        proc.send_signal(getattr(signal, signame))
         client.join(WAIT_S)
         proc.wait(timeout=WAIT_S)
         reader.join(WAIT_S)
@@ -554,5 +555,5 @@ def test_ctrl_c_stops_the_server_gracefully_and_quietly():
             proc.kill()
     text = "".join(seen)
     assert proc.returncode == 0, text
-    assert "Waiting for application shutdown" in text and "writescope serve: stopped (Ctrl-C)" in text and "Traceback" not in text, text
+    assert "Waiting for application shutdown" in text and f"writescope serve: {words}" in text and "Traceback" not in text, text
     assert "graceful shutdown exceeded" not in text, text

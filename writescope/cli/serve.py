@@ -3,10 +3,12 @@
 from __future__ import annotations
 
 import argparse
+import asyncio
 import os
 import signal
 import sys
 import threading
+import time
 
 from writescope.cli.experts import add_stream_share_flag, check_stream_share
 
@@ -87,25 +89,38 @@ def run(args: argparse.Namespace) -> int:
     uvicorn_exit = server.handle_exit  # what uvicorn's own signal handlers call while it serves
 
     def handle_exit(signum, frame):
-        if state.engine is not None:  # requests in flight end now (finish_reason "abort"), so their connections close
-            state.engine.shutdown(timeout=0)  # and uvicorn's graceful wait for them does not run out and cancel them
+        # requests in flight end now (finish_reason "abort"), so their connections close and uvicorn's graceful
+        # wait for them does not run out and cancel them; as a loop callback, never inside a handler's submit
+        try:
+            asyncio.get_running_loop().call_soon_threadsafe(_stop_engine, state)
+        except RuntimeError:  # no loop running on this thread
+            _stop_engine(state)
         uvicorn_exit(signum, frame)
 
     server.handle_exit = handle_exit
 
     main_thread = threading.current_thread() is threading.main_thread()
-    previous = signal.signal(signal.SIGINT, stop) if main_thread else None
+    previous = {sig: signal.signal(sig, stop) for sig in (signal.SIGINT, signal.SIGTERM)} if main_thread else {}
     try:
         server.run()  # /health answers 503 while the model loads; SIGINT / SIGTERM stop it gracefully
     finally:
-        if main_thread:
-            signal.signal(signal.SIGINT, previous)
+        for sig, handler in previous.items():
+            signal.signal(sig, handler)
     if state.load_error is not None:
         print(f"writescope serve: error: {state.load_error}", file=sys.stderr)
         return 2
     if stopped:
-        print("writescope serve: stopped (Ctrl-C): requests in flight were cancelled (finish_reason \"abort\")", file=sys.stderr)
+        how = "Ctrl-C" if stopped[0] == signal.SIGINT else "SIGTERM"
+        print(f"writescope serve: stopped ({how}): requests in flight were cancelled (finish_reason \"abort\")", file=sys.stderr)
     return 0
+
+
+def _stop_engine(state) -> None:
+    """Stop taking requests and cancel the ones in flight (the engine thread ends them); a model still
+    loading is not served once it is ready (``closing``)."""
+    state.closing = True
+    if state.engine is not None:
+        state.engine.shutdown(timeout=0)
 
 
 def check_before_listening(args: argparse.Namespace) -> None:
@@ -172,6 +187,13 @@ def _load(args, state, server) -> None:
         state.load_error = load_error_message(e)
         server.should_exit = True
         return
+    if state.closing or server.should_exit:  # stopped while the model loaded: serve nothing
+        engine.shutdown(timeout=0)
+        return
+    for _ in range(100):  # the port uvicorn picked is known once it listens (a model loads in far longer, as a rule)
+        if server.started or server.should_exit:
+            break
+        time.sleep(0.05)
     state.ready(engine, llm.tokenizer, template)
     print(f"writescope serve: {state.model_name} ready on http://{args.host}:{_bound_port(server, args.port)} (policy {llm.policy_name}, "
           f"max_model_len {llm.max_model_len}, max_num_seqs {engine.max_num_seqs}, chat template: {template.name})", flush=True)

@@ -8,6 +8,7 @@ config, ``max_model_len``, the budget's plan), so a value one accepts the other 
 
 from __future__ import annotations
 
+import numbers
 from dataclasses import dataclass
 
 import torch
@@ -62,7 +63,7 @@ def check_share(share) -> None:
     """
     if share is None:
         return
-    if isinstance(share, bool) or not isinstance(share, (int, float)) or not 0.0 <= share <= 1.0:
+    if isinstance(share, bool) or not isinstance(share, numbers.Real) or not 0.0 <= share <= 1.0:
         raise ArgError(f"expert_stream_share must be a number in [0, 1], or None for the default, got {share!r}",
                        "expert_stream_share")
 

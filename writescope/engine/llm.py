@@ -251,34 +251,46 @@ class LLM:
         as ``expert_stream_share`` at construction; the rest the CPU computes), or give the choice
         back (None: the device's default, and under ``writescope`` the joint roofline's per-step
         split). Takes effect from the next forward, under the current policy; ``attach=False``
-        leaves the per-step split's attachment to the next :meth:`set_policy` (which makes it anyway).
+        detaches the per-step split and leaves attaching one to the next :meth:`set_policy` (which
+        makes it anyway).
 
         Raises:
-            ValueError: a share outside [0, 1] (or NaN), or requests still holding KV (nothing
-                changes); an error while attaching the split (the share set before stays, with no
-                per-step split attached).
+            ValueError: a share outside [0, 1] (or NaN, or not a number), or requests still holding
+                KV (nothing changes); an error while attaching the split (everything as before).
         """
         check_share(share)
         if self.cache.active_slots:
             raise ValueError(f"cannot change the expert stream share while {plural(len(self.cache.active_slots), 'request')} run")
-        if share is not None and not any(b.host_experts for b in self._moe_blocks):
+        hosted = [b for b in self._moe_blocks if b.host_experts]
+        if share is not None and not hosted:
             warnings.warn(f"expert_stream_share={share} changes nothing here: no routed experts are in host memory "
                           "(every one fits the device under this budget, or no vram_budget was given)", stacklevel=2)
-        before = (self._expert_share_fixed, self.expert_stream_share_given, [b.stream_share for b in self._moe_blocks])
+        elif share is not None and not any(b.streams_host_experts() for b in hosted):
+            why = next(w for w in map(SparseMoeBlock.why_not_streamed, hosted) if w is not None)
+            warnings.warn(f"expert_stream_share={share} changes nothing here: the CPU computes decode's host experts ({why})",
+                          stacklevel=2)
+        policy_experts = self.policy.experts if isinstance(self.policy, WriteScopePolicy) else None
+        before = (self._expert_share_fixed, self.expert_stream_share_given, self.expert_work, policy_experts,
+                  [(b.stream_share, b.expert_work) for b in self._moe_blocks], self.other_work.link_seconds)
         self._expert_share_fixed, self.expert_stream_share_given = share is not None, share
         for b in self._moe_blocks:
             b.stream_share = default_stream_share(self.device) if share is None else share
-        if not attach:
+        if not attach:  # the old split chose under the old share: detached until set_policy attaches one
+            for b in self._moe_blocks:
+                b.expert_work = None
+            self.expert_work = None
+            if isinstance(self.policy, WriteScopePolicy):
+                self.policy.experts = None
             return
         try:
             self._attach_expert_work()
         except BaseException:
-            self._expert_share_fixed, self.expert_stream_share_given, shares = before
-            for b, old in zip(self._moe_blocks, shares):
-                b.stream_share, b.expert_work = old, None
-            self.expert_work = None
+            self._expert_share_fixed, self.expert_stream_share_given, self.expert_work, policy_experts, blocks, link = before
+            for b, (old_share, old_work) in zip(self._moe_blocks, blocks):
+                b.stream_share, b.expert_work = old_share, old_work
             if isinstance(self.policy, WriteScopePolicy):
-                self.policy.experts = None
+                self.policy.experts = policy_experts
+            self.other_work.link_seconds = link
             raise
 
     @property

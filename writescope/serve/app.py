@@ -69,6 +69,7 @@ class ServerState:
     metrics: ServeMetrics = field(default_factory=ServeMetrics)
     load_error: str | None = None
     created: int = field(default_factory=lambda: int(time.time()))
+    closing: bool = False  # the server is stopping (Ctrl-C, SIGTERM): a model that finishes loading is not served
 
     def ready(self, engine: AsyncEngine, tokenizer, chat_template: ChatTemplate | None = None) -> None:
         """The model is loaded: start serving (the engine's thread is started here)."""
