@@ -92,6 +92,24 @@ def test_the_cpu_call_s_fixed_part_moves_whole_experts_to_the_link():
     assert streamed_count([1e7] * 2, 0.0, 0.0, JointCosts(a=1e-8, b=1e-8, e=1e-12, g=1e-9), 1.0) == 2
 
 
+def test_a_cpu_left_idle_gets_one_expert_now_and_then():
+    """When every step streams all of its 2+ hit host experts (E looks too high to give the CPU any),
+    every PROBE_EVERY-th such step gives one to the CPU, so E is measured again; a step that gives
+    the CPU some resets the count, and a single hit expert is never forced."""
+    from writescope.scheduler.expert_work import PROBE_EVERY, ExpertWork
+
+    class Decoder:
+        last_split = (0, 0)  # a decode step
+
+    pol = WriteScopePolicy(Roofline(a=2e-8, b=2e-8, c_cpu=0.0, c_gpu=0.0))
+    work = ExpertWork(e=1e-6, g=1e-12, host_fraction=0.5, expert_bytes=10**7, num_experts=8, top_k=2, decoder=Decoder(), policy=pol)
+    ks = [work.choose([10**7] * 3) for _ in range(2 * PROBE_EVERY)]
+    assert ks.count(2) == 2 and ks[PROBE_EVERY - 1] == 2 and ks[2 * PROBE_EVERY - 1] == 2 and set(ks) == {2, 3}
+    assert all(work.choose([10**7]) == 1 for _ in range(2 * PROBE_EVERY))  # one expert: never forced
+    work.e = type(work.e)(1e-15, work.e.alpha, work.e.window)  # a CPU now far faster than the link
+    assert work.choose([10**7] * 3) == 0 and work.unmeasured == 0
+
+
 def test_e_is_tracked_without_the_call_s_fixed_part():
     from writescope.scheduler.expert_work import ExpertWork
 
@@ -177,7 +195,10 @@ def _half_on_host_llm(share=None):
     return LLM("tiny-qwen3-moe", progress=False, policy="static:0.5", window=16, vram_budget=half, max_batch=2, expert_stream_share=share)
 
 
-def test_writescope_splits_host_experts_each_step_with_the_same_tokens():
+def test_writescope_splits_host_experts_each_step_with_the_same_tokens(monkeypatch):
+    import writescope.scheduler.expert_work as expert_work
+
+    monkeypatch.setattr(expert_work, "PROBE_EVERY", 10**9)  # no CPU probe: a free link streams every expert
     prompts = [[5, 6, 7] * 12, [8, 9] * 20]
     ref = _half_on_host_llm()
     want = [o.token_ids for o in ref.generate(prompt_token_ids=prompts)]

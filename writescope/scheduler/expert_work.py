@@ -25,6 +25,13 @@ from writescope.scheduler.joint import JointCosts, streamed_count
 from writescope.scheduler.roofline import OnlineEstimate, WriteScopePolicy
 
 
+# After this many layer steps in a row that streamed every one of 2 or more hit host experts, the
+# next gives one to the CPU: E is tracked from the CPU's calls, so without them an E measured too
+# high (a loaded host, a slow first call) would keep the CPU idle for good. About one expert in
+# 64 layer steps: a small share of a step's expert work.
+PROBE_EVERY = 64
+
+
 def expected_hit_experts(tokens: int, num_experts: int, top_k: int) -> float:
     """Expected distinct experts hit by ``tokens`` tokens routing top-k of ``num_experts`` uniformly
     at random: E (1 - (1 - k/E)^T). (Synthetic weights route nearly uniformly; real text less so:
@@ -78,6 +85,7 @@ class ExpertWork:
         self.decoder, self.policy = decoder, policy
         self.overlap = False  # see the module docstring
         self.n_streamed = self.n_computed = 0
+        self.unmeasured = 0  # layer steps in a row that streamed every hit host expert (see PROBE_EVERY)
         self.why = ""  # why the split was taken over the in-place read, in words ("" when that was not possible)
         # decode passes of fewer tokens read their host experts in place instead (the blocks ask:
         # SparseMoeBlock._host_in_place_configured); 0: the split takes every pass
@@ -120,6 +128,13 @@ class ExpertWork:
             cpu_s = cpu_tokens * c.a + (c.c_cpu if cpu_tokens else 0.0)
             link_s = load_tokens * c.b + c.c_gpu
         k = streamed_count(sizes, cpu_s, link_s, c, self.call)
+        if k == len(sizes) >= 2:  # the CPU took none: E is not measured, and one too high would never come down
+            self.unmeasured += 1
+            if self.unmeasured >= PROBE_EVERY:
+                k -= 1  # one expert on the CPU now and then keeps E measured
+                self.unmeasured = 0
+        elif k < len(sizes):
+            self.unmeasured = 0
         self.n_streamed += k
         self.n_computed += len(sizes) - k
         return k
