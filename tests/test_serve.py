@@ -557,3 +557,28 @@ def test_ctrl_c_stops_the_server_gracefully_and_quietly(signame, words):
     assert proc.returncode == 0, text
     assert "Waiting for application shutdown" in text and f"writescope serve: {words}" in text and "Traceback" not in text, text
     assert "graceful shutdown exceeded" not in text, text
+
+
+def test_a_stop_as_the_engine_starts_stops_it_too():
+    """``ServerState.ready`` after the server began to stop (``closing``: Ctrl-C while the model
+    loaded) shuts the engine down at once, so no engine thread outlives the server."""
+    from writescope.serve.app import ServerState
+
+    class Engine:
+        metrics = None
+        calls: list = []
+
+        def start(self):
+            self.calls.append("start")
+
+        def shutdown(self, timeout=None):
+            self.calls.append(("shutdown", timeout))
+
+    state = ServerState(MODEL, closing=True)
+    engine = Engine()
+    state.ready(engine, tokenizer=None)
+    assert engine.calls == ["start", ("shutdown", 0)] and state.engine is engine
+    open_state, other = ServerState(MODEL), Engine()
+    other.calls = []
+    open_state.ready(other, tokenizer=None)
+    assert other.calls == ["start"]

@@ -110,7 +110,7 @@ def run(args: argparse.Namespace) -> int:
         print(f"writescope serve: error: {state.load_error}", file=sys.stderr)
         return 2
     if stopped:
-        how = "Ctrl-C" if stopped[0] == signal.SIGINT else "SIGTERM"
+        how = "Ctrl-C" if stopped[-1] == signal.SIGINT else "SIGTERM"  # uvicorn hands them back newest first
         print(f"writescope serve: stopped ({how}): requests in flight were cancelled (finish_reason \"abort\")", file=sys.stderr)
     return 0
 
@@ -194,6 +194,10 @@ def _load(args, state, server) -> None:
         if server.started or server.should_exit:
             break
         time.sleep(0.05)
-    state.ready(engine, llm.tokenizer, template)
+    if state.closing or server.should_exit:
+        return
+    state.ready(engine, llm.tokenizer, template)  # shuts the engine down again if a stop came meanwhile (closing)
+    if state.closing:
+        return
     print(f"writescope serve: {state.model_name} ready on http://{args.host}:{_bound_port(server, args.port)} (policy {llm.policy_name}, "
           f"max_model_len {llm.max_model_len}, max_num_seqs {engine.max_num_seqs}, chat template: {template.name})", flush=True)

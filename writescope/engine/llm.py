@@ -265,7 +265,7 @@ class LLM:
         if share is not None and not hosted:
             warnings.warn(f"expert_stream_share={share} changes nothing here: no routed experts are in host memory "
                           "(every one fits the device under this budget, or no vram_budget was given)", stacklevel=2)
-        elif share is not None and not any(b.streams_host_experts() for b in hosted):
+        elif share and not any(b.streams_host_experts() for b in hosted):  # 0 is what they do then: no warning
             why = next(w for w in map(SparseMoeBlock.why_not_streamed, hosted) if w is not None)
             warnings.warn(f"expert_stream_share={share} changes nothing here: the CPU computes decode's host experts ({why})",
                           stacklevel=2)

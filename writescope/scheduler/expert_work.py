@@ -28,7 +28,8 @@ from writescope.scheduler.roofline import OnlineEstimate, WriteScopePolicy
 # After this many layer steps in a row that streamed every one of 2 or more hit host experts, the
 # next gives one to the CPU: E is tracked from the CPU's calls, so without them an E measured too
 # high (a loaded host, a slow first call) would keep the CPU idle for good. About one expert in
-# 64 layer steps: a small share of a step's expert work.
+# 64 layer steps: a small share of a step's expert work. (It corrects the split's choices once the
+# split is attached; whether to attach it, and from how many tokens, rest on the E measured at attach.)
 PROBE_EVERY = 64
 
 

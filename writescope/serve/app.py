@@ -80,6 +80,8 @@ class ServerState:
             engine.metrics = self.metrics
         engine.start()
         self.engine = engine
+        if self.closing:  # a stop came as the engine started (it sets closing before it reads engine): stop it too
+            engine.shutdown(timeout=0)
 
 
 class APIError(Exception):
