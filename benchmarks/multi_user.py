@@ -78,6 +78,15 @@ def ms_per_step(chunks: list[tuple[float, int]]) -> float | None:
     return (chunks[-1][0] - chunks[0][0]) / later * 1e3 if later else None
 
 
+def _row(policy: str, streams: list[tuple[int, int]], active: list[int], i: int, **measured) -> dict:
+    """One table row: stream ``i`` of a configuration, what was measured (None where not) and the error."""
+    b, ctx = streams[i]
+    row = {"policy": policy, "together": len(active) > 1, "stream": f"{b}x{ctx}", "requests": b, "ms_per_step": None,
+           "min_ms": None, "max_ms": None, "deployed_r": None, "peak_device_gib": None, "error": None}
+    row.update(measured)
+    return row
+
+
 def run_config(llm, model: str, policy: str, streams: list[tuple[int, int]], active: list[int], new_tokens: int, seed: int) -> list[dict]:
     """Serve the ``active`` streams together under ``policy``; one row per active stream.
 
@@ -133,12 +142,10 @@ def run_config(llm, model: str, policy: str, streams: list[tuple[int, int]], act
     rows = []
     for i in active:
         per_req = [ms for s, t in results if s == i and (ms := ms_per_step(t)) is not None]
-        b, ctx = streams[i]
-        rows.append({"policy": policy, "together": len(active) > 1, "stream": f"{b}x{ctx}", "requests": b,
-                     "ms_per_step": statistics.median(per_req) if per_req else None,
-                     "min_ms": min(per_req) if per_req else None, "max_ms": max(per_req) if per_req else None,
-                     "deployed_r": placed["compute"] / (placed["compute"] + placed["load"]) if placed["compute"] + placed["load"] else None,
-                     "peak_device_gib": peak, "error": None})
+        rows.append(_row(policy, streams, active, i, ms_per_step=statistics.median(per_req) if per_req else None,
+                         min_ms=min(per_req) if per_req else None, max_ms=max(per_req) if per_req else None,
+                         deployed_r=placed["compute"] / (placed["compute"] + placed["load"]) if placed["compute"] + placed["load"] else None,
+                         peak_device_gib=peak))
     return rows
 
 
@@ -178,9 +185,7 @@ def main(argv: list[str] | None = None) -> list[dict]:
             rows += run_config(llm, args.model, policy, streams, active, args.new_tokens, args.seed)
         except (RuntimeError, ValueError) as e:  # a failed configuration is a row that says why; the others still run
             print(f"{policy}, streams {active}: {e}", file=sys.stderr)
-            rows += [{"policy": policy, "together": len(active) > 1, "stream": f"{streams[i][0]}x{streams[i][1]}", "requests": streams[i][0],
-                      "ms_per_step": None, "min_ms": None, "max_ms": None, "deployed_r": None, "peak_device_gib": None,
-                      "error": str(e).split("\n")[0][:300]} for i in active]
+            rows += [_row(policy, streams, active, i, error=str(e).split("\n")[0][:300]) for i in active]
     lines = ["| policy | streams | stream | ms per step (median) | min-max | placed r (all requests) | peak device GiB |",
              "|---|---|---|---|---|---|---|"]
     for r in rows:

@@ -31,7 +31,7 @@ from writescope.kvcache.spec import DEFAULT_WINDOW, PartitionSpec, Roofline
 from writescope.moe.block import SparseMoeBlock
 from writescope.moe.streaming import default_stream_share
 from writescope.moe.popularity import ExpertProfile
-from writescope.scheduler.expert_work import attach_expert_work
+from writescope.scheduler.expert_work import attach_expert_work, detach_expert_work
 from writescope.scheduler.calibrate import load_or_calibrate
 from writescope.scheduler.other_work import for_engine as other_work_for, in_place_link_seconds
 from writescope.scheduler.roofline import WriteScopePolicy
@@ -276,11 +276,8 @@ class LLM:
         for b in self._moe_blocks:
             b.stream_share = default_stream_share(self.device) if share is None else share
         if not attach:  # the old split chose under the old share: detached until set_policy attaches one
-            for b in self._moe_blocks:
-                b.expert_work = None
+            detach_expert_work(self.policy, self._moe_blocks)
             self.expert_work = None
-            if isinstance(self.policy, WriteScopePolicy):
-                self.policy.experts = None
             return
         try:
             self._attach_expert_work()

@@ -254,6 +254,14 @@ def split_from(blocks: list, most_tokens: int, e: float, g: float, overhead: flo
     return lo
 
 
+def detach_expert_work(policy, blocks: list) -> None:
+    """No per-step expert split: the blocks take their fixed ``stream_share`` (or read in place)."""
+    for b in blocks:
+        b.expert_work = None
+    if isinstance(policy, WriteScopePolicy):
+        policy.experts = None
+
+
 def attach_expert_work(policy, decoder, blocks: list, kv_bytes_per_token: int, fixed_share: bool,
                        decode_tokens: int | None = None) -> ExpertWork | None:
     """Give the ``writescope`` policy and the MoE blocks with host experts one :class:`ExpertWork`
@@ -291,10 +299,7 @@ def attach_expert_work(policy, decoder, blocks: list, kv_bytes_per_token: int, f
     Returns:
         The attached ExpertWork, or None.
     """
-    for b in blocks:
-        b.expert_work = None
-    if isinstance(policy, WriteScopePolicy):
-        policy.experts = None
+    detach_expert_work(policy, blocks)
     if fixed_share or not isinstance(policy, WriteScopePolicy):
         return None
     hosted = [b for b in blocks if b.host_experts and b.streams_host_experts()]
