@@ -220,8 +220,9 @@ def test_repacked_experts_are_captured_again():
 @pytest.mark.gpu
 @pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")
 def test_every_capture_warms_up_on_one_stream():
-    """One warm-up stream per device for every capture (a stream per capture gave cuBLAS a
-    workspace per stream, about 1 GiB past the budget's plan in run 35); the captured GEMM replays."""
+    """One warm-up stream per device for every capture (a stream per capture gives cuBLAS a
+    workspace per stream: the likely cause of run 35's out-of-memory decode step); the captured
+    GEMM replays."""
     from writescope.models import graphs
 
     dev = torch.device("cuda")

@@ -82,8 +82,8 @@ def test_budget_below_the_minimum_is_refused_with_the_minimum():
 
 def test_the_plan_counts_the_gemm_workspaces():
     """Four cuBLAS workspaces (the loading and issuing threads' streams, the graphs' warm-up and capture streams) are in
-    the minimum and the working set, in the refusal's sum and in the table (run 35: a server's
-    decode step ran out of device memory on about 1 GiB of them)."""
+    the minimum and the working set, in the refusal's sum and in the table (run 35's out-of-memory
+    decode step under a server was likely a workspace per warm-up stream: models/graphs.py)."""
     from writescope.budget.plan import CUBLAS_WORKSPACE, GEMM_WORKSPACES, format_plan
 
     cfg = preset_config("qwen3-30b-a3b")

@@ -19,11 +19,13 @@ sequence's per-head keys and values and the same bound. A fixed ``RESERVE`` cove
 
 Beside them, ``GEMM_WORKSPACES``: PyTorch gives cuBLAS a workspace for every (thread's handle,
 stream) pair that runs a GEMM, allocated from the caching allocator and kept (32 MiB each on
-Hopper): the stream of the thread that loads and calibrates, that of the thread that issues
-decode steps (a server's engine thread is another), the CUDA graphs' warm-up stream and their
-capture stream (models/graphs.py keeps one of each). Counted from the code, not yet measured. Run 35 on the H200 ran out of device memory in a server's
-decode step when each graph's warm-up took a new stream, one workspace per stream up to torch's
-32 pooled streams: about 1 GiB the plan did not count (benchmarks/results/gpu_decode_h200.md).
+Hopper, by PyTorch's source): the stream of the thread that loads and calibrates, that of the
+thread that issues decode steps (a server's engine thread is another), the CUDA graphs' warm-up
+stream and their capture stream (models/graphs.py keeps one of each). Counted from the code, not
+measured. Run 35 on the H200 ran out of device memory in a server's decode step, about 0.7-1 GiB
+past the plan; the likely cause, read from the code and not yet confirmed on the device: each
+graph's warm-up took a new stream, one workspace per stream up to torch's 32 pooled streams
+(benchmarks/results/gpu_decode_h200.md).
 """
 
 from __future__ import annotations

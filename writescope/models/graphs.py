@@ -58,8 +58,9 @@ _WARMUP: dict[int, "torch.cuda.Stream"] = {}  # device index -> the one stream e
 def warmup_stream(device: torch.device) -> "torch.cuda.Stream":
     """The side stream of ``device`` on which every capture warms up. One for the process: cuBLAS
     keeps a workspace (32 MiB on Hopper) for every stream that runs a GEMM, from the caching
-    allocator and never freed, so a new stream per capture grew device memory by up to 32 of
-    them past the budget's plan (run 35 on the H200; budget/plan.py ``GEMM_WORKSPACES``)."""
+    allocator and never freed, so a new stream per capture could grow device memory by up to 32
+    of them past the budget's plan (the likely cause of run 35's out-of-memory decode step on the
+    H200, read from the code, not yet confirmed there; budget/plan.py ``GEMM_WORKSPACES``)."""
     index = torch.device(device).index
     index = torch.cuda.current_device() if index is None else index
     stream = _WARMUP.get(index)
