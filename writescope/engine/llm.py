@@ -128,8 +128,7 @@ class LLM:
                                   expert_threads=expert_threads, expert_stream_share=expert_stream_share)
         self.device, self.dtype, sizing, cfg = checked.device, checked.dtype, checked.sizing, checked.config
         self.max_model_len, self.vram_plan, self.max_batch = checked.max_model_len, checked.plan, max_batch  # max_batch: the plan's seats
-        self._expert_share_fixed = expert_stream_share is not None  # else `writescope` splits host experts each step
-        self.expert_stream_share_given = expert_stream_share  # None: the device's default (see set_expert_stream_share)
+        self.expert_stream_share_given = expert_stream_share  # None: the device's default, and writescope's split each step
         self.expert_stream_share_at_load = expert_stream_share  # what a bench row without its own share runs with
         if expert_stream_share is None:
             expert_stream_share = default_stream_share(self.device)
@@ -235,7 +234,7 @@ class LLM:
         (scheduler/expert_work.py), and the in-place expert reads' link time the KV roofline counts."""
         kv_token = self.config.kv_layout.bytes_per_token(self.dtype.itemsize)
         self.expert_work = attach_expert_work(self.policy, getattr(self.cache, "decoder", None), self._moe_blocks, kv_token,
-                                              self._expert_share_fixed, self.max_batch)
+                                              self.expert_stream_share_given is not None, self.max_batch)
         if isinstance(self.policy, WriteScopePolicy):
             spb, below = self.policy.roofline.b / kv_token, getattr(self.expert_work, "in_place_below", 0)
             if self.expert_work is None:
@@ -270,9 +269,9 @@ class LLM:
             warnings.warn(f"expert_stream_share={share} changes nothing here: the CPU computes decode's host experts ({why})",
                           stacklevel=2)
         policy_experts = self.policy.experts if isinstance(self.policy, WriteScopePolicy) else None
-        before = (self._expert_share_fixed, self.expert_stream_share_given, self.expert_work, policy_experts,
+        before = (self.expert_stream_share_given, self.expert_work, policy_experts,
                   [(b.stream_share, b.expert_work) for b in self._moe_blocks], self.other_work.link_seconds)
-        self._expert_share_fixed, self.expert_stream_share_given = share is not None, share
+        self.expert_stream_share_given = share
         for b in self._moe_blocks:
             b.stream_share = default_stream_share(self.device) if share is None else share
         if not attach:  # the old split chose under the old share: detached until set_policy attaches one
@@ -282,7 +281,7 @@ class LLM:
         try:
             self._attach_expert_work()
         except BaseException:
-            self._expert_share_fixed, self.expert_stream_share_given, self.expert_work, policy_experts, blocks, link = before
+            self.expert_stream_share_given, self.expert_work, policy_experts, blocks, link = before
             for b, (old_share, old_work) in zip(self._moe_blocks, blocks):
                 b.stream_share, b.expert_work = old_share, old_work
             if isinstance(self.policy, WriteScopePolicy):
