@@ -22,6 +22,8 @@ import os
 from contextlib import contextmanager
 from typing import Callable, Iterator
 
+from writescope.engine.arguments import parse_share
+
 
 PER_ROW = ("WRITESCOPE_MICRO_BATCHES", "WRITESCOPE_MOE_KERNEL", "WRITESCOPE_LOAD_READ", "WRITESCOPE_LOAD_STREAM", "WRITESCOPE_PINGPONG_BUFFERS",
            "WRITESCOPE_GPU_ATTENTION", "WRITESCOPE_CPU_TUNING", "WRITESCOPE_CPU_PARTIAL", "WRITESCOPE_CPU_THREADS", "WRITESCOPE_CPU_PIN",
@@ -31,29 +33,10 @@ PER_ROW = ("WRITESCOPE_MICRO_BATCHES", "WRITESCOPE_MOE_KERNEL", "WRITESCOPE_LOAD
 SETTINGS = ("expert_stream_share",)  # engine settings a row may set (not environment variables)
 
 
-def expert_share(value: str, name: str = "expert_stream_share") -> float | None:
-    """An ``expert_stream_share`` given as text (a bench row's setting, the CLI's flag): a number
-    in [0, 1], or ``auto`` (None: the device's default and, under ``writescope``, its per-step split).
-
-    Raises:
-        ValueError: anything else (names ``name`` and the value).
-    """
-    if value.strip().lower() == "auto":
-        return None
-    try:
-        share = float(value)
-    except ValueError:
-        share = float("nan")
-    if not 0.0 <= share <= 1.0:
-        raise ValueError(f"{name} {value!r}: give the share of decode's host experts streamed to the GPU, in [0, 1] "
-                         "(the CPU computes the rest), or auto")
-    return share
-
-
 def settings(switches: dict[str, str]) -> tuple[dict[str, str], dict[str, float | None]]:
     """A row's switches split into environment switches and engine settings (parsed)."""
     env = {k: v for k, v in switches.items() if k not in SETTINGS}
-    return env, {k: expert_share(v) for k, v in switches.items() if k in SETTINGS}
+    return env, {k: parse_share(v) for k, v in switches.items() if k in SETTINGS}
 
 
 def _readers() -> dict[str, Callable[[], object]]:

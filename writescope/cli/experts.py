@@ -19,10 +19,10 @@ def check_stream_share(args: argparse.Namespace) -> None:
     Raises:
         ValueError: anything else (NaN included), naming the flag and the value.
     """
-    from writescope.bench.switches import expert_share
+    from writescope.engine.arguments import parse_share
 
     if isinstance(args.expert_stream_share, str):
-        args.expert_stream_share = expert_share(args.expert_stream_share, "--expert-stream-share")
+        args.expert_stream_share = parse_share(args.expert_stream_share, "--expert-stream-share")
 
 
 def add_expert_profile_flag(p: argparse.ArgumentParser) -> None:

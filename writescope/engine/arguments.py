@@ -68,6 +68,25 @@ def check_share(share) -> None:
                        "expert_stream_share")
 
 
+def parse_share(value: str, name: str = "expert_stream_share") -> float | None:
+    """An ``expert_stream_share`` given as text (a bench row's setting, the CLI's flag): a number
+    in [0, 1], or ``auto`` (None: the device's default and, under ``writescope``, its per-step split).
+
+    Raises:
+        ValueError: anything else (names ``name`` and the value).
+    """
+    if value.strip().lower() == "auto":
+        return None
+    try:
+        share = float(value)
+    except ValueError:
+        share = float("nan")
+    if not 0.0 <= share <= 1.0:
+        raise ValueError(f"{name} {value!r}: give the share of decode's host experts streamed to the GPU, in [0, 1] "
+                         "(the CPU computes the rest), or auto")
+    return share
+
+
 def check_arguments(model: str, *, synthetic: bool = False, device: str = "auto", dtype: str | torch.dtype = "auto",
                     max_model_len: int | None = None, prefill_chunk_tokens: int = 8192, policy: str = "resident",
                     window: int = DEFAULT_WINDOW, cpu_threads: int | None = None, vram_budget: int | str | None = None,
