@@ -23,15 +23,15 @@ PLANNED_SHARE = 0.9  # of the memory available, what a run may plan to fill (the
 
 
 def available_memory(device: torch.device) -> int | None:
-    """Free bytes on ``device`` (CUDA: the driver's free memory; CPU: MemAvailable plus the idle
-    buffers of the pinned pool, which it gives back when a new allocation needs the room), or None."""
+    """Free bytes on ``device`` (CUDA: the driver's free memory; CPU: MemAvailable plus the wholly
+    idle mappings of the pinned pool, which it gives back when a new allocation needs the room), or None."""
     if device.type == "cuda":
         free, _ = torch.cuda.mem_get_info(device)
         return free
     free = host_free_now()
     if free is None:
         return None
-    return free + pinned.POOL.idle_bytes
+    return free + pinned.POOL.releasable_bytes
 
 
 def weight_bytes(cfg: ModelConfig, dtype: torch.dtype) -> int:

@@ -4,12 +4,12 @@ PyTorch's pinned caching allocator rounds each request up to a power of two (on 
 machine ``torch.empty(9 GiB, pin_memory=True)`` took 7.8 s and reserved 16 GiB), while
 registering an exactly sized host tensor took 0.6 s and streams at the same 55 GB/s
 (docs/HARDWARE.md). Registration works on whole pages, so each registered tensor is an
-anonymous mapping of its own (page-aligned, shared with no other allocation; the size is rounded
-up to whole pages only). :func:`unpin` gives the mapping back to :data:`POOL`
-(kvcache/pinned_pool.py), which keeps it registered for the next tensor of about its size
-(``WRITESCOPE_PINNED_POOL=0``: unregistered at once). A tensor garbage-collected without
-:func:`unpin` is unregistered then and its mapping never reused. Without CUDA the tensor is
-returned unpinned.
+anonymous mapping, or a page-aligned piece of one, shared with no other tensor while lent (the
+size is rounded up to whole pages only). :func:`unpin` gives the piece back to :data:`POOL`
+(kvcache/pinned_pool.py), which keeps it registered and lends it, or its first pages, to a later
+tensor of its size or smaller (``WRITESCOPE_PINNED_POOL=0``: unregistered at once). A tensor
+garbage-collected without :func:`unpin` is never reused; its mapping is unregistered once no
+piece of it is lent. Without CUDA the tensor is returned unpinned.
 """
 
 from __future__ import annotations
@@ -22,7 +22,7 @@ from writescope.host_memory import host_free_now, host_memory_total
 from writescope.kvcache.pinned_pool import PAGE, PinnedPool, idle_cap_from_env  # noqa: F401 - PAGE imported from here too
 
 # seconds and bytes of every registration and unregistration in this process (wall time of the
-# CUDA calls), and the buffers the pool lent again instead: what a request's admission and its
+# CUDA calls), and the pieces the pool lent again instead: what a request's admission and its
 # freeing cost the thread that issues the GPU work (the bench keeps each row's share:
 # writescope/bench/runner.py)
 STATS = {"register_s": 0.0, "register_bytes": 0, "unregister_s": 0.0, "unregister_bytes": 0, "reused": 0, "reused_bytes": 0}
@@ -45,7 +45,8 @@ POOL = PinnedPool(_register, _unregister, _pool_cap, host_free_now, STATS, on_er
 
 def host_empty(shape: tuple[int, ...], dtype: torch.dtype, pin: bool) -> torch.Tensor:
     """A host tensor of ``shape``; page-locked by ``cudaHostRegister`` when ``pin`` (a buffer of
-    :data:`POOL` of its size, lent again, or a new registration).
+    :data:`POOL`: an idle piece of its size or the first pages of a larger one, lent again, or a
+    new registration).
 
     Raises:
         RuntimeError: the allocation or the registration failed (message names the bytes).
@@ -60,7 +61,7 @@ def host_empty(shape: tuple[int, ...], dtype: torch.dtype, pin: bool) -> torch.T
         except RuntimeError as e:  # CPU allocation failures raise RuntimeError
             raise RuntimeError(f"cannot allocate {nbytes / 2**30:.3f} GiB of host memory for KV {tuple(shape)} {dtype}: {e}") from e
     buf = POOL.take(nbytes)
-    t = torch.frombuffer(buf.mem, dtype=dtype, count=nbytes // itemsize).view(shape)  # keeps the mapping alive
+    t = torch.frombuffer(buf.mem, dtype=dtype, count=nbytes // itemsize, offset=buf.offset).view(shape)  # keeps the mapping alive
     t._writescope_unpin = weakref.finalize(t, POOL.drop, buf)  # type: ignore[attr-defined]
     return t
 
@@ -98,7 +99,7 @@ def device_view(t: torch.Tensor, device: torch.device) -> torch.Tensor:
 
 def unpin(t: torch.Tensor) -> None:
     """Give ``t``'s page-locked bytes back (idempotent; a no-op for unpinned tensors): to
-    :data:`POOL`, which may lend them to the next :func:`host_empty` of about their size, so the
+    :data:`POOL`, which may lend them to a later :func:`host_empty` of their size or less, so the
     caller must not use ``t`` or a view of it again, nor leave a copy reading it in flight."""
     fin = getattr(t, "_writescope_unpin", None)
     info = fin.detach() if fin is not None else None

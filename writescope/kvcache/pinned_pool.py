@@ -1,4 +1,4 @@
-"""Page-locked host buffers kept registered after use and lent again (issue 18).
+"""Page-locked host buffers kept registered after use and lent again, whole or in part (issue 18).
 
 Registering host memory with CUDA is the slow part of placing a batch's load region. On the H200
 machine, ``cudaHostRegister`` of fresh pages ran at 1.6-2.6 GB/s: DeepSeek-V2-Lite 16 x 32K under
@@ -7,27 +7,37 @@ Unregistering ran at about 55 GB/s. A server admits and frees requests between d
 the thread that issues them, so every admission stalled the running requests for about half a
 second per GB it pinned. A benchmark paid the same before each of its rows.
 
-The pool keeps the buffers that :func:`writescope.kvcache.pinned.unpin` gives back, registered
-and mapped, and lends one again for a request of its size or a little smaller (at most
-``SLACK`` of the request larger; the rest stays unused while lent). So a stream of requests of
-similar lengths registers nothing after the first ones.
+Each registration is one anonymous mapping (:class:`Mapping`), registered and unregistered as a
+whole. The pool lends pieces of mappings (:class:`HostBuffer`: whole pages, contiguous, one
+tensor each) and keeps the pieces that :func:`writescope.kvcache.pinned.unpin` gives back,
+registered and mapped. Lending rule: a request (rounded up to whole pages) gets the first pages
+of the smallest idle piece that holds it, a piece of a mapping already partly lent first among
+pieces of one size; the rest of that piece stays idle, a piece of its own, for a later request.
+Only when no idle piece is large enough is a new mapping of exactly the request's pages
+registered. A piece given back merges with the idle pieces beside it in its mapping, so a
+mapping all of whose pieces are back is one idle piece again. So a stream of requests registers
+only what no idle piece can hold: rows of a benchmark that need smaller load regions than an
+earlier row register nothing; rows that need larger ones register their regions anew (a tensor
+never spans two mappings).
 
 Bounds:
-- Idle buffers hold at most ``idle_cap`` bytes (``WRITESCOPE_PINNED_POOL``: a size such as
-  ``8GiB``, ``0`` for no pool; default a quarter of the host's memory). Beyond it, the buffers
-  idle longest are unregistered and unmapped first. With the cap at 0, nothing kept before is
-  lent either.
-- Idle bytes count as available host memory (:func:`writescope.budget.memory.available_memory`).
-  A request that finds no idle buffer of its size first releases idle ones while the host has
-  less free memory than it needs, and all of them if the mapping or the registration fails (then
-  tries once more). Pageable KV makes room the same way (:meth:`PinnedPool.make_room`): a batch
-  once it passes its capacity check, for its spilled KV, and a sequence before it commits its
-  prompt's compute rows.
-- Page-locked memory can therefore reach what is lent (within the pinned budget, plus up to
-  ``SLACK`` of each buffer) plus the idle cap.
-- A buffer is reused only after an explicit give-back, whose caller promises that no view of it
-  is used again and no copy still reads it. A tensor garbage-collected without one is
-  unregistered and never reused.
+- Idle pieces hold at most ``idle_cap`` bytes (``WRITESCOPE_PINNED_POOL``: a size such as
+  ``8GiB``, ``0`` for no pool; default a quarter of the host's memory). Beyond it, the mappings
+  wholly idle longest are unregistered and unmapped first. Idle pieces of a mapping with a piece
+  still lent cannot be unregistered: they count towards the cap, but only wholly idle mappings
+  go, so idle bytes pass the cap only by such pieces, until their mappings come back whole.
+  With the cap at 0 nothing is lent again, not even pieces kept before.
+- The bytes of wholly idle mappings (:attr:`PinnedPool.releasable_bytes`) count as available host
+  memory (:func:`writescope.budget.memory.available_memory`). A request that finds no idle piece
+  of its size first releases wholly idle mappings while the host has less free memory than it
+  needs, and all of them if the mapping or the registration fails (then tries once more).
+  Pageable KV makes room the same way (:meth:`PinnedPool.make_room`): a batch once it passes its
+  capacity check, for its spilled KV, and a sequence before it commits its prompt's compute rows.
+- Page-locked memory can therefore reach what is lent (within the pinned budget) plus the idle
+  cap plus the idle pieces of mappings partly lent (or lost, below).
+- A piece is reused only after an explicit give-back, whose caller promises that no view of it is
+  used again and no copy still reads it. A tensor garbage-collected without one loses its piece:
+  nothing of that mapping is lent again, and it is unregistered once no piece of it is lent.
 """
 
 from __future__ import annotations
@@ -42,17 +52,37 @@ from typing import Callable
 from writescope.units import parse_size
 
 PAGE = mmap.PAGESIZE
-SLACK = 1 / 8  # an idle buffer serves requests down to 1 / (1 + SLACK) of its size
-HEADROOM = 1 / 0.9  # a new buffer needs this many times its size free (check_capacity's 0.9)
+HEADROOM = 1 / 0.9  # a new mapping needs this many times its size free (check_capacity's 0.9)
 
 
-@dataclass(eq=False)  # compared by identity: the pool's list removes exactly this buffer
-class HostBuffer:
-    """One anonymous mapping registered with CUDA (whole pages)."""
+@dataclass(eq=False)  # compared by identity
+class Mapping:
+    """One anonymous mapping registered with CUDA as a whole (whole pages)."""
 
     mem: mmap.mmap
     ptr: int
     size: int  # bytes mapped and registered
+    lent: int = 0  # pieces of it lent now
+    lost: bool = False  # a lent piece was garbage-collected: nothing of it is lent again
+    registered: bool = True  # False once unregistered (then never lent again)
+
+
+@dataclass(eq=False)  # compared by identity: the pool's list removes exactly this piece
+class HostBuffer:
+    """Bytes ``offset .. offset + size - 1`` of ``mapping`` (whole pages): what the pool lends."""
+
+    mapping: Mapping
+    offset: int  # bytes from the mapping's start, a multiple of PAGE
+    size: int  # bytes, a multiple of PAGE
+    lent: bool = False
+
+    @property
+    def ptr(self) -> int:
+        return self.mapping.ptr + self.offset
+
+    @property
+    def mem(self) -> mmap.mmap:
+        return self.mapping.mem
 
 
 def whole_pages(nbytes: int) -> int:
@@ -79,16 +109,18 @@ def idle_cap_from_env(total_host: int | None) -> int:
 
 
 class PinnedPool:
-    """Lends registered host buffers and keeps the ones given back (see module doc).
+    """Lends pieces of registered host mappings and keeps the ones given back (see module doc).
 
     Args:
         register: ``register(ptr, nbytes) -> error code`` (0 on success; CUDA's cudaHostRegister).
         unregister: ``unregister(ptr) -> error code``.
-        idle_cap: bytes of idle buffers kept, or a function returning it (read at each give-back,
-            so an environment variable set later applies).
+        idle_cap: bytes of idle pieces kept, or a function returning it (read at each take and
+            give-back, so an environment variable set later applies).
         free_bytes: the host's free memory in bytes now, or None when unknown (MemAvailable).
-        stats: a dict to add ``register_s``, ``register_bytes``, ``unregister_s``,
-            ``unregister_bytes``, ``reused`` and ``reused_bytes`` to.
+        stats: a dict to add ``register_s``, ``register_bytes`` and ``unregister_s``,
+            ``unregister_bytes`` (whole mappings), ``reused`` and ``reused_bytes`` (pieces lent
+            again, their whole pages) to.
+        on_error: called after a failed register or unregister (clears CUDA's sticky error).
     """
 
     def __init__(self, register: Callable[[int, int], int], unregister: Callable[[int], int],
@@ -98,8 +130,8 @@ class PinnedPool:
         self._cap_source = idle_cap if callable(idle_cap) else (lambda: idle_cap)
         self._last_cap = 0  # the last cap read that was valid (a bad value set later falls back to it)
         self._on_error = on_error or (lambda: None)
-        self._idle: list[HostBuffer] = []  # oldest first
-        self._lock = threading.RLock()  # finalizers drop buffers from whatever thread collects them
+        self._idle: list[HostBuffer] = []  # idle pieces, oldest given back first (merged pieces: at their last give-back)
+        self._lock = threading.RLock()  # finalizers drop pieces from whatever thread collects them
         self.stats = stats if stats is not None else {}
         for k in ("register_s", "unregister_s"):
             self.stats.setdefault(k, 0.0)
@@ -108,17 +140,24 @@ class PinnedPool:
 
     @property
     def idle_bytes(self) -> int:
+        """Bytes of the idle pieces that may be lent again (what the cap bounds)."""
         with self._lock:
-            return sum(b.size for b in self._idle)
+            return sum(p.size for p in self._idle if not p.mapping.lost)
+
+    @property
+    def releasable_bytes(self) -> int:
+        """Bytes of the wholly idle mappings: what :meth:`release_idle` gives back to the host now."""
+        with self._lock:
+            return sum(p.size for p in self._idle if p.mapping.lent == 0 and not p.mapping.lost)
 
     @property
     def idle_count(self) -> int:
         with self._lock:
-            return len(self._idle)
+            return sum(1 for p in self._idle if not p.mapping.lost)
 
     def take(self, nbytes: int) -> HostBuffer:
-        """A registered buffer of at least ``nbytes`` (rounded up to whole pages): an idle one of
-        that size up to ``1 + SLACK`` times it (the smallest such), else a new mapping.
+        """A registered piece of ``nbytes`` rounded up to whole pages (one page for 0): the first
+        pages of the smallest idle piece that holds it, else a new mapping of exactly that size.
 
         Raises:
             RuntimeError: the mapping or the registration failed (names the bytes).
@@ -126,19 +165,16 @@ class PinnedPool:
         span = whole_pages(max(1, nbytes))
         if self._cap() == 0:  # no pool (now): nothing idle is lent, whatever an earlier cap kept
             self.release_idle()
-        with self._lock:
-            fits = [b for b in self._idle if span <= b.size <= span + int(SLACK * span)]
-            if fits:
-                buf = min(fits, key=lambda b: b.size)
-                self._idle.remove(buf)
-                self.stats["reused"] += 1
-                self.stats["reused_bytes"] += buf.size
-                return buf
-            self.make_room(span)
+        else:
+            with self._lock:
+                piece = self._lend(span)
+                if piece is not None:
+                    return piece
+        self.make_room(span)
         try:
             return self._new(span)
         except (_RegisterError, _MapError):
-            self.release_idle()  # once more, with every idle buffer given back to the host
+            self.release_idle()  # once more, with every wholly idle mapping given back to the host
             try:
                 return self._new(span)
             except _RegisterError as e:
@@ -148,36 +184,59 @@ class PinnedPool:
                 raise RuntimeError(f"cannot map {nbytes / 2**30:.3f} GiB of host memory for pinned KV: {e.__cause__}") from None
 
     def give(self, buf: HostBuffer) -> None:
-        """Keep ``buf`` for a later :meth:`take` (its lender uses no view of it again), then drop
-        the buffers idle longest while the idle bytes pass the cap. Never raises for the cap: a
-        bad value read now counts as the last good one."""
+        """Keep ``buf`` for a later :meth:`take` (its lender uses no view of it again), merged
+        with the idle pieces beside it, then unregister the mappings wholly idle longest while
+        the idle bytes pass the cap. Never raises for the cap: a bad value read now counts as the
+        last good one.
+
+        Raises:
+            ValueError: ``buf`` is not lent now (given back twice).
+        """
         cap = self._cap()
         with self._lock:
-            if buf.size > cap:
-                self.drop(buf)
-            else:
-                self._idle.append(buf)
-            while self._idle and sum(b.size for b in self._idle) > cap:
-                self.drop(self._idle.pop(0))
+            if not buf.lent:
+                raise ValueError(f"pinned piece at {buf.ptr:#x} ({buf.size} bytes) given back but not lent")
+            buf.lent = False
+            m = buf.mapping
+            if not m.lost:
+                self._idle.append(self._merged(buf))
+            self._settle(m)
+            if m.lent == 0 and m.size > cap and not m.lost:  # larger than the cap alone: unregistered at once
+                self._idle = [p for p in self._idle if p.mapping is not m]
+                self._unmap(m)
+            while self.idle_bytes > cap and self._release_oldest():
+                pass
 
     def drop(self, buf: HostBuffer) -> None:
-        """Unregister ``buf`` now; its pages go back to the host when nothing maps them."""
-        t0 = time.perf_counter()
-        err = int(self._unregister(buf.ptr))
+        """``buf``'s tensor was garbage-collected without a give-back (a finalizer, any thread):
+        nothing of its mapping is lent again; the mapping is unregistered once no piece of it is
+        lent (now, if none is). A piece not lent (given back already) is left alone."""
         with self._lock:
-            self.stats["unregister_s"] += time.perf_counter() - t0
-            if err == 0:
-                self.stats["unregister_bytes"] += buf.size
-        if err != 0:
-            self._on_error()
+            if not buf.lent:
+                return
+            buf.lent = False
+            buf.mapping.lost = True
+            self._settle(buf.mapping)
 
     def release_idle(self) -> int:
-        """Unregister every idle buffer; returns the bytes released."""
+        """Unregister every wholly idle mapping; returns the bytes released."""
         with self._lock:
-            idle, self._idle = self._idle, []
-        for b in idle:
-            self.drop(b)
-        return sum(b.size for b in idle)
+            self._prune()
+            whole = [p for p in self._idle if p.mapping.lent == 0]
+            self._idle = [p for p in self._idle if p.mapping.lent > 0]
+            for p in whole:
+                self._unmap(p.mapping)
+            return sum(p.size for p in whole)
+
+    def make_room(self, nbytes: int) -> None:
+        """Unregister wholly idle mappings, idle longest first, while the host has less free
+        memory than an allocation of ``nbytes`` needs (a new mapping here, or pageable KV
+        elsewhere). Pieces of mappings partly lent cannot go."""
+        with self._lock:
+            while any(p.mapping.lent == 0 and not p.mapping.lost for p in self._idle):
+                free = self._free()
+                if free is None or free >= HEADROOM * nbytes or not self._release_oldest():
+                    return
 
     def _cap(self) -> int:
         """The idle cap now; a source that fails (a bad environment value set after start) gives
@@ -188,17 +247,71 @@ class PinnedPool:
             pass
         return self._last_cap
 
-    def make_room(self, nbytes: int) -> None:
-        """Drop idle buffers, longest idle first, while the host has less free memory than an
-        allocation of ``nbytes`` needs (a new mapping here, or pageable KV elsewhere)."""
-        with self._lock:
-            while self._idle:
-                free = self._free()
-                if free is None or free >= HEADROOM * nbytes:
-                    return
-                self.drop(self._idle.pop(0))
+    def _lend(self, span: int) -> HostBuffer | None:
+        """The first ``span`` bytes of the best idle piece (module doc), or None (lock held)."""
+        while True:
+            self._prune()
+            best = min((p for p in self._idle if p.size >= span), key=lambda p: (p.size, p.mapping.lent == 0), default=None)
+            if best is None:
+                return None
+            m = best.mapping
+            m.lent += 1
+            if not m.lost:  # a finalizer run by a collection just now may have lost it: then look again
+                break
+            self._settle(m)
+        i = self._idle.index(best)
+        if best.size > span:
+            self._idle[i] = HostBuffer(m, best.offset + span, best.size - span)
+        else:
+            del self._idle[i]
+        self.stats["reused"] += 1
+        self.stats["reused_bytes"] += span
+        return HostBuffer(m, best.offset, span, lent=True)
+
+    def _merged(self, buf: HostBuffer) -> HostBuffer:
+        """``buf`` joined with the idle pieces of its mapping that touch it, which leave the idle
+        list (lock held)."""
+        lo, hi = buf.offset, buf.offset + buf.size
+        for p in [p for p in self._idle if p.mapping is buf.mapping and (p.offset + p.size == lo or p.offset == hi)]:
+            self._idle.remove(p)
+            lo, hi = min(lo, p.offset), max(hi, p.offset + p.size)
+        return HostBuffer(buf.mapping, lo, hi - lo)
+
+    def _settle(self, m: Mapping) -> None:
+        """One lent piece of ``m`` is lent no more; unregister a lost ``m`` with none lent (lock held)."""
+        m.lent -= 1
+        if m.lost and m.lent == 0:
+            self._unmap(m)
+
+    def _prune(self) -> None:
+        """Drop idle pieces of lost mappings from the idle list (lock held)."""
+        self._idle = [p for p in self._idle if not p.mapping.lost]
+
+    def _release_oldest(self) -> bool:
+        """Unregister the mapping wholly idle longest; False when none is (lock held)."""
+        self._prune()
+        p = next((p for p in self._idle if p.mapping.lent == 0), None)
+        if p is None:
+            return False
+        self._idle.remove(p)
+        self._unmap(p.mapping)
+        return True
+
+    def _unmap(self, m: Mapping) -> None:
+        """Unregister ``m`` (once; lock held); its pages go back to the host when nothing maps them."""
+        if not m.registered:
+            return
+        m.registered = False
+        t0 = time.perf_counter()
+        err = int(self._unregister(m.ptr))
+        self.stats["unregister_s"] += time.perf_counter() - t0
+        if err == 0:
+            self.stats["unregister_bytes"] += m.size
+        else:
+            self._on_error()
 
     def _new(self, span: int) -> HostBuffer:
+        """A new mapping of ``span`` bytes, registered, lent whole."""
         try:
             mem = mmap.mmap(-1, span)
         except (OSError, ValueError) as e:
@@ -220,7 +333,7 @@ class PinnedPool:
             self._on_error()
             mem.close()
             raise _RegisterError(err)
-        return HostBuffer(mem, ptr, span)
+        return HostBuffer(Mapping(mem, ptr, span, lent=1), 0, span, lent=True)
 
 
 class _MapError(Exception):
