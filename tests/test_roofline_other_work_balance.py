@@ -38,9 +38,9 @@ class Meter:
         return None
 
 
-def _policy(meter, micro_batches: int = 1, batch: int = 16, roofline: Roofline = DSV2) -> WriteScopePolicy:
+def _policy(meter, micro_batches: int = 1, batch: int = 16, roofline: Roofline = DSV2, prefetch_tokens=None) -> WriteScopePolicy:
     p = WriteScopePolicy(roofline)
-    p.attach(meter, attention_threads=15, micro_batches=micro_batches)
+    p.attach(meter, attention_threads=15, micro_batches=micro_batches, prefetch_tokens=prefetch_tokens)
     p.expect_batch(batch)
     return p
 
@@ -71,6 +71,80 @@ def test_o_lowers_the_share(o, batch):
     assert _policy(Meter(o=o, link=o), batch=batch).cpu_share(PLACED) == pytest.approx(without, rel=1e-12)
 
 
+# the calibration of the H200 Qwen3-30B-A3B 16 x 32K run 36 (benchmarks/results/gpu_decode_h200_run36_variants_qwen3_16x32k.json),
+# its O (8.57 ms a layer step) and the ring of two 64 MiB ping-pong buffers: 256 blocks of 256 tokens of 2,048 bytes
+QWEN3 = Roofline(a=2.7474e-08, b=3.7591e-08, c_cpu=1.8977e-04, c_gpu=5.3250e-04, b_alone=3.8068e-08, c_gpu_alone=1.6858e-04)
+QWEN3_O, QWEN3_RING = 8.57e-3, 2 * (64 * 2**20 // (256 * 2048)) * 256
+
+
+def test_the_link_works_ahead_during_o_only_as_far_as_the_ping_pong_buffers_reach():
+    """Run 36: uncapped, O = 8.57 ms on the CPU side with nothing on the link's gave r = 0.33-0.35 and
+    1,192 ms a step, where fixed shares of 0.5 and 0.6 took 880 and 844 ms; capped by the ring, the
+    share comes back to about 0.51."""
+    L = 16 * PLACED
+    uncapped = _policy(Meter(o=QWEN3_O, link=0.0), roofline=QWEN3).cpu_share(PLACED)
+    assert uncapped == pytest.approx(0.334, abs=0.003)
+    capped = _policy(Meter(o=QWEN3_O, link=0.0), roofline=QWEN3, prefetch_tokens=QWEN3_RING).cpu_share(PLACED)
+    assert capped == pytest.approx(0.515, abs=0.003)
+    # both sides finish together: the link is idle for O less what the ring holds
+    w = QWEN3_RING * QWEN3.b
+    assert QWEN3_O + capped * QWEN3.a * L + QWEN3.c_cpu == pytest.approx(
+        (1 - capped) * QWEN3.b * L + QWEN3.c_gpu + QWEN3_O - w, rel=1e-9)
+
+
+@pytest.mark.parametrize("o_link", [0.0, 0.3e-3, 2.9e-3])
+@pytest.mark.parametrize("ring", [0, 1, 4097, QWEN3_RING, 10**9])
+def test_the_ring_s_cap_on_the_link_side(o_link, ring):
+    L = 16 * PLACED
+    o = 3.0e-3
+    got = _policy(Meter(o=o, link=o_link), roofline=QWEN3, prefetch_tokens=ring).cpu_share(PLACED)
+    link_side = max(o_link, o - ring * QWEN3.b)
+    assert got == pytest.approx(roofline_share(L, QWEN3.a, QWEN3.b, QWEN3.c_cpu + o, QWEN3.c_gpu + link_side), rel=1e-12)
+    uncapped = _policy(Meter(o=o, link=o_link), roofline=QWEN3).cpu_share(PLACED)
+    assert got >= uncapped - 1e-12  # the cap only takes link time away from the CPU's O
+    if ring == 0:  # a load region read in place: nothing streams ahead, O is on both sides
+        assert got == pytest.approx(roofline_share(L, QWEN3.a, QWEN3.b, QWEN3.c_cpu, QWEN3.c_gpu), rel=1e-9)
+    if ring * QWEN3.b >= o - o_link:  # the ring holds all the link can do during O: no cap
+        assert got == pytest.approx(uncapped, rel=1e-12)
+
+
+def test_the_gate_caps_both_paths_by_the_ring():
+    from writescope.scheduler.roofline import link_in_other, split_pays
+
+    assert link_in_other(QWEN3_O, 0.0, None, QWEN3.b) == 0.0
+    assert link_in_other(QWEN3_O, 1e-3, 0, QWEN3.b) == QWEN3_O
+    assert link_in_other(QWEN3_O, 8e-3, QWEN3_RING, QWEN3.b) == 8e-3
+    # 4 x 32K at r 0.5: uncapped, streaming alone hides its 4.9 ms of KV behind O and the split
+    # cannot pay; with the ring's cap most of O is idle link time on both paths, and it does
+    L, r = 4 * PLACED, 0.5
+    assert not split_pays(L, r, QWEN3.a, QWEN3, QWEN3_O, 0.0)
+    assert split_pays(L, r, QWEN3.a, QWEN3, QWEN3_O, 0.0, QWEN3_RING)
+    t_cpu, t_gpu = r * QWEN3.a * L + QWEN3.c_cpu, (1 - r) * QWEN3.b * L + QWEN3.c_gpu
+    split = max(QWEN3_O + max(t_cpu, QWEN3.c_gpu), t_gpu + QWEN3_O - QWEN3_RING * QWEN3.b)
+    alone = max(QWEN3_O + QWEN3.c_gpu_alone, QWEN3.b_alone * L + QWEN3.c_gpu_alone + QWEN3_O - QWEN3_RING * QWEN3.b_alone)
+    assert split < alone < split + 2e-3  # the capped forms, each path at its own rate
+
+
+@pytest.mark.parametrize("bad", [-1, float("nan")])
+def test_a_negative_ring_is_refused(bad):
+    with pytest.raises(ValueError, match="prefetch_tokens"):
+        WriteScopePolicy(QWEN3).attach(Meter(), attention_threads=1, micro_batches=1, prefetch_tokens=bad)
+
+
+def test_the_engine_gives_the_policy_its_cache_s_ring(monkeypatch):
+    from writescope import LLM
+
+    rf = Roofline(a=1e-3, b=1e-3)
+    monkeypatch.delenv("WRITESCOPE_LOAD_READ", raising=False)
+    llm = LLM("tiny-qwen3-moe", progress=False, policy="static:0.5", window=16)
+    llm.set_policy("writescope", roofline=rf)
+    spec = llm.cache.spec
+    assert llm.policy.prefetch_tokens == llm.cache.prefetch_tokens == spec.pingpong_total_bytes() // spec.token_bytes > 0
+    monkeypatch.setenv("WRITESCOPE_LOAD_READ", "in-place")
+    llm = LLM("tiny-qwen3-moe", progress=False, policy="writescope", window=16)
+    assert llm.policy.prefetch_tokens == 0
+
+
 def test_steps_split_into_two_micro_batches_keep_the_balance_without_o(monkeypatch):
     """With two micro-batches the CPU attends one half while the GPU runs the other half's O: O stays
     out of the balance (the gate still counts it); a batch of one is never split, so there it counts."""
@@ -82,7 +156,7 @@ def test_steps_split_into_two_micro_batches_keep_the_balance_without_o(monkeypat
     L = 16 * PLACED
     assert _policy(Meter(), micro_batches=2).cpu_share(PLACED) == pytest.approx(
         roofline_share(L, DSV2.a, DSV2.b, DSV2.c_cpu, DSV2.c_gpu), rel=1e-12)
-    assert seen[-1] == (O, O_LINK)  # the gate as before
+    assert seen[-1] == (O, O_LINK, None)  # the gate as before
     one = _policy(Meter(), micro_batches=2, batch=1).cpu_share(16 * PLACED)
     assert one == pytest.approx(roofline_share(L, DSV2.a, DSV2.b, DSV2.c_cpu + O, DSV2.c_gpu + O_LINK), rel=1e-12)
 

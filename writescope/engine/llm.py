@@ -226,7 +226,7 @@ class LLM:
         if isinstance(cache, InplaceKVCache):  # O, measured across caches (scheduler/other_work.py)
             cache.other_work = self.other_work
         if isinstance(parsed, WriteScopePolicy):  # O, and A from earlier decode steps where they were kept
-            parsed.attach(self.other_work, self.attention_threads, cache.micro_batches)
+            parsed.attach(self.other_work, self.attention_threads, cache.micro_batches, cache.prefetch_tokens)
         self._attach_expert_work()
 
     def _attach_expert_work(self) -> None:

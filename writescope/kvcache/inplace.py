@@ -146,6 +146,14 @@ class InplaceKVCache(KVCache):
         return {"window": sq.win_len[last], "compute": sq.n_comp[last] * D, "load": sq.n_load[last] * D}
 
     @property
+    def prefetch_tokens(self) -> int:
+        """Tokens of one layer that the ping-pong buffers hold (0 when the load region is read in
+        place): how much of the next layer's load region the link can copy before its attention
+        starts. The roofline caps the link's work during a layer's other work by it
+        (scheduler/roofline.py, ``link_in_other``)."""
+        return self.spec.pingpong_total_bytes() // self.spec.token_bytes
+
+    @property
     def active_slots(self) -> list[int]:
         return list(self._seqs)
 

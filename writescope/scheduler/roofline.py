@@ -30,6 +30,16 @@ together at eq. 2 with C_cpu + O and C_gpu + O_link for the fixed costs:
 
     r(L) = roofline_share(L, A, B, C_cpu + O, C_gpu + O_link).
 
+The link works ahead during O only as far as the ping-pong buffers reach: the copies of the next
+layer's blocks wait for a free buffer, and two buffers of 64 MiB hold about 2.4 ms of the link's
+time on the H200, where O is 1 ms (DeepSeek-V2-Lite), 8.6 ms (Qwen3-30B-A3B) or 16 ms (Mixtral-8x7B).
+So the link's side counts max(O_link, O - W), W the link time of the buffers' tokens
+(:attr:`WriteScopePolicy.prefetch_tokens`; none when the load region is read in place). Without the
+cap the balance gave the CPU side O uncovered by the link: on the H200, Qwen3-30B-A3B 16 x 32K with
+the host-expert split (O_link 0) deployed r = 0.35 and took 1,192 ms a step, where fixed shares of
+0.5 and 0.6 took 880 and 844 ms (run 36, benchmarks/results/gpu_decode_h200.md), and Mixtral-8x7B
+4 x 32000 deployed r = 0.
+
 Without O the CPU side was the step's critical path (DeepSeek-V2-Lite 16 x 32K on the H200: r =
 0.531 deployed, the CPU part 5.3-6.1 ms per layer against 3.0 ms for the GPU part; the balance
 with O = 1.0 ms and the A of those decode steps gives 0.43-0.45). Where O is not measured yet,
@@ -86,7 +96,18 @@ def roofline_share(L: float, a: float, b: float, c_cpu: float = 0.0, c_gpu: floa
     return min(1.0, max(0.0, base + delta / ((a + b) * L)))
 
 
-def split_pays(L: float, r: float, a: float, roofline: Roofline, other: float | None = None, other_link: float = 0.0) -> bool:
+def link_in_other(other: float, other_link: float, prefetch_tokens: float | None, b: float) -> float:
+    """The link's time inside O that the next layer's blocks cannot use (seconds): the host
+    experts' ``other_link``, or all of O but the ``prefetch_tokens`` the ping-pong buffers hold at
+    ``b`` seconds per token, whichever is more (see the module docstring). ``prefetch_tokens``
+    None: no cap (the link streams ahead through all of O)."""
+    if prefetch_tokens is None:
+        return other_link
+    return max(other_link, other - prefetch_tokens * b)
+
+
+def split_pays(L: float, r: float, a: float, roofline: Roofline, other: float | None = None, other_link: float = 0.0,
+               prefetch_tokens: float | None = None) -> bool:
     """Whether a step over ``L`` placed tokens with CPU share ``r`` in (0, 1] is predicted faster
     than streaming all of them with no CPU part (see the module docstring). True when the
     roofline has no stand-alone calibration (``b_alone`` None): the paper's r(L) then stands.
@@ -97,7 +118,8 @@ def split_pays(L: float, r: float, a: float, roofline: Roofline, other: float | 
     (host experts read in place). Streaming alone hides behind O what the link is not busy with
     there: max(O + C_gpu_alone, B_alone L + C_gpu_alone + O_link). The CPU part waits for q and
     does not hide: max(O + max(T_cpu(r), C_gpu), T_gpu(r) + O_link) + C_split. With O None (not
-    measured) the forms without it.
+    measured) the forms without it. ``prefetch_tokens``: what the ping-pong buffers let the link
+    stream ahead during O (:func:`link_in_other`, each path at its own rate); None: no cap.
     """
     rf = roofline
     if rf.b_alone is None or r <= 0:
@@ -105,8 +127,8 @@ def split_pays(L: float, r: float, a: float, roofline: Roofline, other: float | 
     t_cpu, t_gpu = r * a * L + rf.c_cpu, (1 - r) * rf.b * L + rf.c_gpu  # at r = 1 the GPU still attends the D-window (C_gpu)
     c_alone = rf.c_gpu_alone or 0.0
     if other is not None:
-        split = max(other + max(t_cpu, rf.c_gpu), t_gpu + other_link) + rf.c_split
-        alone = max(other + c_alone, rf.b_alone * L + c_alone + other_link)
+        split = max(other + max(t_cpu, rf.c_gpu), t_gpu + link_in_other(other, other_link, prefetch_tokens, rf.b)) + rf.c_split
+        alone = max(other + c_alone, rf.b_alone * L + c_alone + link_in_other(other, other_link, prefetch_tokens, rf.b_alone))
     else:
         split, alone = max(t_cpu, t_gpu) + rf.c_split, rf.b_alone * L + c_alone
     return split < alone
@@ -162,18 +184,24 @@ class WriteScopePolicy(PlacementPolicy):
         self.other = None
         # micro-batches per decode step of the cache placed for (WRITESCOPE_MICRO_BATCHES), given with O
         self.micro_batches = 1
+        # tokens of one layer the cache's ping-pong buffers hold: how far the link streams ahead
+        # during O (link_in_other); None: not known, no cap
+        self.prefetch_tokens = None
         # the expert side of the joint roofline (scheduler/expert_work.py), attached by the engine
         # when routed experts live in host memory and the step may split them; None: KV only
         self.experts = None
 
-    def attach(self, other, attention_threads: int, micro_batches: int) -> None:
+    def attach(self, other, attention_threads: int, micro_batches: int, prefetch_tokens: int | None = None) -> None:
         """Give the policy the engine's meter of O (an
         :class:`~writescope.scheduler.other_work.OtherWork`): O enters the split gate, and the
         balance of decode steps not split into micro-batches (``micro_batches``: the cache's
-        ``WRITESCOPE_MICRO_BATCHES``). A starts from the in-step A the meter kept for
-        ``attention_threads`` CPU attention threads under the switches set now, where it kept one
-        (else from the calibration's)."""
-        self.other, self.micro_batches = other, micro_batches
+        ``WRITESCOPE_MICRO_BATCHES``), the link's side capped by ``prefetch_tokens`` (the cache's
+        :attr:`~writescope.kvcache.inplace.InplaceKVCache.prefetch_tokens`; None: no cap). A
+        starts from the in-step A the meter kept for ``attention_threads`` CPU attention threads
+        under the switches set now, where it kept one (else from the calibration's)."""
+        if prefetch_tokens is not None and not prefetch_tokens >= 0:
+            raise ValueError(f"prefetch_tokens must be >= 0 or None, got {prefetch_tokens}")
+        self.other, self.micro_batches, self.prefetch_tokens = other, micro_batches, prefetch_tokens
         kept = other.in_step_a(attention_threads)
         if kept is not None:
             self.a = OnlineEstimate(kept, self.a.alpha, self.a.window)
@@ -198,12 +226,12 @@ class WriteScopePolicy(PlacementPolicy):
         if X > 0:
             r, _ = joint_split(L, X, self.experts.costs())
         elif o is not None and not micro_batched(self.micro_batches, self.batch):  # as InplaceKVCache.decode_groups splits
-            r = roofline_share(L, a, rf.b, rf.c_cpu + o, rf.c_gpu + o_link)
+            r = roofline_share(L, a, rf.b, rf.c_cpu + o, rf.c_gpu + link_in_other(o, o_link, self.prefetch_tokens, rf.b))
         else:
             r = roofline_share(L, a, rf.b, rf.c_cpu, rf.c_gpu)
         if o is None:
             return r if split_pays(L, r, a, rf) else 0.0
-        return r if split_pays(L, r, a, rf, o, o_link) else 0.0
+        return r if split_pays(L, r, a, rf, o, o_link, self.prefetch_tokens) else 0.0
 
     def expect_batch(self, batch: int) -> None:
         self.batch = max(1, batch)
