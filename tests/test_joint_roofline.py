@@ -137,6 +137,34 @@ def test_the_cpu_expert_cost_is_measured_as_a_line():
     assert e1 > 0 and call1 == 0.0
 
 
+def test_the_expert_cost_line_and_when_it_is_not_believed():
+    from writescope.scheduler.expert_work import MAX_CALL_SHARE, expert_cost_line
+
+    mb = 352 * 2**20  # a Mixtral-8x7B expert
+    # a clean line: 3.5 ms per expert and 0.2 ms a call
+    e, call = expert_cost_line(0.2e-3 + 3.5e-3, 0.2e-3 + 8 * 3.5e-3, 8, mb)
+    assert e == pytest.approx(3.5e-3 / mb, rel=1e-9) and call == pytest.approx(0.2e-3, rel=1e-6)
+    # run 36: the one-expert call timed at 13.4 ms, eight at 16.3: a 13 ms fixed part beside 855 GB/s
+    # is not believed; the eight experts' call is taken per byte
+    e, call = expert_cost_line(13.4e-3, 16.3e-3, 8, mb)
+    assert call == 0.0 and e == pytest.approx(16.3e-3 / (8 * mb))
+    # just inside and just past the share
+    for share, believed in ((MAX_CALL_SHARE * 0.99, True), (MAX_CALL_SHARE * 1.01, False)):
+        one = 4e-3
+        fixed = share * one
+        many = fixed + 8 * (one - fixed)
+        e, call = expert_cost_line(one, many, 8, mb)
+        assert (call > 0) == believed
+    # a slope that noise made <= 0, one expert, odd sizes
+    assert expert_cost_line(5e-3, 4e-3, 8, mb) == (4e-3 / (8 * mb), 0.0)
+    assert expert_cost_line(5e-3, 5e-3, 1, 17) == (5e-3 / 17, 0.0)
+    e, call = expert_cost_line(0.1e-3 + 1e-3, 0.1e-3 + 4097 * 1e-3, 4097, 15)
+    assert e == pytest.approx(1e-3 / 15) and call == pytest.approx(0.1e-3)
+    for bad in ((0.0, 1e-3, 8, mb), (1e-3, float("nan"), 8, mb), (1e-3, float("inf"), 8, mb), (1e-3, 1e-3, 0, mb), (1e-3, 1e-3, 8, 0)):
+        with pytest.raises(ValueError, match="expert call timings"):
+            expert_cost_line(*bad)
+
+
 def test_costs_are_checked():
     with pytest.raises(ValueError, match="cost e"):
         JointCosts(1e-9, 1e-9, float("nan"), 1e-11)

@@ -154,15 +154,42 @@ class ExpertWork:
         return out
 
 
+# A fixed part larger than this share of a one-expert call is not believed (expert_cost_line). On
+# the H200 the fits gave 0.00-0.01 ms a call, and once (Mixtral-8x7B, run 36) 13 ms beside
+# 855 GB/s: a one-expert call timed 4x too slow, which made the CPU look nearly free per byte.
+MAX_CALL_SHARE = 0.5
+
+
+def expert_cost_line(one: float, many: float, n: int, nbytes: int) -> tuple[float, float]:
+    """``(e, call)`` from a call over one expert (``one`` seconds) and over ``n`` experts (``many``),
+    each of ``nbytes`` weight bytes: the line through the two (seconds per byte, seconds per call).
+    All of a call's time is counted per byte, with ``call`` 0, where the line is not believable:
+    one expert (``n`` 1), a slope that noise made <= 0, or a fixed part above
+    :data:`MAX_CALL_SHARE` of the one-expert call (then ``many`` is the better measurement).
+
+    Raises:
+        ValueError: a time not positive and finite, ``n`` < 1 or ``nbytes`` < 1.
+    """
+    if not (one > 0 and many > 0 and math.isfinite(one) and math.isfinite(many)) or n < 1 or nbytes < 1:
+        raise ValueError(f"expert call timings must be positive and finite over >= 1 expert of >= 1 byte, got "
+                         f"one={one}, many={many} s, n={n}, nbytes={nbytes}")
+    average = (many / (n * nbytes), 0.0)
+    if n < 2:
+        return average
+    slope = (many - one) / ((n - 1) * nbytes)
+    call = one - slope * nbytes
+    if not slope > 0 or call > MAX_CALL_SHARE * one:
+        return average
+    return slope, max(0.0, call)
+
+
 def measure_cpu_expert_cost(block, experts: int = 8, reps: int = 3) -> tuple[float, float]:
     """``(e, call)``: CPU seconds per expert weight byte of ``block``'s host expert path (the C++
     kernel where it is used) and its fixed seconds per call, from calls with one random token on
-    each of 1 and of up to ``experts`` host experts (each the median of ``reps`` calls after one
-    unmeasured call): the line through the two. A decode layer step's CPU call has 1-4 experts,
-    where the fixed part is a visible share. With one host expert (or a slope that noise made
-    negative) all of a call's time is counted per byte and ``call`` is 0. The starting values of
-    E (tracked from then on) and of the fixed part."""
-    import statistics
+    each of 1 and of up to ``experts`` host experts (each the fastest of ``reps`` calls after one
+    unmeasured call: the noise of a timing only adds), through :func:`expert_cost_line`. A decode
+    layer step's CPU call has 1-4 experts, where the fixed part is a visible share. The starting
+    values of E (tracked from then on) and of the fixed part."""
     import time
 
     import torch
@@ -180,16 +207,11 @@ def measure_cpu_expert_cost(block, experts: int = 8, reps: int = 3) -> tuple[flo
                 t0 = time.perf_counter()
                 block._host_experts(host[:n], [1] * n, x[:n], w)
                 times.append(time.perf_counter() - t0)
-        return statistics.median(times[1:])
+        return min(times[1:])
 
     many = timed(len(host))
-    if len(host) < 2:
-        return many / nbytes, 0.0
-    one = timed(1)
-    slope = (many - one) / ((len(host) - 1) * nbytes)
-    if not slope > 0:
-        return many / (len(host) * nbytes), 0.0
-    return slope, max(0.0, one - slope * nbytes)
+    one = timed(1) if len(host) >= 2 else many
+    return expert_cost_line(one, many, len(host), nbytes)
 
 
 # What the per-step split costs a decode layer step beyond its balanced expert phase, against the
