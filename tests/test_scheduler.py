@@ -87,12 +87,35 @@ def test_one_outlier_does_not_move_the_estimate():
 def test_policy_tracks_a_with_a_floor():
     pol = WriteScopePolicy(Roofline(a=1e-9, b=1e-9, c_cpu=1e-4, c_gpu=0.0))
     for _ in range(20):
-        pol.observe(1e-4 + 3e-9 * 10_000, 10_000, batch=4)  # A tripled (contention)
+        pol.observe(1e-4 + 3e-9 * 1_000_000, 1_000_000, batch=4)  # A tripled (contention)
     assert pol.a.value == pytest.approx(3e-9, rel=0.02)
     assert pol.cpu_share(10**6) < roofline_share(4e6, 1e-9, 1e-9, 1e-4, 0.0)  # less goes to the CPU
     for _ in range(20):
-        pol.observe(0.0, 10_000, batch=4)  # faster than the fixed cost: floored
+        pol.observe(4e-4, 10**7, batch=4)  # far below A per token: floored
     assert pol.a.value == pytest.approx(A_FLOOR * 1e-9, rel=0.05)
+
+
+def test_parts_mostly_fixed_cost_teach_no_a():
+    """Run 37: the bench's warm-up at 512 tokens (CPU parts of 4,096 tokens, about 0.48 ms against
+    C_cpu 0.30 ms) taught A = 43 ns/token where the calibration said 23.6, and the first 32K row
+    placed r = 0.41 instead of 0.53. Parts whose C_cpu is more than a quarter of their time give
+    no sample; a 32K part (5.5 ms) does."""
+    from writescope.scheduler.roofline import MAX_FIXED_SHARE
+
+    rf = Roofline(a=2.3636e-08, b=3.72096e-08, c_cpu=3.0006e-4, c_gpu=2.8814e-4)
+    pol = WriteScopePolicy(rf)
+    for _ in range(10):
+        pol.observe(0.476e-3, 4096, batch=16)
+    assert pol.in_step_a is None and pol.a.value == rf.a  # nothing learnt: the engine keeps nothing
+    for tokens in (1, 15, 16, 17, 4097):
+        pol.observe(rf.c_cpu / MAX_FIXED_SHARE * 0.999, tokens, batch=16)  # just under the share: no sample
+    assert pol.in_step_a is None
+    pol.observe(rf.c_cpu / MAX_FIXED_SHARE, 4097, batch=16)  # exactly at the share: a sample
+    assert pol.in_step_a is not None
+    pol = WriteScopePolicy(rf)
+    for _ in range(10):
+        pol.observe(rf.c_cpu + 26e-9 * 213_000, 213_000, batch=16)
+    assert pol.in_step_a == pytest.approx(26e-9, rel=0.02)
 
 
 def test_a_split_must_beat_streaming_alone():

@@ -260,7 +260,7 @@ def run(args: argparse.Namespace) -> int:
         print(f"A (CPU attention per placed token, {llm.attention_threads} thread(s), every batch; rows without @switches, "
               f"those with their own keep theirs apart): calibration {per_token(roofline.a)}; "
               + (f"in-step {per_token(kept)}, kept from decode steps: a writescope row placed its prompts with the one kept "
-                 "before it (the first row: an earlier run's, else the calibration's)" if kept is not None
+                 "before it (the first row: one kept earlier, by an earlier run or the warm-up, else the calibration's)" if kept is not None
                  else "no in-step A kept: writescope placed its prompts with the calibration's"))
     parts = format_split_parts(rows)
     if parts:

@@ -67,6 +67,15 @@ from writescope.scheduler.joint import joint_split
 from writescope.scheduler.placement import PlacementPolicy, micro_batched
 
 A_FLOOR = 0.1  # A is never estimated below this fraction of its calibrated value
+# A CPU part whose calibrated fixed cost C_cpu is more than this share of its time gives no sample
+# of A (WriteScopePolicy.observe). Inside real steps a part's fixed cost is not quite C_cpu, and the
+# difference is divided by the part's tokens: on the H200 the bench's warm-up at 512 tokens (CPU
+# parts of 2-4K tokens, about 0.5 ms against C_cpu 0.3 ms) taught A = 43 ns/token for Qwen3-30B-A3B
+# and about 200 for Mixtral-8x7B (calibration: 23.6 and 54), and the first 32K row, starting from
+# that kept A, placed r = 0.41 and 0.21 instead of 0.53 and 0.44 (run 37,
+# benchmarks/results/gpu_decode_h200.md). At a quarter, an error of the fixed part costs the
+# sample at most a third of that error's share of C_cpu.
+MAX_FIXED_SHARE = 0.25
 
 
 def roofline_share(L: float, a: float, b: float, c_cpu: float = 0.0, c_gpu: float = 0.0) -> float:
@@ -239,8 +248,10 @@ class WriteScopePolicy(PlacementPolicy):
     def observe(self, cpu_seconds: float, cpu_tokens: int, batch: int) -> None:
         """One measured CPU step: the sample of A is ``(cpu_seconds - C_cpu) / cpu_tokens``,
         floored at a tenth of the calibrated A (a step cheaper than the calibrated fixed cost
-        says little about the per-token cost)."""
+        says little about the per-token cost). A step whose calibrated fixed cost is more than
+        :data:`MAX_FIXED_SHARE` of its time gives no sample: there an error in the fixed part
+        is a large error per token (see :data:`MAX_FIXED_SHARE`)."""
         self.batch = max(1, batch)
-        if cpu_tokens > 0:
+        if cpu_tokens > 0 and self.roofline.c_cpu <= MAX_FIXED_SHARE * cpu_seconds:
             sample = (cpu_seconds - self.roofline.c_cpu) / cpu_tokens
             self.a.update(max(sample, A_FLOOR * self.roofline.a))
