@@ -215,6 +215,21 @@ def test_rows_break_each_split_call_into_its_parts():
     assert streamed.extra["split_parts"]["calls_with_cpu"] == 0
     text = format_split_parts([split, streamed])
     assert "static:0.5" in text and " gpu:" not in text and "ns/token" in text
+    assert "early_fills" not in parts and "copied early" not in text  # only with WRITESCOPE_LOAD_COPIES=early
+
+
+def test_a_row_with_early_copies_counts_its_fills(monkeypatch):
+    from writescope import LLM
+    from writescope.bench import runner
+    from writescope.bench.report import format_split_parts
+
+    monkeypatch.setenv("WRITESCOPE_LOAD_COPIES", "early")
+    llm = LLM("tiny-deepseek-v2", progress=False)
+    cfg = runner.BenchConfig([2], [200], ["static:0.5"], steps=3, window=16, warmup=False, kv_fill="random")
+    row = runner.run_one(llm, cfg, 2, 200, "static:0.5")
+    parts, st = row.extra["split_parts"], llm.cache.decoder.stats
+    assert parts["early_fills"] == st.early_fills == 3 * (llm.config.num_layers - 1) and parts["early_fills_wasted"] == 0
+    assert f"fills copied early: {st.early_fills} used, 0 copied again" in format_split_parts([row])
 
 
 def test_the_pinning_line_sums_the_rows():

@@ -310,3 +310,77 @@ def test_generate_names_the_switches_it_ran_under(monkeypatch):
     monkeypatch.setenv("WRITESCOPE_API_KEY", "sk-secret")  # not a switch: never printed
     text = format_timings(outs, llm.policy_name, None, llm.decode_host)
     assert "WRITESCOPE_MICRO_BATCHES=2" in text and "WRITESCOPE_MOE_KERNEL=grouped" in text and "sk-secret" not in text
+
+
+@pytest.mark.parametrize("preset", ["tiny-qwen3-moe", "tiny-deepseek-v2"])
+@pytest.mark.parametrize("mb", ["1", "2"])
+def test_early_copies_change_no_logit(preset, mb, monkeypatch):
+    """WRITESCOPE_LOAD_COPIES=early copies a layer's first fills at the end of the previous layer's
+    load part. The same bytes are attended by the same arithmetic, so the logits are equal bit for
+    bit; with two micro-batches the other half's layer comes in between, so every early fill is
+    found holding other runs and copied again (counted as wasted), and still nothing changes."""
+    monkeypatch.setenv("WRITESCOPE_MICRO_BATCHES", mb)
+    logits, stats = {}, {}
+    for copies in ("own-layer", "early"):
+        monkeypatch.setenv("WRITESCOPE_LOAD_COPIES", copies)
+        llm = LLM(preset, progress=False, policy="static:0.5", window=D, prefill_chunk_tokens=32)
+        assert llm.cache.decoder.copies_early == (copies == "early")
+        logits[copies] = _decode_logits(llm, _prompts(llm.config.vocab_size), STEPS)
+        stats[copies] = llm.cache.decoder.stats
+    assert torch.equal(logits["early"], logits["own-layer"])
+    assert stats["own-layer"].early_fills == stats["own-layer"].early_fills_wasted == 0
+    layers = LLM(preset, progress=False, policy="static:0.5", window=D).config.num_layers
+    if mb == "1":
+        assert stats["early"].early_fills == STEPS * (layers - 1) and stats["early"].early_fills_wasted == 0
+    else:
+        assert stats["early"].early_fills == 0 and stats["early"].early_fills_wasted > 0
+
+
+def _half_experts_on_host(preset: str) -> int:
+    """A device budget (bytes) that leaves about half of ``preset``'s routed experts in host memory
+    (bf16, batch 4), as tests/test_joint_roofline.py's."""
+    from writescope.budget.plan import make_plan
+    from writescope.presets import preset_config
+    from writescope.scheduler.policies import StaticPolicy
+
+    cfg = preset_config(preset)
+    base = make_plan(cfg, torch.bfloat16, 2**40, 4, cfg.max_position_embeddings, 0, StaticPolicy(0.5), 16)
+    return base.gpu_min + (base.experts_total // 2 + 8) * base.expert_bytes
+
+
+@pytest.mark.gpu
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")
+@pytest.mark.parametrize("preset,share", [("tiny-qwen3-moe", None), ("tiny-deepseek-v2", None), ("tiny-qwen3-moe", 0.0)])
+def test_early_copies_change_no_logit_on_cuda(preset, share, monkeypatch):
+    """On CUDA the early copies run on the copy stream after the buffer's last reader in the
+    previous layer, and the layer that uses them waits for their event: a missing wait or a buffer
+    refilled too soon would show as a difference from copying in the layer itself (bf16, bit for
+    bit), with the host experts read in place (share None) or computed on the CPU after a routing
+    read-back (share 0: the host waits mid-layer while the early copies run), one micro-batch and two."""
+    prompts, steps = [[5 + i % 50 for i in range(n)] for n in (90, 70, 33, 48)], 6
+    logits = {}
+    for mb in ("1", "2"):
+        for copies in ("own-layer", "early"):
+            monkeypatch.setenv("WRITESCOPE_MICRO_BATCHES", mb)
+            monkeypatch.setenv("WRITESCOPE_LOAD_COPIES", copies)
+            llm = LLM(preset, device="cuda", dtype="bf16", progress=False, policy="static:0.5", window=16, max_batch=4,
+                      vram_budget=_half_experts_on_host(preset) if share is not None else None, expert_stream_share=share)
+            if share is not None:
+                assert any(b.host_experts for b in llm._moe_blocks)
+            cache, model = llm.cache, llm.model
+            slots = [cache.allocate(len(p) + steps + 8, prompt_len=len(p)) for p in prompts]
+            with torch.inference_mode():
+                batch = ForwardBatch.build(slots, [len(p) for p in prompts], [0] * len(prompts), "cuda")
+                model(torch.tensor([t for p in prompts for t in p], device="cuda"), batch, cache)
+                rows, nxt = [], torch.tensor([p[-1] for p in prompts], device="cuda")
+                for s in range(steps):
+                    batch = ForwardBatch.build(slots, [1] * len(prompts), [len(p) + s for p in prompts], "cuda")
+                    rows.append(model(nxt, batch, cache).float())
+            torch.cuda.synchronize()
+            logits[mb, copies] = torch.stack(rows)
+            if copies == "early" and mb == "1":
+                assert cache.decoder.stats.early_fills > 0
+            for slot in slots:
+                cache.free(slot)
+    for mb in ("1", "2"):
+        assert torch.equal(logits[mb, "early"], logits[mb, "own-layer"]), mb

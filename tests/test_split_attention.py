@@ -679,3 +679,87 @@ def test_pingpong_buffers_from_the_environment(monkeypatch):
         monkeypatch.setenv("WRITESCOPE_PINGPONG_BUFFERS", bad)
         with pytest.raises(ValueError, match=f"WRITESCOPE_PINGPONG_BUFFERS='{bad}': use an integer from 1 to 64"):
             PartitionSpec(layout, 2, torch.float32)
+
+
+# ================================================================================= early copies
+@pytest.mark.parametrize("shape", [GQA_8_2, MLA_SMALL], ids=["gqa8/2", "mla"])
+@pytest.mark.parametrize("buffers,blocks", [(1, 1), (2, 3), (3, 2), (2, 64)], ids=lambda x: str(x))
+@pytest.mark.parametrize("policy", ["gpu", "static:0.5"])
+def test_early_copies_are_used_and_exact(make_harness, monkeypatch, shape, buffers, blocks, policy):
+    """WRITESCOPE_LOAD_COPIES=early: each layer's first fills (one per buffer) are copied at the end
+    of the previous layer's load part and used there; outputs stay exact through evictions into the
+    load region (window 16, 20 steps from a 3-token tail), over ragged sequences in several slabs."""
+    monkeypatch.setenv("WRITESCOPE_LOAD_COPIES", "early")
+    D, L = 16, 3
+    h = make_harness(shape, window=D, policy=policy, num_layers=L, pingpong_blocks=blocks, pingpong_buffers=buffers)
+    assert h.cache.decoder.copies_early
+    lens = [40 * D + 3, 17, 5 * D]
+    slots = [h.allocate(n + 20, prompt_len=n) for n in lens]
+    h.prefill(slots, lens)
+    for _ in range(20):
+        h.decode(slots)
+    st = h.cache.decoder.stats
+    # every decode step's layers 1 .. L-1 take their first fills early (at most one per buffer)
+    assert st.early_fills >= 20 * (L - 1) and st.early_fills_wasted == 0
+    for s in slots:
+        h.assert_placement_exact(s)
+
+
+def test_early_fills_whose_runs_differ_are_copied_again(make_harness, monkeypatch):
+    """A fill copied early for other runs (another micro-batch's layer in between, a stale record)
+    is copied again, never attended as it is."""
+    monkeypatch.setenv("WRITESCOPE_LOAD_COPIES", "early")
+    D = 16
+    h = make_harness(window=D, policy="gpu", num_layers=2, pingpong_blocks=2, pingpong_buffers=2)
+    a, b = h.allocate(10 * D + 20, prompt_len=10 * D), h.allocate(7 * D + 20, prompt_len=7 * D)
+    h.prefill([a, b], [10 * D, 7 * D])
+    dec = h.cache.decoder
+    # one sequence decoded alone: layer 0's load part copies layer 1's first fills for it
+    h.decode([a])
+    used = dec.stats.early_fills
+    assert used == 2 and dec.stats.early_fills_wasted == 0
+    # a record for layer 1 of `a`, then layer 1 run over `b`: its ids differ, both fills are copied again
+    real = dec._load_part
+
+    def load_part_then_stale(*args, **kw):
+        out = real(*args, **kw)
+        if dec._early is not None:  # what layer 0 of [b] copied early: claim it was for [a]
+            layer, _, keys = dec._early
+            dec._early = (layer, (id(h.seq(a)),), keys)
+        return out
+
+    monkeypatch.setattr(dec, "_load_part", load_part_then_stale)
+    h.decode([b])  # the harness checks every output against float64
+    assert dec.stats.early_fills == used and dec.stats.early_fills_wasted == 2
+    monkeypatch.setattr(dec, "_load_part", real)
+    # keys that differ from the layer's runs (same layer, same sequences): that fill is copied again
+    h.decode([a, b])
+    fills_before, wasted_before = dec.stats.early_fills, dec.stats.early_fills_wasted
+
+    def tamper(*args, **kw):
+        out = real(*args, **kw)
+        if dec._early is not None:
+            layer, ids, keys = dec._early
+            dec._early = (layer, ids, [((0, 0, 1),)] + list(keys[1:]))
+        return out
+
+    monkeypatch.setattr(dec, "_load_part", tamper)
+    h.decode([a, b])
+    assert dec.stats.early_fills_wasted == wasted_before + 1 and dec.stats.early_fills == fills_before + 1
+    # the record of a layer that does not come next is dropped at the next call
+    dec._early = (5, (), [()])
+    monkeypatch.setattr(dec, "_load_part", real)
+    h.decode([a, b])
+    assert dec.stats.early_fills_wasted == wasted_before + 2
+
+
+def test_early_copies_off_by_default_and_bad_values_named(monkeypatch):
+    from writescope.attention.split import _copies_early
+
+    monkeypatch.delenv("WRITESCOPE_LOAD_COPIES", raising=False)
+    assert not _copies_early()
+    monkeypatch.setenv("WRITESCOPE_LOAD_COPIES", "Early ")
+    assert _copies_early()
+    monkeypatch.setenv("WRITESCOPE_LOAD_COPIES", "soon")
+    with pytest.raises(ValueError, match="WRITESCOPE_LOAD_COPIES='soon'"):
+        _copies_early()

@@ -54,6 +54,8 @@ class SplitStats:
     window_tokens: int = 0
     streamed_bytes: int = 0  # load region -> ping-pong
     streamed_copies: int = 0
+    early_fills: int = 0  # fills copied at the end of the previous layer (WRITESCOPE_LOAD_COPIES=early) and used
+    early_fills_wasted: int = 0  # such fills copied again because the layer's runs differed
     last_cpu_seconds: float = 0.0  # of the last decode call (0 when it had no CPU part)
     last_cpu_tokens: int = 0
     prepare_seconds: float = 0.0  # monolithic baseline: re-layout into pinned staging
@@ -95,6 +97,21 @@ def _own_load_stream() -> bool:
     return env_choice("WRITESCOPE_LOAD_STREAM", ("compute", "own")) == "own"
 
 
+def _copies_early() -> bool:
+    """``WRITESCOPE_LOAD_COPIES``: when the copies of a layer's first ping-pong fills are issued.
+    ``own-layer`` (the default): in that layer's decode call. ``early``: at the end of the previous
+    layer's load part, before the host issues that layer's other work (routing, experts), so the
+    link fills the ring while the host waits on the routing or computes host experts on the CPU
+    (a per-step expert split or ``--expert-stream-share 0``); the next layer uses those fills where
+    its runs are the same, and copies again where they are not (an eviction between the layers,
+    another micro-batch's layer in between). Not yet measured on the device: off by default.
+
+    Raises:
+        ValueError: another value (names it).
+    """
+    return env_choice("WRITESCOPE_LOAD_COPIES", ("own-layer", "early")) == "early"
+
+
 def _cpu_partial_in_place() -> bool:
     """``WRITESCOPE_CPU_PARTIAL``: how the merge gets the CPU partial (o, lse) the native worker
     wrote into pinned memory. ``in-place`` (the default): the merge kernel reads it there, over
@@ -118,6 +135,12 @@ def _native_wanted() -> bool:
         ValueError: another value (names it).
     """
     return env_choice("WRITESCOPE_CPU_WORKER", ("native", "python")) == "native"
+
+
+def _fill_key(fill) -> tuple:
+    """What a fill holds: per run its sequence index, host address and blocks (a run of the same
+    blocks of the same sequence in the same place is the same data: placed blocks never move)."""
+    return tuple((i, src.data_ptr(), src.shape[0]) for i, src in fill)
 
 
 class SplitDecoder:
@@ -166,6 +189,10 @@ class SplitDecoder:
         self._read_in_place: deque = deque()  # (event after the merge, the pinned partial it reads): kept alive until then
         self._load_done = None  # the last decode_begin's load_done event
         self.in_place = spec.load_read == "in-place"  # the load region read where it lies (no ping-pong buffers)
+        # WRITESCOPE_LOAD_COPIES=early: the next layer's first fills copied at the end of this one's load
+        # part; _early is (layer, sequence ids, per fill: its runs' identity) of the fills in the buffers
+        self.copies_early = _copies_early() and not self.in_place
+        self._early = None
         self._stage_views: list[torch.Tensor | None] = [None, None]  # in place: CUDA views of the prepare buffers
 
     def _current(self):
@@ -273,6 +300,9 @@ class SplitDecoder:
         qg = q.view(B, Hkv, Hq // Hkv, dk)
         self._stats.layer_steps += 1
         self._stats.last_cpu_seconds, self._stats.last_cpu_tokens = 0.0, 0
+        if self._early is not None and self._early[0] != layer:  # copied early for a layer that is not this one
+            self._stats.early_fills_wasted += len(self._early[2])
+            self._early = None
         self._gpu_timer_done = False
         limits = [sq.n_comp[layer] if cpu_blocks is None else cpu_blocks[i] for i, sq in enumerate(seqs)]
         cpu_rows = [i for i in range(B) if limits[i] > 0]
@@ -316,7 +346,7 @@ class SplitDecoder:
                     states = [self._window_part(layer, qg, seqs, scale)]
             if sources:
                 with named("attn.load_region"):
-                    part = self._load_part(qg, sources, scale, evict_stream, plan, layer)
+                    part = self._load_part(qg, sources, scale, evict_stream, plan, layer, None if prepared else seqs)
                     if part is not None:
                         states.append(part)
             self._stats.last_load_tokens = sum(src.shape[0] for _, src in sources) * s.window
@@ -390,8 +420,9 @@ class SplitDecoder:
     def abandon(self, p: "PendingDecode") -> None:
         """A :meth:`decode_begin` whose :meth:`decode_end` will not come (an error elsewhere):
         wait until its CPU part no longer reads the cache (and order the compute stream after its
-        load partials, which read q and the ping-pong buffers)."""
+        load partials, which read q and the ping-pong buffers; early copies are waited for and dropped)."""
         self._settle(p.fut, p.job, p.load_done)
+        self.forget_early()
 
     def _settle(self, fut, job, load_done=None) -> None:
         if load_done is not None:
@@ -500,7 +531,7 @@ class SplitDecoder:
         v = win[:, 1].unsqueeze(1) if s.parts == 2 else k[..., : s.layout.v_dim]
         return attend_blocks(qg, k, v, scale, self._to_device(lens))
 
-    def _load_part(self, qg, sources, scale, evict_stream, plan=None, layer=0):
+    def _load_part(self, qg, sources, scale, evict_stream, plan=None, layer=0, seqs=None):
         """Stream every sequence's load blocks through the ping-pong buffers. Runs of several
         sequences are packed into one buffer fill (one copy per run); each fill yields one
         partial per block, and all blocks are merged per sequence once at the end. With a
@@ -515,6 +546,7 @@ class SplitDecoder:
         s = self.spec
         B = qg.shape[0]
         fills = list(self._fills(sources))
+        seq_ids = tuple(id(sq) for sq in seqs) if seqs is not None else None
         if plan is None:
             ids, q_blk, o_blk, lse_blk = self._torch_blocks(qg, [(i, src.shape[0]) for fill in fills for i, src in fill], scale)
         bufs = self.buffers()
@@ -530,6 +562,10 @@ class SplitDecoder:
             if evict_stream is not None and self._evicted:
                 self.copy_stream.wait_stream(evict_stream)  # evicted blocks
                 self._evicted = False
+        early, self._early = self._early, None  # fills copied at the end of the previous layer, used once or never
+        if early is not None and (early[0] != layer or early[1] != seq_ids):
+            self._stats.early_fills_wasted += len(early[2])
+            early = None
         start = 0
         try:
             if own:
@@ -538,20 +574,15 @@ class SplitDecoder:
                 b = n % len(bufs)
                 total = sum(src.shape[0] for _, src in fill)
                 buf = bufs[b][:total]
-                if self.cuda:  # streams switched by hand: a `torch.cuda.stream` block costs tens of us per fill
-                    torch.cuda.set_stream(self.copy_stream)
-                    try:
-                        if self._free_events[b] is not None:
-                            self.copy_stream.wait_event(self._free_events[b])
-                        off = 0
-                        for _, src in fill:
-                            buf[off : off + src.shape[0]].copy_(src, non_blocking=True)
-                            off += src.shape[0]
-                        ready = self._ready_events[b]  # re-recorded: the wait below is enqueued before its next record
-                        ready.record(self.copy_stream)
-                    finally:
-                        torch.cuda.set_stream(cur)
-                    cur.wait_event(ready)
+                copied = early is not None and n < len(early[2]) and early[2][n] == _fill_key(fill)
+                if early is not None and n < len(early[2]) and not copied:
+                    self._stats.early_fills_wasted += 1
+                if copied:  # its copies were issued at the end of the previous layer (_copy_early)
+                    self._stats.early_fills += 1
+                    if self.cuda:
+                        cur.wait_event(self._ready_events[b])
+                elif self.cuda:
+                    cur.wait_event(self._copy_fill(bufs, b, fill, cur))
                 else:
                     torch.cat([src for _, src in fill], out=buf)
                 self._stats.streamed_bytes += buf.numel() * buf.element_size()
@@ -572,7 +603,57 @@ class SplitDecoder:
                 torch.cuda.set_stream(home)  # first: the compute stream current again whatever the record does
                 self._load_done = torch.cuda.Event()
                 self._load_done.record(cur)
+        if self.copies_early and seqs is not None and layer + 1 < self.spec.num_layers:
+            self._copy_early(layer + 1, seqs, seq_ids, bufs, home)
         return None if plan is not None else merge_segments(o_blk, lse_blk, ids, B)
+
+    def _copy_fill(self, bufs, b: int, fill, cur):
+        """Issue the copies of ``fill`` into ping-pong buffer ``b`` on the copy stream, after the
+        buffer's last reader (its free event); returns the event recorded after them."""
+        buf = bufs[b]
+        torch.cuda.set_stream(self.copy_stream)  # by hand: a `torch.cuda.stream` block costs tens of us per fill
+        try:
+            if self._free_events[b] is not None:
+                self.copy_stream.wait_event(self._free_events[b])
+            off = 0
+            for _, src in fill:
+                buf[off : off + src.shape[0]].copy_(src, non_blocking=True)
+                off += src.shape[0]
+            ready = self._ready_events[b]  # re-recorded: every wait on it is enqueued before its next record
+            ready.record(self.copy_stream)
+        finally:
+            torch.cuda.set_stream(cur)
+        return ready
+
+    def _copy_early(self, layer: int, seqs: list, seq_ids: tuple, bufs, cur) -> None:
+        """``WRITESCOPE_LOAD_COPIES=early``: copy ``layer``'s first fills (one per ping-pong buffer)
+        now, each after its buffer's last reader in this layer, and remember which runs they hold;
+        that layer's :meth:`_load_part` uses a fill whose runs are the same and copies the others
+        again. Without CUDA the copies are plain (so CI exercises the matching)."""
+        if self.cuda and (self._load_written or self._evicted):  # the next load part's copies must first wait for those writes
+            return
+        s = self.spec
+        sources = [(i, run) for i, sq in enumerate(seqs) for run in sq.load_runs(layer, 0, sq.n_load[layer], s.pingpong_blocks)]
+        keys = []
+        for n, fill in enumerate(self._fills(sources)):
+            if n == len(bufs):
+                break
+            if self.cuda:
+                self._copy_fill(bufs, n, fill, cur)
+            else:
+                total = sum(src.shape[0] for _, src in fill)
+                torch.cat([src for _, src in fill], out=bufs[n][:total])
+            keys.append(_fill_key(fill))
+        if keys:
+            self._early = (layer, seq_ids, keys)
+
+    def forget_early(self) -> None:
+        """Drop the early fills (their buffers hold nothing the next call may use): after a failed
+        step, before the sequences whose blocks they copied are freed (their copies are waited for)."""
+        if self._early is not None:
+            if self.cuda:
+                self.copy_stream.synchronize()
+            self._early = None
 
     def _load_in_place(self, qg, sources, scale, evict_stream, plan=None, layer=0):
         """The load part read where it lies (``WRITESCOPE_LOAD_READ=in-place``): each run of

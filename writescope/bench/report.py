@@ -179,7 +179,9 @@ def format_split_parts(rows: list[BenchRow]) -> str:
         hand = parts["attention"] - max(parts["gpu_part"], parts["cpu"])
         lines.append(f"  batch {b} context {c} {p}: attention {parts['attention']:.2f}, GPU part {parts['gpu_part']:.2f}, "
                      f"CPU {parts['cpu']:.2f} ({parts['cpu_ns_per_token']:.1f} ns/token, {parts['cpu_gbs']:.1f} GB/s), "
-                     f"hand-over {hand:.2f}")
+                     f"hand-over {hand:.2f}"
+                     + (f"; fills copied early: {parts['early_fills']} used, {parts['early_fills_wasted']} copied again"
+                        if "early_fills" in parts else ""))
     if not lines:
         return ""
     return "\n".join(["where each decode attention call went (ms per call: a layer of the batch, or of one half with micro-batches; "

@@ -115,6 +115,7 @@ class InplaceKVCache(KVCache):
         finally:
             if self.cuda:  # every stream: copies into or out of its pinned memory must be done
                 torch.cuda.synchronize(self.device)
+            self.decoder.forget_early()  # no early fill of its blocks is used for a sequence made after it
             if self.decoder.gpu is not None:  # cached plans hold views of its slabs (the in-place read)
                 self.decoder.gpu.forget()
             seq.release()
