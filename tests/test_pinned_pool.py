@@ -319,8 +319,8 @@ def test_available_host_memory_counts_idle_buffers(fake_pool, monkeypatch):
     pinned.unpin(pinned.host_empty((64 * MiB,), torch.uint8, pin=True))
     assert pool.idle_bytes == 64 * MiB
     assert memory.available_memory(torch.device("cpu")) == 10 * 2**30 + 64 * MiB
-    t = pinned.host_empty((MiB,), torch.uint8, pin=True)  # its first MiB lent: the rest cannot go to the host now
-    assert pool.idle_bytes == 63 * MiB and memory.available_memory(torch.device("cpu")) == 10 * 2**30
+    t = pinned.host_empty((16 * MiB,), torch.uint8, pin=True)  # its first quarter lent: the rest cannot go to the host now
+    assert pool.idle_bytes == 48 * MiB and memory.available_memory(torch.device("cpu")) == 10 * 2**30
     pinned.unpin(t)
     assert memory.available_memory(torch.device("cpu")) == 10 * 2**30 + 64 * MiB
     monkeypatch.setattr(memory, "host_free_now", lambda: None)
@@ -545,3 +545,28 @@ def test_a_failed_mapping_gives_the_idle_buffers_back_and_tries_once_more(monkey
     fails[0] = 2
     with pytest.raises(RuntimeError, match=r"cannot map 0\.004 GiB of host memory for pinned KV.*Cannot allocate memory"):
         pool.take(4 * MiB)
+
+
+def test_a_small_request_does_not_split_a_wholly_idle_mapping(fake_pool):
+    """A piece lent from a wholly idle mapping keeps all of it registered until it comes back: a
+    request under a quarter of the mapping registers its own pages instead, and the idle mapping
+    can still go back to the host; a request of a quarter or more is lent from it."""
+    from writescope.kvcache.pinned_pool import MIN_SPLIT, PAGE
+
+    pool, cuda = fake_pool
+    pinned.unpin(pinned.host_empty((32 * MiB,), torch.uint8, pin=True))
+    before = cuda.registered
+    small = pinned.host_empty((PAGE,), torch.uint8, pin=True)
+    assert cuda.registered == before + 1 and pool.idle_bytes == 32 * MiB and pool.releasable_bytes == 32 * MiB
+    just_under = pinned.host_empty((int(32 * MiB * MIN_SPLIT) - PAGE,), torch.uint8, pin=True)
+    assert cuda.registered == before + 2 and pool.releasable_bytes == 32 * MiB
+    pool.release_idle()
+    assert pool.idle_bytes == 0  # the 32 MiB went back to the host
+    pinned.unpin(pinned.host_empty((32 * MiB,), torch.uint8, pin=True))
+    quarter = pinned.host_empty((int(32 * MiB * MIN_SPLIT),), torch.uint8, pin=True)
+    assert cuda.registered == before + 3 and pool.idle_bytes == 24 * MiB and pool.releasable_bytes == 0
+    # a piece of a mapping already partly lent serves any request that fits
+    tiny = pinned.host_empty((PAGE,), torch.uint8, pin=True)
+    assert cuda.registered == before + 3 and pool.idle_bytes == 24 * MiB - PAGE
+    for t in (small, just_under, quarter, tiny):
+        pinned.unpin(t)

@@ -107,15 +107,30 @@ def test_parts_mostly_fixed_cost_teach_no_a():
     for _ in range(10):
         pol.observe(0.476e-3, 4096, batch=16)
     assert pol.in_step_a is None and pol.a.value == rf.a  # nothing learnt: the engine keeps nothing
-    for tokens in (1, 15, 16, 17, 4097):
-        pol.observe(rf.c_cpu / MAX_FIXED_SHARE * 0.999, tokens, batch=16)  # just under the share: no sample
+    at_share = math.ceil((1 / MAX_FIXED_SHARE - 1) * rf.c_cpu / rf.a)  # C_cpu a quarter of C_cpu + A tokens
+    for tokens in (1, 15, 16, 17, 4097, at_share - 1):
+        pol.observe(1.0, tokens, batch=16)  # however long it took: the calibrated time decides
     assert pol.in_step_a is None
-    pol.observe(rf.c_cpu / MAX_FIXED_SHARE, 4097, batch=16)  # exactly at the share: a sample
+    pol.observe(rf.c_cpu + rf.a * at_share, at_share, batch=16)  # at the share: a sample
     assert pol.in_step_a is not None
     pol = WriteScopePolicy(rf)
     for _ in range(10):
         pol.observe(rf.c_cpu + 26e-9 * 213_000, 213_000, batch=16)
     assert pol.in_step_a == pytest.approx(26e-9, rel=0.02)
+
+
+@pytest.mark.parametrize("times_c", [4.0, 4.5, 6.0, 20.0])
+def test_noisy_parts_near_the_gate_teach_an_unbiased_a(times_c):
+    """Parts of one size whose calibrated time is ``times_c`` x C_cpu, timed with +-10% noise: every
+    one gives a sample (the gate reads the calibrated time, not the measured one, so it does not
+    keep only the slow ones), and A lands within 5% of the truth."""
+    rf = Roofline(a=2.3636e-08, b=3.72096e-08, c_cpu=3.0006e-4, c_gpu=2.8814e-4)
+    tokens = math.ceil((times_c - 1) * rf.c_cpu / rf.a)
+    g = torch.Generator().manual_seed(int(times_c * 10))
+    pol = WriteScopePolicy(rf)
+    for _ in range(60):
+        pol.observe((rf.c_cpu + rf.a * tokens) * (1 + 0.1 * (2 * torch.rand((), generator=g).item() - 1)), tokens, batch=16)
+    assert len(pol.a.samples) > 0 and pol.a.value == pytest.approx(rf.a, rel=0.05)
 
 
 def test_a_split_must_beat_streaming_alone():

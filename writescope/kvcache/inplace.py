@@ -470,7 +470,7 @@ class InplaceKVCache(KVCache):
                 f"the load region and staging buffers need up to {pinned / gib:.2f} GiB of pinned memory, above the pinned "
                 f"budget of {pinned_budget / gib:.2f} GiB: raise pinned_budget, or use fewer or shorter requests"
             )
-        # host_free counted the pool's idle buffers: those the batch may need go back to the host now
+        # host_free counted the pool's wholly idle mappings: those the batch may need go back to the host now
         # (pageable KV is committed as it is written, so no later allocation would see the shortfall)
         pinned_memory.POOL.make_room(host)
 

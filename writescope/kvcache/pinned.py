@@ -7,7 +7,8 @@ registering an exactly sized host tensor took 0.6 s and streams at the same 55 G
 anonymous mapping, or a page-aligned piece of one, shared with no other tensor while lent (the
 size is rounded up to whole pages only). :func:`unpin` gives the piece back to :data:`POOL`
 (kvcache/pinned_pool.py), which keeps it registered and lends it, or its first pages, to a later
-tensor of its size or smaller (``WRITESCOPE_PINNED_POOL=0``: unregistered at once). A tensor
+tensor of its size or smaller (``WRITESCOPE_PINNED_POOL=0``: unregistered once no piece of its
+mapping is lent). A tensor
 garbage-collected without :func:`unpin` is never reused; its mapping is unregistered once no
 piece of it is lent. Without CUDA the tensor is returned unpinned.
 """

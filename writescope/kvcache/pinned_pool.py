@@ -13,8 +13,10 @@ tensor each) and keeps the pieces that :func:`writescope.kvcache.pinned.unpin` g
 registered and mapped. Lending rule: a request (rounded up to whole pages) gets the first pages
 of the smallest idle piece that holds it, a piece of a mapping already partly lent first among
 pieces of one size; the rest of that piece stays idle, a piece of its own, for a later request.
-Only when no idle piece is large enough is a new mapping of exactly the request's pages
-registered. A piece given back merges with the idle pieces beside it in its mapping, so a
+A wholly idle mapping is split only for a request of at least ``MIN_SPLIT`` (a quarter) of it:
+a small piece would keep the whole mapping registered while it is lent, where nothing can give
+it back to the host (a one-page request once held 32 MiB so). Only when no idle piece may serve
+is a new mapping of exactly the request's pages registered. A piece given back merges with the idle pieces beside it in its mapping, so a
 mapping all of whose pieces are back is one idle piece again. So a stream of requests registers
 only what no idle piece can hold: rows of a benchmark that need smaller load regions than an
 earlier row register nothing; rows that need larger ones register their regions anew (a tensor
@@ -53,6 +55,7 @@ from writescope.units import parse_size
 
 PAGE = mmap.PAGESIZE
 HEADROOM = 1 / 0.9  # a new mapping needs this many times its size free (check_capacity's 0.9)
+MIN_SPLIT = 1 / 4  # a wholly idle mapping lends to requests of at least this share of it (module doc)
 
 
 @dataclass(eq=False)  # compared by identity
@@ -251,7 +254,10 @@ class PinnedPool:
         """The first ``span`` bytes of the best idle piece (module doc), or None (lock held)."""
         while True:
             self._prune()
-            best = min((p for p in self._idle if p.size >= span), key=lambda p: (p.size, p.mapping.lent == 0), default=None)
+            # a wholly idle mapping is split only for a request of at least MIN_SPLIT of it: a small
+            # piece lent from it would keep all of it registered (nothing can release it meanwhile)
+            best = min((p for p in self._idle if p.size >= span and (p.mapping.lent > 0 or span >= MIN_SPLIT * p.size)),
+                       key=lambda p: (p.size, p.mapping.lent == 0), default=None)
             if best is None:
                 return None
             m = best.mapping

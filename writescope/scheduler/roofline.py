@@ -67,7 +67,7 @@ from writescope.scheduler.joint import joint_split
 from writescope.scheduler.placement import PlacementPolicy, micro_batched
 
 A_FLOOR = 0.1  # A is never estimated below this fraction of its calibrated value
-# A CPU part whose calibrated fixed cost C_cpu is more than this share of its time gives no sample
+# A CPU part whose calibrated fixed cost C_cpu is more than this share of its calibrated time gives no sample
 # of A (WriteScopePolicy.observe). Inside real steps a part's fixed cost is not quite C_cpu, and the
 # difference is divided by the part's tokens: on the H200 the bench's warm-up at 512 tokens (CPU
 # parts of 2-4K tokens, about 0.5 ms against C_cpu 0.3 ms) taught A = 43 ns/token for Qwen3-30B-A3B
@@ -217,13 +217,15 @@ class WriteScopePolicy(PlacementPolicy):
 
     @property
     def in_step_a(self) -> float | None:
-        """The tracked A (seconds per token) once a decode step's CPU part was observed; None
-        before (the estimate is still where it started, not an in-step measurement)."""
+        """The tracked A (seconds per token) once a decode step's CPU part gave a sample
+        (:meth:`observe`); None before (the estimate is still where it started, not an in-step
+        measurement)."""
         return self.a.value if self.a.samples else None
 
     def cpu_share(self, placed_tokens: int) -> float:
         """r(L) for L = ``placed_tokens`` per sequence: the paper's eq. 2, with O on the CPU side
-        and O_link on the link's where O was measured (see the module docstring), or with host
+        and the link's part of O on the link's (:func:`link_in_other`: O_link, or O less what the
+        ping-pong buffers let it stream ahead) where O was measured (see the module docstring), or with host
         experts the joint roofline (scheduler/joint.py) given the expected hit host expert bytes
         per step."""
         rf, L, a = self.roofline, placed_tokens * self.batch, self.a.value
@@ -248,10 +250,13 @@ class WriteScopePolicy(PlacementPolicy):
     def observe(self, cpu_seconds: float, cpu_tokens: int, batch: int) -> None:
         """One measured CPU step: the sample of A is ``(cpu_seconds - C_cpu) / cpu_tokens``,
         floored at a tenth of the calibrated A (a step cheaper than the calibrated fixed cost
-        says little about the per-token cost). A step whose calibrated fixed cost is more than
-        :data:`MAX_FIXED_SHARE` of its time gives no sample: there an error in the fixed part
-        is a large error per token (see :data:`MAX_FIXED_SHARE`)."""
+        says little about the per-token cost). A part whose calibrated fixed cost is more than
+        :data:`MAX_FIXED_SHARE` of its calibrated time (C_cpu + A tokens, both from calibration,
+        not its measured time: a gate on the measured time would pass only the slow samples near
+        the threshold) gives no sample: there an error in the fixed part is a large error per
+        token (see :data:`MAX_FIXED_SHARE`)."""
         self.batch = max(1, batch)
-        if cpu_tokens > 0 and self.roofline.c_cpu <= MAX_FIXED_SHARE * cpu_seconds:
+        rf = self.roofline
+        if cpu_tokens > 0 and rf.c_cpu <= MAX_FIXED_SHARE * (rf.c_cpu + rf.a * cpu_tokens):
             sample = (cpu_seconds - self.roofline.c_cpu) / cpu_tokens
             self.a.update(max(sample, A_FLOOR * self.roofline.a))
