@@ -114,6 +114,21 @@ def test_parse_size():
             parse_size(bad)
 
 
+def test_a_budget_without_a_unit_is_refused_under_a_mebibyte(capsys):
+    from writescope import LLM
+    from writescope.units import parse_budget
+
+    assert parse_budget("1048576") == 2**20 and parse_budget("1e9") == 10**9 and parse_budget("32GiB") == 32 * GiB
+    for bare, shown in (("32", "32 bytes"), ("1.5", "1 byte:"), (" 1048575 ", "1,048,575 bytes")):
+        with pytest.raises(ValueError, match=f"'{bare.strip()}' has no unit, so it would be {shown}.*{bare.strip()}GiB"):
+            parse_budget(bare)
+    assert parse_budget("512KiB") == 512 * 2**10  # a unit given: taken as meant (the plan then says it is too small)
+    assert main(["plan", "--model", "tiny-qwen3-moe", "--vram-budget", "32", "--batch", "2", "--context", "1k"]) == 2
+    assert "'32' has no unit" in capsys.readouterr().err
+    with pytest.raises(ValueError, match="vram_budget: '24' has no unit"):
+        LLM("tiny-qwen3-moe", progress=False, vram_budget="24")
+
+
 def test_plan_cli(capsys):
     assert main(["plan", "--model", "tiny-qwen3-moe", "--vram-budget", "2GiB", "--batch", "2", "--context", "1k"]) == 0
     out = capsys.readouterr().out

@@ -144,6 +144,21 @@ def test_bad_requests_get_4xx(server, case):
     assert words in r.json()["error"]["message"]
 
 
+def test_a_prompt_too_long_is_named_as_the_prompt(server):
+    """The 400 names the field to change: the prompt (or the chat's messages) when it leaves no room
+    for any new token, max_tokens when the prompt fits but the two together do not."""
+    body = {"model": MODEL, "prompt": list(range(5, 5 + MAX_LEN)), "max_tokens": 4}
+    r = httpx.post(server.url + "/v1/completions", json=body, timeout=WAIT_S)
+    assert r.status_code == 400 and r.json()["error"]["param"] == "prompt", r.text
+    body = {"model": MODEL, "prompt": list(range(5, 5 + MAX_LEN - 2)), "max_tokens": 4}
+    r = httpx.post(server.url + "/v1/completions", json=body, timeout=WAIT_S)
+    assert r.status_code == 400 and r.json()["error"]["param"] == "max_tokens", r.text
+    body = {"model": MODEL, "messages": [{"role": "user", "content": "hi " * 4 * MAX_LEN}], "max_tokens": 4}
+    r = httpx.post(server.url + "/v1/chat/completions", json=body, timeout=WAIT_S)
+    assert r.status_code == 400 and r.json()["error"]["param"] == "messages", r.text
+    assert "max_model_len" in r.json()["error"]["message"]  # the engine's check, not a size limit of the body
+
+
 def test_malformed_bodies_and_the_server_stays_up(server):
     url = server.url
     r = httpx.post(url + "/v1/completions", content=b'{"model": "tiny', headers={"content-type": "application/json"})

@@ -22,3 +22,18 @@ def parse_size(text: str) -> int:
     if value < 1:
         raise ValueError(f"a size must be positive, got {text!r}")
     return int(value)
+
+
+def parse_budget(text: str) -> int:
+    """A memory budget: :func:`parse_size`, where a bare number under 1 MiB is refused as a
+    forgotten unit (``"32"`` meant as 32 GiB would be 32 bytes).
+
+    Raises:
+        ValueError: as :func:`parse_size`, or a bare number under 1 MiB (names the value and a
+            spelling with a unit).
+    """
+    value = parse_size(text)
+    t = text.strip()
+    if value < 2**20 and t.replace(".", "", 1).isdigit():
+        raise ValueError(f"{t!r} has no unit, so it would be {value:,} byte{'' if value == 1 else 's'}: give one, e.g. {t}GiB")
+    return value

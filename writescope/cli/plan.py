@@ -46,6 +46,7 @@ def run(args: argparse.Namespace) -> int:
     import torch
 
     from writescope.budget.plan import format_plan, make_plan, parse_size
+    from writescope.units import parse_budget
     from writescope.cli.bench import parse_tokens
     from writescope.engine.llm import available_memory
     from writescope.engine.model_loader import parse_dtype, resolve_config
@@ -53,7 +54,7 @@ def run(args: argparse.Namespace) -> int:
     from writescope.scheduler.policies import parse_policy
 
     try:
-        budget = parse_size(args.vram_budget)
+        budget = parse_budget(args.vram_budget)
     except ValueError as e:
         raise ValueError(f"--vram-budget: {e}") from None
     (context,) = parse_tokens(args.context, "--context", one=True)

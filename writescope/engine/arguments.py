@@ -14,7 +14,8 @@ from dataclasses import dataclass
 import torch
 
 from writescope.budget.memory import available_memory
-from writescope.budget.plan import MemoryPlan, make_plan, parse_size
+from writescope.budget.plan import MemoryPlan, make_plan
+from writescope.units import parse_budget
 from writescope.config import ModelConfig
 from writescope.engine.model_loader import parse_dtype, resolve_config, resolve_device
 from writescope.engine.prompts import check_max_model_len
@@ -124,7 +125,7 @@ def check_arguments(model: str, *, synthetic: bool = False, device: str = "auto"
         if max_batch < 1:
             raise ArgError(f"max_batch must be >= 1, got {max_batch}", "max_batch")
         try:
-            budget = parse_size(vram_budget) if isinstance(vram_budget, str) else int(vram_budget)
+            budget = parse_budget(vram_budget) if isinstance(vram_budget, str) else int(vram_budget)
         except ValueError as e:
             raise ArgError(f"vram_budget: {e}", "vram_budget") from None
         plan = make_plan(cfg, dt, budget, max_batch, length, 0, sizing, window, prefill_chunk_tokens,

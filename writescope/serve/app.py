@@ -201,7 +201,7 @@ def build_app(state: ServerState, on_shutdown=None) -> FastAPI:
             raise APIError(404, f"model {body.model!r} is not served here: this server serves {state.model_name!r} "
                                 "(GET /v1/models)", "invalid_request_error", "model")
 
-    def _submit(engine: AsyncEngine, ids: list[int], max_tokens: int | None, body):
+    def _submit(engine: AsyncEngine, ids: list[int], max_tokens: int | None, body, prompt_field: str = "prompt"):
         if max_tokens is None:  # chat without a limit: the rest of the context
             max_tokens = max(1, engine.max_model_len - len(ids))
         try:
@@ -209,8 +209,10 @@ def build_app(state: ServerState, on_shutdown=None) -> FastAPI:
                 return prompt_only(engine, ids, body.n)
             return engine.submit(ids, _params(body, max_tokens))
         except ArgError as e:  # named with the body's fields
-            raise APIError(400, e.worded({name: name for name in e.names}), "invalid_request_error",
-                           e.names[0] if e.names else None) from None
+            param = e.names[0] if e.names else None
+            if param == "max_tokens" and len(ids) >= engine.max_model_len:  # no room left by the prompt alone
+                param = prompt_field
+            raise APIError(400, e.worded({name: name for name in e.names}), "invalid_request_error", param) from None
         except ValueError as e:
             raise APIError(400, str(e)) from None
         except QueueFull as e:
@@ -235,7 +237,7 @@ def build_app(state: ServerState, on_shutdown=None) -> FastAPI:
             text = state.chat_template.render([{"role": m.role, "content": m.text()} for m in body.messages])
         except ValueError as e:
             raise APIError(400, str(e), "invalid_request_error", "messages") from None
-        stream = _submit(engine, state.tokenizer.encode(text), body.max_new, body)
+        stream = _submit(engine, state.tokenizer.encode(text), body.max_new, body, "messages")
         return await _respond(request, engine, stream, body, chat=True)
 
     async def _respond(request: Request, engine: AsyncEngine, stream, body, chat: bool, echo: str | None = None):
