@@ -241,6 +241,35 @@ def test_micro_batched_steps_on_cuda_match_whole_batches_and_never_wait(preset, 
     assert rows.median().item() <= 0.03 * logits["bf16", "1"].abs().max().item(), rows.tolist()
 
 
+def _cuda_decode_logits(llm, prompts, steps: int, no_host_waits: bool = False) -> torch.Tensor:
+    """Prefill ``prompts`` on CUDA, then ``steps`` decode steps fed the prompts' last tokens; the
+    float logits ``[steps, batch, vocab]`` (the slots freed after). ``no_host_waits``: warm steps
+    that evict no window into the compute region run with CUDA's sync debug mode at ``error``
+    (a host wait in them fails the test)."""
+    cache, model = llm.cache, llm.model
+    slots = [cache.allocate(len(p) + steps + 8, prompt_len=len(p)) for p in prompts]
+    try:
+        with torch.inference_mode():
+            batch = ForwardBatch.build(slots, [len(p) for p in prompts], [0] * len(prompts), "cuda")
+            model(torch.tensor([t for p in prompts for t in p], device="cuda"), batch, cache)
+            rows, nxt = [], torch.tensor([p[-1] for p in prompts], device="cuda")
+            for s in range(steps):
+                batch = ForwardBatch.build(slots, [1] * len(prompts), [len(p) + s for p in prompts], "cuda")
+                torch.cuda.synchronize()
+                quiet = no_host_waits and s >= 2 and (len(prompts[0]) + s) % 16 not in (0, 15)
+                if quiet:
+                    torch.cuda.set_sync_debug_mode("error")
+                try:
+                    rows.append(model(nxt, batch, cache).float())
+                finally:
+                    torch.cuda.set_sync_debug_mode("default")
+        torch.cuda.synchronize()
+        return torch.stack(rows)
+    finally:
+        for slot in slots:
+            cache.free(slot)
+
+
 @pytest.mark.gpu
 @pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")
 @pytest.mark.parametrize("preset", ["tiny-qwen3-moe", "tiny-deepseek-v2"])
@@ -262,29 +291,11 @@ def test_the_load_stream_and_the_cpu_partial_read_in_place_change_no_logit_on_cu
             monkeypatch.setenv("WRITESCOPE_LOAD_STREAM", where)
             monkeypatch.setenv("WRITESCOPE_CPU_PARTIAL", partial)
             llm = LLM(preset, device="cuda", dtype="bf16", progress=False, policy="static:0.5", window=16)
-            cache, model = llm.cache, llm.model
+            cache = llm.cache
             assert (cache.decoder.load_stream is not None) == (where == "own")
             assert cache.decoder.partial_in_place == (partial == "in-place")
-            slots = [cache.allocate(len(p) + steps + 8, prompt_len=len(p)) for p in prompts]
-            with torch.inference_mode():
-                batch = ForwardBatch.build(slots, [len(p) for p in prompts], [0] * len(prompts), "cuda")
-                model(torch.tensor([t for p in prompts for t in p], device="cuda"), batch, cache)
-                rows, nxt = [], torch.tensor([p[-1] for p in prompts], device="cuda")
-                for s in range(steps):
-                    batch = ForwardBatch.build(slots, [1] * len(prompts), [len(p) + s for p in prompts], "cuda")
-                    torch.cuda.synchronize()
-                    quiet = s >= 2 and (len(prompts[0]) + s) % 16 not in (0, 15)  # warm, no window evicted into the compute region
-                    if quiet:
-                        torch.cuda.set_sync_debug_mode("error")
-                    try:
-                        rows.append(model(nxt, batch, cache).float())
-                    finally:
-                        torch.cuda.set_sync_debug_mode("default")
-            torch.cuda.synchronize()
-            logits[mb, where, partial] = torch.stack(rows)
+            logits[mb, where, partial] = _cuda_decode_logits(llm, prompts, steps, no_host_waits=True)
             assert cache.decoder.stats.streamed_bytes > 0 and cache.decoder.stats.cpu_parts > 0  # both sides ran
-            for slot in slots:
-                cache.free(slot)
     for mb in ("1", "2"):
         for v in variants[1:]:
             assert torch.equal(logits[(mb, *v)], logits[(mb, *variants[0])]), (mb, v)
@@ -367,20 +378,8 @@ def test_early_copies_change_no_logit_on_cuda(preset, share, monkeypatch):
                       vram_budget=_half_experts_on_host(preset) if share is not None else None, expert_stream_share=share)
             if share is not None:
                 assert any(b.host_experts for b in llm._moe_blocks)
-            cache, model = llm.cache, llm.model
-            slots = [cache.allocate(len(p) + steps + 8, prompt_len=len(p)) for p in prompts]
-            with torch.inference_mode():
-                batch = ForwardBatch.build(slots, [len(p) for p in prompts], [0] * len(prompts), "cuda")
-                model(torch.tensor([t for p in prompts for t in p], device="cuda"), batch, cache)
-                rows, nxt = [], torch.tensor([p[-1] for p in prompts], device="cuda")
-                for s in range(steps):
-                    batch = ForwardBatch.build(slots, [1] * len(prompts), [len(p) + s for p in prompts], "cuda")
-                    rows.append(model(nxt, batch, cache).float())
-            torch.cuda.synchronize()
-            logits[mb, copies] = torch.stack(rows)
+            logits[mb, copies] = _cuda_decode_logits(llm, prompts, steps)
             if copies == "early" and mb == "1":
-                assert cache.decoder.stats.early_fills > 0
-            for slot in slots:
-                cache.free(slot)
+                assert llm.cache.decoder.stats.early_fills > 0
     for mb in ("1", "2"):
         assert torch.equal(logits[mb, "early"], logits[mb, "own-layer"]), mb
