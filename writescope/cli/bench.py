@@ -132,7 +132,7 @@ def run(args: argparse.Namespace) -> int:
     from writescope.engine.threads import busy_note
     from writescope.scheduler.policies import parse_policy
 
-    busy = busy_note("OMP_NUM_THREADS=1, or a lower WRITESCOPE_CPU_THREADS,")  # before this run's own threads add to the load
+    busy = busy_note("OMP_WAIT_POLICY=passive, OMP_NUM_THREADS=1, or a lower WRITESCOPE_CPU_THREADS,")  # before this run's own threads add to the load
 
     batches, contexts = parse_counts(args.batch, "--batch"), parse_tokens(args.context, "--context")
     if args.plot:

@@ -24,11 +24,18 @@ def usable_cpus() -> int:
     return len(mask(0)) if mask is not None else (os.cpu_count() or 1)
 
 
-def busy_note(remedy: str = "OMP_NUM_THREADS=1, or fewer --cpu-threads") -> str | None:
+def busy_note(remedy: str = "OMP_WAIT_POLICY=passive, OMP_NUM_THREADS=1, or fewer --cpu-threads") -> str | None:
     """A note when the machine's 1-minute load average exceeds the CPUs this process may use (other
     processes compete for them: torch's intra-op threads then wait on one another, and timings
     can be many times slower); None otherwise, or where the OS gives no load average. Take it
-    before a run's own threads add to the load; ``remedy``: what the command can set."""
+    before a run's own threads add to the load; ``remedy``: what the command can set.
+
+    Why ``OMP_WAIT_POLICY=passive`` first: OpenMP's threads spin after each parallel region, and
+    spinning threads on busy cores wait for one another's time slices. On the 2-core development
+    machine under another process's load, the ``gpu`` policy on the CPU took 138-439 ms a decode
+    step of tiny-qwen3-moe against 7-9 ms idle, and 6.8 ms with ``OMP_WAIT_POLICY=passive``
+    (``cpu`` and ``static`` suffered less: their CPU attention pool makes more OpenMP threads than
+    CPUs, and libgomp then spins briefly)."""
     try:
         load = os.getloadavg()[0]
     except (AttributeError, OSError):
