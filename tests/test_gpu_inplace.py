@@ -244,3 +244,63 @@ def test_host_hand_offs_do_not_wait_for_the_device():
         assert torch.equal(o_dev.cpu(), o)
     finally:
         dec.close()
+
+
+def _layers_outputs(layout, Hq, policy, buffers: int, copies: str, monkeypatch, delay_early: bool = False):
+    """Three layers, ragged prompts, 20 decode steps (windows evicted into the load region), ping-pong
+    buffers of 3 blocks; every layer's outputs of every step, in order."""
+    from writescope.attention.split import SplitDecoder
+
+    monkeypatch.setenv("WRITESCOPE_LOAD_COPIES", copies)
+    if delay_early:  # the early copies land late: a missing wait for them shows as other outputs
+        real = SplitDecoder._copy_early
+
+        def late(self, *a, **k):
+            with torch.cuda.stream(self.copy_stream):
+                torch.cuda._sleep(5_000_000)
+            return real(self, *a, **k)
+
+        monkeypatch.setattr(SplitDecoder, "_copy_early", late)
+    D, dtype = 16, torch.bfloat16
+    block = PartitionSpec(layout, 3, dtype, window=D).block_bytes
+    spec = PartitionSpec(layout, 3, dtype, window=D, pingpong_buffers=buffers, pingpong_bytes=3 * block)
+    cache = InplaceKVCache(spec, policy, "cuda", cpu_threads=2)
+    g = torch.Generator(device="cuda").manual_seed(1)
+    lens = [21 * D + 3, 17, 9 * D]
+    slots = [cache.allocate(n + 20, prompt_len=n) for n in lens]
+    outs, ctx = [], [0] * len(lens)
+    try:
+        for step in range(21):
+            qlens = lens if step == 0 else [1] * len(lens)
+            T = sum(qlens)
+            batch = ForwardBatch.build(slots, qlens, ctx, "cuda")
+            for layer in range(3):
+                q = torch.randn(T, Hq, layout.k_dim, device="cuda", dtype=dtype, generator=g)
+                k = torch.randn(T, layout.kv_heads, layout.k_dim, device="cuda", dtype=dtype, generator=g)
+                v = None if layout.shared_kv else torch.randn(T, layout.kv_heads, layout.v_dim, device="cuda", dtype=dtype, generator=g)
+                outs.append(cache.attend(layer, q, k, v, batch, layout.k_dim**-0.5).float())
+            ctx = [c + n for c, n in zip(ctx, qlens)]
+        torch.cuda.synchronize()
+        return outs, cache.decoder.stats
+    finally:
+        for s in slots:
+            cache.free(s)
+        cache.close()
+
+
+@pytest.mark.parametrize("layout", [QWEN3, MLA], ids=["gqa-32-4", "mla"])
+@pytest.mark.parametrize("buffers", [1, 2, 3])
+@pytest.mark.parametrize("policy", ["gpu", "static:0.5"])
+def test_early_copies_give_the_same_outputs_on_cuda(layout, buffers, policy, monkeypatch):
+    """WRITESCOPE_LOAD_COPIES=early on CUDA with several fills a layer (buffers of 3 blocks, 1-3 of
+    them), the early copies held back on the copy stream: the same outputs bit for bit as copying
+    in each layer. A missing wait for an early copy (its ready event) would read the buffer's old
+    fill; a copy not waiting for the buffer's last reader would overwrite a fill still being read."""
+    lay, Hq = layout
+    pol = parse_policy(policy)
+    want, st0 = _layers_outputs(lay, Hq, pol, buffers, "own-layer", monkeypatch)
+    got, st = _layers_outputs(lay, Hq, pol, buffers, "early", monkeypatch, delay_early=True)
+    assert st0.early_fills == 0 and st.early_fills >= 20 * 2  # every decode step's layers 1 and 2
+    assert st.early_fills_wasted == 0
+    for i, (a, b) in enumerate(zip(got, want)):
+        assert torch.equal(a, b), f"output {i} (step {i // 3}, layer {i % 3}) differs"

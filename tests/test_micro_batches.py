@@ -328,8 +328,8 @@ def test_generate_names_the_switches_it_ran_under(monkeypatch):
 def test_early_copies_change_no_logit(preset, mb, monkeypatch):
     """WRITESCOPE_LOAD_COPIES=early copies a layer's first fills at the end of the previous layer's
     load part. The same bytes are attended by the same arithmetic, so the logits are equal bit for
-    bit; with two micro-batches the other half's layer comes in between, so every early fill is
-    found holding other runs and copied again (counted as wasted), and still nothing changes."""
+    bit; with two micro-batches the other half's layer would come in between and find the buffers
+    holding other runs, so micro-batched steps copy nothing early."""
     monkeypatch.setenv("WRITESCOPE_MICRO_BATCHES", mb)
     logits, stats = {}, {}
     for copies in ("own-layer", "early"):
@@ -344,7 +344,7 @@ def test_early_copies_change_no_logit(preset, mb, monkeypatch):
     if mb == "1":
         assert stats["early"].early_fills == STEPS * (layers - 1) and stats["early"].early_fills_wasted == 0
     else:
-        assert stats["early"].early_fills == 0 and stats["early"].early_fills_wasted > 0
+        assert stats["early"].early_fills == stats["early"].early_fills_wasted == 0
 
 
 def _half_experts_on_host(preset: str) -> int:
@@ -365,9 +365,12 @@ def _half_experts_on_host(preset: str) -> int:
 def test_early_copies_change_no_logit_on_cuda(preset, share, monkeypatch):
     """On CUDA the early copies run on the copy stream after the buffer's last reader in the
     previous layer, and the layer that uses them waits for their event: a missing wait or a buffer
-    refilled too soon would show as a difference from copying in the layer itself (bf16, bit for
-    bit), with the host experts read in place (share None) or computed on the CPU after a routing
-    read-back (share 0: the host waits mid-layer while the early copies run), one micro-batch and two."""
+    refilled too soon could show as a difference from copying in the layer itself (bf16, bit for
+    bit), with every expert on the device (share None: no budget) or about half of them in host
+    memory computed on the CPU after a routing read-back (share 0: the host waits mid-layer while
+    the early copies run), one micro-batch and two (which copies nothing early). The tiny presets'
+    load parts are one fill each; tests/test_gpu_inplace.py's test of the same switch holds the
+    early copies back and streams several fills a layer through one to three buffers."""
     prompts, steps = [[5 + i % 50 for i in range(n)] for n in (90, 70, 33, 48)], 6
     logits = {}
     for mb in ("1", "2"):

@@ -763,3 +763,21 @@ def test_early_copies_off_by_default_and_bad_values_named(monkeypatch):
     monkeypatch.setenv("WRITESCOPE_LOAD_COPIES", "soon")
     with pytest.raises(ValueError, match="WRITESCOPE_LOAD_COPIES='soon'"):
         _copies_early()
+
+
+def test_abandon_drops_early_fills_with_nothing_pending(make_harness, monkeypatch):
+    """An error between two layers' attention (routing, host experts) leaves no decode pending; the
+    cache's abandon still drops the early fills, before the caller frees the sequences."""
+    monkeypatch.setenv("WRITESCOPE_LOAD_COPIES", "early")
+    D = 16
+    h = make_harness(window=D, policy="gpu", num_layers=2, pingpong_blocks=2, pingpong_buffers=2)
+    a = h.allocate(6 * D + 4, prompt_len=6 * D)
+    h.prefill([a], [6 * D])
+    dec = h.cache.decoder
+    real = dec._load_part
+    kept = []
+    monkeypatch.setattr(dec, "_load_part", lambda *a, **k: (real(*a, **k), kept.append(dec._early))[0])
+    h.cache.attend(0, h.random_q(1), *h.random_kv(1), ForwardBatch.build([a], [1], [6 * D], "cpu"), h.scale)
+    assert kept[-1] is not None and dec._early is not None and not h.cache._pending  # layer 1's fills copied, none pending
+    h.cache.abandon()
+    assert dec._early is None

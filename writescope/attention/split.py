@@ -193,6 +193,7 @@ class SplitDecoder:
         # part; _early is (layer, sequence ids, per fill: its runs' identity) of the fills in the buffers
         self.copies_early = _copies_early() and not self.in_place
         self._early = None
+        self.grouped = False  # this decode pass runs as two micro-batches (set by the cache's decode_groups): no early copies
         self._stage_views: list[torch.Tensor | None] = [None, None]  # in place: CUDA views of the prepare buffers
 
     def _current(self):
@@ -603,7 +604,7 @@ class SplitDecoder:
                 torch.cuda.set_stream(home)  # first: the compute stream current again whatever the record does
                 self._load_done = torch.cuda.Event()
                 self._load_done.record(cur)
-        if self.copies_early and seqs is not None and layer + 1 < self.spec.num_layers:
+        if self.copies_early and not self.grouped and seqs is not None and layer + 1 < self.spec.num_layers:
             self._copy_early(layer + 1, seqs, seq_ids, bufs, home)
         return None if plan is not None else merge_segments(o_blk, lse_blk, ids, B)
 

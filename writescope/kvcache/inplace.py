@@ -213,12 +213,14 @@ class InplaceKVCache(KVCache):
         pending, self._pending = self._pending, []
         for p in pending:
             self.decoder.abandon(p)
+        self.decoder.forget_early()  # also after an error between two layers' attention, with none pending
 
     def decode_groups(self, batch: ForwardBatch) -> list[tuple[int, int]] | None:
         """Two micro-batches when this decode pass has a CPU part and at least two sequences and
         ``micro_batches`` is 2 (``WRITESCOPE_MICRO_BATCHES``; the default 1: never), else None. The
         split point balances the compute-region tokens the CPU attends in each half."""
         self._step_batch = 0
+        self.decoder.grouped = False
         if not micro_batched(self.micro_batches, len(batch.slots)) or any(n != 1 for n in batch.query_lens):
             return None
         cpu = [self._seqs[s].n_comp[0] for s in batch.slots]  # every layer places block j in the same region
@@ -232,6 +234,7 @@ class InplaceKVCache(KVCache):
             if best is None or key < best[0]:
                 best = (key, cut)
         self._step_batch = B
+        self.decoder.grouped = True  # the halves' layers interleave: no early copies (each would find the other's runs)
         return [(0, best[1]), (best[1], B)]
 
     def _prefill_attend(self, layer_id, q, new, seqs, batch, scale, prefill_attn):
