@@ -547,7 +547,7 @@ class SplitDecoder:
         s = self.spec
         B = qg.shape[0]
         fills = list(self._fills(sources))
-        seq_ids = tuple(id(sq) for sq in seqs) if seqs is not None else None
+        seq_ids = tuple(id(sq) for sq in seqs) if seqs is not None and self.copies_early else None
         if plan is None:
             ids, q_blk, o_blk, lse_blk = self._torch_blocks(qg, [(i, src.shape[0]) for fill in fills for i, src in fill], scale)
         bufs = self.buffers()
