@@ -540,13 +540,27 @@ def test_ctrl_c_stops_the_server_gracefully_and_quietly(signame, words):
     import sys
 
     env = {**os.environ, "PYTHONUNBUFFERED": "1"}
-    proc = subprocess.Popen([sys.executable, "-m", "writescope", "serve", "--model", MODEL, "--device", "cpu", "--port", "0"],
-                            stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True, env=env)
-    seen: list[str] = []
-    reader = threading.Thread(target=lambda: seen.extend(iter(proc.stdout.readline, "")), daemon=True)
-    reader.start()
+
+    def start():
+        proc = subprocess.Popen([sys.executable, "-m", "writescope", "serve", "--model", MODEL, "--device", "cpu", "--port", "0"],
+                                stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True, env=env)
+        seen: list[str] = []
+        reader = threading.Thread(target=lambda: seen.extend(iter(proc.stdout.readline, "")), daemon=True)
+        reader.start()
+        try:
+            wait_until(lambda: any(" ready on http" in line for line in seen) or proc.poll() is not None, "the server to be ready")
+        except BaseException:
+            proc.kill()
+            raise
+        return proc, seen, reader
+
+    proc, seen, reader = start()
+    if proc.poll() is not None and "ModuleNotFoundError" in "".join(seen):
+        # once in a clean CI run the fresh process could not import a module of uvicorn's (h11._headers,
+        # whose file was there): the environment's, not the server's; a second failure still fails
+        reader.join(WAIT_S)
+        proc, seen, reader = start()
     try:
-        wait_until(lambda: any(" ready on http" in line for line in seen) or proc.poll() is not None, "the server to be ready")
         assert any(" ready on http" in line for line in seen), "".join(seen)
         url = next(line for line in seen if " ready on http" in line).split(" ready on ")[1].split()[0]
         events: list[str] = []
