@@ -330,7 +330,7 @@ class SplitDecoder:
                 table = [(i, t, lo, hi) for i, sq in enumerate(seqs) for t, lo, hi in sq.load_slab_runs(sq.n_load[layer], self.device)]
                 sources = [(i, t[layer, lo:hi]) for i, t, lo, hi in table]
             else:
-                sources = [(i, run) for i, sq in enumerate(seqs) for run in sq.load_runs(layer, 0, sq.n_load[layer], s.pingpong_blocks)]
+                sources = self._load_sources(layer, seqs)
             prepared = []
             if cpu_blocks is not None:
                 with named("attn.monolithic_prepare"):
@@ -633,8 +633,7 @@ class SplitDecoder:
         again. Without CUDA the copies are plain (so CI exercises the matching)."""
         if self.cuda and (self._load_written or self._evicted):  # the next load part's copies must first wait for those writes
             return
-        s = self.spec
-        sources = [(i, run) for i, sq in enumerate(seqs) for run in sq.load_runs(layer, 0, sq.n_load[layer], s.pingpong_blocks)]
+        sources = self._load_sources(layer, seqs)
         keys = []
         for n, fill in enumerate(self._fills(sources)):
             if n == len(bufs):
@@ -700,6 +699,12 @@ class SplitDecoder:
         o_blk = torch.empty(ids.shape[0], Hkv, G, s.layout.v_dim, dtype=acc, device=self.device)
         lse_blk = torch.empty(ids.shape[0], Hkv, G, dtype=acc, device=self.device)
         return ids, (qg.to(acc) * scale).index_select(0, ids), o_blk, lse_blk
+
+    def _load_sources(self, layer: int, seqs: list) -> list:
+        """Every sequence's load blocks of ``layer`` as ``(sequence index, run)``, runs of at most one
+        ping-pong buffer: what a layer's load part streams (and its early copies copy)."""
+        n = self.spec.pingpong_blocks
+        return [(i, run) for i, sq in enumerate(seqs) for run in sq.load_runs(layer, 0, sq.n_load[layer], n)]
 
     def _fills(self, sources):
         """Group runs ``(sequence index, [nb, parts, Hkv, D, dim])`` into buffer fills of at

@@ -32,8 +32,10 @@ def busy_note(remedy: str = "OMP_WAIT_POLICY=passive, OMP_NUM_THREADS=1, or fewe
 
     Why ``OMP_WAIT_POLICY=passive`` first: OpenMP's threads spin after each parallel region, and
     spinning threads on busy cores wait for one another's time slices. On the 2-core development
-    machine under another process's load, the ``gpu`` policy on the CPU took 138-439 ms a decode
-    step of tiny-qwen3-moe against 7-9 ms idle, and 6.8 ms with ``OMP_WAIT_POLICY=passive``
+    machine under another process's load (a second torch process running short parallel ops), the
+    ``gpu`` policy on the CPU took 138-439 ms a decode step of tiny-qwen3-moe against 7-9 ms idle,
+    and 6.8 ms with ``OMP_WAIT_POLICY=passive`` (``writescope bench --model tiny-qwen3-moe --batch 2
+    --context 1k --steps 8 --policies gpu,cpu,static:0.5,resident --repeats 1``, tenth session)
     (``cpu`` and ``static`` suffered less: their CPU attention pool makes more OpenMP threads than
     CPUs, and libgomp then spins briefly)."""
     try:
