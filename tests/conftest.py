@@ -14,3 +14,15 @@ def one_thread():
     torch.set_num_threads(1)
     yield
     torch.set_num_threads(n)
+
+
+@pytest.fixture(autouse=True)
+def uncapped_device_memory():
+    """A model built with a VRAM budget caps the process's CUDA allocator
+    (torch.cuda.set_per_process_memory_fraction, process-wide): lift the cap after each test, so
+    a later test's model is not refused memory under an earlier test's budget (run 38 lost three
+    CUDA tests that way)."""
+    yield
+    if torch.cuda.is_available() and torch.cuda.is_initialized():
+        for index in range(torch.cuda.device_count()):
+            torch.cuda.set_per_process_memory_fraction(1.0, index)

@@ -8,6 +8,8 @@ leaves the engine usable. Tiny presets in fp32 on the CPU.
 
 from __future__ import annotations
 
+import gc
+
 import pytest
 import torch
 
@@ -384,5 +386,8 @@ def test_early_copies_change_no_logit_on_cuda(preset, share, monkeypatch):
             logits[mb, copies] = _cuda_decode_logits(llm, prompts, steps)
             if copies == "early" and mb == "1":
                 assert llm.cache.decoder.stats.early_fills > 0
+            del llm  # the next model is built under this one's budget cap: free this one first
+            gc.collect()
+            torch.cuda.empty_cache()
     for mb in ("1", "2"):
         assert torch.equal(logits[mb, "early"], logits[mb, "own-layer"]), mb
