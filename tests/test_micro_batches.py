@@ -349,15 +349,42 @@ def test_early_copies_change_no_logit(preset, mb, monkeypatch):
         assert stats["early"].early_fills == stats["early"].early_fills_wasted == 0
 
 
-def _half_experts_on_host(preset: str) -> int:
+@pytest.mark.parametrize("preset", ["tiny-qwen3-moe"])  # the budget below leaves host experts for this preset (fp32, batch 4)
+def test_auto_copies_early_where_the_cpu_computes_host_experts(preset, monkeypatch):
+    """WRITESCOPE_LOAD_COPIES=auto (the default): the engine turns early copies on from one token
+    when the CPU computes the few-token host experts (expert_stream_share 0, about half of the
+    experts in host memory), and leaves them off with every expert on the device; either way the
+    logits are those of copying in the layer, bit for bit."""
+    monkeypatch.delenv("WRITESCOPE_LOAD_COPIES", raising=False)
+    monkeypatch.setenv("WRITESCOPE_MICRO_BATCHES", "1")  # whole batches (the default; two copy nothing early)
+    budget = _half_experts_on_host(preset, torch.float32, 4)
+    llm = LLM(preset, progress=False, policy="static:0.5", window=D, max_batch=4,
+              vram_budget=budget, expert_stream_share=0.0)
+    assert any(b.host_experts for b in llm._moe_blocks)
+    dec = llm.cache.decoder
+    assert dec.copies_mode == "auto" and dec.early_from == 1
+    auto = _decode_logits(llm, _prompts(llm.config.vocab_size), STEPS)
+    assert dec.stats.early_fills == STEPS * (llm.config.num_layers - 1) and dec.stats.early_fills_wasted == 0
+    llm.set_policy("gpu")  # a new cache: the engine sets its decoder's early_from again
+    assert llm.cache.decoder.early_from == 1
+    monkeypatch.setenv("WRITESCOPE_LOAD_COPIES", "own-layer")
+    own = LLM(preset, progress=False, policy="static:0.5", window=D, max_batch=4,
+              vram_budget=budget, expert_stream_share=0.0)
+    assert not own.cache.decoder.copies_early
+    assert torch.equal(auto, _decode_logits(own, _prompts(own.config.vocab_size), STEPS))
+    monkeypatch.delenv("WRITESCOPE_LOAD_COPIES")
+    assert LLM(preset, progress=False, policy="static:0.5", window=D).cache.decoder.early_from is None  # no host experts
+
+
+def _half_experts_on_host(preset: str, dtype: torch.dtype = torch.bfloat16, batch: int = 4) -> int:
     """A device budget (bytes) that leaves about half of ``preset``'s routed experts in host memory
-    (bf16, batch 4), as tests/test_joint_roofline.py's."""
+    (``dtype``, ``batch`` requests), as tests/test_joint_roofline.py's."""
     from writescope.budget.plan import make_plan
     from writescope.presets import preset_config
     from writescope.scheduler.policies import StaticPolicy
 
     cfg = preset_config(preset)
-    base = make_plan(cfg, torch.bfloat16, 2**40, 4, cfg.max_position_embeddings, 0, StaticPolicy(0.5), 16)
+    base = make_plan(cfg, dtype, 2**40, batch, cfg.max_position_embeddings, 0, StaticPolicy(0.5), 16)
     return base.gpu_min + (base.experts_total // 2 + 8) * base.expert_bytes
 
 

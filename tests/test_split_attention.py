@@ -753,16 +753,46 @@ def test_early_fills_whose_runs_differ_are_copied_again(make_harness, monkeypatc
     assert dec.stats.early_fills_wasted == wasted_before + 2
 
 
-def test_early_copies_off_by_default_and_bad_values_named(monkeypatch):
-    from writescope.attention.split import _copies_early
+def test_load_copies_auto_by_default_and_bad_values_named(monkeypatch):
+    from writescope.attention.split import load_copies_from_env
 
     monkeypatch.delenv("WRITESCOPE_LOAD_COPIES", raising=False)
-    assert not _copies_early()
+    assert load_copies_from_env() == "auto"
     monkeypatch.setenv("WRITESCOPE_LOAD_COPIES", "Early ")
-    assert _copies_early()
+    assert load_copies_from_env() == "early"
+    monkeypatch.setenv("WRITESCOPE_LOAD_COPIES", "own-layer")
+    assert load_copies_from_env() == "own-layer"
     monkeypatch.setenv("WRITESCOPE_LOAD_COPIES", "soon")
     with pytest.raises(ValueError, match="WRITESCOPE_LOAD_COPIES='soon'"):
-        _copies_early()
+        load_copies_from_env()
+
+
+def test_auto_copies_early_only_from_the_tokens_the_engine_gives(make_harness, monkeypatch):
+    """WRITESCOPE_LOAD_COPIES=auto (the default): no early copies until the engine sets
+    ``early_from`` (the fewest tokens a step at which the host computes experts mid-layer); then
+    only decode calls of at least that many sequences copy early, and outputs stay exact."""
+    monkeypatch.delenv("WRITESCOPE_LOAD_COPIES", raising=False)
+    D, L = 16, 3
+    h = make_harness(window=D, policy="static:0.5", num_layers=L, pingpong_blocks=2, pingpong_buffers=2)
+    dec = h.cache.decoder
+    assert dec.copies_mode == "auto" and dec.early_from is None and not dec.copies_early
+    lens = [9 * D + 3, 6 * D, 4 * D + 1]
+    slots = [h.allocate(n + 12, prompt_len=n) for n in lens]
+    h.prefill(slots, lens)
+    h.decode(slots)
+    assert dec.stats.early_fills == 0
+    dec.early_from = 3
+    assert dec.copies_early
+    h.decode(slots[:2])  # two sequences: below early_from
+    assert dec.stats.early_fills == 0
+    h.decode(slots)  # three: layers 1 .. L-1 take their first fills early
+    assert dec.stats.early_fills >= L - 1 and dec.stats.early_fills_wasted == 0
+    monkeypatch.setenv("WRITESCOPE_LOAD_COPIES", "own-layer")
+    own = make_harness(window=D, policy="static:0.5", num_layers=L, pingpong_blocks=2, pingpong_buffers=2)
+    own.cache.decoder.early_from = 1
+    assert not own.cache.decoder.copies_early  # own-layer asked for: never early
+    for s in slots:
+        h.assert_placement_exact(s)
 
 
 def test_abandon_drops_early_fills_with_nothing_pending(make_harness, monkeypatch):

@@ -97,19 +97,27 @@ def _own_load_stream() -> bool:
     return env_choice("WRITESCOPE_LOAD_STREAM", ("compute", "own")) == "own"
 
 
-def _copies_early() -> bool:
+def load_copies_from_env() -> str:
     """``WRITESCOPE_LOAD_COPIES``: when the copies of a layer's first ping-pong fills are issued.
-    ``own-layer`` (the default): in that layer's decode call. ``early``: at the end of the previous
-    layer's load part, before the host issues that layer's other work (routing, experts), so the
-    link fills the ring while the host waits on the routing or computes host experts on the CPU
-    (a per-step expert split or ``--expert-stream-share 0``); the next layer uses those fills where
-    its runs are the same, and copies again where they are not (an eviction between the layers,
-    another micro-batch's layer in between). Not yet measured on the device: off by default.
+    ``own-layer``: in that layer's decode call. ``early``: at the end of the previous layer's load
+    part, before the host issues that layer's other work (routing, experts), so the link fills the
+    ring while the host waits on the routing or computes host experts on the CPU (a per-step expert
+    split or ``--expert-stream-share 0``); the next layer uses those fills where its runs are the
+    same, and copies again where they are not (an eviction between the layers, another
+    micro-batch's layer in between). ``auto`` (the default): early in the decode steps whose host
+    computes experts on the CPU mid-layer (:attr:`SplitDecoder.early_from`, set by the engine),
+    own-layer in the others.
+
+    Why auto: on the H200 (runs 39-40, benchmarks/results/gpu_decode_h200.md) Mixtral-8x7B 4 x 8K,
+    16K and 32000 under 32 GiB (the CPU computes about 85 host experts a step) took 497 / 541 /
+    607 ms a step with early copies against 545 / 606 / 681 own-layer, while DeepSeek-V2-Lite (no
+    expert on the CPU) gained nothing (16 x 8K-32K: 79.4 / 110.4 / 179.9 against 74.1 / 108.8 /
+    183.4 ms, within about the spread).
 
     Raises:
         ValueError: another value (names it).
     """
-    return env_choice("WRITESCOPE_LOAD_COPIES", ("own-layer", "early")) == "early"
+    return env_choice("WRITESCOPE_LOAD_COPIES", ("auto", "own-layer", "early"))
 
 
 def _cpu_partial_in_place() -> bool:
@@ -191,10 +199,25 @@ class SplitDecoder:
         self.in_place = spec.load_read == "in-place"  # the load region read where it lies (no ping-pong buffers)
         # WRITESCOPE_LOAD_COPIES=early: the next layer's first fills copied at the end of this one's load
         # part; _early is (layer, sequence ids, per fill: its runs' identity) of the fills in the buffers
-        self.copies_early = _copies_early() and not self.in_place
+        self.copies_mode = "own-layer" if self.in_place else load_copies_from_env()
+        # copies_mode auto: the fewest tokens a decode step at which its host computes experts on the CPU
+        # mid-layer (the engine sets it from the expert path; None: never), the steps that copy early
+        self.early_from: int | None = None
         self._early = None
         self.grouped = False  # this decode pass runs as two micro-batches (set by the cache's decode_groups): no early copies
         self._stage_views: list[torch.Tensor | None] = [None, None]  # in place: CUDA views of the prepare buffers
+
+    @property
+    def copies_early(self) -> bool:
+        """Whether some decode steps copy their layers' first fills early (``WRITESCOPE_LOAD_COPIES``
+        early, or auto with :attr:`early_from` set)."""
+        return self.copies_mode == "early" or (self.copies_mode == "auto" and self.early_from is not None)
+
+    def _copies_early_at(self, tokens: int) -> bool:
+        """Whether a decode call of ``tokens`` sequences copies the next layer's first fills early."""
+        if self.copies_mode == "auto":
+            return self.early_from is not None and tokens >= self.early_from
+        return self.copies_mode == "early"
 
     def _current(self):
         """The current CUDA stream of this thread on the decoder's device (by its index: a device
@@ -547,7 +570,8 @@ class SplitDecoder:
         s = self.spec
         B = qg.shape[0]
         fills = list(self._fills(sources))
-        seq_ids = tuple(id(sq) for sq in seqs) if seqs is not None and self.copies_early else None
+        early_on = seqs is not None and not self.grouped and self._copies_early_at(B)
+        seq_ids = tuple(id(sq) for sq in seqs) if early_on else None
         if plan is None:
             ids, q_blk, o_blk, lse_blk = self._torch_blocks(qg, [(i, src.shape[0]) for fill in fills for i, src in fill], scale)
         bufs = self.buffers()
@@ -604,7 +628,7 @@ class SplitDecoder:
                 torch.cuda.set_stream(home)  # first: the compute stream current again whatever the record does
                 self._load_done = torch.cuda.Event()
                 self._load_done.record(cur)
-        if self.copies_early and not self.grouped and seqs is not None and layer + 1 < self.spec.num_layers:
+        if early_on and layer + 1 < self.spec.num_layers:
             self._copy_early(layer + 1, seqs, seq_ids, bufs, home)
         return None if plan is not None else merge_segments(o_blk, lse_blk, ids, B)
 

@@ -255,7 +255,7 @@ def split_parts(decoder, timers: list | None, attention_s: list[float], bytes_pe
     blocks), ``cpu`` (the CPU worker's attention), and the CPU's in-step rate
     (``cpu_ns_per_token``, ``cpu_gbs`` of KV read, ``bytes_per_token`` per layer). ``attention``
     minus the larger of the two sides is the hand-over between them. With
-    ``WRITESCOPE_LOAD_COPIES=early`` also the row's fills copied early and used (``early_fills``)
+    early copies on (``WRITESCOPE_LOAD_COPIES``) also the row's fills copied early and used (``early_fills``)
     and copied again (``early_fills_wasted``). None when no call was timed, or when the calls
     timed and the decoder's do not pair up."""
     timers = timers or []

@@ -244,6 +244,23 @@ class LLM:
                 self.other_work.link_seconds = None if link is None else (lambda batch: link(batch) if batch < below else 0.0)
             else:
                 self.other_work.link_seconds = None
+        decoder = getattr(self.cache, "decoder", None)
+        if decoder is not None:  # WRITESCOPE_LOAD_COPIES=auto: early copies where the host computes experts mid-layer
+            decoder.early_from = self._cpu_experts_from()
+
+    def _cpu_experts_from(self) -> int | None:
+        """The fewest tokens a decode step at which the CPU computes some of its host experts in
+        the middle of a layer (the host reads the routing back and waits), or None when no step
+        does: from the per-step expert split's threshold where it is attached, from one token
+        where a fixed stream share below 1 leaves few-token host experts to the CPU, else never
+        (no host experts, or all read in place or streamed)."""
+        if self.expert_work is not None:
+            return max(1, getattr(self.expert_work, "in_place_below", 0))
+        hosted = [b for b in self._moe_blocks if b.host_experts]
+        if not hosted or all(b.reads_host_experts_in_place(self.max_batch) for b in hosted):
+            return None
+        share = self.expert_stream_share
+        return 1 if share is not None and share < 1 else None
 
     def set_expert_stream_share(self, share: float | None, attach: bool = True) -> None:
         """Fix the share of the few-token host experts a decode step streams (``share`` in [0, 1],

@@ -18,7 +18,7 @@ import torch
 def readers() -> dict[str, Callable[[], object]]:
     """Switch name -> its reader (raises ValueError on a bad value)."""
     from writescope.attention.cpu_worker import pin_wanted, preread_from_env
-    from writescope.attention.split import _copies_early, _cpu_partial_in_place, _native_wanted, _own_load_stream
+    from writescope.attention.split import load_copies_from_env, _cpu_partial_in_place, _native_wanted, _own_load_stream
     from writescope.engine.threads import attention_threads_from_env
     from writescope.kvcache.huge_pages import huge_pages_wanted
     from writescope.env import env_choice
@@ -34,7 +34,7 @@ def readers() -> dict[str, Callable[[], object]]:
         "WRITESCOPE_MOE_KERNEL": env_fused,
         "WRITESCOPE_LOAD_READ": load_read_from_env,
         "WRITESCOPE_LOAD_STREAM": _own_load_stream,
-        "WRITESCOPE_LOAD_COPIES": _copies_early,
+        "WRITESCOPE_LOAD_COPIES": load_copies_from_env,
         "WRITESCOPE_PINGPONG_BUFFERS": pingpong_buffers_from_env,
         "WRITESCOPE_GPU_ATTENTION": lambda: env_choice("WRITESCOPE_GPU_ATTENTION", ("triton", "torch")),
         "WRITESCOPE_CUDA_GRAPHS": lambda: graphs_wanted(torch.device("cpu")),
