@@ -188,10 +188,11 @@ def test_bench_times_layers_without_synchronising(monkeypatch):
     assert calls == [], f"{len(calls)} synchronisations inside the timed decode"
 
 
-def test_rows_break_each_split_call_into_its_parts():
+def test_rows_break_each_split_call_into_its_parts(monkeypatch):
     """A row with a CPU part says where its attention calls went: per call, the whole call, the
     GPU part and the CPU part with its in-step rate, from the decoder's own counts; a row with
     no CPU part has no CPU figures, and the report lists only the split row."""
+    monkeypatch.delenv("WRITESCOPE_LOAD_COPIES", raising=False)
     from writescope import LLM
     from writescope.bench import runner
     from writescope.bench.report import format_split_parts
@@ -215,7 +216,7 @@ def test_rows_break_each_split_call_into_its_parts():
     assert streamed.extra["split_parts"]["calls_with_cpu"] == 0
     text = format_split_parts([split, streamed])
     assert "static:0.5" in text and " gpu:" not in text and "ns/token" in text
-    assert "early_fills" not in parts and "copied early" not in text  # only with WRITESCOPE_LOAD_COPIES=early
+    assert "early_fills" not in parts and "copied early" not in text  # only with early copies (no host experts here: auto copies none)
 
 
 def test_a_row_with_early_copies_counts_its_fills(monkeypatch):

@@ -367,6 +367,9 @@ def test_auto_copies_early_where_the_cpu_computes_host_experts(preset, monkeypat
     assert dec.stats.early_fills == STEPS * (llm.config.num_layers - 1) and dec.stats.early_fills_wasted == 0
     llm.set_policy("gpu")  # a new cache: the engine sets its decoder's early_from again
     assert llm.cache.decoder.early_from == 1
+    llm.cache.decoder.early_from = 99
+    llm.set_expert_stream_share(0.0, attach=False)  # a changed expert path refreshes it, attached or not
+    assert llm.cache.decoder.early_from == 1
     monkeypatch.setenv("WRITESCOPE_LOAD_COPIES", "own-layer")
     own = LLM(preset, progress=False, policy="static:0.5", window=D, max_batch=4,
               vram_budget=budget, expert_stream_share=0.0)

@@ -54,7 +54,7 @@ class SplitStats:
     window_tokens: int = 0
     streamed_bytes: int = 0  # load region -> ping-pong
     streamed_copies: int = 0
-    early_fills: int = 0  # fills copied at the end of the previous layer (WRITESCOPE_LOAD_COPIES=early) and used
+    early_fills: int = 0  # fills copied at the end of the previous layer (early copies: WRITESCOPE_LOAD_COPIES) and used
     early_fills_wasted: int = 0  # such fills copied again because the layer's runs differed
     last_cpu_seconds: float = 0.0  # of the last decode call (0 when it had no CPU part)
     last_cpu_tokens: int = 0
@@ -197,9 +197,11 @@ class SplitDecoder:
         self._read_in_place: deque = deque()  # (event after the merge, the pinned partial it reads): kept alive until then
         self._load_done = None  # the last decode_begin's load_done event
         self.in_place = spec.load_read == "in-place"  # the load region read where it lies (no ping-pong buffers)
-        # WRITESCOPE_LOAD_COPIES=early: the next layer's first fills copied at the end of this one's load
-        # part; _early is (layer, sequence ids, per fill: its runs' identity) of the fills in the buffers
-        self.copies_mode = "own-layer" if self.in_place else load_copies_from_env()
+        # early copies (WRITESCOPE_LOAD_COPIES early, or auto from early_from): the next layer's first fills copied
+        # at the end of this one's load part; _early is (layer, sequence ids, per fill: its runs' identity) of the
+        # fills in the buffers. The switch is read (and a bad value refused) whatever the load read.
+        copies_mode = load_copies_from_env()
+        self.copies_mode = "own-layer" if self.in_place else copies_mode
         # copies_mode auto: the fewest tokens a decode step at which its host computes experts on the CPU
         # mid-layer (the engine sets it from the expert path; None: never), the steps that copy early
         self.early_from: int | None = None
@@ -651,7 +653,8 @@ class SplitDecoder:
         return ready
 
     def _copy_early(self, layer: int, seqs: list, seq_ids: tuple, bufs, cur) -> None:
-        """``WRITESCOPE_LOAD_COPIES=early``: copy ``layer``'s first fills (one per ping-pong buffer)
+        """Early copies (``WRITESCOPE_LOAD_COPIES`` early, or auto in a step of at least
+        :attr:`early_from` tokens): copy ``layer``'s first fills (one per ping-pong buffer)
         now, each after its buffer's last reader in this layer, and remember which runs they hold;
         that layer's :meth:`_load_part` uses a fill whose runs are the same and copies the others
         again. Without CUDA the copies are plain (so CI exercises the matching)."""

@@ -244,8 +244,14 @@ class LLM:
                 self.other_work.link_seconds = None if link is None else (lambda batch: link(batch) if batch < below else 0.0)
             else:
                 self.other_work.link_seconds = None
+        self._refresh_early_from()
+
+    def _refresh_early_from(self) -> None:
+        """``WRITESCOPE_LOAD_COPIES=auto``: tell the cache's split decoder from how many tokens a
+        decode step copies the next layer's first fills early (where the host computes experts
+        mid-layer), after anything that changed the expert path."""
         decoder = getattr(self.cache, "decoder", None)
-        if decoder is not None:  # WRITESCOPE_LOAD_COPIES=auto: early copies where the host computes experts mid-layer
+        if decoder is not None:
             decoder.early_from = self._cpu_experts_from()
 
     def _cpu_experts_from(self) -> int | None:
@@ -253,11 +259,17 @@ class LLM:
         the middle of a layer (the host reads the routing back and waits), or None when no step
         does: from the per-step expert split's threshold where it is attached, from one token
         where a fixed stream share below 1 leaves few-token host experts to the CPU, else never
-        (no host experts, or all read in place or streamed)."""
+        (no host experts, or all read in place or streamed). A hosted block that cannot stream
+        (no streaming slots, no grouped GEMM) has the CPU compute its decode experts from one token
+        whatever the split of the others."""
+        hosted = [b for b in self._moe_blocks if b.host_experts]
+        if not hosted:
+            return None
+        if any(not b.streams_host_experts() and not b.reads_host_experts_in_place(self.max_batch) for b in hosted):
+            return 1
         if self.expert_work is not None:
             return max(1, getattr(self.expert_work, "in_place_below", 0))
-        hosted = [b for b in self._moe_blocks if b.host_experts]
-        if not hosted or all(b.reads_host_experts_in_place(self.max_batch) for b in hosted):
+        if all(b.reads_host_experts_in_place(self.max_batch) for b in hosted):
             return None
         share = self.expert_stream_share
         return 1 if share is not None and share < 1 else None
@@ -294,6 +306,7 @@ class LLM:
         if not attach:  # the old split chose under the old share: detached until set_policy attaches one
             detach_expert_work(self.policy, self._moe_blocks)
             self.expert_work = None
+            self._refresh_early_from()
             return
         try:
             self._attach_expert_work()
