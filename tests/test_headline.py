@@ -18,12 +18,12 @@ def _row(c, policy, tok_s, bound=0.0, repeat=0, fits=True):
 
 
 def _grid():
-    # 4K is below the headline's 8K; at 8K the best baseline is gpu, at 16K static:0.5
+    # 4K is below the headline's 8K; at 8K the best baseline is gpu, at 16K static:0.5; every baseline present
     return [
         _row(4096, "gpu", 10.0), _row(4096, "writescope", 100.0),
         _row(8192, "gpu", 10.0), _row(8192, "static:0.5", 8.0), _row(8192, "cpu", 2.0), _row(8192, "writescope", 20.0, 100.0),
         _row(16384, "gpu", 5.0), _row(16384, "static:0.5", 6.0), _row(16384, "cpu", 1.0), _row(16384, "writescope", 9.0, 200.0),
-    ]
+    ] + [_row(c, p, 0.5) for c in (8192, 16384) for p in ("monolithic", "static:0.25")]
 
 
 def test_the_headline_is_the_geometric_mean_over_the_best_baseline_at_8k_and_beyond():
@@ -76,3 +76,23 @@ def test_the_headline_plot_is_written(tmp_path):
     out = tmp_path / "h.png"
     plot_headline([headline("m", _grid())], out)
     assert out.read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
+
+
+def test_a_grid_without_every_baseline_cannot_show_the_target_met():
+    """Issue 17's baselines are gpu, cpu, monolithic and a static sweep: a grid at or above the
+    target that lacks one says so instead of "met"; below the target it is "not met" (a baseline
+    not run could only be faster)."""
+    from writescope.bench.headline import missing_baselines, target_status
+
+    assert missing_baselines(["gpu", "cpu", "monolithic", "static:0.25", "static:0.5", "writescope"]) == []
+    assert missing_baselines(["gpu", "cpu", "monolithic", "static:0", "static:1", "static:0.5"]) == ["static sweep"]
+    assert missing_baselines(["gpu", "cpu", "writescope", "static:0.5"]) == ["monolithic", "static sweep"]
+    assert missing_baselines(["writescope"]) == ["gpu", "cpu", "monolithic", "static sweep"]
+    fast = [_row(8192, "gpu", 10.0), _row(8192, "cpu", 9.0), _row(8192, "writescope", 20.0)]
+    h = headline("m", fast)
+    assert h.over_best == pytest.approx(2.0) and h.missing == ["monolithic", "static sweep"]
+    assert target_status(h) == "not shown (no monolithic, no static sweep)"
+    assert "| met |" not in format_headline([h])
+    slow = headline("m", [_row(8192, "gpu", 10.0), _row(8192, "writescope", 11.0)])
+    assert target_status(slow) == "not met"
+    assert target_status(headline("m", _grid())) == "met"

@@ -11,7 +11,10 @@ Per model (one ``writescope bench --output-json`` grid each):
   KV and, where routed experts live in host memory, the hit host experts; the median over those
   configurations; rows written before the bench measured its bounds have none);
 - the configurations where ``writescope`` is slower than that configuration's best baseline by more
-  than the noise (every ratio the repeats allow below 1; issue 17: it never should be).
+  than the noise (every ratio the repeats allow below 1; issue 17: it never should be);
+- the baselines the grid lacks (``gpu``, ``cpu``, ``monolithic``, a sweep of at least two fixed
+  shares): a grid without all of them cannot show the target met, only not met (a missing
+  baseline could only be faster than those present).
 """
 
 from __future__ import annotations
@@ -37,6 +40,28 @@ class Headline:
     x_bound: float | None
     source: str = ""  # the grid it comes from (a file name)
     below: list[str] = field(default_factory=list)  # "BxCK: ratio vs baseline [lo-hi]" where writescope loses beyond the noise
+    missing: list[str] = field(default_factory=list)  # baselines the grid lacks ("monolithic", "static sweep", ...)
+
+
+def missing_baselines(policies) -> list[str]:
+    """The baselines of issue 17's grid absent from ``policies`` (policy names as the bench writes
+    them): ``gpu``, ``cpu``, ``monolithic``, and "static sweep" (fewer than two fixed shares strictly
+    between 0 and 1: ``gpu`` and ``cpu`` are the shares 0 and 1, no sweep)."""
+    names = set(policies)
+    out = [p for p in ("gpu", "cpu", "monolithic") if p not in names]
+    if len({r for r in map(static_share, names) if r is not None and 0 < r < 1}) < 2:
+        out.append("static sweep")
+    return out
+
+
+def target_status(h: "Headline") -> str:
+    """``met``, ``not met``, or, for a grid at or above the target that lacks a baseline, ``not shown
+    (no ...)``: a baseline not run could only have been faster than those run."""
+    if h.over_best is None:
+        return "-"
+    if h.over_best < TARGET:
+        return "not met"
+    return "met" if not h.missing else f"not shown (no {', no '.join(h.missing)})"
 
 
 def _is_baseline(policy: str) -> bool:
@@ -65,9 +90,10 @@ def headline(model: str, rows: list[BenchRow], min_context: int = 8192, source: 
         if ws and all(r.tpot_bound_ms > 0 for r in ws):
             shown = median_run(ws)
             ratios.append(shown.tpot_ms / shown.tpot_bound_ms)
+    policies = {p for (b, c, p) in runs(rows) if c >= min_context}
     return Headline(model, best[1] if best else 0, best[0] if best else None, spread.get("best baseline"),
                     s["gpu"][0] if "gpu" in s else None, max(counts, key=counts.get) if counts else "-",
-                    statistics.median(ratios) if ratios else None, source, below)
+                    statistics.median(ratios) if ratios else None, source, below, missing_baselines(policies))
 
 
 def format_headline(lines: list[Headline], min_context: int = 8192) -> str:
@@ -81,7 +107,7 @@ def format_headline(lines: list[Headline], min_context: int = 8192) -> str:
             f" [{spread[0]:.2f}-{spread[1]:.2f}]" if spread and spread[0] != spread[1] else "")
         gpu = "-" if h.over_gpu is None else f"{h.over_gpu:.2f}x"
         bound = "-" if h.x_bound is None else f"{h.x_bound:.2f}x"
-        met = "-" if h.over_best is None else ("met" if h.over_best >= TARGET else "not met")
+        met = target_status(h)
         out.append(f"| {h.model} | {h.source or '-'} | {h.configurations} | {h.best_baseline} | {over} | {gpu} | {bound} | {met} |")
     for h in lines:
         if h.below:
@@ -112,7 +138,13 @@ def plot_headline(lines: list[Headline], path: Path) -> None:
     ax.bar([x + 0.18 for x in xs], [h.over_gpu or 0 for h in lines], 0.36, label="over gpu")
     ax.axhline(1.0, color="grey", lw=0.8)
     ax.axhline(TARGET, color="tab:red", ls="--", lw=0.8, label=f"target {TARGET}x")
-    ax.set_xticks(list(xs), [h.model for h in lines])
+    models = [h.model for h in lines]  # a model with several grids (batches): each bar named by its grid too
+    ax.set_xticks(list(xs), [m if models.count(m) == 1 else f"{m}\n{Path(h.source).stem.removeprefix(f'grid_{m}_')}"
+                             for m, h in zip(models, lines)], fontsize=8)
+    for x, h in zip(xs, lines):  # a grid short of a baseline: its "over the best baseline" is an upper bound
+        if h.missing and h.over_best:
+            ax.annotate("no " + ", ".join(h.missing), (x - 0.18, h.over_best), textcoords="offset points", xytext=(0, 3),
+                        ha="center", fontsize=7)
     ax.set_ylabel("writescope decode tok/s ratio\n(geometric mean, context >= 8K)")
     ax.legend(fontsize=8)
     fig.tight_layout()
