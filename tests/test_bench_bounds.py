@@ -8,6 +8,7 @@ import json
 import pytest
 import torch
 
+from helpers import half_experts_budget
 from writescope.bench import bounds
 
 
@@ -124,14 +125,9 @@ def test_rows_of_a_model_with_host_experts_carry_the_joint_bound():
     from writescope import LLM
     from writescope.bench.report import format_table
     from writescope.bench.runner import BenchConfig, run_one
-    from writescope.budget.plan import make_plan
-    from writescope.presets import preset_config
     from writescope.scheduler.expert_work import expected_host_expert_bytes
-    from writescope.scheduler.policies import StaticPolicy
 
-    cfg = preset_config("tiny-qwen3-moe")
-    base = make_plan(cfg, torch.float32, 2**40, 2, cfg.max_position_embeddings, 0, StaticPolicy(0.5), 16)
-    half = base.gpu_min + (base.experts_total // 2 + 8) * base.expert_bytes  # half the experts on the host
+    half = half_experts_budget()  # half the experts on the host
     llm = LLM("tiny-qwen3-moe", progress=False, policy="static:0.5", window=16, vram_budget=half, max_batch=2)
     rates = bounds.given(10.0, 20.0, cuda=False)
     row = run_one(llm, BenchConfig([2], [64], ["static:0.5"], steps=2, window=16, warmup=False, kv_fill="random", rates=rates),

@@ -11,6 +11,7 @@ import random
 import pytest
 import torch
 
+from helpers import half_experts_budget
 from writescope.kvcache.spec import Roofline
 from writescope.scheduler.expert_work import ExpertWork, expected_hit_experts
 from writescope.scheduler.joint import JointCosts, joint_split, step_times, streamed_count
@@ -214,13 +215,8 @@ def _blocks(llm):
 
 def _half_on_host_llm(share=None):
     from writescope import LLM
-    from writescope.budget.plan import make_plan
-    from writescope.presets import preset_config
-    from writescope.scheduler.policies import StaticPolicy
 
-    cfg = preset_config("tiny-qwen3-moe")
-    base = make_plan(cfg, torch.float32, 2**40, 2, cfg.max_position_embeddings, 0, StaticPolicy(0.5), 16)
-    half = base.gpu_min + (base.experts_total // 2 + 8) * base.expert_bytes  # half the experts on the host, with slots
+    half = half_experts_budget()  # half the experts on the host, with slots
     return LLM("tiny-qwen3-moe", progress=False, policy="static:0.5", window=16, vram_budget=half, max_batch=2, expert_stream_share=share)
 
 
@@ -508,10 +504,8 @@ def test_the_real_in_place_check_decides_whether_writescope_splits(monkeypatch):
     after a move dropped the blocks' packs."""
     import writescope.engine.llm as engine
     from writescope import LLM
-    from writescope.budget.plan import make_plan
     from writescope.moe import fused_decode
     from writescope.presets import preset_config
-    from writescope.scheduler.policies import StaticPolicy
 
     monkeypatch.setenv("TRITON_INTERPRET", "1")
     monkeypatch.setenv("WRITESCOPE_MOE_KERNEL", "fused")
@@ -519,8 +513,7 @@ def test_the_real_in_place_check_decides_whether_writescope_splits(monkeypatch):
     monkeypatch.setattr(fused_decode, "triton", fused_decode.triton or object())
     monkeypatch.setattr(engine, "default_stream_share", lambda device: 1.0)
     cfg = preset_config("tiny-qwen3-moe")
-    base = make_plan(cfg, torch.float16, 2**40, 2, cfg.max_position_embeddings, 0, StaticPolicy(0.5), 16)
-    half = base.gpu_min + (base.experts_total // 2 + 8) * base.expert_bytes
+    half = half_experts_budget(dtype=torch.float16)
     llm = LLM("tiny-qwen3-moe", progress=False, policy="static:0.5", window=16, vram_budget=half, max_batch=2, dtype="fp16")
     rf = _h200_link(llm)
     in_place = "host experts read in place over PCIe by the fused decode kernels"

@@ -13,6 +13,7 @@ import gc
 import pytest
 import torch
 
+from helpers import half_experts_budget
 from writescope import LLM, SamplingParams
 from writescope.attention.metadata import ForwardBatch
 from writescope.attention.split import SplitDecoder
@@ -357,7 +358,7 @@ def test_auto_copies_early_where_the_cpu_computes_host_experts(preset, monkeypat
     logits are those of copying in the layer, bit for bit."""
     monkeypatch.delenv("WRITESCOPE_LOAD_COPIES", raising=False)
     monkeypatch.setenv("WRITESCOPE_MICRO_BATCHES", "1")  # whole batches (the default; two copy nothing early)
-    budget = _half_experts_on_host(preset, torch.float32, 4)
+    budget = half_experts_budget(preset, torch.float32, 4)
     llm = LLM(preset, progress=False, policy="static:0.5", window=D, max_batch=4,
               vram_budget=budget, expert_stream_share=0.0)
     assert any(b.host_experts for b in llm._moe_blocks)
@@ -379,18 +380,6 @@ def test_auto_copies_early_where_the_cpu_computes_host_experts(preset, monkeypat
     assert LLM(preset, progress=False, policy="static:0.5", window=D).cache.decoder.early_from is None  # no host experts
 
 
-def _half_experts_on_host(preset: str, dtype: torch.dtype = torch.bfloat16, batch: int = 4) -> int:
-    """A device budget (bytes) that leaves about half of ``preset``'s routed experts in host memory
-    (``dtype``, ``batch`` requests), as tests/test_joint_roofline.py's."""
-    from writescope.budget.plan import make_plan
-    from writescope.presets import preset_config
-    from writescope.scheduler.policies import StaticPolicy
-
-    cfg = preset_config(preset)
-    base = make_plan(cfg, dtype, 2**40, batch, cfg.max_position_embeddings, 0, StaticPolicy(0.5), 16)
-    return base.gpu_min + (base.experts_total // 2 + 8) * base.expert_bytes
-
-
 @pytest.mark.gpu
 @pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")
 @pytest.mark.parametrize("preset,share", [("tiny-qwen3-moe", None), ("tiny-deepseek-v2", None), ("tiny-qwen3-moe", 0.0)])
@@ -410,7 +399,7 @@ def test_early_copies_change_no_logit_on_cuda(preset, share, monkeypatch):
             monkeypatch.setenv("WRITESCOPE_MICRO_BATCHES", mb)
             monkeypatch.setenv("WRITESCOPE_LOAD_COPIES", copies)
             llm = LLM(preset, device="cuda", dtype="bf16", progress=False, policy="static:0.5", window=16, max_batch=4,
-                      vram_budget=_half_experts_on_host(preset) if share is not None else None, expert_stream_share=share)
+                      vram_budget=half_experts_budget(preset, torch.bfloat16, 4) if share is not None else None, expert_stream_share=share)
             if share is not None:
                 assert any(b.host_experts for b in llm._moe_blocks)
             logits[mb, copies] = _cuda_decode_logits(llm, prompts, steps)
