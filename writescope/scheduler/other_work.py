@@ -5,12 +5,13 @@ the layer's output projection, its experts and the next layer's norms and q/k/v 
 things follow for the split gate (:func:`writescope.scheduler.roofline.split_pays`):
 
 - Streaming alone hides its copies behind this work: the load region's blocks of layer l+1 stream
-  while layer l runs its experts. So a step of streaming alone takes about
-  max(O + C_gpu_alone, B_alone L + C_gpu_alone) per layer, not the sum. On the H200 machine at DeepSeek-V2-Lite 4 x 8K, `gpu` attended a layer in
+  while layer l runs its experts, and its fixed cost is issued ahead with them. So a step of
+  streaming alone takes about max(O + C_gpu_alone, B_alone L) per layer, not the sum. On the H200 machine at DeepSeek-V2-Lite 4 x 8K, `gpu` attended a layer in
   0.383 ms of device time (98.7 GB/s, above the link's 54 GB/s), O was 0.67 ms, and the
   attention-only calibration line said 0.93 ms for streaming alone.
 - A split's CPU part cannot hide there: it needs this layer's q. A split step takes
-  max(O + max(T_cpu(r), C_gpu), T_gpu(r)) + C_split per layer.
+  max(O + max(T_cpu(r), C_gpu), T_gpu(r)) + max(C_split, SPLIT_HANDOVER) per layer (the
+  hand-over between the sides, 0.15-0.28 ms a layer on the H200 in run 40).
 
 Without O the gate deployed r = 0.03 at DSV2 4 x 8K and ran at 0.75x `gpu`
 (benchmarks/results/evaluation_h200.md). Host experts read in place over PCIe inside O use the

@@ -16,8 +16,14 @@ Beyond the paper, a split must pay: streaming alone runs at its own, uncontended
 C_gpu_alone; host memory bandwidth is not shared with CPU reads then), and a split step may cost
 C_split beyond its slower side. Where max(T_cpu(r), T_gpu(r)) + C_split >= B_alone L + C_gpu_alone,
 the share is 0 (:func:`split_pays`). Where the layer step's work outside attention (O) has been
-measured, the gate compares the two with it: streaming alone hides behind O, the CPU part does not
-(writescope/scheduler/other_work.py). Why: in the first H200 whole-model decode grid
+measured, the gate compares the two with it: streaming alone hides behind O, its fixed cost
+C_gpu_alone included, the CPU part does not, and a split pays a hand-over of at least
+SPLIT_HANDOVER (writescope/scheduler/other_work.py). Why the fixed cost hides and the hand-over
+counts: in run 40 on the H200 (benchmarks/results/gpu_decode_h200.md) the `gpu` rows' attention per
+layer matched B_alone L + O_link within 0.1 ms at DeepSeek-V2-Lite 4-16 x 8K-32K and Qwen3-30B-A3B
+4 x 8K-32K, 0.2-0.37 ms under the form with C_gpu_alone, and a split step's hand-over took 0.15-0.28
+ms; the old gate split DeepSeek-V2-Lite 4 x 16K (r 0.45, 47.7 ms a step) where streaming alone took
+45.0. Why: in the first H200 whole-model decode grid
 (benchmarks/results/e2e.md), whose step waited on the host between the halves, streaming alone
 beat every measured split. Calibration leaves C_split at 0 since the asynchronous step made the
 hand-over hide behind each layer's other work (writescope/scheduler/calibrate.py says how that was
@@ -76,6 +82,11 @@ A_FLOOR = 0.1  # A is never estimated below this fraction of its calibrated valu
 # benchmarks/results/gpu_decode_h200.md). At a quarter, an error of the fixed part costs the
 # sample at most a third of that error's share of C_cpu.
 MAX_FIXED_SHARE = 0.25
+# The hand-over a split step pays beyond its slower side inside a whole-model decode step (q to the
+# CPU, its partial back, the merge), which the gate with O counts where the roofline's C_split is
+# smaller: run 40 on the H200 measured 0.15-0.21 ms per layer at DeepSeek-V2-Lite batch 4 (0.16-0.28
+# at batch 16, 0.10-0.19 Qwen3-30B-A3B), benchmarks/results/gpu_decode_h200.md.
+SPLIT_HANDOVER = 0.15e-3
 
 
 def roofline_share(L: float, a: float, b: float, c_cpu: float = 0.0, c_gpu: float = 0.0) -> float:
@@ -125,9 +136,10 @@ def split_pays(L: float, r: float, a: float, roofline: Roofline, other: float | 
     ``other`` is O, the layer step's measured work outside attention, in seconds
     (:mod:`writescope.scheduler.other_work`); ``other_link`` is the part of O that uses the link
     (host experts read in place). Streaming alone hides behind O what the link is not busy with
-    there: max(O + C_gpu_alone, B_alone L + C_gpu_alone + O_link). The CPU part waits for q and
-    does not hide: max(O + max(T_cpu(r), C_gpu), T_gpu(r) + O_link) + C_split. With O None (not
-    measured) the forms without it. ``prefetch_tokens``: what the ping-pong buffers let the link
+    there, and its fixed cost too (launches issued ahead while the link streams):
+    max(O + C_gpu_alone, B_alone L + O_link). The CPU part waits for q and does not hide:
+    max(O + max(T_cpu(r), C_gpu), T_gpu(r) + O_link) + max(C_split, SPLIT_HANDOVER). With O None
+    (not measured) the forms without it. ``prefetch_tokens``: what the ping-pong buffers let the link
     stream ahead during O (:func:`link_in_other`, each path at its own rate); None: no cap.
     """
     rf = roofline
@@ -136,8 +148,9 @@ def split_pays(L: float, r: float, a: float, roofline: Roofline, other: float | 
     t_cpu, t_gpu = r * a * L + rf.c_cpu, (1 - r) * rf.b * L + rf.c_gpu  # at r = 1 the GPU still attends the D-window (C_gpu)
     c_alone = rf.c_gpu_alone or 0.0
     if other is not None:
-        split = max(other + max(t_cpu, rf.c_gpu), t_gpu + link_in_other(other, other_link, prefetch_tokens, rf.b)) + rf.c_split
-        alone = max(other + c_alone, rf.b_alone * L + c_alone + link_in_other(other, other_link, prefetch_tokens, rf.b_alone))
+        split = (max(other + max(t_cpu, rf.c_gpu), t_gpu + link_in_other(other, other_link, prefetch_tokens, rf.b))
+                 + max(rf.c_split, SPLIT_HANDOVER))
+        alone = max(other + c_alone, rf.b_alone * L + link_in_other(other, other_link, prefetch_tokens, rf.b_alone))
     else:
         split, alone = max(t_cpu, t_gpu) + rf.c_split, rf.b_alone * L + c_alone
     return split < alone
