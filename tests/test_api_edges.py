@@ -56,7 +56,7 @@ def test_prompts_that_are_neither_text_nor_ids_refused_clearly(llm, prompts, pat
 
 
 def test_api_errors_name_api_arguments_and_count_in_words(llm):
-    with pytest.raises(ValueError, match=r"prompts\[0\] has 1 token \+ max_tokens 9000 = 9001, beyond the limit of 8,192 tokens"):
+    with pytest.raises(ValueError, match=r"prompts\[0\] has 1 token \+ max_tokens 9,000 = 9,001, beyond the limit of 8,192 tokens"):
         llm.generate([[7]], SamplingParams(max_tokens=9000))
     with pytest.raises(ValueError, match="^top_p must be in") as e:
         SamplingParams(top_p=1.5)
@@ -71,7 +71,7 @@ def test_api_errors_name_api_arguments_and_count_in_words(llm):
     "argv, named, not_named",
     [
         (["--prompt-ids", "1,2,999999"], r"--prompt-ids \(request 0\) has token id 999999 at position 2, .*4,096 ids", "prompt_token_ids"),
-        (["--prompt-ids", "7", "--max-new-tokens", "9000"], r"--prompt-ids \(request 0\) has 1 token \+ --max-new-tokens 9000", "max_tokens"),
+        (["--prompt-ids", "7", "--max-new-tokens", "9000"], r"--prompt-ids \(request 0\) has 1 token \+ --max-new-tokens 9,000", "max_tokens"),
         (["--prompt", "hi", "--top-p", "1.5"], r"--top-p must be in \(0, 1\]", "top_p"),
         (["--prompt", "hi", "--temperature", "-1"], r"--temperature must be >= 0", "temperature"),
         (["--prompt", "hi", "--prefill-chunk-tokens", "0"], r"--prefill-chunk-tokens must be >= 1", "prefill_chunk_tokens"),

@@ -114,7 +114,7 @@ def test_n_choices_each_count_in_the_memory_check(llm, monkeypatch):
     monkeypatch.setattr(llm, "_check_memory", lambda caps: (seen.append(list(caps)), real(caps))[1])
     llm.generate([[5, 6, 7], [8]], [SamplingParams(max_tokens=4, n=3), SamplingParams(max_tokens=2)])
     assert seen == [[7, 7, 7, 3]]
-    with pytest.raises(ValueError, match=r"prompts\[0\] has 3 tokens \+ max_tokens 2046 = 2049"):
+    with pytest.raises(ValueError, match=r"prompts\[0\] has 3 tokens \+ max_tokens 2,046 = 2,049"):
         llm.generate([[5, 6, 7]], SamplingParams(max_tokens=2046, n=2))
     assert llm.cache.active_slots == []
 

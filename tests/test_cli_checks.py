@@ -238,3 +238,37 @@ def test_a_busy_machine_is_noted_beside_the_timings(monkeypatch):
     assert "OMP_WAIT_POLICY=passive" in threads.busy_note()  # what helped most on a busy 2-core machine
     monkeypatch.setattr(os, "getloadavg", lambda: (3.9, 9.0, 9.0))
     assert threads.busy_note() is None
+
+
+def test_generate_notes_competition_measured_while_it_ran_not_the_load_average(capsys, monkeypatch):
+    """generate's note on competing processes comes from what they took while the run was timed
+    (writescope/engine/cpu_competition.py), where that can be measured: a high load average before
+    a quiet run gives no note, and others' use during the run does."""
+    import os
+
+    from writescope.engine import cpu_competition, threads
+
+    monkeypatch.setattr(threads, "usable_cpus", lambda: 2)
+    monkeypatch.setattr(os, "getloadavg", lambda: (9.0, 9.0, 9.0))  # a busy minute before the run
+    monkeypatch.setattr(cpu_competition.CpuCompetition, "measurable", property(lambda self: True))
+    args = ["generate", "--model", "tiny-qwen3-moe", "--prompt-ids", "5,6,7,8", "--max-new-tokens", "2", "--quiet"]
+    monkeypatch.setattr(cpu_competition.CpuCompetition, "others", lambda self: 0.0)
+    assert main(args) == 0
+    assert "note: " not in capsys.readouterr().out.replace("note: on the CPU", "")
+    monkeypatch.setattr(cpu_competition.CpuCompetition, "others", lambda self: 1.5)
+    assert main(args) == 0
+    out = capsys.readouterr().out
+    assert "other processes kept 1.5 of the" in out and "OMP_WAIT_POLICY=passive" in out
+
+
+def test_plan_checks_the_switches_as_generate_does(capsys, monkeypatch):
+    """`writescope plan` refuses a bad WRITESCOPE_* value and names a misspelt switch, as generate
+    and bench do (a new user's trial found plan silent on both)."""
+    args = ["plan", "--model", "tiny-qwen3-moe", "--vram-budget", "8GiB", "--batch", "2", "--context", "1k"]
+    monkeypatch.setenv("WRITESCOPE_LOAD_COPIES", "soon")
+    assert main(args) == 2
+    assert "WRITESCOPE_LOAD_COPIES='soon'" in capsys.readouterr().err
+    monkeypatch.delenv("WRITESCOPE_LOAD_COPIES")
+    monkeypatch.setenv("WRITESCOPE_LOAD_COPIE", "early")
+    with pytest.warns(UserWarning, match="did you mean WRITESCOPE_LOAD_COPIES"):
+        assert main(args) == 0

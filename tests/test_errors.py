@@ -67,7 +67,7 @@ LONG = [1] * 8190  # + max_tokens 16 = 8206 > 8192
         (dict(prompt_token_ids=[[]]), r"prompt_token_ids\[0\] is empty"),
         (dict(prompts=[]), "no prompts given"),
         (dict(prompt_token_ids=[]), "prompt_token_ids must be a non-empty list"),
-        (dict(prompt_token_ids=[LONG], sampling_params=SamplingParams(max_tokens=16)), r"prompt_token_ids\[0\] has 8,190 tokens .*16 = 8206, beyond the limit of 8,192 tokens"),
+        (dict(prompt_token_ids=[LONG], sampling_params=SamplingParams(max_tokens=16)), r"prompt_token_ids\[0\] has 8,190 tokens .*16 = 8,206, beyond the limit of 8,192 tokens"),
         (dict(prompt_token_ids=[[1, 4096]]), r"prompt_token_ids\[0\] has token id 4096 at position 1, outside the model\'s vocabulary of 4,096 ids"),
     ],
     ids=["empty-text", "empty-text-str", "empty-ids", "no-prompts", "no-prompt-ids", "beyond-max-positions", "out-of-vocab"],

@@ -31,6 +31,7 @@ of each, and the interval of each ratio from the repeats' min and max.
 
 from __future__ import annotations
 
+import re
 import statistics
 import time
 from dataclasses import asdict, dataclass, field
@@ -323,7 +324,8 @@ def run_one(llm: LLM, cfg: BenchConfig, batch: int, context: int, policy: str, r
     except (ValueError, RuntimeError, torch.OutOfMemoryError) as e:
         reason = str(e).split("\n")[0]
         # the engine's advice names generate's flags; bench's requests are --context + --steps + 1 tokens
-        reason = reason.replace("shorten the prompt, lower max_tokens", f"use a shorter --context (bench adds --steps + 1 = {cfg.steps + 1} tokens)")
+        reason = re.sub(r"shorten the prompt( to at most [\d,]+ tokens?| \(max_tokens alone fills the limit\))?, lower max_tokens",
+                        f"use a shorter --context (bench adds --steps + 1 = {cfg.steps + 1} tokens)", reason)
         row.fits, row.reason = False, reason[:300]
         if llm.device.type == "cuda":
             torch.cuda.empty_cache()

@@ -122,12 +122,13 @@ class MemoryPlan:
                 + (f", or use a partitioned {f.policy} (KV in host memory)" if self.kv_host == 0 else "")
             )
         if self.host_free is not None and self.host_total > 0.9 * self.host_free:
+            short = self.host_total - 0.9 * self.host_free  # a larger budget frees at most the host experts' bytes
             return (
                 f"the plan needs {self.host_total / GiB:.2f} GiB of host memory (experts {self.expert_weights_host / GiB:.2f} + "
                 f"KV {self.kv_host / GiB:.2f} + staging {self.pinned_staging / GiB:.2f}) but "
                 f"{self.host_free / GiB:.2f} GiB is free, of which at most 90% ({0.9 * self.host_free / GiB:.2f} GiB) is planned "
                 "(the rest stays for the process and the OS): "
-                + (f"raise {f.budget} (fewer experts on the host), " if self.expert_weights_host else "")
+                + (f"raise {f.budget} (fewer experts on the host), " if self.expert_weights_host >= short else "")
                 + f"lower {f.sizes}"
             )
         return None

@@ -132,7 +132,8 @@ def run(args: argparse.Namespace) -> int:
     from writescope.engine.threads import busy_note
     from writescope.scheduler.policies import parse_policy
 
-    busy = busy_note("OMP_WAIT_POLICY=passive, OMP_NUM_THREADS=1, or a lower WRITESCOPE_CPU_THREADS,")  # before this run's own threads add to the load
+    remedy = "OMP_WAIT_POLICY=passive, OMP_NUM_THREADS=1, or a lower WRITESCOPE_CPU_THREADS,"
+    busy = busy_note(remedy)  # before this run's own threads add to the load (where the run cannot be measured)
 
     batches, contexts = parse_counts(args.batch, "--batch"), parse_tokens(args.context, "--context")
     if args.plot:
@@ -231,7 +232,11 @@ def run(args: argparse.Namespace) -> int:
               f"({len(kept)} rows kept; a cell is complete with a row for every --policies entry in each of the "
               f"{args.repeats} --repeats run(s)); measuring the rest; {len(outside)} saved row(s) of other cells kept as they are"
               + ("; kept rows carry their own run's bound rates (extra.bound_rates_gbs)" if kept else ""), flush=True)
+    from writescope.engine.cpu_competition import CpuCompetition
+
+    competition = CpuCompetition()  # what other processes take of this process's CPUs while the rows are timed
     rows = run_grid(llm, cfg, roofline, on_row=save, done=done)
+    busy = competition.note_or(busy, remedy)
     save(rows)  # also when every cell was kept: the file then holds what the table shows
     n = llm.config.num_layers
     print(f"\n{args.model} ({n} layer{'s' if n != 1 else ''}, {llm.dtype} on {llm.device}), {args.steps} decode steps per configuration, "

@@ -103,9 +103,9 @@ def _prompt(args) -> tuple[list[str] | None, list[list[int]] | None]:
 
 def run(args: argparse.Namespace) -> int:
     from writescope import LLM, SamplingParams
-    from writescope.engine.threads import busy_note
+    from writescope.engine.threads import BUSY_REMEDY, busy_note
 
-    busy = busy_note()  # before this run's own threads add to the load average
+    busy = busy_note()  # before this run's own threads add to the load average (where the run cannot be measured)
 
     source = next(f for f in ("--prompt-file", "--prompt", "--prompt-ids", "--machine-text")
                   if getattr(args, f[2:].replace("-", "_")) is not None)
@@ -189,6 +189,9 @@ def run(args: argparse.Namespace) -> int:
     if not args.quiet:
         stream = (TextStreamer(llm.tokenizer.decode, header=f"\n{STREAM_HEADER}") if args.batch == 1
                   else BatchProgress([sp.max_tokens for sp in params]))
+    from writescope.engine.cpu_competition import CpuCompetition
+
+    competition = CpuCompetition()  # what other processes take of this process's CPUs while the run is timed
     try:
         outs = llm.generate(prompts, params, prompt_token_ids=prompt_ids, on_tokens=stream)
     finally:
@@ -200,6 +203,7 @@ def run(args: argparse.Namespace) -> int:
         if args.batch != 1 or args.quiet:
             print(o.text)
     print("\n" + format_timings(outs, llm.policy_name, llm.cpu_attention, llm.decode_host))
+    busy = competition.note_or(busy, BUSY_REMEDY)
     if busy is not None:
         print(busy)
     if llm.r_trace:

@@ -62,6 +62,9 @@ def run(args: argparse.Namespace) -> int:
         if value < 1:
             raise ValueError(f"{flag} must be >= 1, got {value}")
     policy = parse_policy(args.policy, roofline=Roofline(1.0, 1.0))  # the share does not change the worst-case sizes
+    from writescope.engine.switches import check_switches
+
+    check_switches()  # as generate and bench: a bad WRITESCOPE_* value refused, a misspelt one named
     cfg, _ = resolve_config(args.model)
     check_model_limit(args.model, cfg.max_position_embeddings, context, args.max_new_tokens)
     dtype = parse_dtype(args.dtype, torch.device("cuda"))

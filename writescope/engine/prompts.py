@@ -85,9 +85,11 @@ def _is_int(t: Any) -> bool:
 def too_long(name: str, i: int, tokens: int, max_tokens: int, limit: int, model_limit: int) -> ArgError:
     """The error for request ``i`` of ``name`` whose ``tokens`` + ``max_tokens`` pass ``limit``
     (the engine's max_model_len; ``model_limit``: the model's own, named when it is higher)."""
+    what = "max_model_len" if limit < model_limit else "the model's max_position_embeddings"
+    room = f"to at most {plural(limit - max_tokens, 'token')}" if limit > max_tokens else "(max_tokens alone fills the limit)"
     return ArgError(
-        f"{name}[{i}] has {plural(tokens, 'token')} + max_tokens {max_tokens} = {tokens + max_tokens}, "
-        f"beyond the limit of {plural(limit, 'token')}: shorten the prompt, lower max_tokens"
+        f"{name}[{i}] has {plural(tokens, 'token')} + max_tokens {max_tokens:,} = {tokens + max_tokens:,}, "
+        f"beyond the limit of {plural(limit, 'token')} ({what}): shorten the prompt {room}, lower max_tokens"
         + (" or raise max_model_len" if limit < model_limit else ""),
         name, "max_tokens", "max_model_len",
     )

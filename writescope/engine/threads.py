@@ -24,7 +24,10 @@ def usable_cpus() -> int:
     return len(mask(0)) if mask is not None else (os.cpu_count() or 1)
 
 
-def busy_note(remedy: str = "OMP_WAIT_POLICY=passive, OMP_NUM_THREADS=1, or fewer --cpu-threads") -> str | None:
+BUSY_REMEDY = "OMP_WAIT_POLICY=passive, OMP_NUM_THREADS=1, or fewer --cpu-threads"  # what generate can set
+
+
+def busy_note(remedy: str = BUSY_REMEDY) -> str | None:
     """A note when the machine's 1-minute load average exceeds the CPUs this process may use (other
     processes compete for them: torch's intra-op threads then wait on one another, and timings
     can be many times slower); None otherwise, or where the OS gives no load average. Take it

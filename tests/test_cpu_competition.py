@@ -1,0 +1,89 @@
+"""Other processes' CPU use while a run is timed (writescope/engine/cpu_competition.py), from
+fake /proc/stat texts and clocks: no test here depends on this machine's load."""
+
+from __future__ import annotations
+
+import pytest
+
+from writescope.engine.cpu_competition import CpuCompetition, busy_ticks
+
+# cpu user nice system idle iowait irq softirq steal guest guest_nice
+STAT_A = """cpu  900 0 300 5000 10 0 0 0 0 0
+cpu0 100 0 50 1000 5 0 0 0 0 0
+cpu1 200 0 50 1000 5 0 0 0 0 0
+cpu2 600 0 200 3000 0 0 0 0 0 0
+intr 12345
+"""
+
+
+def _stat(cpu0: int, cpu1: int, cpu2: int = 0) -> str:
+    """A /proc/stat whose cpu0 / cpu1 / cpu2 have ``cpuN`` busy user ticks (and a little irq,
+    softirq and steal on cpu1, iowait that is not busy on cpu0)."""
+    return (f"cpu  {cpu0 + cpu1 + cpu2} 0 0 0 0 0 0 0 0 0\n"
+            f"cpu0 {cpu0} 0 0 9999 77 0 0 0 0 0\n"
+            f"cpu1 {cpu1 - 6} 0 0 9999 0 1 2 3 0 0\n"
+            f"cpu2 {cpu2} 0 0 9999 0 0 0 0 0 0\n")
+
+
+def test_busy_ticks_counts_the_given_cpus_busy_columns():
+    assert busy_ticks(STAT_A, {0, 1}) == 150 + 250  # user + system; iowait is not busy
+    assert busy_ticks(STAT_A, {2}) == 800
+    assert busy_ticks(STAT_A, {7}) is None  # none of them named
+    assert busy_ticks("cpu0 1 2 3 4 5 6 7 8\n", {0}) == 1 + 2 + 3 + 6 + 7 + 8  # irq, softirq, steal count
+    assert busy_ticks("cpu0 4 0 1\n", {0}) == 5  # short lines (old kernels) read as zeros beyond
+
+
+class _Fake:
+    def __init__(self):
+        self.stat, self.own, self.now = _stat(0, 0), 0.0, 0.0
+
+
+def _meter(f: _Fake, cpus=frozenset({0, 1})) -> CpuCompetition:
+    return CpuCompetition(read_stat=lambda: f.stat, own_seconds=lambda: f.own, clock=lambda: f.now, cpus=set(cpus), tick=0.01)
+
+
+def test_a_quiet_run_gives_no_note_and_a_busy_one_names_what_others_took():
+    f = _Fake()
+    m = _meter(f)
+    # 10 s: this process used 15 CPU-seconds (1,500 ticks) and the two CPUs were busy 1,520 ticks
+    f.stat, f.own, f.now = _stat(760, 760), 15.0, 10.0
+    assert m.others() == pytest.approx(0.02)
+    assert m.note("OMP_WAIT_POLICY=passive") is None
+    # later: others took 1.2 CPUs on average over the 20 s since the start
+    f.stat, f.own, f.now = _stat(1500 + 1200 + 20, 1500 + 1200 + 20), 30.0, 20.0
+    assert m.others() == pytest.approx((5440 * 0.01 - 30.0) / 20.0)
+    note = m.note("OMP_WAIT_POLICY=passive")
+    assert note is not None and "kept 1.2 of the 2 CPUs this process may use busy" in note and "OMP_WAIT_POLICY=passive" in note
+    # load on a CPU this process may not run on is no competition
+    f2 = _Fake()
+    m2 = _meter(f2)
+    f2.stat, f2.own, f2.now = _stat(500, 500, 9000), 10.0, 10.0
+    assert m2.others() == pytest.approx(0.0) and m2.note("x") is None
+
+
+def test_the_threshold_is_half_a_cpu_and_a_quarter_of_the_cpus():
+    f = _Fake()
+    m = _meter(f, cpus=frozenset(range(2)))
+    f.stat, f.now = _stat(24, 24), 1.0  # 0.48 CPUs taken by others: below half a CPU
+    assert m.note("x") is None
+    f.stat = _stat(26, 26)  # 0.52
+    assert m.note("x") is not None
+    f16 = _Fake()
+    f16.stat = "".join(f"cpu{i} 0 0 0 9 0 0 0 0\n" for i in range(16))
+    m16 = _meter(f16, cpus=frozenset(range(16)))
+    f16.stat, f16.now = "".join(f"cpu{i} {30 if i < 10 else 0} 0 0 9 0 0 0 0\n" for i in range(16)), 1.0
+    assert m16.others() == pytest.approx(3.0) and m16.note("x") is None  # 3 of 16: under a quarter
+    f16.stat = "".join(f"cpu{i} {50 if i < 10 else 0} 0 0 9 0 0 0 0\n" for i in range(16))
+    assert m16.note("x") is not None  # 5 of 16
+
+
+def test_unreadable_stat_falls_back_to_the_load_average_note():
+    m = CpuCompetition(read_stat=lambda: None, own_seconds=lambda: 0.0, clock=lambda: 0.0, cpus={0}, tick=0.01)
+    assert not m.measurable and m.others() is None and m.note("x") is None
+    assert m.note_or("note: the load average ...", "x") == "note: the load average ..."
+    f = _Fake()
+    measured = _meter(f)
+    f.now = 1.0
+    assert measured.measurable and measured.note_or("note: the load average ...", "x") is None  # measured quiet: no note
+    f.now = 0.0
+    assert measured.others() is None  # no wall time passed
