@@ -1,11 +1,13 @@
 """Other processes' CPU use while a run is timed (writescope/engine/cpu_competition.py), from
-fake /proc/stat texts and clocks: no test here depends on this machine's load."""
+fake /proc/stat texts, clocks and quotas: no assertion here depends on this machine's load."""
 
 from __future__ import annotations
 
+import time
+
 import pytest
 
-from writescope.engine.cpu_competition import CpuCompetition, busy_ticks
+from writescope.engine.cpu_competition import CpuCompetition, cpu_ticks, parse_cpu_list
 
 # cpu user nice system idle iowait irq softirq steal guest guest_nice
 STAT_A = """cpu  900 0 300 5000 10 0 0 0 0 0
@@ -16,30 +18,39 @@ intr 12345
 """
 
 
-def _stat(cpu0: int, cpu1: int, cpu2: int = 0) -> str:
-    """A /proc/stat whose cpu0 / cpu1 / cpu2 have ``cpuN`` busy user ticks (and a little irq,
-    softirq and steal on cpu1, iowait that is not busy on cpu0)."""
+def _stat(cpu0: int, cpu1: int, cpu2: int = 0, idle: int = 0) -> str:
+    """A /proc/stat whose cpu0 / cpu1 / cpu2 have ``cpuN`` busy ticks (user, and on cpu1 a little
+    irq, softirq and steal) and ``idle`` idle ticks each (iowait too, not busy, on cpu0)."""
     return (f"cpu  {cpu0 + cpu1 + cpu2} 0 0 0 0 0 0 0 0 0\n"
-            f"cpu0 {cpu0} 0 0 9999 77 0 0 0 0 0\n"
-            f"cpu1 {cpu1 - 6} 0 0 9999 0 1 2 3 0 0\n"
-            f"cpu2 {cpu2} 0 0 9999 0 0 0 0 0 0\n")
+            f"cpu0 {cpu0} 0 0 {idle} 0 0 0 0 0 0\n"
+            f"cpu1 {cpu1 - 6} 0 0 {idle} 0 1 2 3 0 0\n"
+            f"cpu2 {cpu2} 0 0 {idle} 0 0 0 0 0 0\n")
 
 
-def test_busy_ticks_counts_the_given_cpus_busy_columns():
-    assert busy_ticks(STAT_A, {0, 1}) == 150 + 250  # user + system; iowait is not busy
-    assert busy_ticks(STAT_A, {2}) == 800
-    assert busy_ticks(STAT_A, {7}) is None  # none of them named
-    assert busy_ticks("cpu0 1 2 3 4 5 6 7 8\n", {0}) == 1 + 2 + 3 + 6 + 7 + 8  # irq, softirq, steal count
-    assert busy_ticks("cpu0 4 0 1\n", {0}) == 5  # short lines (old kernels) read as zeros beyond
+def test_cpu_ticks_counts_the_given_cpus_busy_and_idle_columns():
+    assert cpu_ticks(STAT_A, {0, 1}) == (150 + 250, 2000 + 10)  # iowait counts as idle, not busy
+    assert cpu_ticks(STAT_A, {2}) == (800, 3000)
+    assert cpu_ticks(STAT_A, {7}) is None and cpu_ticks(STAT_A, {1, 7}) is None  # every CPU must be named
+    assert cpu_ticks("cpu0 1 2 3 4 5 6 7 8\n", {0}) == (1 + 2 + 3 + 6 + 7 + 8, 4 + 5)  # irq, softirq, steal busy
+    assert cpu_ticks("cpu0 4 0 1\n", {0}) == (5, 0)  # short lines (old kernels) read as zeros beyond
+    assert cpu_ticks("cpu0 4 x 1\n", {0}) is None  # unreadable: not measured, no crash
+
+
+def test_parse_cpu_list():
+    assert parse_cpu_list("0-3,8,10-11\n") == {0, 1, 2, 3, 8, 10, 11}
+    assert parse_cpu_list("5") == {5}
+    with pytest.raises(ValueError):
+        parse_cpu_list("a-b")
 
 
 class _Fake:
     def __init__(self):
-        self.stat, self.own, self.now = _stat(0, 0), 0.0, 0.0
+        self.stat, self.own, self.now, self.throttled = _stat(0, 0), 0.0, 0.0, None
 
 
 def _meter(f: _Fake, cpus=frozenset({0, 1})) -> CpuCompetition:
-    return CpuCompetition(read_stat=lambda: f.stat, own_seconds=lambda: f.own, clock=lambda: f.now, cpus=set(cpus), tick=0.01)
+    return CpuCompetition(read_stat=lambda: f.stat, own_seconds=lambda: f.own, clock=lambda: f.now, cpus=set(cpus), tick=0.01,
+                          throttled=lambda: f.throttled)
 
 
 def test_a_quiet_run_gives_no_note_and_a_busy_one_names_what_others_took():
@@ -49,8 +60,8 @@ def test_a_quiet_run_gives_no_note_and_a_busy_one_names_what_others_took():
     f.stat, f.own, f.now = _stat(760, 760), 15.0, 10.0
     assert m.others() == pytest.approx(0.02)
     assert m.note("OMP_WAIT_POLICY=passive") is None
-    # later: others took 1.2 CPUs on average over the 20 s since the start
-    f.stat, f.own, f.now = _stat(1500 + 1200 + 20, 1500 + 1200 + 20), 30.0, 20.0
+    # later: others took 1.2 CPUs on average over the 20 s since the start, the CPUs saturated
+    f.stat, f.own, f.now = _stat(2720, 2720), 30.0, 20.0
     assert m.others() == pytest.approx((5440 * 0.01 - 30.0) / 20.0)
     note = m.note("OMP_WAIT_POLICY=passive")
     assert note is not None and "kept 1.2 of the 2 CPUs this process may use busy" in note and "OMP_WAIT_POLICY=passive" in note
@@ -61,9 +72,18 @@ def test_a_quiet_run_gives_no_note_and_a_busy_one_names_what_others_took():
     assert m2.others() == pytest.approx(0.0) and m2.note("x") is None
 
 
+def test_others_on_cpus_that_stood_idle_anyway_are_no_competition():
+    f = _Fake()
+    m = _meter(f, cpus=frozenset({0, 1, 2}))
+    f.stat, f.now = _stat(100, 100, 0, idle=100), 1.0  # others took 2 CPUs, the third idle all along
+    assert m.others() == pytest.approx(2.0) and m.note("x") is None
+    f.stat = _stat(100, 100, 100, idle=10)  # all three nearly saturated
+    assert m.note("x") is not None
+
+
 def test_the_threshold_is_half_a_cpu_and_a_quarter_of_the_cpus():
     f = _Fake()
-    m = _meter(f, cpus=frozenset(range(2)))
+    m = _meter(f)
     f.stat, f.now = _stat(24, 24), 1.0  # 0.48 CPUs taken by others: below half a CPU
     assert m.note("x") is None
     f.stat = _stat(26, 26)  # 0.52
@@ -77,13 +97,42 @@ def test_the_threshold_is_half_a_cpu_and_a_quarter_of_the_cpus():
     assert m16.note("x") is not None  # 5 of 16
 
 
-def test_unreadable_stat_falls_back_to_the_load_average_note():
-    m = CpuCompetition(read_stat=lambda: None, own_seconds=lambda: 0.0, clock=lambda: 0.0, cpus={0}, tick=0.01)
+def test_short_runs_and_unreadable_stat_are_not_measured():
+    f = _Fake()
+    m = _meter(f)
+    f.stat, f.now = _stat(90, 90), 0.9  # busy, but under a second: a tick's error would be the figure
+    assert m.others() is None and m.note("x") is None
+    m = CpuCompetition(read_stat=lambda: None, own_seconds=lambda: 0.0, clock=lambda: 0.0, cpus={0}, tick=0.01,
+                       throttled=lambda: None)
     assert not m.measurable and m.others() is None and m.note("x") is None
     assert m.note_or("note: the load average ...", "x") == "note: the load average ..."
     f = _Fake()
     measured = _meter(f)
     f.now = 1.0
     assert measured.measurable and measured.note_or("note: the load average ...", "x") is None  # measured quiet: no note
-    f.now = 0.0
-    assert measured.others() is None  # no wall time passed
+
+
+def test_a_cpu_quota_that_throttled_the_run_is_named():
+    f = _Fake()
+    f.throttled = 5.0
+    m = _meter(f)
+    f.stat, f.own, f.now, f.throttled = _stat(100, 100), 2.0, 10.0, 5.5  # 0.5 s of 10: under a tenth
+    assert m.note("x") is None
+    f.throttled = 7.0
+    note = m.note("x")
+    assert note is not None and "CPU quota throttled this process 2.0 s of the 10.0 s timed" in note
+
+
+def test_this_machine_can_be_measured_without_a_crash():
+    """The real readers (/proc/stat, the threads' allowed CPUs, the clock tick, a cgroup quota):
+    whatever the load, a measured figure is a CPU count within this process's CPUs."""
+    m = CpuCompetition()
+    if not m.measurable:
+        pytest.skip("no /proc/stat naming this process's CPUs here")
+    end = time.monotonic() + 1.05
+    while time.monotonic() < end:
+        pass
+    taken = m.others()
+    assert taken is not None and 0.0 <= taken <= len(m.cpus) + 0.5
+    note = m.note("x")
+    assert note is None or note.startswith("note: ")

@@ -300,3 +300,21 @@ def test_a_misspelt_switch_is_named_with_the_switch_it_resembles(monkeypatch):
     monkeypatch.setenv("WRITESCOPE_MICRO_BATCHE", "2")
     with pytest.warns(UserWarning, match=r"WRITESCOPE_MICRO_BATCHE \(did you mean WRITESCOPE_MICRO_BATCHES\?\)"):
         check_switches()
+
+
+def test_the_too_long_error_gives_each_change_that_alone_makes_the_request_fit():
+    """The prompt's and max_tokens' largest values that fit, each only where it alone can help, and
+    where the limit comes from (max_model_len below the model's own, else the model's)."""
+    from writescope.engine.prompts import too_long
+
+    msg = str(too_long("prompts", 0, 8190, 16, 8192, 8192))
+    assert "8,190 tokens + max_tokens 16 = 8,206, beyond the limit of 8,192 tokens (the model's max_position_embeddings)" in msg
+    assert msg.endswith("shorten the prompt to at most 8,176 tokens, or lower max_tokens to at most 2")
+    msg = str(too_long("prompts", 0, 1, 9000, 8192, 8192))  # max_tokens alone passes the limit
+    assert "shorten the prompt" not in msg and msg.endswith("lower max_tokens to at most 8,191")
+    msg = str(too_long("prompts", 0, 9000, 4, 8192, 8192))  # the prompt alone passes it
+    assert "lower max_tokens" not in msg and msg.endswith("shorten the prompt to at most 8,188 tokens")
+    msg = str(too_long("prompts", 0, 100, 20, 64, 8192))  # a max_model_len below the model's limit
+    assert "(max_model_len)" in msg and msg.endswith("shorten the prompt to at most 44 tokens, or raise max_model_len")
+    msg = str(too_long("prompts", 0, 64, 64, 64, 64))  # neither alone: both
+    assert msg.endswith("shorten the prompt and lower max_tokens")

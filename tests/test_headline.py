@@ -96,3 +96,12 @@ def test_a_grid_without_every_baseline_cannot_show_the_target_met():
     slow = headline("m", [_row(8192, "gpu", 10.0), _row(8192, "writescope", 11.0)])
     assert target_status(slow) == "not met"
     assert target_status(headline("m", _grid())) == "met"
+
+
+def test_a_baseline_run_in_one_cell_only_is_missing_in_the_others():
+    from writescope.bench.headline import target_status
+
+    rows = [r for r in _grid() if not (r.context == 16384 and r.policy == "monolithic")]  # monolithic at 8K only
+    assert headline("m", _grid()).missing == []
+    h = headline("m", rows)
+    assert h.missing == ["monolithic"] and target_status(h).startswith("not shown (no monolithic")

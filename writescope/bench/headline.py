@@ -90,10 +90,14 @@ def headline(model: str, rows: list[BenchRow], min_context: int = 8192, source: 
         if ws and all(r.tpot_bound_ms > 0 for r in ws):
             shown = median_run(ws)
             ratios.append(shown.tpot_ms / shown.tpot_bound_ms)
-    policies = {p for (b, c, p) in runs(rows) if c >= min_context}
+    missing: list[str] = []  # per cell: a baseline run at 8K only is missing at 32K
+    for b, c in sorted(cells):
+        for m in missing_baselines(p for (bb, cc, p) in runs(rows) if (bb, cc) == (b, c)):
+            if m not in missing:
+                missing.append(m)
     return Headline(model, best[1] if best else 0, best[0] if best else None, spread.get("best baseline"),
                     s["gpu"][0] if "gpu" in s else None, max(counts, key=counts.get) if counts else "-",
-                    statistics.median(ratios) if ratios else None, source, below, missing_baselines(policies))
+                    statistics.median(ratios) if ratios else None, source, below, missing)
 
 
 def format_headline(lines: list[Headline], min_context: int = 8192) -> str:

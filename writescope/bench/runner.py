@@ -324,8 +324,9 @@ def run_one(llm: LLM, cfg: BenchConfig, batch: int, context: int, policy: str, r
     except (ValueError, RuntimeError, torch.OutOfMemoryError) as e:
         reason = str(e).split("\n")[0]
         # the engine's advice names generate's flags; bench's requests are --context + --steps + 1 tokens
-        reason = re.sub(r"shorten the prompt( to at most [\d,]+ tokens?| \(max_tokens alone fills the limit\))?, lower max_tokens",
+        reason = re.sub(r"shorten the prompt to at most [\d,]+ tokens?(, or lower max_tokens to at most [\d,]+)?",
                         f"use a shorter --context (bench adds --steps + 1 = {cfg.steps + 1} tokens)", reason)
+        reason = re.sub(r"lower max_tokens to at most ([\d,]+)", r"use fewer --steps (bench decodes --steps + 1 tokens after the context: at most \1 fit)", reason)
         row.fits, row.reason = False, reason[:300]
         if llm.device.type == "cuda":
             torch.cuda.empty_cache()

@@ -8,36 +8,96 @@ and still reports load that ended before a quiet run. This module measures the r
 busy time of the CPUs this process may use (Linux ``/proc/stat``: user, nice, system, irq,
 softirq and steal ticks), less this process's own CPU time and that of the children it waited
 for (``os.times``), per second of wall time, is the CPUs other processes (or the hypervisor)
-took while it ran.
+took while it ran. It counts as competition only where those CPUs were nearly saturated (idle
+under a quarter of them): others on CPUs that stood idle anyway slowed nothing.
+
+A container's CPU quota (cgroup v2 ``cpu.max``) is another limit the affinity mask does not
+show: the time the quota throttled this process (``cpu.stat``'s ``throttled_usec``) is reported
+where it is a tenth of the run or more.
 """
 
 from __future__ import annotations
 
+import glob
 import os
 import time
 from typing import Callable
 
-
-def busy_ticks(stat: str, cpus: set[int]) -> int | None:
-    """The busy clock ticks (user, nice, system, irq, softirq, steal) of the CPUs ``cpus`` in
-    ``stat``, the text of ``/proc/stat``; None when it names none of them."""
-    total, seen = 0, 0
-    for line in stat.splitlines():
-        name, _, rest = line.partition(" ")
-        if not name.startswith("cpu") or name == "cpu" or not name[3:].isdigit() or int(name[3:]) not in cpus:
-            continue
-        v = [int(x) for x in rest.split()] + [0] * 8
-        total += v[0] + v[1] + v[2] + v[5] + v[6] + v[7]  # user nice system . iowait(not busy) irq softirq steal
-        seen += 1
-    return total if seen else None
+MIN_WALL_S = 1.0  # shorter runs: a tick's error at each end of each CPU's count would be the figure
+CGROUP = "/sys/fs/cgroup"
 
 
-def _read_stat() -> str | None:
+def cpu_ticks(stat: str, cpus: set[int]) -> tuple[int, int] | None:
+    """(busy, idle) clock ticks of the CPUs ``cpus`` in ``stat``, the text of ``/proc/stat``
+    (busy: user, nice, system, irq, softirq, steal; idle: idle, iowait); None unless it names
+    every one of them, or where a line cannot be read."""
+    busy = idle = 0
+    seen = set()
     try:
-        with open("/proc/stat") as f:
+        for line in stat.splitlines():
+            name, _, rest = line.partition(" ")
+            if not name.startswith("cpu") or not name[3:].isdigit() or int(name[3:]) not in cpus:
+                continue
+            v = [int(x) for x in rest.split()] + [0] * 8
+            busy += v[0] + v[1] + v[2] + v[5] + v[6] + v[7]
+            idle += v[3] + v[4]
+            seen.add(int(name[3:]))
+    except ValueError:
+        return None
+    return (busy, idle) if seen == cpus else None
+
+
+def parse_cpu_list(text: str) -> set[int]:
+    """``"0-3,8,10-11"`` (a ``Cpus_allowed_list``) as a set of CPU numbers.
+
+    Raises:
+        ValueError: not such a list.
+    """
+    out: set[int] = set()
+    for part in text.strip().split(","):
+        lo, _, hi = part.partition("-")
+        out.update(range(int(lo), int(hi or lo) + 1))
+    return out
+
+
+def _affinity() -> set[int]:
+    """The CPUs any thread of this process may run on: the union of its threads' allowed lists
+    (a library may have bound the calling thread to one CPU: OMP_PROC_BIND), else the calling
+    thread's mask, else all."""
+    cpus: set[int] = set()
+    for path in glob.glob("/proc/self/task/*/status"):
+        try:
+            with open(path) as f:
+                for line in f:
+                    if line.startswith("Cpus_allowed_list:"):
+                        cpus |= parse_cpu_list(line.split(":", 1)[1])
+        except (OSError, ValueError):
+            continue
+    if cpus:
+        return cpus
+    mask = getattr(os, "sched_getaffinity", None)
+    return set(mask(0)) if mask is not None else set(range(os.cpu_count() or 1))
+
+
+def _read(path: str) -> str | None:
+    try:
+        with open(path) as f:
             return f.read()
     except OSError:
         return None
+
+
+def _throttled_s(cgroup: str = CGROUP) -> float | None:
+    """Seconds the CPU quota has throttled this process's cgroup (v2 ``cpu.stat``), None where
+    there is no quota (``cpu.max`` absent or ``max``)."""
+    quota = _read(os.path.join(cgroup, "cpu.max"))
+    if quota is None or quota.split()[:1] == ["max"]:
+        return None
+    for line in (_read(os.path.join(cgroup, "cpu.stat")) or "").splitlines():
+        key, _, value = line.partition(" ")
+        if key == "throttled_usec" and value.strip().isdigit():
+            return int(value) / 1e6
+    return None
 
 
 def _own_seconds() -> float:
@@ -45,22 +105,20 @@ def _own_seconds() -> float:
     return t.user + t.system + t.children_user + t.children_system
 
 
-def _affinity() -> set[int]:
-    mask = getattr(os, "sched_getaffinity", None)
-    return set(mask(0)) if mask is not None else set(range(os.cpu_count() or 1))
-
-
 class CpuCompetition:
     """Started when made; :meth:`others` and :meth:`note` say what other processes took since.
 
     Args (for tests; the defaults read this machine): ``read_stat`` returns ``/proc/stat``'s text
     or None; ``own_seconds`` this process's CPU seconds so far; ``clock`` wall seconds; ``cpus``
-    the CPUs this process may use; ``tick`` seconds per clock tick.
+    the CPUs this process may use; ``tick`` seconds per clock tick; ``throttled`` the seconds a
+    CPU quota has throttled it so far (None: no quota).
     """
 
-    def __init__(self, read_stat: Callable[[], str | None] = _read_stat, own_seconds: Callable[[], float] = _own_seconds,
-                 clock: Callable[[], float] = time.monotonic, cpus: set[int] | None = None, tick: float | None = None):
-        self._read, self._own, self._clock = read_stat, own_seconds, clock
+    def __init__(self, read_stat: Callable[[], str | None] = lambda: _read("/proc/stat"),
+                 own_seconds: Callable[[], float] = _own_seconds, clock: Callable[[], float] = time.monotonic,
+                 cpus: set[int] | None = None, tick: float | None = None,
+                 throttled: Callable[[], float | None] = _throttled_s):
+        self._read, self._own, self._clock, self._throttled = read_stat, own_seconds, clock, throttled
         self.cpus = cpus if cpus is not None else _affinity()
         if tick is None:
             try:
@@ -72,23 +130,32 @@ class CpuCompetition:
 
     def _sample(self):
         stat = self._read()
-        ticks = busy_ticks(stat, self.cpus) if stat is not None else None
-        return None if ticks is None else (ticks, self._own(), self._clock())
+        ticks = cpu_ticks(stat, self.cpus) if stat is not None else None
+        return None if ticks is None else (ticks, self._own(), self._clock(), self._throttled())
 
     @property
     def measurable(self) -> bool:
-        """Whether the start could be read (``/proc/stat`` with this process's CPUs)."""
+        """Whether the start could be read (``/proc/stat`` with every one of this process's CPUs)."""
         return self._start is not None
+
+    def _since(self):
+        end = self._sample()
+        if self._start is None or end is None or end[2] - self._start[2] < MIN_WALL_S:
+            return None
+        return end
 
     def others(self) -> float | None:
         """The CPUs (a mean over the wall time since the start) that other processes kept busy among
-        this process's CPUs, at least 0; None where ``/proc/stat`` cannot be read or no time passed."""
-        end = self._sample()
-        if self._start is None or end is None or end[2] <= self._start[2]:
+        this process's CPUs, at least 0; None where ``/proc/stat`` cannot be read or the run was
+        shorter than :data:`MIN_WALL_S`."""
+        end = self._since()
+        if end is None:
             return None
-        busy = (end[0] - self._start[0]) * self._tick
-        own = end[1] - self._start[1]
-        return max(0.0, busy - own) / (end[2] - self._start[2])
+        return self._others(end)
+
+    def _others(self, end) -> float:
+        busy = (end[0][0] - self._start[0][0]) * self._tick
+        return max(0.0, busy - (end[1] - self._start[1])) / (end[2] - self._start[2])
 
     def note_or(self, fallback: str | None, remedy: str) -> str | None:
         """:meth:`note` where the run could be measured, else ``fallback`` (the load average's
@@ -96,12 +163,21 @@ class CpuCompetition:
         return self.note(remedy) if self.measurable else fallback
 
     def note(self, remedy: str) -> str | None:
-        """A note when other processes took at least half a CPU, and at least a quarter of this
-        process's CPUs, while the run was timed (``remedy``: what the command can set); None
-        otherwise or where it cannot be measured."""
-        taken = self.others()
-        n = len(self.cpus)
-        if taken is None or taken < max(0.5, 0.25 * n):
+        """A note when, while the run was timed, other processes took at least half a CPU and a
+        quarter of this process's CPUs and those CPUs were nearly saturated (idle under a quarter
+        of them), or a CPU quota throttled the process a tenth of the time or more (``remedy``:
+        what the command can set); None otherwise or where it cannot be measured."""
+        end = self._since()
+        if end is None:
             return None
-        return (f"note: other processes kept {taken:.1f} of the {n} CPUs this process may use busy while it was timed: "
-                f"these timings suffer (torch's threads most: {remedy} may help)")
+        wall, n = end[2] - self._start[2], len(self.cpus)
+        notes = []
+        taken = self._others(end)
+        idle = (end[0][1] - self._start[0][1]) * self._tick / wall
+        if taken >= max(0.5, 0.25 * n) and idle < 0.25 * n:
+            notes.append(f"other processes kept {taken:.1f} of the {n} CPUs this process may use busy while it was timed")
+        if self._start[3] is not None and end[3] is not None and end[3] - self._start[3] >= 0.1 * wall:
+            notes.append(f"the container's CPU quota throttled this process {end[3] - self._start[3]:.1f} s of the {wall:.1f} s timed")
+        if not notes:
+            return None
+        return f"note: {'; '.join(notes)}: these timings suffer (torch's threads most: {remedy} may help)"

@@ -86,11 +86,18 @@ def too_long(name: str, i: int, tokens: int, max_tokens: int, limit: int, model_
     """The error for request ``i`` of ``name`` whose ``tokens`` + ``max_tokens`` pass ``limit``
     (the engine's max_model_len; ``model_limit``: the model's own, named when it is higher)."""
     what = "max_model_len" if limit < model_limit else "the model's max_position_embeddings"
-    room = f"to at most {plural(limit - max_tokens, 'token')}" if limit > max_tokens else "(max_tokens alone fills the limit)"
+    ways = []  # each change that alone makes the request fit
+    if limit > max_tokens:
+        ways.append(f"shorten the prompt to at most {plural(limit - max_tokens, 'token')}")
+    if limit > tokens:
+        ways.append(f"lower max_tokens to at most {limit - tokens:,}")
+    if limit < model_limit:
+        ways.append("raise max_model_len")
+    if not ways:
+        ways.append("shorten the prompt and lower max_tokens")
     return ArgError(
         f"{name}[{i}] has {plural(tokens, 'token')} + max_tokens {max_tokens:,} = {tokens + max_tokens:,}, "
-        f"beyond the limit of {plural(limit, 'token')} ({what}): shorten the prompt {room}, lower max_tokens"
-        + (" or raise max_model_len" if limit < model_limit else ""),
+        f"beyond the limit of {plural(limit, 'token')} ({what}): " + ", or ".join(ways),
         name, "max_tokens", "max_model_len",
     )
 

@@ -25,7 +25,8 @@ part's) against the streamed tokens gives B_alone and C_gpu_alone, so the check 
 own time with streaming alone's own time. Every step's wall time is taken as well (synchronised
 before and after the whole step on CUDA, ``points["alone"]`` at share 0); at the split shares the
 median of wall time minus the slower side's time is the loop's hand-over (``detail["loop_handover_s"]``).
-It is not the roofline's C_split (left 0): this loop runs attention only, and there the hand-over
+It is not the roofline's C_split (left 0; the gate with O charges the whole step's measured
+hand-over, ``roofline.SPLIT_HANDOVER``, 0.15 ms): this loop runs attention only, and there the hand-over
 (q to the CPU, its flag back, the merge, the next layer's q) is 1.7-2.4 ms per layer on the H200,
 while in whole-model steps, where each layer has its projections and experts to run, the split's
 time outside attention matched streaming alone's within 0.5 ms per layer and its attention

@@ -25,9 +25,10 @@ layer matched B_alone L + O_link within 0.1 ms at DeepSeek-V2-Lite 4-16 x 8K-32K
 ms; the old gate split DeepSeek-V2-Lite 4 x 16K (r 0.45, 47.7 ms a step) where streaming alone took
 45.0. Why: in the first H200 whole-model decode grid
 (benchmarks/results/e2e.md), whose step waited on the host between the halves, streaming alone
-beat every measured split. Calibration leaves C_split at 0 since the asynchronous step made the
-hand-over hide behind each layer's other work (writescope/scheduler/calibrate.py says how that was
-measured); a roofline given by hand may still set it.
+beat every measured split. Calibration leaves C_split at 0: its attention-only loop's hand-over
+(1.7-2.4 ms a layer) is not a whole step's (writescope/scheduler/calibrate.py says how that was
+measured); the gate with O charges the whole step's measured hand-over, SPLIT_HANDOVER, instead,
+and a roofline given by hand may set a larger C_split.
 
 Also beyond the paper, the balance counts O. The CPU part needs the layer's q, so per layer the
 CPU side takes O + T_cpu(r), while the link streams the next layer's blocks during O and takes
