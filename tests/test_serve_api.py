@@ -471,6 +471,6 @@ def test_disconnect_cancels_every_choice(server):
         with client.stream("POST", server.url + "/v1/completions", json=body) as r:
             for line in r.iter_lines():
                 if line.startswith("data: "):
-                    break  # a token in: then hang up
+                    break  # a token in: the loop's iterator, dropped here, closes the connection (hangs up)
     wait_until(lambda: metrics(server.url).get(key, 0) == before + 2, "both choices to be aborted")
     wait_until(lambda: server.engine.snapshot()["kv_slots"] == 0, "their KV to be freed")
