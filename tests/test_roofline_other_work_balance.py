@@ -13,7 +13,7 @@ import torch
 from writescope.engine.threads import usable_cpus
 from writescope.kvcache.spec import Roofline
 from writescope.scheduler import other_work as ow
-from writescope.scheduler.roofline import WriteScopePolicy, roofline_share
+from writescope.scheduler.roofline import OnlineEstimate, WriteScopePolicy, roofline_share
 
 # the calibration of the H200 DeepSeek-V2-Lite 16 x 32K run (benchmarks/results/gpu_decode_h200_run25_variants_dsv2_16x32k.json)
 DSV2 = Roofline(a=1.5929e-08, b=2.0028e-08, c_cpu=4.714e-04, c_gpu=0.0, b_alone=2.0412e-08, c_gpu_alone=3.182e-04)
@@ -295,3 +295,36 @@ def test_bench_prints_the_kept_in_step_a_beside_the_calibration_s(monkeypatch, t
     kept = re.search(r"in-step ([0-9.e+-]+) ns/token \(([0-9.e+-]+) GB/s of KV read\), kept from decode steps", line)
     assert kept is not None and float(kept.group(1)) > 0  # measured and kept (its value depends on this machine: not asserted)
     assert float(kept.group(2)) == pytest.approx(token / (float(kept.group(1)) * 1e-9) / 1e9, rel=0.02)  # both printed to 3 digits
+
+
+# ------------------------------------------------------------------ the gate on run 40's cells
+# The split gate with O (``split_pays``) on run 40's DeepSeek-V2-Lite cells: the H200's calibration
+# and the O, O_link and ring that run's `writescope` rows placed with. Measured there
+# (benchmarks/results/gpu_decode_h200.md, runs 38-40): streaming alone won at 4 x 8K and 4 x 16K
+# (45.0 against the split's 47.7 ms a step), the split won at 4 x 32K and at batch 16 from 8K to
+# 32K. The gate before run 40 split 4 x 16K (r 0.45): it charged streaming alone a fixed cost that
+# hides behind O and a split no hand-over.
+RUN40 = Roofline(a=1.4879e-08, b=2.0617e-08, c_cpu=5.879e-04, c_gpu=5.505e-04, b_alone=2.0898e-08, c_gpu_alone=2.957e-04)
+RING = 116224  # the ping-pong ring's tokens: 2 x 64 MiB of 1,152-byte MLA tokens
+
+
+def _run40_share(batch: int, context: int, o: float, link: float, a: float) -> float:
+    p = _policy(Meter(o, link), batch=batch, roofline=RUN40, prefetch_tokens=RING)
+    p.a = OnlineEstimate(a)
+    return p.cpu_share(context)
+
+
+@pytest.mark.parametrize("o", [0.42e-3, 0.60e-3, 0.82e-3])  # the O of the two repeats' placement, and above
+def test_run40_batch_4_streams_alone_at_8k_and_16k(o):
+    assert _run40_share(4, 16384, o, 0.153e-3, 14.88e-9) == 0.0
+    assert _run40_share(4, 8192, o, 0.153e-3, 14.88e-9) == 0.0
+
+
+@pytest.mark.parametrize("o", [0.42e-3, 0.60e-3])
+def test_run40_batch_4_splits_at_32k(o):
+    assert _run40_share(4, 32768, o, 0.153e-3, 14.88e-9) > 0.4
+
+
+@pytest.mark.parametrize("context", [8192, 16384, 32768])
+def test_run40_batch_16_splits(context):
+    assert _run40_share(16, context, 1.07e-3, 0.418e-3, 17.1e-9) > 0.35

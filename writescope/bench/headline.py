@@ -74,12 +74,13 @@ def headline(model: str, rows: list[BenchRow], min_context: int = 8192, source: 
     s, spread = speedups(rows, min_context), speedup_spread(rows, min_context)
     best = s.get("best baseline")
     counts: dict[str, int] = {}
-    ratios, below = [], []
+    ratios, below, missing = [], [], []  # missing: per cell (a baseline run at 8K only is missing at 32K)
     cells = {(b, c) for (b, c, p) in runs(rows) if c >= min_context}
     for b, c in sorted(cells):
         group = {p: [r for r in rs if r.fits and r.step_tok_s > 0] for (bb, cc, p), rs in runs(rows).items() if (bb, cc) == (b, c)}
         base = {p: median_run(rs).step_tok_s for p, rs in group.items() if rs and _is_baseline(p)}  # the table's run of each
         ws = group.get("writescope") or []
+        missing += [m for m in missing_baselines(group) if m not in missing]
         if base:
             name = max(base, key=base.get)
             counts[name] = counts.get(name, 0) + 1
@@ -90,11 +91,6 @@ def headline(model: str, rows: list[BenchRow], min_context: int = 8192, source: 
         if ws and all(r.tpot_bound_ms > 0 for r in ws):
             shown = median_run(ws)
             ratios.append(shown.tpot_ms / shown.tpot_bound_ms)
-    missing: list[str] = []  # per cell: a baseline run at 8K only is missing at 32K
-    for b, c in sorted(cells):
-        for m in missing_baselines(p for (bb, cc, p) in runs(rows) if (bb, cc) == (b, c)):
-            if m not in missing:
-                missing.append(m)
     return Headline(model, best[1] if best else 0, best[0] if best else None, spread.get("best baseline"),
                     s["gpu"][0] if "gpu" in s else None, max(counts, key=counts.get) if counts else "-",
                     statistics.median(ratios) if ratios else None, source, below, missing)

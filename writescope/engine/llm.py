@@ -268,7 +268,7 @@ class LLM:
         if any(not b.streams_host_experts() and not b.reads_host_experts_in_place(self.max_batch) for b in hosted):
             return 1
         if self.expert_work is not None:
-            return max(1, getattr(self.expert_work, "in_place_below", 0))
+            return max(1, self.expert_work.in_place_below)
         if all(b.reads_host_experts_in_place(self.max_batch) for b in hosted):
             return None
         share = self.expert_stream_share
