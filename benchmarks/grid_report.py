@@ -30,7 +30,8 @@ def main() -> None:
     for path in args.grids:
         doc = json.loads(path.read_text())
         rows = [BenchRow.from_dict(r) for r in doc["rows"]]
-        lines.append(headline(doc["model"], rows, source=path.name))
+        lines.append(headline(doc["model"], rows, source=path.name, device=doc.get("device", ""),
+                              expert_stream_share=(doc.get("args") or {}).get("expert_stream_share")))
         print(f"== {path} ({doc['model']}, {doc['num_layers']} layers, {doc['device']}; complete: {doc.get('complete')})")
         print(format_table(rows))
         for text in (format_best(rows), format_speedups(rows)):

@@ -9,7 +9,8 @@
 #   bash benchmarks/h200_session.sh prefill    # prefill routing vs one region, interleaved rounds (issue 3)
 #   bash benchmarks/h200_session.sh text MODEL # full-size MODEL, 32 GiB budget, 4 x 32K of machine text, 256 tokens (issue 6, run 1)
 #   bash benchmarks/h200_session.sh breakdown MODEL  # where its decode step goes (issue 6)
-#   bash benchmarks/h200_session.sh 1m         # DeepSeek-V2-Lite, 32 GiB, 32 x 32K machine text, 256 tokens (issue 6, run 4)
+#   bash benchmarks/h200_session.sh 1m         # DeepSeek-V2-Lite, 32 GiB, 32 x 32K machine text, 256 tokens (issue 6, run 4;
+#     ONEM_POLICIES="writescope:256 gpu:64" runs each POLICY:NEW_TOKENS in its own process, one after another)
 #   bash benchmarks/h200_session.sh 1m-decode  # the same batch's 256 decode steps with its KV filled at random (no prefill)
 #   bash benchmarks/h200_session.sh mla        # DeepSeek-V2-Lite prefill, 2 x 32K, absorbed vs expanded MLA (pick the default)
 #   bash benchmarks/h200_session.sh grid MODEL # full-size decode grid under 32 GiB, random KV fill (issue 6, run 2)
@@ -140,10 +141,13 @@ part() {
         --batch "${BREAKDOWN_BATCH:-4}" --context "${BREAKDOWN_CONTEXT:-32k}" --policy "${BREAKDOWN_POLICY:-writescope}" --steps 6 --quiet \
         ${BREAKDOWN_FLAGS:-} --output-json "$out/profile_${m}_h200${BREAKDOWN_TAG:-}.json" \
         2>&1 | grep -v USDT | tee "$out/profile_${m}_h200${BREAKDOWN_TAG:-}.log" | tail -30 ;;
-    1m)
-      timeout "$(tmo 560)" python3 -m writescope.cli.main generate --model deepseek-v2-lite --synthetic --device cuda --vram-budget 32GiB \
-        --machine-text 32k --batch 32 --max-new-tokens 256 --ignore-eos --policy writescope --prefill-chunk-tokens 2048 \
-        --output-json "$out/1m_deepseek-v2-lite_h200.json" 2>&1 | grep -v "^prefill:" | tee "$out/1m_deepseek-v2-lite_h200.log" | tail -40 ;;
+    1m)  # ONEM_POLICIES: POLICY:NEW_TOKENS pairs, one process each (default writescope:256); ONEM_TAG a file-name suffix
+      for run in ${ONEM_POLICIES:-writescope:256}; do
+        local pol=${run%%:*} new=${run##*:} f="$out/1m_deepseek-v2-lite_h200_${run%%:*}${ONEM_TAG:-}"
+        timeout "$(tmo 560)" python3 -m writescope.cli.main generate --model deepseek-v2-lite --synthetic --device cuda --vram-budget 32GiB \
+          --machine-text 32k --batch 32 --max-new-tokens "$new" --ignore-eos --policy "$pol" --prefill-chunk-tokens 2048 \
+          --output-json "$f.json" 2>&1 | grep -v "^prefill:" | tee "$f.log" | tail -14 || echo "$run: exit $?"
+      done ;;
     1m-decode)
       timeout "$(tmo 570)" python3 -m writescope.cli.main bench --model deepseek-v2-lite --synthetic --device cuda --vram-budget 32GiB \
         --kv-fill random --batch 32 --context 32k --policies writescope --steps 256 --quiet \

@@ -105,3 +105,30 @@ def test_a_baseline_run_in_one_cell_only_is_missing_in_the_others():
     assert headline("m", _grid()).missing == []
     h = headline("m", rows)
     assert h.missing == ["monolithic"] and target_status(h).startswith("not shown (no monolithic")
+
+
+def test_a_cuda_grid_whose_steps_hit_host_experts_needs_a_fixed_share_computing_them_on_the_cpu():
+    """On CUDA fixed policies read host experts in place by default, while writescope splits them
+    between streaming and the CPU each step: without a fixed row that computes them on the CPU
+    (``@expert_stream_share=0``) the grid cannot show the target met (Mixtral, runs 43-44)."""
+    from writescope.bench.headline import CPU_EXPERTS, computes_host_experts_on_cpu, missing_baselines, target_status
+
+    assert computes_host_experts_on_cpu("static:0.5@expert_stream_share=0")
+    assert computes_host_experts_on_cpu("cpu@WRITESCOPE_MICRO_BATCHES=2+expert_stream_share=0.0")
+    assert not computes_host_experts_on_cpu("static:0.5@expert_stream_share=0.5")
+    assert not computes_host_experts_on_cpu("writescope@expert_stream_share=0")  # not a fixed policy
+    assert not computes_host_experts_on_cpu("static:0.5") and not computes_host_experts_on_cpu("gpu@expert_stream_share=x")
+    full = ["gpu", "cpu", "monolithic", "static:0.25", "static:0.5", "writescope"]
+    assert missing_baselines(full, host_experts=True) == [CPU_EXPERTS]
+    assert missing_baselines(full + ["static:0.5@expert_stream_share=0"], host_experts=True) == []
+    assert missing_baselines(full, host_experts=False) == []
+
+    rows = _grid()
+    for r in rows:
+        r.host_expert_bytes = 1e9 if r.context == 16384 else 0.0  # hit only in the 16K cell
+    assert headline("m", rows).missing == []  # no device named: a CPU grid, whose experts are all on the CPU
+    h = headline("m", rows, device="cuda")
+    assert h.missing == [CPU_EXPERTS] and target_status(h) == f"not shown (no {CPU_EXPERTS})"
+    assert headline("m", rows, device="cuda", expert_stream_share=0.0).missing == []  # every row computed them on the CPU
+    rows.append(_row(16384, "cpu@expert_stream_share=0", 0.5))
+    assert headline("m", rows, device="cuda").missing == []

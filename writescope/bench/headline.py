@@ -13,7 +13,9 @@ Per model (one ``writescope bench --output-json`` grid each):
 - the configurations where ``writescope`` is slower than that configuration's best baseline by more
   than the noise (every ratio the repeats allow below 1; issue 17: it never should be);
 - the baselines the grid lacks (``gpu``, ``cpu``, ``monolithic``, a sweep of at least two fixed
-  shares): a grid without all of them cannot show the target met, only not met (a missing
+  shares, and on CUDA, where a decode step hits routed experts in host memory, a fixed policy whose
+  CPU computes them: ``POLICY@expert_stream_share=0``, since fixed policies read them in place over
+  PCIe by default): a grid without all of them cannot show the target met, only not met (a missing
   baseline could only be faster than those present).
 """
 
@@ -43,14 +45,36 @@ class Headline:
     missing: list[str] = field(default_factory=list)  # baselines the grid lacks ("monolithic", "static sweep", ...)
 
 
-def missing_baselines(policies) -> list[str]:
+CPU_EXPERTS = "fixed share with CPU experts"  # the missing-baseline name of a fixed policy whose CPU computes the host experts
+
+
+def computes_host_experts_on_cpu(policy: str) -> bool:
+    """Whether ``policy`` (a bench row's name) is a fixed policy (``gpu``, ``cpu``, ``static:R``)
+    run with ``@expert_stream_share=0``: its decode steps compute the hit host experts on the CPU."""
+    base, _, switches = policy.partition("@")
+    return static_share(base) is not None and any(
+        k.strip() == "expert_stream_share" and _is_zero(v) for k, _, v in (s.partition("=") for s in switches.split("+")))
+
+
+def _is_zero(text: str) -> bool:
+    try:
+        return float(text) == 0.0
+    except ValueError:
+        return False
+
+
+def missing_baselines(policies, host_experts: bool = False) -> list[str]:
     """The baselines of issue 17's grid absent from ``policies`` (policy names as the bench writes
-    them): ``gpu``, ``cpu``, ``monolithic``, and "static sweep" (fewer than two fixed shares strictly
-    between 0 and 1: ``gpu`` and ``cpu`` are the shares 0 and 1, no sweep)."""
+    them): ``gpu``, ``cpu``, ``monolithic``, "static sweep" (fewer than two fixed shares strictly
+    between 0 and 1: ``gpu`` and ``cpu`` are the shares 0 and 1, no sweep), and, where
+    ``host_experts`` (a CUDA step that hits routed experts in host memory, which fixed policies read
+    in place by default), :data:`CPU_EXPERTS` (no row :func:`computes_host_experts_on_cpu`)."""
     names = set(policies)
     out = [p for p in ("gpu", "cpu", "monolithic") if p not in names]
     if len({r for r in map(static_share, names) if r is not None and 0 < r < 1}) < 2:
         out.append("static sweep")
+    if host_experts and not any(map(computes_host_experts_on_cpu, names)):
+        out.append(CPU_EXPERTS)
     return out
 
 
@@ -69,8 +93,14 @@ def _is_baseline(policy: str) -> bool:
     return policy in ("gpu", "cpu", "monolithic") or static_share(policy) is not None
 
 
-def headline(model: str, rows: list[BenchRow], min_context: int = 8192, source: str = "") -> Headline:
-    """The headline of one model's grid ``rows`` (module docstring); ``source`` names the grid."""
+def headline(model: str, rows: list[BenchRow], min_context: int = 8192, source: str = "", device: str = "",
+             expert_stream_share: float | None = None) -> Headline:
+    """The headline of one model's grid ``rows`` (module docstring); ``source`` names the grid;
+    ``device`` (the grid's, e.g. ``"cuda"``) and ``expert_stream_share`` (the grid's
+    ``--expert-stream-share``, None where not given) say whether a cell whose rows hit host experts
+    lacks a fixed policy that computes them on the CPU (not on CPU devices, where they all are, nor
+    in a grid run with a share of 0 for every row)."""
+    experts_in_place = device.startswith("cuda") and expert_stream_share != 0
     s, spread = speedups(rows, min_context), speedup_spread(rows, min_context)
     best = s.get("best baseline")
     counts: dict[str, int] = {}
@@ -80,7 +110,8 @@ def headline(model: str, rows: list[BenchRow], min_context: int = 8192, source: 
         group = {p: [r for r in rs if r.fits and r.step_tok_s > 0] for (bb, cc, p), rs in runs(rows).items() if (bb, cc) == (b, c)}
         base = {p: median_run(rs).step_tok_s for p, rs in group.items() if rs and _is_baseline(p)}  # the table's run of each
         ws = group.get("writescope") or []
-        missing += [m for m in missing_baselines(group) if m not in missing]
+        hosted = experts_in_place and any(r.host_expert_bytes > 0 for rs in group.values() for r in rs)
+        missing += [m for m in missing_baselines(group, hosted) if m not in missing]
         if base:
             name = max(base, key=base.get)
             counts[name] = counts.get(name, 0) + 1
