@@ -13,7 +13,7 @@ import torch
 from writescope.engine.threads import usable_cpus
 from writescope.kvcache.spec import Roofline
 from writescope.scheduler import other_work as ow
-from writescope.scheduler.roofline import OnlineEstimate, WriteScopePolicy, roofline_share
+from writescope.scheduler.roofline import LINK_FIXED, OnlineEstimate, WriteScopePolicy, link_in_other, roofline_share
 
 # the calibration of the H200 DeepSeek-V2-Lite 16 x 32K run (benchmarks/results/gpu_decode_h200_run25_variants_dsv2_16x32k.json)
 DSV2 = Roofline(a=1.5929e-08, b=2.0028e-08, c_cpu=4.714e-04, c_gpu=0.0, b_alone=2.0412e-08, c_gpu_alone=3.182e-04)
@@ -75,21 +75,29 @@ def test_o_lowers_the_share(o, batch):
 # its O (8.57 ms a layer step) and the ring of two 64 MiB ping-pong buffers: 256 blocks of 256 tokens of 2,048 bytes
 QWEN3 = Roofline(a=2.7474e-08, b=3.7591e-08, c_cpu=1.8977e-04, c_gpu=5.3250e-04, b_alone=3.8068e-08, c_gpu_alone=1.6858e-04)
 QWEN3_O, QWEN3_RING = 8.57e-3, 2 * (64 * 2**20 // (256 * 2048)) * 256
+# the link side's fixed cost where O is in the balance: QWEN3's calibrated C_gpu (0.53 ms) capped at
+# LINK_FIXED (0.15 ms; writescope/scheduler/roofline.py says why: runs 40-41)
+QWEN3_C_LINK = min(QWEN3.c_gpu, LINK_FIXED)
 
 
 def test_the_link_works_ahead_during_o_only_as_far_as_the_ping_pong_buffers_reach():
     """Run 36: uncapped, O = 8.57 ms on the CPU side with nothing on the link's gave r = 0.33-0.35 and
     1,192 ms a step, where fixed shares of 0.5 and 0.6 took 880 and 844 ms; capped by the ring, the
-    share comes back to about 0.51."""
+    share comes back to about 0.5."""
     L = 16 * PLACED
+    # what run 36 deployed, uncapped and with the calibrated C_gpu on the link's side: 0.334
+    assert roofline_share(L, QWEN3.a, QWEN3.b, QWEN3.c_cpu + QWEN3_O, QWEN3.c_gpu) == pytest.approx(0.334, abs=0.003)
+    # the policy now charges the link side's fixed cost at QWEN3_C_LINK (0.15 ms): eq. 2 gives 0.323
+    # uncapped, 0.504 capped by the ring (0.515 with C_gpu in full)
     uncapped = _policy(Meter(o=QWEN3_O, link=0.0), roofline=QWEN3).cpu_share(PLACED)
-    assert uncapped == pytest.approx(0.334, abs=0.003)
+    assert uncapped == pytest.approx(roofline_share(L, QWEN3.a, QWEN3.b, QWEN3.c_cpu + QWEN3_O, QWEN3_C_LINK), rel=1e-12)
+    assert uncapped == pytest.approx(0.323, abs=0.003)
     capped = _policy(Meter(o=QWEN3_O, link=0.0), roofline=QWEN3, prefetch_tokens=QWEN3_RING).cpu_share(PLACED)
-    assert capped == pytest.approx(0.515, abs=0.003)
+    assert capped == pytest.approx(0.504, abs=0.003)
     # both sides finish together: the link is idle for O less what the ring holds
     w = QWEN3_RING * QWEN3.b
     assert QWEN3_O + capped * QWEN3.a * L + QWEN3.c_cpu == pytest.approx(
-        (1 - capped) * QWEN3.b * L + QWEN3.c_gpu + QWEN3_O - w, rel=1e-9)
+        (1 - capped) * QWEN3.b * L + QWEN3_C_LINK + QWEN3_O - w, rel=1e-9)
 
 
 @pytest.mark.parametrize("o_link", [0.0, 0.3e-3, 2.9e-3])
@@ -99,11 +107,12 @@ def test_the_ring_s_cap_on_the_link_side(o_link, ring):
     o = 3.0e-3
     got = _policy(Meter(o=o, link=o_link), roofline=QWEN3, prefetch_tokens=ring).cpu_share(PLACED)
     link_side = max(o_link, o - ring * QWEN3.b)
-    assert got == pytest.approx(roofline_share(L, QWEN3.a, QWEN3.b, QWEN3.c_cpu + o, QWEN3.c_gpu + link_side), rel=1e-12)
+    # the link side's fixed cost is QWEN3_C_LINK where O is in the balance (LINK_FIXED)
+    assert got == pytest.approx(roofline_share(L, QWEN3.a, QWEN3.b, QWEN3.c_cpu + o, QWEN3_C_LINK + link_side), rel=1e-12)
     uncapped = _policy(Meter(o=o, link=o_link), roofline=QWEN3).cpu_share(PLACED)
     assert got >= uncapped - 1e-12  # the cap only takes link time away from the CPU's O
-    if ring == 0:  # a load region read in place: nothing streams ahead, O is on both sides
-        assert got == pytest.approx(roofline_share(L, QWEN3.a, QWEN3.b, QWEN3.c_cpu, QWEN3.c_gpu), rel=1e-9)
+    if ring == 0:  # a load region read in place: nothing streams ahead, O is on both sides (and cancels)
+        assert got == pytest.approx(roofline_share(L, QWEN3.a, QWEN3.b, QWEN3.c_cpu, QWEN3_C_LINK), rel=1e-9)
     if ring * QWEN3.b >= o - o_link:  # the ring holds all the link can do during O: no cap
         assert got == pytest.approx(uncapped, rel=1e-12)
 
@@ -123,6 +132,38 @@ def test_the_gate_caps_both_paths_by_the_ring():
     split = max(QWEN3_O + max(t_cpu, QWEN3.c_gpu), t_gpu + QWEN3_O - QWEN3_RING * QWEN3.b)
     alone = max(QWEN3_O + QWEN3.c_gpu_alone, QWEN3.b_alone * L + QWEN3.c_gpu_alone + QWEN3_O - QWEN3_RING * QWEN3.b_alone)
     assert split < alone < split + 2e-3  # the capped forms, each path at its own rate
+
+
+def test_the_link_side_s_fixed_cost_is_capped_where_o_is_in_the_balance(monkeypatch):
+    """Where O is measured and the step is not micro-batched, the balance and the gate both charge the
+    link side's fixed cost as min(C_gpu, LINK_FIXED); without O, and in micro-batched steps, the
+    calibrated C_gpu stands; the policy's own roofline is not changed."""
+    from writescope.scheduler import roofline as rl
+
+    seen = []
+    real = rl.split_pays
+    monkeypatch.setattr(rl, "split_pays", lambda *a, **k: (seen.append(a[3]), real(*a, **k))[1])
+    L, o = 16 * PLACED, 3.0e-3
+    p = _policy(Meter(o=o, link=0.0), batch=16, roofline=QWEN3, prefetch_tokens=QWEN3_RING)
+    r = p.cpu_share(PLACED)
+    link_side = link_in_other(o, 0.0, QWEN3_RING, QWEN3.b)
+    assert r == pytest.approx(roofline_share(L, QWEN3.a, QWEN3.b, QWEN3.c_cpu + o, LINK_FIXED + link_side), rel=1e-12)
+    assert seen[-1].c_gpu == LINK_FIXED < QWEN3.c_gpu and seen[-1].c_gpu_alone == QWEN3.c_gpu_alone  # the gate's roofline
+    assert p.roofline is QWEN3
+    # two micro-batches: eq. 2 without O, and the gate with the calibrated C_gpu
+    assert _policy(Meter(o=o, link=0.0), micro_batches=2, batch=16, roofline=QWEN3, prefetch_tokens=QWEN3_RING).cpu_share(
+        PLACED) == pytest.approx(
+        roofline_share(L, QWEN3.a, QWEN3.b, QWEN3.c_cpu, QWEN3.c_gpu), rel=1e-12)
+    assert seen[-1] is QWEN3
+    # O not measured: eq. 2 and the gate as calibrated
+    assert _policy(Meter(o=None), batch=16, roofline=QWEN3).cpu_share(PLACED) == pytest.approx(
+        roofline_share(L, QWEN3.a, QWEN3.b, QWEN3.c_cpu, QWEN3.c_gpu), rel=1e-12)
+    assert seen[-1] is QWEN3
+    # a calibrated C_gpu below the cap is kept
+    low = Roofline(**{**vars(QWEN3), "c_gpu": 0.05e-3})
+    assert _policy(Meter(o=o, link=0.0), batch=16, roofline=low, prefetch_tokens=QWEN3_RING).cpu_share(PLACED) == pytest.approx(
+        roofline_share(L, low.a, low.b, low.c_cpu + o, low.c_gpu + link_side), rel=1e-12)
+    assert seen[-1].c_gpu == low.c_gpu
 
 
 @pytest.mark.parametrize("bad", [-1, float("nan")])
@@ -297,34 +338,104 @@ def test_bench_prints_the_kept_in_step_a_beside_the_calibration_s(monkeypatch, t
     assert float(kept.group(2)) == pytest.approx(token / (float(kept.group(1)) * 1e-9) / 1e9, rel=0.02)  # both printed to 3 digits
 
 
-# ------------------------------------------------------------------ the gate on run 40's cells
-# The split gate with O (``split_pays``) on run 40's DeepSeek-V2-Lite cells: the H200's calibration
-# and the O, O_link and ring that run's `writescope` rows placed with. Measured there
-# (benchmarks/results/gpu_decode_h200.md, runs 38-40): streaming alone won at 4 x 8K and 4 x 16K
-# (45.0 against the split's 47.7 ms a step), the split won at 4 x 32K and at batch 16 from 8K to
-# 32K. The gate before run 40 split 4 x 16K (r 0.45): it charged streaming alone a fixed cost that
-# hides behind O and a split no hand-over.
+# ------------------------------------------------------------------ the gate on runs 40 and 41's cells
+# The balance and the split gate with O (``split_pays``) on run 40's and run 41's DeepSeek-V2-Lite
+# cells: the H200's calibration and the O, O_link and ring that each run's `writescope` rows placed
+# with. Measured in run 40 (benchmarks/results/gpu_decode_h200.md, runs 38-40): streaming alone won at
+# 4 x 8K and over a split at r 0.45 at 4 x 16K (45.0 against 47.7 ms a step), the split won at 4 x 32K
+# and at batch 16 from 8K to 32K. The gate before run 40 split 4 x 16K (r 0.45): it charged
+# streaming alone a fixed cost that hides behind O and a split no hand-over. Run 41
+# (benchmarks/results/grid_deepseek-v2-lite_h200_run41_b4.json) then found `static:1/3` 4-7% faster
+# than streaming alone at 4 x 16K and the optimum at 4 x 32K near 1/3, where the policy, charging the
+# link side's calibrated C_gpu (0.52 ms) in full, gave 0 and 0.52-0.54: the link side's fixed cost is
+# now min(C_gpu, LINK_FIXED) where O is measured (writescope/scheduler/roofline.py).
 RUN40 = Roofline(a=1.4879e-08, b=2.0617e-08, c_cpu=5.879e-04, c_gpu=5.505e-04, b_alone=2.0898e-08, c_gpu_alone=2.957e-04)
+# run 41's calibration, saved in grid_deepseek-v2-lite_h200_run41_b4.json (and in
+# gpu_decode_h200_run41_variants_dsv2_32x32k.json, the same machine's)
+RUN41 = Roofline(a=1.48745e-08, b=2.04277e-08, c_cpu=4.7554e-04, c_gpu=5.2124e-04, b_alone=2.06934e-08, c_gpu_alone=2.4212e-04)
 RING = 116224  # the ping-pong ring's tokens: 2 x 64 MiB of 1,152-byte MLA tokens
 
 
-def _run40_share(batch: int, context: int, o: float, link: float, a: float) -> float:
-    p = _policy(Meter(o, link), batch=batch, roofline=RUN40, prefetch_tokens=RING)
+def _replay_share(batch: int, context: int, o: float, link: float, a: float, roofline: Roofline = RUN40) -> float:
+    p = _policy(Meter(o, link), batch=batch, roofline=roofline, prefetch_tokens=RING)
     p.a = OnlineEstimate(a)
     return p.cpu_share(context)
 
 
 @pytest.mark.parametrize("o", [0.42e-3, 0.60e-3, 0.82e-3])  # the O of the two repeats' placement, and above
-def test_run40_batch_4_streams_alone_at_8k_and_16k(o):
-    assert _run40_share(4, 16384, o, 0.153e-3, 14.88e-9) == 0.0
-    assert _run40_share(4, 8192, o, 0.153e-3, 14.88e-9) == 0.0
+def test_run40_batch_4_streams_alone_at_8k_and_at_16k_where_o_is_large(o):
+    """Run 40 (benchmarks/results/grid_deepseek-v2-lite_h200_run40*.json, gpu_decode_h200.md): 4 x 8K
+    and 4 x 16K, O_link 0.153 ms, A 14.88 ns/token."""
+    assert _replay_share(4, 8192, o, 0.153e-3, 14.88e-9) == 0.0  # the balance itself gives 0 at 8K
+    r16 = _replay_share(4, 16384, o, 0.153e-3, 14.88e-9)
+    if o >= 0.6e-3:
+        # the balance gives 0.20 (O 0.60) and 0.11 (O 0.82): with the CPU part behind that O and the
+        # 0.15 ms hand-over, the split is predicted no faster than streaming alone (1.53 against 1.52
+        # ms a layer at O 0.60), so the gate refuses it
+        assert r16 == 0.0
+    else:
+        # at O 0.42 ms the split is predicted to pay (1.43 against 1.52 ms a layer) at eq. 2's share
+        # with the link side's fixed cost at LINK_FIXED, about 0.28: below the 0.45 run 40 measured
+        # slower than streaming alone, near the 1/3 that run 41 measured 4-7% faster at 4 x 16K
+        assert r16 == pytest.approx(roofline_share(4 * 16384, 14.88e-9, RUN40.b, RUN40.c_cpu + o, LINK_FIXED + 0.153e-3),
+                                    rel=1e-12)
+        assert 0.2 <= r16 <= 0.36
 
 
 @pytest.mark.parametrize("o", [0.42e-3, 0.60e-3])
 def test_run40_batch_4_splits_at_32k(o):
-    assert _run40_share(4, 32768, o, 0.153e-3, 14.88e-9) > 0.4
+    """Run 40: 4 x 32K, where the split won. Eq. 2 with the link side's fixed cost at LINK_FIXED gives
+    0.43 (O 0.42) and 0.39 (O 0.60): the static rows' optimum there was 0.39-0.40 (gpu_decode_h200.md)."""
+    assert _replay_share(4, 32768, o, 0.153e-3, 14.88e-9) > 0.38
 
 
-@pytest.mark.parametrize("context", [8192, 16384, 32768])
-def test_run40_batch_16_splits(context):
-    assert _run40_share(16, context, 1.07e-3, 0.418e-3, 17.1e-9) > 0.35
+@pytest.mark.parametrize("context, floor", [(8192, 0.30), (16384, 0.40), (32768, 0.45)])
+def test_run40_batch_16_splits(context, floor):
+    """Run 40 (benchmarks/results/grid_deepseek-v2-lite_h200_run40_b16.json): batch 16, O 1.07 ms,
+    O_link 0.418 ms, A 17.1 ns/token; eq. 2 gives about 0.326 / 0.436 / 0.492 at 8K / 16K / 32K. The
+    floors are the measured crossings: at 8K `static:1/3` (71.4 / 74.2 ms a step) beat `static:2/3`
+    (79.3 / 81.9) with its CPU part already the longer side; at 16K and 32K the parts of the 1/3 and
+    2/3 rows cross at about 0.42 and 0.47. Guards that the smaller link-side fixed cost, which lowers
+    r, does not pull batch 16 below them."""
+    assert _replay_share(16, context, 1.07e-3, 0.418e-3, 17.1e-9) > floor
+
+
+# run 41's 4 x 8K / 16K / 32K cells (grid_deepseek-v2-lite_h200_run41_b4.json): the O each `writescope`
+# row placed with (the meter's O after the `monolithic` row before it), O_link 0.152 ms (the host
+# experts' bytes read in place at B), A as calibrated (no decode step had taught one), batch 4
+RUN41_LINK, RUN41_A = 0.152e-3, 14.87e-9
+
+
+@pytest.mark.parametrize("o", [0.703e-3, 0.778e-3])
+def test_run41_batch_4_streams_alone_at_8k(o):
+    """Run 41, 4 x 8K (grid_deepseek-v2-lite_h200_run41_b4.json): streaming alone won (`gpu` 26.7 /
+    27.4 ms a step, `static:0` 29.0 / 30.4, `static:1/3` 31.2 / 39.7)."""
+    assert _replay_share(4, 8192, o, RUN41_LINK, RUN41_A, RUN41) == 0.0
+
+
+@pytest.mark.parametrize("o", [0.416e-3, 0.593e-3])
+def test_run41_batch_4_splits_near_a_third_at_16k(o):
+    """Run 41, 4 x 16K (grid_deepseek-v2-lite_h200_run41_b4.json): `static:1/3` took 42.9 / 41.8 ms a
+    step, streaming alone 44.8 (`gpu`, `static:0`), `static:2/3` 47.3 / 46.0; `writescope` with the
+    calibrated C_gpu on the link side streamed alone (45.0). Eq. 2 with LINK_FIXED gives 0.25 (O
+    0.593) and 0.32 (O 0.416), and the gate passes them."""
+    r = _replay_share(4, 16384, o, RUN41_LINK, RUN41_A, RUN41)
+    assert 0.2 <= r <= 0.36
+
+
+@pytest.mark.parametrize("o", [0.369e-3, 0.442e-3])
+def test_run41_batch_4_splits_below_the_old_share_at_32k(o):
+    """Run 41, 4 x 32K (grid_deepseek-v2-lite_h200_run41_b4.json): `writescope` deployed 0.539 / 0.523
+    (61.0 / 59.6 ms a step) with the calibrated C_gpu on the link side, `static:1/3` took 58.7 / 58.4,
+    `static:2/3` 66.0 / 66.2. Eq. 2 with LINK_FIXED gives 0.46 / 0.45: toward the optimum near 1/3,
+    and still a split."""
+    r = _replay_share(4, 32768, o, RUN41_LINK, RUN41_A, RUN41)
+    assert 0.3 < r < 0.47
+
+
+def test_run41_batch_32_at_32k_still_splits_above_half():
+    """Run 41, 32 x 32K (gpu_decode_h200_run41_variants_dsv2_32x32k.json): O 1.27 ms, O_link 0.587 ms,
+    the A of the middle repeat 15.8 ns/token; `writescope` deployed 0.562 / 0.547 / 0.523 and ran 321 /
+    333 / 356 ms a step, the higher shares the faster. Eq. 2 with LINK_FIXED gives about 0.537 (0.547
+    with C_gpu in full): a guard that the cap moves r little here."""
+    assert _replay_share(32, 32768, 1.27e-3, 0.587e-3, 15.8e-9, RUN41) > 0.5

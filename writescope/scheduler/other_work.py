@@ -11,7 +11,9 @@ things follow for the split gate (:func:`writescope.scheduler.roofline.split_pay
   attention-only calibration line said 0.93 ms for streaming alone.
 - A split's CPU part cannot hide there: it needs this layer's q. A split step takes
   max(O + max(T_cpu(r), C_gpu), T_gpu(r)) + max(C_split, SPLIT_HANDOVER) per layer (the
-  hand-over between the sides, 0.15-0.28 ms a layer on the H200 in run 40).
+  hand-over between the sides, 0.15-0.28 ms a layer on the H200 in run 40), with C_gpu, the link
+  side's fixed cost, at most :data:`~writescope.scheduler.roofline.LINK_FIXED` (it too hides
+  behind O for the most part: runs 40-41).
 
 Without O the gate deployed r = 0.03 at DSV2 4 x 8K and ran at 0.75x `gpu`
 (benchmarks/results/evaluation_h200.md). Host experts read in place over PCIe inside O use the

@@ -33,9 +33,24 @@ and a roofline given by hand may set a larger C_split.
 Also beyond the paper, the balance counts O. The CPU part needs the layer's q, so per layer the
 CPU side takes O + T_cpu(r), while the link streams the next layer's blocks during O and takes
 T_gpu(r) + O_link (O_link: the link time of host experts read in place inside O). Both finish
-together at eq. 2 with C_cpu + O and C_gpu + O_link for the fixed costs:
+together at eq. 2 with C_cpu + O and C_link + O_link for the fixed costs:
 
-    r(L) = roofline_share(L, A, B, C_cpu + O, C_gpu + O_link).
+    r(L) = roofline_share(L, A, B, C_cpu + O, C_link + O_link),    C_link = min(C_gpu, LINK_FIXED).
+
+C_link is the link side's fixed cost inside a whole-model step. Calibration's C_gpu is that of a
+synchronised attention-only loop (0.52-0.55 ms a layer for DeepSeek-V2-Lite on the H200); inside a
+step most of it hides behind O, as streaming alone's does: run 40's four link-bound static rows at
+batch 16 put the link side's fixed cost (from O's start, less T_gpu at B and O_link) at 0.22 +- 0.03
+ms, run 41's at batch 4 lower, about 0.10 ms
+(benchmarks/results/grid_deepseek-v2-lite_h200_run40_b16.json, grid_deepseek-v2-lite_h200_run41_b4.json).
+With C_gpu in full, r ran high where O was measured (run 41, 4 x 32K: deployed 0.539 / 0.523, the
+static rows' optimum about 1/3) and the gate refused a split that ran 4-7% faster (4 x 16K:
+`static:1/3` 42.9 / 41.8 ms a step against streaming alone's 44.8); with :data:`LINK_FIXED` the
+replay of run 41's placements gives 0 at 4 x 8K (streaming alone won there), 0.25 / 0.32 at 4 x 16K
+and 0.46 / 0.45 at 4 x 32K, and at batch 16 (run 40) about 0.33 / 0.41-0.43 / 0.50-0.51 at 8K /
+16K / 32K, at or near the measured crossings. The gate with O charges C_link in the same place
+(:func:`split_pays` gets the capped roofline). Where O is not measured, and in micro-batched
+steps, C_gpu stands.
 
 The link works ahead during O only as far as the ping-pong buffers reach: the copies of the next
 layer's blocks wait for a free buffer, and two buffers of 64 MiB hold about 2.4 ms of the link's
@@ -67,7 +82,7 @@ from __future__ import annotations
 
 import math
 from collections import deque
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 
 from writescope.kvcache.spec import Roofline
 from writescope.scheduler.joint import joint_split
@@ -88,6 +103,16 @@ MAX_FIXED_SHARE = 0.25
 # smaller: run 40 on the H200 measured 0.15-0.21 ms per layer at DeepSeek-V2-Lite batch 4 (0.16-0.28
 # at batch 16, 0.10-0.19 Qwen3-30B-A3B), benchmarks/results/gpu_decode_h200.md.
 SPLIT_HANDOVER = 0.15e-3
+# The link (streamed) side's fixed cost per layer inside a whole-model decode step, charged instead of
+# a larger calibrated C_gpu by the balance and the gate where O is measured and the step is not split
+# into micro-batches (WriteScopePolicy.cpu_share; the module docstring says why). Calibration's C_gpu
+# (0.52-0.55 ms for DeepSeek-V2-Lite on the H200) is a synchronised attention-only loop's; inside a
+# step most of it hides behind O. Run 40's four link-bound DeepSeek-V2-Lite static rows at batch 16
+# put it at 0.22 +- 0.03 ms (grid_deepseek-v2-lite_h200_run40_b16.json), lower at batch 4; the
+# replay of run 41 (grid_deepseek-v2-lite_h200_run41_b4.json) with 0.15 ms moved r toward the
+# measured optimum in every cell (4 x 32K 0.54 -> 0.46, static optimum about 1/3; 4 x 16K from 0 to
+# 0.25-0.32, where `static:1/3` ran 4-7% faster than streaming alone) and made none worse.
+LINK_FIXED = 0.15e-3
 
 
 def roofline_share(L: float, a: float, b: float, c_cpu: float = 0.0, c_gpu: float = 0.0) -> float:
@@ -140,8 +165,11 @@ def split_pays(L: float, r: float, a: float, roofline: Roofline, other: float | 
     there, and its fixed cost too (launches issued ahead while the link streams):
     max(O + C_gpu_alone, B_alone L + O_link). The CPU part waits for q and does not hide:
     max(O + max(T_cpu(r), C_gpu), T_gpu(r) + O_link) + max(C_split, SPLIT_HANDOVER). With O None
-    (not measured) the forms without it. ``prefetch_tokens``: what the ping-pong buffers let the link
-    stream ahead during O (:func:`link_in_other`, each path at its own rate); None: no cap.
+    (not measured) the forms without it. C_gpu is the ``roofline``'s: :class:`WriteScopePolicy`
+    passes one whose C_gpu is capped at :data:`LINK_FIXED` where O is measured and the step is not
+    micro-batched (the link side's fixed cost inside a whole-model step, runs 40-41).
+    ``prefetch_tokens``: what the ping-pong buffers let the link stream ahead during O
+    (:func:`link_in_other`, each path at its own rate); None: no cap.
     """
     rf = roofline
     if rf.b_alone is None or r <= 0:
@@ -241,16 +269,25 @@ class WriteScopePolicy(PlacementPolicy):
         and the link's part of O on the link's (:func:`link_in_other`: O_link, or O less what the
         ping-pong buffers let it stream ahead) where O was measured (see the module docstring), or with host
         experts the joint roofline (scheduler/joint.py) given the expected hit host expert bytes
-        per step."""
+        per step. Where O was measured and the step is not micro-batched, the link side's fixed cost
+        is min(C_gpu, :data:`LINK_FIXED`) in both the balance and the gate:
+
+            r = roofline_share(L, A, B, C_cpu + O, min(C_gpu, LINK_FIXED) + link_in_other(O, O_link, W, B)).
+
+        ``self.roofline`` itself is not changed (calibration reports and :meth:`observe` read it)."""
         rf, L, a = self.roofline, placed_tokens * self.batch, self.a.value
         X = self.experts.expected_bytes(self.batch) if self.experts is not None else 0.0
         # O where no per-step expert split runs (with one, the joint model sets r and O was measured
         # under other policies' expert path: attach_expert_work attaches the split for writescope only)
         o = self.other.seconds(self.batch) if self.other is not None and X <= 0 else None
         o_link = self.other.link(self.batch) if o is not None else 0.0
+        # O in the balance where the step is not split into micro-batches (as InplaceKVCache.decode_groups splits)
+        balance_o = o is not None and not micro_batched(self.micro_batches, self.batch)
+        if balance_o:  # the link side's fixed cost inside a whole-model step (LINK_FIXED), for the balance and the gate
+            rf = replace(rf, c_gpu=min(rf.c_gpu, LINK_FIXED))
         if X > 0:
             r, _ = joint_split(L, X, self.experts.costs())
-        elif o is not None and not micro_batched(self.micro_batches, self.batch):  # as InplaceKVCache.decode_groups splits
+        elif balance_o:
             r = roofline_share(L, a, rf.b, rf.c_cpu + o, rf.c_gpu + link_in_other(o, o_link, self.prefetch_tokens, rf.b))
         else:
             r = roofline_share(L, a, rf.b, rf.c_cpu, rf.c_gpu)
