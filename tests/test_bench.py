@@ -170,6 +170,23 @@ def test_a_context_past_the_model_limit_names_bench_s_flags(capsys):
     assert "does not fit" in out and "use a shorter --context (bench adds --steps + 1 = 2 tokens)" in out and "lower max_tokens" not in out
 
 
+def test_bench_words_the_too_long_advice_from_the_error_s_fields():
+    """Bench's reason is built from the error's numbers: a garbled message changes nothing."""
+    from writescope.bench.runner import too_long_reason
+    from writescope.engine.prompts import too_long
+
+    def reason(*numbers):
+        e = too_long("prompt_token_ids", 0, *numbers)
+        e.args, e.message = ("garbled",), "garbled"
+        return too_long_reason(e, steps=1)
+
+    head = "prompt_token_ids[0] has 8,192 tokens + max_tokens 2 = 8,194, beyond the limit of 8,192 tokens"
+    assert reason(8192, 2, 8192, 8192) == head + " (the model's max_position_embeddings): use a shorter --context (bench adds --steps + 1 = 2 tokens)"
+    assert reason(1, 9000, 8192, 8192).endswith(": use fewer --steps (bench decodes --steps + 1 tokens after the context: at most 8,191 fit)")
+    assert reason(100, 20, 64, 8192).endswith("(max_model_len): use a shorter --context (bench adds --steps + 1 = 2 tokens), or raise max_model_len")
+    assert reason(64, 64, 64, 64).endswith(": use a shorter --context and fewer --steps")
+
+
 def test_bench_times_layers_without_synchronising(monkeypatch):
     """The grid's per-layer attention time adds no device synchronisation to the decode step
     (issue 15, item 5): a spy on the timing module's synchronise sees no call during the run,
@@ -334,6 +351,24 @@ def test_the_warm_up_runs_every_batch_size_and_policy_unmeasured(monkeypatch):
     assert all(fill == "random" and not w for *_, fill, w in calls[:4])
     assert calls[4:] and all(steps == 5 for _, _, _, steps, _, _ in calls[4:])
     assert [(r.batch, r.context, r.policy) for r in rows] == [(b, c, p) for b in (4, 16, 4) for c in (1000, 3000) for p in ("gpu", "static:0.5")]
+
+
+def test_the_policies_take_their_turns_in_a_rotated_order_each_repeat(monkeypatch):
+    """A cell's repeats rotate the policies' order by one place a repeat (no policy always runs
+    right after the same one, nor always first); the rows keep their repeat, and a resumed grid
+    still keeps a complete cell whatever its order."""
+    from writescope.bench import runner
+
+    assert runner.policy_turn(["a", "b", "c"], 0) == ["a", "b", "c"]
+    assert runner.policy_turn(["a", "b", "c"], 1) == ["b", "c", "a"] and runner.policy_turn(["a", "b", "c"], 4) == ["b", "c", "a"]
+    assert runner.policy_turn([], 3) == []
+    monkeypatch.setattr(runner, "run_one", lambda llm, cfg, b, c, p, roofline=None: runner.BenchRow(batch=b, context=c, policy=p))
+    cfg = runner.BenchConfig([4], [1000, 3000], ["gpu", "cpu", "writescope"], steps=5, repeats=3, window=16, progress=False, warmup=False)
+    rows = runner.run_grid(None, cfg)
+    order = [(r.context, r.extra["repeat"], r.policy) for r in rows]
+    assert order == [(c, rep, p) for c in (1000, 3000) for rep in range(3) for p in runner.policy_turn(cfg.policies, rep)]
+    assert [p for c, rep, p in order[:9]] == ["gpu", "cpu", "writescope", "cpu", "writescope", "gpu", "writescope", "gpu", "cpu"]
+    assert len(runner.complete_cells(cfg, rows)) == len(rows)
 
 
 def test_resume_keeps_complete_cells_and_measures_the_rest(tmp_path, capsys, monkeypatch):

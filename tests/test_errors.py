@@ -318,3 +318,17 @@ def test_the_too_long_error_gives_each_change_that_alone_makes_the_request_fit()
     assert "(max_model_len)" in msg and msg.endswith("shorten the prompt to at most 44 tokens, or raise max_model_len")
     msg = str(too_long("prompts", 0, 64, 64, 64, 64))  # neither alone: both
     assert msg.endswith("shorten the prompt and lower max_tokens")
+
+
+def test_the_too_long_error_carries_its_numbers_as_fields():
+    """Callers that reword the advice read the numbers, not the message; it stays an ArgError."""
+    from writescope.engine.prompts import TooLong, too_long
+    from writescope.errors import ArgError
+
+    e = too_long("prompt_token_ids", 3, 100, 20, 64, 8192)
+    assert isinstance(e, TooLong) and isinstance(e, ArgError) and isinstance(e, ValueError)
+    assert (e.name, e.index, e.tokens, e.max_tokens, e.limit, e.model_limit) == ("prompt_token_ids", 3, 100, 20, 64, 8192)
+    assert (e.source, e.prompt_fits, e.max_tokens_fits, e.can_raise) == ("max_model_len", 44, None, True)
+    assert str(e) == e.problem + ": shorten the prompt to at most 44 tokens, or raise max_model_len"
+    e = too_long("prompts", 0, 64, 64, 64, 64)
+    assert (e.source, e.prompt_fits, e.max_tokens_fits, e.can_raise) == ("the model's max_position_embeddings", None, None, False)

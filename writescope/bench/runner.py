@@ -31,7 +31,6 @@ of each, and the interval of each ratio from the repeats' min and max.
 
 from __future__ import annotations
 
-import re
 import statistics
 import time
 from dataclasses import asdict, dataclass, field
@@ -42,6 +41,7 @@ from tqdm import tqdm
 from writescope.bench import switches
 from writescope.bench.bounds import Rates
 from writescope.engine.llm import LLM
+from writescope.engine.prompts import TooLong
 from writescope.engine.sampling import SamplingParams
 from writescope.kvcache import pinned
 from writescope.kvcache.inplace import InplaceKVCache
@@ -184,9 +184,19 @@ def complete_cells(cfg: BenchConfig, rows: list[BenchRow]) -> list[BenchRow]:
     return keep
 
 
+def policy_turn(policies: list[str], repeat: int) -> list[str]:
+    """The order the policies take their turns in run ``repeat`` of a cell: rotated by one place
+    each repeat, so that no policy always runs right after the same one (run 41: at DSV2 4 x 8K,
+    where a step is bound by the thread that issues it, ``gpu`` issued 6-10 ms faster than
+    ``static:0``, the same placement and code, in both repeats while it ran first each time)."""
+    k = repeat % len(policies) if policies else 0
+    return policies[k:] + policies[:k]
+
+
 def run_grid(llm: LLM, cfg: BenchConfig, roofline=None, on_row=None, done: list[BenchRow] | None = None) -> list[BenchRow]:
     """Every (batch, context, policy) of ``cfg`` on the loaded ``llm``, ``cfg.repeats`` times;
-    one row each run, in the order batch, context, repeat, policy. ``on_row(rows)`` is called
+    one row each run, in the order batch, context, repeat, then the policies as
+    :func:`policy_turn` rotates them for that repeat. ``on_row(rows)`` is called
     with the rows so far after each run (to save partial results of a long grid). ``done``: rows
     of an earlier run of this grid (``--resume``); its complete cells (:func:`complete_cells`) are
     kept and not measured again, and each row carries the bound rates of its own run
@@ -199,7 +209,7 @@ def run_grid(llm: LLM, cfg: BenchConfig, roofline=None, on_row=None, done: list[
         raise ValueError(f"repeats (--repeats) must be >= 1, got {cfg.repeats}")
     kept = complete_cells(cfg, done or [])
     skip = {(r.batch, r.context) for r in kept}
-    keys = [(b, c, r, p) for b in cfg.batches for c in cfg.contexts for r in range(cfg.repeats) for p in cfg.policies]
+    keys = [(b, c, r, p) for b in cfg.batches for c in cfg.contexts for r in range(cfg.repeats) for p in policy_turn(cfg.policies, r)]
     grid = [k for k in keys if k[:2] not in skip]
     if cfg.warmup:  # first uses cost extra: pay them unmeasured, at every batch size of the grid,
         # since CUDA graphs are captured per decode token count (models/graphs.py): a warm-up at
@@ -291,6 +301,21 @@ def expert_split(work, trace: list[dict] | None) -> dict | None:
             "cpu_gbs": 1e-9 / work.e.value, "link_gbs": 1e-9 / work.g, "cpu_call_ms": work.call * 1e3}
 
 
+def too_long_reason(e: TooLong, steps: int) -> str:
+    """``e``'s message with its advice in bench's flags: a request is --context tokens, then
+    ``steps`` + 1 decoded (the engine's max_tokens), so --context shortens the prompt and --steps
+    lowers max_tokens."""
+    if e.prompt_fits is not None:
+        ways = [f"use a shorter --context (bench adds --steps + 1 = {steps + 1} tokens)"]
+    elif e.max_tokens_fits is not None:
+        ways = [f"use fewer --steps (bench decodes --steps + 1 tokens after the context: at most {e.max_tokens_fits:,} fit)"]
+    else:
+        ways = []
+    if e.can_raise:
+        ways.append("raise max_model_len")
+    return f"{e.problem}: " + (", or ".join(ways) or "use a shorter --context and fewer --steps")
+
+
 def run_one(llm: LLM, cfg: BenchConfig, batch: int, context: int, policy: str, roofline=None) -> BenchRow:
     row = BenchRow(batch, context, policy)
     g = torch.Generator().manual_seed(cfg.seed + 1000 * batch + context)
@@ -322,11 +347,7 @@ def run_one(llm: LLM, cfg: BenchConfig, batch: int, context: int, policy: str, r
                 llm.progress = progress
                 llm.__dict__.pop("_prefill", None)
     except (ValueError, RuntimeError, torch.OutOfMemoryError) as e:
-        reason = str(e).split("\n")[0]
-        # the engine's advice names generate's flags; bench's requests are --context + --steps + 1 tokens
-        reason = re.sub(r"shorten the prompt to at most [\d,]+ tokens?(, or lower max_tokens to at most [\d,]+)?",
-                        f"use a shorter --context (bench adds --steps + 1 = {cfg.steps + 1} tokens)", reason)
-        reason = re.sub(r"lower max_tokens to at most ([\d,]+)", r"use fewer --steps (bench decodes --steps + 1 tokens after the context: at most \1 fit)", reason)
+        reason = too_long_reason(e, cfg.steps) if isinstance(e, TooLong) else str(e).split("\n")[0]
         row.fits, row.reason = False, reason[:300]
         if llm.device.type == "cuda":
             torch.cuda.empty_cache()

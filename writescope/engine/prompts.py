@@ -82,24 +82,60 @@ def _is_int(t: Any) -> bool:
     return True
 
 
-def too_long(name: str, i: int, tokens: int, max_tokens: int, limit: int, model_limit: int) -> ArgError:
-    """The error for request ``i`` of ``name`` whose ``tokens`` + ``max_tokens`` pass ``limit``
-    (the engine's max_model_len; ``model_limit``: the model's own, named when it is higher)."""
-    what = "max_model_len" if limit < model_limit else "the model's max_position_embeddings"
-    ways = []  # each change that alone makes the request fit
-    if limit > max_tokens:
-        ways.append(f"shorten the prompt to at most {plural(limit - max_tokens, 'token')}")
-    if limit > tokens:
-        ways.append(f"lower max_tokens to at most {limit - tokens:,}")
-    if limit < model_limit:
-        ways.append("raise max_model_len")
-    if not ways:
-        ways.append("shorten the prompt and lower max_tokens")
-    return ArgError(
-        f"{name}[{i}] has {plural(tokens, 'token')} + max_tokens {max_tokens:,} = {tokens + max_tokens:,}, "
-        f"beyond the limit of {plural(limit, 'token')} ({what}): " + ", or ".join(ways),
-        name, "max_tokens", "max_model_len",
-    )
+class TooLong(ArgError):
+    """Request ``index`` of ``name`` (``"prompts"`` or ``"prompt_token_ids"``), a prompt of
+    ``tokens`` tokens plus ``max_tokens`` to generate, passes ``limit`` tokens: the engine's
+    max_model_len, at most ``model_limit`` (the model's max_position_embeddings).
+
+    The fields are public for callers that word the advice for their own flags (bench does); the
+    message (``str(e)``) is :attr:`problem`, then each change that alone makes the request fit.
+    """
+
+    def __init__(self, name: str, index: int, tokens: int, max_tokens: int, limit: int, model_limit: int):
+        self.name, self.index, self.tokens, self.max_tokens = name, index, tokens, max_tokens
+        self.limit, self.model_limit = limit, model_limit
+        ways = []  # each change that alone makes the request fit
+        if self.prompt_fits is not None:
+            ways.append(f"shorten the prompt to at most {plural(self.prompt_fits, 'token')}")
+        if self.max_tokens_fits is not None:
+            ways.append(f"lower max_tokens to at most {self.max_tokens_fits:,}")
+        if self.can_raise:
+            ways.append("raise max_model_len")
+        if not ways:
+            ways.append("shorten the prompt and lower max_tokens")
+        super().__init__(f"{self.problem}: " + ", or ".join(ways), name, "max_tokens", "max_model_len")
+
+    @property
+    def source(self) -> str:
+        """Where ``limit`` comes from: ``"max_model_len"`` below the model's own, else the model's."""
+        return "max_model_len" if self.limit < self.model_limit else "the model's max_position_embeddings"
+
+    @property
+    def prompt_fits(self) -> int | None:
+        """The longest prompt (tokens) that fits with this ``max_tokens``; None where none does."""
+        return self.limit - self.max_tokens if self.limit > self.max_tokens else None
+
+    @property
+    def max_tokens_fits(self) -> int | None:
+        """The largest ``max_tokens`` that fits with this prompt; None where none does."""
+        return self.limit - self.tokens if self.limit > self.tokens else None
+
+    @property
+    def can_raise(self) -> bool:
+        """Whether raising max_model_len (up to ``model_limit``) is a way out."""
+        return self.limit < self.model_limit
+
+    @property
+    def problem(self) -> str:
+        """The message without its advice: the request, its sum and the limit with its source."""
+        return (f"{self.name}[{self.index}] has {plural(self.tokens, 'token')} + max_tokens {self.max_tokens:,} = "
+                f"{self.tokens + self.max_tokens:,}, beyond the limit of {plural(self.limit, 'token')} ({self.source})")
+
+
+def too_long(name: str, i: int, tokens: int, max_tokens: int, limit: int, model_limit: int) -> TooLong:
+    """The error (an :class:`ArgError`) for request ``i`` of ``name`` whose ``tokens`` + ``max_tokens``
+    pass ``limit`` (the engine's max_model_len; ``model_limit``: the model's own, named when it is higher)."""
+    return TooLong(name, i, tokens, max_tokens, limit, model_limit)
 
 
 def check_max_model_len(max_model_len: int | None, limit: int) -> None:
