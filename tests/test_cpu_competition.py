@@ -5,7 +5,8 @@ from __future__ import annotations
 
 import pytest
 
-from writescope.engine.cpu_competition import CpuCompetition, cpu_ticks, parse_cpu_list
+from writescope.engine.cpu_competition import CpuCompetition, cpu_ticks
+from writescope.engine.threads import parse_cpu_list
 
 # cpu user nice system idle iowait irq softirq steal guest guest_nice
 STAT_A = """cpu  900 0 300 5000 10 0 0 0 0 0
@@ -134,3 +135,53 @@ def test_this_machine_can_be_read_without_a_crash():
     assert taken is not None and taken >= 0.0
     note = m.note("x")
     assert note is None or note.startswith("note: ")
+
+
+def test_the_usable_cpus_are_every_thread_s_not_the_calling_thread_s_alone():
+    """OpenMP under OMP_PROC_BIND binds the calling thread alone to one CPU: the process may still
+    use every CPU its threads may run on, so the thread counts and the competition meter read the
+    union of the threads' allowed lists, not the caller's mask."""
+    import os
+    import threading
+
+    from writescope.engine.threads import process_cpus, usable_cpus
+
+    every = process_cpus()
+    if not hasattr(os, "sched_setaffinity") or len(every) < 2:
+        pytest.skip("needs a settable affinity and two CPUs")
+    seen = {}
+
+    def bound():  # a thread bound to one CPU, as OMP_PROC_BIND binds the calling thread
+        os.sched_setaffinity(0, {min(every)})
+        seen["own"] = os.sched_getaffinity(0)
+        seen["cpus"], seen["count"] = process_cpus(), usable_cpus()
+        seen["meter"] = CpuCompetition(clock=lambda: 0.0).cpus
+
+    t = threading.Thread(target=bound)
+    t.start()
+    t.join()
+    assert seen["own"] == {min(every)}  # the old reading: one CPU
+    assert seen["cpus"] == every and seen["count"] == len(every)
+    assert seen["meter"] == every
+
+
+def test_a_cpu_quota_is_read_from_cgroup_v2_or_v1(tmp_path):
+    """cgroup v2: cpu.max and cpu.stat's throttled_usec; v1: cpu/cpu.cfs_quota_us and cpu/cpu.stat's
+    throttled_time (ns); no quota (v2 "max", v1 -1, or no files): None."""
+    from writescope.engine.cpu_competition import _throttled_s
+
+    v2 = tmp_path / "v2"
+    v2.mkdir()
+    (v2 / "cpu.max").write_text("200000 100000\n")
+    (v2 / "cpu.stat").write_text("usage_usec 9\nnr_throttled 3\nthrottled_usec 2500000\n")
+    assert _throttled_s(str(v2)) == pytest.approx(2.5)
+    (v2 / "cpu.max").write_text("max 100000\n")
+    assert _throttled_s(str(v2)) is None
+    v1 = tmp_path / "v1"
+    (v1 / "cpu,cpuacct").mkdir(parents=True)
+    (v1 / "cpu,cpuacct" / "cpu.cfs_quota_us").write_text("150000\n")
+    (v1 / "cpu,cpuacct" / "cpu.stat").write_text("nr_periods 10\nnr_throttled 2\nthrottled_time 1500000000\n")
+    assert _throttled_s(str(v1)) == pytest.approx(1.5)
+    (v1 / "cpu,cpuacct" / "cpu.cfs_quota_us").write_text("-1\n")
+    assert _throttled_s(str(v1)) is None
+    assert _throttled_s(str(tmp_path / "none")) is None

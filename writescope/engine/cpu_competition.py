@@ -11,17 +11,18 @@ for (``os.times``), per second of wall time, is the CPUs other processes (or the
 took while it ran. It counts as competition only where those CPUs were nearly saturated (idle
 under a quarter of them): others on CPUs that stood idle anyway slowed nothing.
 
-A container's CPU quota (cgroup v2 ``cpu.max``) is another limit the affinity mask does not
-show: the time the quota throttled this process (``cpu.stat``'s ``throttled_usec``) is reported
-where it is a tenth of the run or more.
+A container's CPU quota (cgroup v2 ``cpu.max``, or v1 ``cpu.cfs_quota_us``) is another limit the
+affinity mask does not show: the time the quota throttled this process (``cpu.stat``'s
+``throttled_usec``, v1 ``throttled_time``) is reported where it is a tenth of the run or more.
 """
 
 from __future__ import annotations
 
-import glob
 import os
 import time
 from typing import Callable
+
+from writescope.engine.threads import process_cpus
 
 MIN_WALL_S = 1.0  # shorter runs: a tick's error at each end of each CPU's count would be the figure
 CGROUP = "/sys/fs/cgroup"
@@ -47,38 +48,6 @@ def cpu_ticks(stat: str, cpus: set[int]) -> tuple[int, int] | None:
     return (busy, idle) if seen == cpus else None
 
 
-def parse_cpu_list(text: str) -> set[int]:
-    """``"0-3,8,10-11"`` (a ``Cpus_allowed_list``) as a set of CPU numbers.
-
-    Raises:
-        ValueError: not such a list.
-    """
-    out: set[int] = set()
-    for part in text.strip().split(","):
-        lo, _, hi = part.partition("-")
-        out.update(range(int(lo), int(hi or lo) + 1))
-    return out
-
-
-def _affinity() -> set[int]:
-    """The CPUs any thread of this process may run on: the union of its threads' allowed lists
-    (a library may have bound the calling thread to one CPU: OMP_PROC_BIND), else the calling
-    thread's mask, else all."""
-    cpus: set[int] = set()
-    for path in glob.glob("/proc/self/task/*/status"):
-        try:
-            with open(path) as f:
-                for line in f:
-                    if line.startswith("Cpus_allowed_list:"):
-                        cpus |= parse_cpu_list(line.split(":", 1)[1])
-        except (OSError, ValueError):
-            continue
-    if cpus:
-        return cpus
-    mask = getattr(os, "sched_getaffinity", None)
-    return set(mask(0)) if mask is not None else set(range(os.cpu_count() or 1))
-
-
 def _read(path: str) -> str | None:
     try:
         with open(path) as f:
@@ -88,15 +57,27 @@ def _read(path: str) -> str | None:
 
 
 def _throttled_s(cgroup: str = CGROUP) -> float | None:
-    """Seconds the CPU quota has throttled this process's cgroup (v2 ``cpu.stat``), None where
-    there is no quota (``cpu.max`` absent or ``max``)."""
+    """Seconds the CPU quota has throttled this process's cgroup so far, None where there is no
+    quota: cgroup v2 (``cpu.max`` not ``max``; ``cpu.stat``'s ``throttled_usec``), else cgroup v1's
+    cpu controller (``cpu/cpu.cfs_quota_us`` not -1; ``cpu/cpu.stat``'s ``throttled_time``, ns)."""
     quota = _read(os.path.join(cgroup, "cpu.max"))
-    if quota is None or quota.split()[:1] == ["max"]:
-        return None
-    for line in (_read(os.path.join(cgroup, "cpu.stat")) or "").splitlines():
-        key, _, value = line.partition(" ")
-        if key == "throttled_usec" and value.strip().isdigit():
-            return int(value) / 1e6
+    if quota is not None:
+        return None if quota.split()[:1] == ["max"] else _stat_value(os.path.join(cgroup, "cpu.stat"), "throttled_usec", 1e-6)
+    for v1 in ("cpu", "cpu,cpuacct"):  # where the v1 cpu controller is mounted
+        quota = _read(os.path.join(cgroup, v1, "cpu.cfs_quota_us"))
+        if quota is not None:
+            if quota.strip() in ("", "-1"):
+                return None
+            return _stat_value(os.path.join(cgroup, v1, "cpu.stat"), "throttled_time", 1e-9)
+    return None
+
+
+def _stat_value(path: str, key: str, unit: float) -> float | None:
+    """``key``'s value in a cgroup ``cpu.stat`` file times ``unit`` (to seconds); None where absent."""
+    for line in (_read(path) or "").splitlines():
+        k, _, value = line.partition(" ")
+        if k == key and value.strip().isdigit():
+            return int(value) * unit
     return None
 
 
@@ -119,7 +100,7 @@ class CpuCompetition:
                  cpus: set[int] | None = None, tick: float | None = None,
                  throttled: Callable[[], float | None] = _throttled_s):
         self._read, self._own, self._clock, self._throttled = read_stat, own_seconds, clock, throttled
-        self.cpus = cpus if cpus is not None else _affinity()
+        self.cpus = cpus if cpus is not None else process_cpus()
         if tick is None:
             try:
                 tick = 1.0 / os.sysconf("SC_CLK_TCK")

@@ -10,6 +10,7 @@ Host experts run on the main thread after the device experts are issued: all thr
 
 from __future__ import annotations
 
+import glob
 import os
 from contextlib import contextmanager
 
@@ -18,10 +19,41 @@ import torch
 THREADS_ENV = "WRITESCOPE_CPU_THREADS"
 
 
-def usable_cpus() -> int:
-    """The CPUs this process may run on (its affinity mask where the OS has one, else all)."""
+def parse_cpu_list(text: str) -> set[int]:
+    """``"0-3,8,10-11"`` (a ``Cpus_allowed_list``) as a set of CPU numbers.
+
+    Raises:
+        ValueError: not such a list.
+    """
+    out: set[int] = set()
+    for part in text.strip().split(","):
+        lo, _, hi = part.partition("-")
+        out.update(range(int(lo), int(hi or lo) + 1))
+    return out
+
+
+def process_cpus() -> set[int]:
+    """The CPUs any thread of this process may run on: the union of its threads' allowed lists
+    (``/proc/self/task/*/status``; a library may have bound the calling thread alone to one CPU,
+    as OpenMP does under ``OMP_PROC_BIND``), else the calling thread's affinity mask, else all."""
+    cpus: set[int] = set()
+    for path in glob.glob("/proc/self/task/*/status"):
+        try:
+            with open(path) as f:
+                for line in f:
+                    if line.startswith("Cpus_allowed_list:"):
+                        cpus |= parse_cpu_list(line.split(":", 1)[1])
+        except (OSError, ValueError):
+            continue
+    if cpus:
+        return cpus
     mask = getattr(os, "sched_getaffinity", None)
-    return len(mask(0)) if mask is not None else (os.cpu_count() or 1)
+    return set(mask(0)) if mask is not None else set(range(os.cpu_count() or 1))
+
+
+def usable_cpus() -> int:
+    """How many CPUs this process may run on (:func:`process_cpus`)."""
+    return len(process_cpus())
 
 
 BUSY_REMEDY = "OMP_WAIT_POLICY=passive, OMP_NUM_THREADS=1, or fewer --cpu-threads"  # what generate can set
