@@ -248,6 +248,9 @@ def test_a_row_with_early_copies_counts_its_fills(monkeypatch):
     parts, st = row.extra["split_parts"], llm.cache.decoder.stats
     assert parts["early_fills"] == st.early_fills == 3 * (llm.config.num_layers - 1) and parts["early_fills_wasted"] == 0
     assert f"fills copied early: {st.early_fills} used, 0 copied again" in format_split_parts([row])
+    cpu = runner.run_one(llm, cfg, 2, 200, "cpu")  # no load region: nothing streamed, so nothing to copy early
+    assert llm.cache.decoder.copies_early and llm.cache.decoder.stats.streamed_copies == 0
+    assert "early_fills" not in cpu.extra["split_parts"] and "copied early" not in format_split_parts([cpu])
 
 
 def test_the_pinning_line_sums_the_rows():

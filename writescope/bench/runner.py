@@ -266,8 +266,8 @@ def split_parts(decoder, timers: list | None, attention_s: list[float], bytes_pe
     blocks), ``cpu`` (the CPU worker's attention), and the CPU's in-step rate
     (``cpu_ns_per_token``, ``cpu_gbs`` of KV read, ``bytes_per_token`` per layer). ``attention``
     minus the larger of the two sides is the hand-over between them. With
-    early copies on (``WRITESCOPE_LOAD_COPIES``) also the row's fills copied early and used (``early_fills``)
-    and copied again (``early_fills_wasted``). None when no call was timed, or when the calls
+    early copies on (``WRITESCOPE_LOAD_COPIES``) and blocks streamed, also the row's fills copied early and
+    used (``early_fills``) and copied again (``early_fills_wasted``). None when no call was timed, or when the calls
     timed and the decoder's do not pair up."""
     timers = timers or []
     if not attention_s or len(timers) != len(attention_s):
@@ -282,7 +282,7 @@ def split_parts(decoder, timers: list | None, attention_s: list[float], bytes_pe
         out["cpu"] = st.cpu_seconds / st.cpu_parts * 1e3
         out["cpu_ns_per_token"] = st.cpu_seconds / st.cpu_tokens * 1e9
         out["cpu_gbs"] = st.cpu_tokens * bytes_per_token / st.cpu_seconds / 1e9
-    if getattr(decoder, "copies_early", False):
+    if getattr(decoder, "copies_early", False) and st.streamed_copies > 0:  # a row that streamed nothing copied nothing early
         out["early_fills"], out["early_fills_wasted"] = st.early_fills, st.early_fills_wasted
     return out
 
