@@ -145,6 +145,6 @@ def test_plan_refuses_a_context_past_the_model_limit(capsys):
 
     assert main(["plan", "--model", "deepseek-v2-lite", "--vram-budget", "1000GiB", "--batch", "1", "--context", "1000k",
                  "--host-memory", "2000GiB"]) == 2
-    assert "passes deepseek-v2-lite's limit of 163840 tokens" in capsys.readouterr().err
+    assert "passes deepseek-v2-lite's limit of 163,840 tokens" in capsys.readouterr().err
     assert main(["plan", "--model", "deepseek-v2-lite", "--vram-budget", "0", "--batch", "1", "--context", "1k"]) == 2
     assert "--vram-budget: a size must be positive" in capsys.readouterr().err

@@ -92,6 +92,9 @@ def format_table(rows: list[BenchRow]) -> str:
         out.append("(over the repeats, each row is its run of median TPOT, of an even count the upper middle (slower) one, every column "
                    "from that run; ±: half their spread, max - min, as a share of that run's figure)")
     out.append("(decode tok/s: batch / TPOT, the decode steps alone; freeing the finished requests' KV after them is not in it)")
+    out.append("(r: the CPU's share of the batch's placed KV, its compute region's tokens over both host regions', placed in whole "
+               "blocks of D tokens, so a static:R row shows R rounded to blocks at short contexts; monolithic places every block in "
+               "the compute region, and its r is the share the CPU reads each step)")
     bounds = {}
     for (b, c, _), group in runs(rows).items():
         ok = [r for r in group if r.fits and r.tpot_bound_ms > 0]

@@ -33,13 +33,13 @@ def check_model_limit(model: str, limit: int, context: int, max_new_tokens: int)
     total = context + max_new_tokens
     if total <= limit:
         return
-    fits = limit - max_new_tokens
+    fits = limit - max_new_tokens  # flag values stay plain (a comma separates --context's list)
     room = (f"the largest --context that fits with --max-new-tokens {max_new_tokens} is {fits}, "
             f"or lower --max-new-tokens to {limit - context} for --context {context}" if fits >= 1 and context < limit
             else f"the largest --context that fits with --max-new-tokens {max_new_tokens} is {fits}" if fits >= 1
             else f"--max-new-tokens must stay below {limit}")
-    raise ValueError(f"--context {context} + --max-new-tokens {max_new_tokens} = {total} tokens per sequence passes {model}'s "
-                     f"limit of {limit} tokens (its max_position_embeddings): {room}")
+    raise ValueError(f"--context {context} + --max-new-tokens {max_new_tokens} = {total:,} tokens per sequence passes {model}'s "
+                     f"limit of {limit:,} tokens (its max_position_embeddings): {room}")
 
 
 def run(args: argparse.Namespace) -> int:

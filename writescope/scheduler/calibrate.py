@@ -185,7 +185,8 @@ def calibrate(
         if not bad:
             break
         bar.total += sum(len(fit) * (1 if series == "alone" else len(shares)) for series in bad)
-        bar.set_description(f"calibrate ({' and '.join(bad)} again: an impossible fit)")
+        what = " and ".join({"split": "split", "alone": "streaming-alone"}[b] for b in bad)
+        bar.set_description(f"calibrate (measuring the {what} points again: their first fit looked implausible)")
         bar.refresh()
         for series in bad:
             measure(series)
