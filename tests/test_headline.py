@@ -132,3 +132,11 @@ def test_a_cuda_grid_whose_steps_hit_host_experts_needs_a_fixed_share_computing_
     assert headline("m", rows, device="cuda", expert_stream_share=0.0).missing == []  # every row computed them on the CPU
     rows.append(_row(16384, "cpu@expert_stream_share=0", 0.5))
     assert headline("m", rows, device="cuda").missing == []
+    assert headline("m", rows, device="cuda").over_best == pytest.approx(math.sqrt(20 / 10 * 9 / 6))  # slower: no change
+    rows.append(_row(16384, "static:0.5@expert_stream_share=0", 7.5))  # faster than static:0.5 at 16K: the best baseline there
+    h = headline("m", rows, device="cuda")
+    assert h.over_best == pytest.approx(math.sqrt(20 / 10 * 9 / 7.5)) and h.best_baseline in ("gpu", "static:0.5@expert_stream_share=0")
+    from writescope.bench.report import CPU_EXPERTS as CPU_EXPERTS_BASELINE, format_speedups, speedups
+
+    assert speedups(rows)[CPU_EXPERTS_BASELINE] == (pytest.approx(9 / 7.5), 1)  # one cell has such rows
+    assert "best static, CPU experts 1.20x (1)" in format_speedups(rows)

@@ -25,7 +25,8 @@ import statistics
 from dataclasses import dataclass, field
 from pathlib import Path
 
-from writescope.bench.report import median_run, run_ratio, runs, speedup_spread, speedups, static_share
+from writescope.bench.report import (computes_host_experts_on_cpu, median_run, run_ratio, runs, speedup_spread, speedups,
+                                     static_share)
 from writescope.bench.runner import BenchRow
 
 TARGET = 1.7  # issue 17's target: writescope over the best baseline, per model
@@ -46,21 +47,6 @@ class Headline:
 
 
 CPU_EXPERTS = "fixed share with CPU experts"  # the missing-baseline name of a fixed policy whose CPU computes the host experts
-
-
-def computes_host_experts_on_cpu(policy: str) -> bool:
-    """Whether ``policy`` (a bench row's name) is a fixed policy (``gpu``, ``cpu``, ``static:R``)
-    run with ``@expert_stream_share=0``: its decode steps compute the hit host experts on the CPU."""
-    base, _, switches = policy.partition("@")
-    return static_share(base) is not None and any(
-        k.strip() == "expert_stream_share" and _is_zero(v) for k, _, v in (s.partition("=") for s in switches.split("+")))
-
-
-def _is_zero(text: str) -> bool:
-    try:
-        return float(text) == 0.0
-    except ValueError:
-        return False
 
 
 def missing_baselines(policies, host_experts: bool = False) -> list[str]:
@@ -89,8 +75,9 @@ def target_status(h: "Headline") -> str:
 
 
 def _is_baseline(policy: str) -> bool:
-    """The baselines :func:`writescope.bench.report.speedups` compares with: gpu, cpu, monolithic, static:R."""
-    return policy in ("gpu", "cpu", "monolithic") or static_share(policy) is not None
+    """The baselines :func:`writescope.bench.report.speedups` compares with: gpu, cpu, monolithic,
+    static:R, and those fixed policies run with ``@expert_stream_share=0``."""
+    return policy in ("gpu", "cpu", "monolithic") or static_share(policy) is not None or computes_host_experts_on_cpu(policy)
 
 
 def headline(model: str, rows: list[BenchRow], min_context: int = 8192, source: str = "", device: str = "",

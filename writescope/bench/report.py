@@ -123,6 +123,22 @@ def static_share(policy: str) -> float | None:
     return parsed.share if isinstance(parsed, StaticPolicy) else None
 
 
+def computes_host_experts_on_cpu(policy: str) -> bool:
+    """Whether ``policy`` (a bench row's name) is a fixed policy (``gpu``, ``cpu``, ``static:R``)
+    run with ``@expert_stream_share=0``: its decode steps compute the hit host experts on the CPU
+    (on CUDA fixed policies read them in place over PCIe by default)."""
+    base, _, switches = policy.partition("@")
+    return static_share(base) is not None and any(
+        k.strip() == "expert_stream_share" and _is_zero(v) for k, _, v in (s.partition("=") for s in switches.split("+")))
+
+
+def _is_zero(text: str) -> bool:
+    try:
+        return float(text) == 0.0
+    except ValueError:
+        return False
+
+
 def best_static(rows: list[BenchRow]) -> dict[tuple[int, int], BenchRow]:
     """Per (batch, context): the static row (``gpu``, ``cpu`` or ``static:R``) with the least
     decode attention time per layer (the time the share changes; decode tok/s also holds the
@@ -229,7 +245,8 @@ def format_pinning(rows: list[BenchRow]) -> str:
     return text
 
 
-BASELINES = ("gpu", "cpu", "monolithic", "best static", "best baseline")
+CPU_EXPERTS = "best static, CPU experts"  # the fixed shares run with @expert_stream_share=0 (computes_host_experts_on_cpu)
+BASELINES = ("gpu", "cpu", "monolithic", "best static", CPU_EXPERTS, "best baseline")
 
 
 def _speedup_ratios(rows: list[BenchRow], min_context: int) -> tuple[dict[str, list[tuple[float, float, float]]], int]:
@@ -252,6 +269,9 @@ def _speedup_ratios(rows: list[BenchRow], min_context: int) -> tuple[dict[str, l
         statics = [p for p in med if static_share(p) is not None]
         if statics:
             base["best static"] = by_policy[max(statics, key=med.get)]
+        cpu_experts = [p for p in med if computes_host_experts_on_cpu(p)]
+        if cpu_experts:
+            base[CPU_EXPERTS] = by_policy[max(cpu_experts, key=med.get)]
         if base:
             base["best baseline"] = max(base.values(), key=lambda v: median_run(v).step_tok_s)
         if "writescope" not in med:
@@ -271,7 +291,9 @@ def speedups(rows: list[BenchRow], min_context: int = 8192) -> dict[str, tuple[f
     """Geometric mean over the (batch, context >= ``min_context``) configurations of ``writescope``'s
     decode tok/s (:attr:`BenchRow.step_tok_s`, batch / TPOT) divided by each baseline's: ``gpu``, ``cpu``, ``monolithic``, ``best static``
     (per configuration the static share, ``gpu`` and ``cpu`` included, with the most decode
-    tok/s) and ``best baseline`` (the most decode tok/s of all of those). The paper's Figure 9
+    tok/s), ``best static, CPU experts`` (the same over fixed policies run with
+    ``@expert_stream_share=0``: :func:`computes_host_experts_on_cpu`) and ``best baseline`` (the
+    most decode tok/s of all of those). The paper's Figure 9
     compares decode throughput this way. Rows repeated for one (batch, context, policy) count as
     their :func:`median_run` (the run the table shows). Returns ``{baseline: (geometric mean, configurations it covers)}`` for baselines
     measured beside at least one writescope row, and ``{"writescope did not fit": (0, n)}`` when
