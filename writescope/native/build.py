@@ -1,5 +1,7 @@
 """Building a native CPU kernel (torch.utils.cpp_extension.load_inline, cached by torch per source
-digest) and reading which of its paths an environment variable asks for."""
+digest; ninja rebuilds where a source or header is newer than the build, whatever its text), telling
+ahead whether a build will run (is_cached: the digest, the build.ninja torch writes and a ninja dry
+run), and reading which of its paths an environment variable asks for."""
 
 from __future__ import annotations
 
@@ -31,8 +33,7 @@ def load(name: str, directory: Path, sources: tuple[str, ...], failure: str):
         from torch.utils.cpp_extension import load_inline
 
         with _build_lock(name) as build:
-            return load_inline(name, cpp_sources=[source], extra_include_paths=[str(directory), str(NATIVE_DIR)],
-                               extra_cflags=["-O3", "-march=native", "-fopenmp"], extra_ldflags=["-fopenmp"], verbose=False,
+            return load_inline(name, cpp_sources=[source], **_flags(directory), verbose=False,
                                build_directory=None if build is None else str(build))
     except Exception as e:  # noqa: BLE001 - no compiler, or the build failed
         warnings.warn(f"{name} could not be built ({str(e)[:300]}); {failure}", stacklevel=3)
@@ -78,6 +79,12 @@ def _build_lock(name: str):
         f.close()
 
 
+def _flags(directory: Path) -> dict:
+    """The include paths and compiler flags of every build (load_inline's keywords)."""
+    return {"extra_include_paths": [str(directory), str(NATIVE_DIR)], "extra_cflags": ["-O3", "-march=native", "-fopenmp"],
+            "extra_ldflags": ["-fopenmp"]}
+
+
 def _named_source(name: str, directory: Path, sources: tuple[str, ...]) -> tuple[str, str]:
     """The build's name (with the CPU and checkout tags) and its source text (with the digest)."""
     name = f"{name}_{_cpu_tag()}_{hashlib.sha1(str(NATIVE_DIR.resolve()).encode()).hexdigest()[:6]}"
@@ -87,16 +94,68 @@ def _named_source(name: str, directory: Path, sources: tuple[str, ...]) -> tuple
 
 
 def is_cached(name: str, directory: Path, sources: tuple[str, ...]) -> bool:
-    """Whether torch's extension cache holds this build of these sources already (its library and
-    the very source it was built from), so :func:`load` only loads it."""
+    """Whether :func:`load` will only load the build in torch's extension cache (no compile):
+    its library is there, built from the very source text (which carries the digest of every
+    source and header), the ``build.ninja`` torch is about to write is the one there (the same
+    flags, include paths and compiler), and ninja finds nothing to do (``ninja -n``: it compares
+    the mtimes of main.cpp and of every header the compiler reported against main.o's, so a
+    header newer than the build, as in a fresh clone, rebuilds although its text is unchanged).
+    False where any of these cannot be told (no ninja, an unknown cache layout): a build then
+    is announced that may not come, rather than the other way round."""
     try:
         from torch.utils.cpp_extension import _get_build_directory
 
         name, source = _named_source(name, directory, sources)
         build = Path(_get_build_directory(name, False))
-        return (build / f"{name}.so").exists() and (build / "main.cpp").read_text().endswith(source)  # (load_inline prepends its include)
+        if not ((build / f"{name}.so").exists() and (build / "main.cpp").read_text().endswith(source)):  # (load_inline prepends its include)
+            return False
+        return _same_ninja_file(build, name, directory) and _ninja_has_nothing_to_do(build)
     except Exception:  # noqa: BLE001 - an unknown cache layout: say it builds
         return False
+
+
+def _same_ninja_file(build: Path, name: str, directory: Path) -> bool:
+    """Whether ``build/build.ninja`` is the file torch would write for this build now (written by
+    torch's own writer into a temporary folder and compared; a changed command line rebuilds).
+    True where torch's private writer is not there or takes other arguments (another torch
+    version): the ninja dry run alone then decides."""
+    import inspect
+    import tempfile
+
+    try:
+        from torch.utils.cpp_extension import _prepare_ldflags as ldflags
+        from torch.utils.cpp_extension import _write_ninja_file_to_build_library as write
+    except ImportError:
+        return True
+    flags = _flags(directory)
+    every = {"name": name, "sources": [str(build / "main.cpp")], "extra_cflags": flags["extra_cflags"], "extra_cuda_cflags": [],
+             "extra_sycl_cflags": [], "extra_ldflags": flags["extra_ldflags"], "extra_include_paths": flags["extra_include_paths"],
+             "with_cuda": False, "with_sycl": False, "is_standalone": False, "verbose": False}
+
+    def call(f, **given):
+        args = {**every, **given}
+        return f(**{k: v for k, v in args.items() if k in inspect.signature(f).parameters})
+
+    with tempfile.TemporaryDirectory() as tmp:
+        path = Path(tmp) / "build.ninja"
+        try:  # as torch's _write_ninja_file_and_build_library does, less the build
+            call(write, path=str(path), extra_ldflags=call(ldflags, extra_ldflags=list(flags["extra_ldflags"])))
+            expected = path.read_text()
+        except Exception:  # noqa: BLE001 - another torch's helpers: leave it to the dry run
+            return True
+    return (build / "build.ninja").read_text() == expected
+
+
+def _ninja_has_nothing_to_do(build: Path) -> bool:
+    """``ninja -n`` (a dry run: nothing is built or written) in ``build``, as torch runs ninja."""
+    import shutil
+    import subprocess
+
+    ninja = shutil.which("ninja")
+    if ninja is None:
+        return False
+    run = subprocess.run([ninja, "-n", "-C", str(build)], capture_output=True, text=True, timeout=60, check=False)
+    return run.returncode == 0 and "no work to do" in run.stdout
 
 
 class Extension:
@@ -120,16 +179,19 @@ class Extension:
         return is_cached(*self.args[:3])
 
     def build(self, progress: bool, what: str, takes: str) -> bool:
-        """Build now (the first time on a machine takes ``takes``), saying so on stderr with
-        ``progress`` (``what``: the kernel's role, e.g. "CPU attention"); whether it built."""
+        """Build now (the first time on a machine takes ``takes``), saying so in one line on
+        stderr, and how long it took after (``what``: the kernel's role, e.g. "CPU attention");
+        whether it built. The notices come whatever ``progress`` says: ``--quiet`` drops progress
+        bars and streamed text, not a wait of up to a minute with nothing said."""
         import sys
         import time
 
+        del progress  # the notices are printed with or without progress output
         t0 = time.perf_counter()
-        if progress and not self.tried and not self.cached():
+        if not self.tried and not self.cached():
             print(f"{what}: building the C++ kernel (once per machine, {takes}) ...", file=sys.stderr, flush=True)
         ok = self.get() is not None
-        if ok and progress and time.perf_counter() - t0 > 1.0:
+        if ok and time.perf_counter() - t0 > 1.0:
             print(f"{what}: C++ kernel ready in {time.perf_counter() - t0:.1f} s", file=sys.stderr, flush=True)
         return ok
 
