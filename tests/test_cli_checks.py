@@ -99,8 +99,8 @@ def test_attach_negative_values():
 def test_plan_past_the_model_limit_names_the_largest_context_that_fits(capsys):
     assert main(["plan", "--model", "mixtral-8x7b", "--vram-budget", "32GiB", "--batch", "1", "--context", "32k"]) == 2
     err = capsys.readouterr().err
-    assert "--context 32768 + --max-new-tokens 256 = 33024 tokens per sequence passes mixtral-8x7b's limit of 32768" in err
-    assert "the largest --context that fits with --max-new-tokens 256 is 32512" in err
+    assert "--context 32768 + --max-new-tokens 256 = 33,024 tokens per sequence passes mixtral-8x7b's limit of 32,768" in err
+    assert "the largest --context that fits with --max-new-tokens 256 is 32512" in err  # plain: pasted as a flag
     assert main(["plan", "--model", "mixtral-8x7b", "--vram-budget", "32GiB", "--batch", "1", "--context", "32512",
                  "--host-memory", "1000GiB"]) == 0, "the suggested context fits the limit"
     assert main(["plan", "--model", "tiny-qwen3-moe", "--vram-budget", "2GiB", "--batch", "1", "--context", "1",
@@ -138,6 +138,9 @@ def test_a_prompt_past_the_limit_is_refused_before_the_model_loads(no_work, caps
     err = capsys.readouterr().err
     assert "--prompt (request 0) has" in err and "beyond the limit of 8,192 tokens" in err
     assert "shorten the prompt to at most 8,160 tokens" in err and "--max-new-tokens to at most" not in err  # the prompt alone passes it
+    assert main(["generate", "--model", "tiny-qwen3-moe", "--machine-text", "1000k", "--max-new-tokens", "4"]) == 2
+    err = capsys.readouterr().err  # its length is a flag: the advice names it, with a value to pass as it is
+    assert "--machine-text (request 0) has 1,024,000 tokens" in err and err.rstrip().endswith("use --machine-text 8188 or less")
 
 
 def test_the_readme_s_first_command_runs(capsys):

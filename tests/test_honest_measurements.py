@@ -177,7 +177,8 @@ def test_bench_report_gives_each_ratio_its_spread_and_says_when_it_is_noise():
     assert "attention 2.04x [1.86-2.14], decode 1.00x [0.91-1.07, within the noise] over gpu" in best
     assert "one run per configuration" not in best
     table = format_table(rows)
-    assert len(table.splitlines()) == 1 + 4 + 2, "one line per configuration and policy, medians, and the two notes"
+    assert len(table.splitlines()) == 1 + 4 + 3, "one line per configuration and policy, medians, and the three notes"
+    assert "(r: the CPU's share of the batch's placed KV" in table
     assert "10.0 ±5%" in table and "±: half their spread" in table  # writescope 8192: (10.5 - 9.5) / 2 / 10
     s, spread = speedups(rows), speedup_spread(rows)
     assert s["gpu"] == (pytest.approx((1.0 * 2.0) ** 0.5), 2)
@@ -236,7 +237,8 @@ def test_bench_cli_repeats_every_configuration_with_the_policies_taking_turns(tm
     out = tmp_path / "b.json"
     assert main(["bench", "--model", "tiny-qwen3-moe", "--batch", "1", "--context", "8k,16k", "--policies", "gpu,writescope",
                  "--quiet", "--output-json", str(out)]) == 0  # --repeats 3 by default
-    assert order == [(c, p) for c in (8192, 16384) for _ in range(3) for p in ("gpu", "writescope")]
+    # the policies take turns: rotated by one place each repeat (runner.policy_turn)
+    assert order == [(c, p) for c in (8192, 16384) for p in ("gpu", "writescope", "writescope", "gpu", "gpu", "writescope")]
     printed = capsys.readouterr().out
     assert "3 runs of each" in printed
     assert "attention 2.04x [1.86-2.14], decode 1.00x [0.91-1.07, within the noise] over gpu" in printed

@@ -148,12 +148,16 @@ def run(args: argparse.Namespace) -> int:
 
         prompt_tokens = len(load_tokenizer(args.model, args.synthetic).encode(prompts[0]))
     from writescope.engine.model_loader import resolve_config
-    from writescope.engine.prompts import too_long
+    from writescope.engine.prompts import check_token_ids, too_long
 
-    model_limit = resolve_config(args.model, args.num_layers, args.synthetic)[0].max_position_embeddings
+    cfg = resolve_config(args.model, args.num_layers, args.synthetic)[0]  # the preset's or the checkpoint's config.json
+    if prompt_ids is not None:  # the engine's checks, in its order, before the kernels build and the weights load
+        check_token_ids(prompt_ids, cfg.vocab_size, "prompt_token_ids")
+    model_limit = cfg.max_position_embeddings
     limit = args.max_model_len or model_limit
     if prompt_tokens + args.max_new_tokens > limit:  # the engine's check, before the kernels build and the weights load
-        raise too_long("prompts", 0, prompt_tokens, args.max_new_tokens, limit, model_limit)
+        raise too_long("prompts", 0, prompt_tokens, args.max_new_tokens, limit, model_limit,
+                       "--machine-text" if machine_tokens is not None else None)
     llm = LLM(
         args.model, synthetic=args.synthetic, device=args.device, dtype=args.dtype, seed=args.weight_seed,
         kv_tokens=args.batch * (prompt_tokens + args.max_new_tokens),  # the memory check before the build counts their KV

@@ -73,6 +73,7 @@ def run(args: argparse.Namespace) -> int:
         raise ValueError("--api-key is empty: give a key, or leave the flag out")
     check_stream_share(args)
     check_before_listening(args)
+    check_port_free(args.host, args.port)  # before the model loads, not uvicorn's raw "[Errno 98]" after
     if args.host not in ("127.0.0.1", "localhost", "::1") and args.api_key is None:
         print(f"writescope serve: WARNING: binding {args.host} without --api-key: anyone who reaches this port can use the model",
               file=sys.stderr)
@@ -103,6 +104,13 @@ def run(args: argparse.Namespace) -> int:
     previous = {sig: signal.signal(sig, stop) for sig in (signal.SIGINT, signal.SIGTERM)} if main_thread else {}
     try:
         server.run()  # /health answers 503 while the model loads; SIGINT / SIGTERM stop it gracefully
+    except SystemExit as e:  # uvicorn could not start (it logged why): taken since the check above, say, by another process
+        if server.started:
+            raise
+        print(f"writescope serve: error: the server did not start on {_where(args.host, args.port)} (uvicorn's message above "
+              "says why): for an address already in use, pass another --port (--port 0 picks a free one), or stop the "
+              f"process using it{f' (uvicorn exit {e.code})' if e.code not in (None, 0) else ''}", file=sys.stderr)
+        return 2
     finally:
         for sig, handler in previous.items():
             signal.signal(sig, handler)
@@ -149,6 +157,54 @@ def check_before_listening(args: argparse.Namespace) -> None:
     # cpu_kernel.prepare() reads these as LLM starts, but builds the kernel too (a minute on a new machine)
     if cpu_kernel.attention_choice() == "kernel":
         cpu_kernel.requested_path()  # WRITESCOPE_CPU_ISA
+
+
+def _where(host: str, port: int) -> str:
+    """``host:port`` as a URL writes it (an IPv6 address in brackets)."""
+    return f"[{host}]:{port}" if ":" in host else f"{host}:{port}"
+
+
+def check_port_free(host: str, port: int) -> None:
+    """That the server can listen on ``host``:``port``: each address the host resolves to is bound
+    as uvicorn (asyncio's ``create_server``) binds it, then closed again (``port`` 0: any free one,
+    nothing to check).
+
+    Raises:
+        ValueError: the address is in use (another process listens on the port), not this
+            machine's, the port needs privileges, or the host does not resolve: said with what to do.
+    """
+    import errno
+    import socket
+
+    if port == 0:
+        return
+    where = _where(host, port)
+    try:
+        infos = socket.getaddrinfo(host or None, port, type=socket.SOCK_STREAM, flags=socket.AI_PASSIVE)
+    except socket.gaierror as e:
+        raise ValueError(f"--host {host!r} does not resolve to an address ({e.strerror}): give an address of this machine, "
+                         "e.g. 127.0.0.1 (this machine only) or 0.0.0.0 (all its interfaces)") from None
+    for family, kind, proto, _, address in dict.fromkeys(infos):
+        sock = socket.socket(family, kind, proto)
+        try:
+            sock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)  # as asyncio: a port left in TIME_WAIT is free
+            if family == socket.AF_INET6 and hasattr(socket, "IPV6_V6ONLY"):
+                sock.setsockopt(socket.IPPROTO_IPV6, socket.IPV6_V6ONLY, 1)
+            sock.bind(address)
+        except OSError as e:
+            if e.errno == errno.EADDRINUSE:
+                raise ValueError(f"{where} is already in use: another process listens on port {port}; pass another --port "
+                                 f"(--port 0 picks a free one), or stop the process using it (`ss -ltnp 'sport = :{port}'` "
+                                 "names it)") from None
+            if e.errno == errno.EACCES and port < 1024:
+                raise ValueError(f"--port {port} needs privileges to listen on (ports below 1024): pass --port 1024 or "
+                                 "above, e.g. the default 8000") from None
+            if e.errno == errno.EADDRNOTAVAIL:
+                raise ValueError(f"--host {host} is not an address of this machine: give one of its own, e.g. 127.0.0.1 "
+                                 "(this machine only) or 0.0.0.0 (all its interfaces)") from None
+            raise ValueError(f"cannot listen on {where}: {e.strerror or e}") from None
+        finally:
+            sock.close()
 
 
 def load_error_message(e: Exception) -> str:

@@ -91,11 +91,14 @@ class TooLong(ArgError):
     message (``str(e)``) is :attr:`problem`, then each change that alone makes the request fit.
     """
 
-    def __init__(self, name: str, index: int, tokens: int, max_tokens: int, limit: int, model_limit: int):
+    def __init__(self, name: str, index: int, tokens: int, max_tokens: int, limit: int, model_limit: int,
+                 prompt_flag: str | None = None):
         self.name, self.index, self.tokens, self.max_tokens = name, index, tokens, max_tokens
         self.limit, self.model_limit = limit, model_limit
         ways = []  # each change that alone makes the request fit
-        if self.prompt_fits is not None:
+        if self.prompt_fits is not None and prompt_flag is not None:  # a command's flag that sets the prompt's length
+            ways.append(f"use {prompt_flag} {self.prompt_fits} or less")
+        elif self.prompt_fits is not None:
             ways.append(f"shorten the prompt to at most {plural(self.prompt_fits, 'token')}")
         if self.max_tokens_fits is not None:
             ways.append(f"lower max_tokens to at most {self.max_tokens_fits:,}")
@@ -132,10 +135,13 @@ class TooLong(ArgError):
                 f"{self.tokens + self.max_tokens:,}, beyond the limit of {plural(self.limit, 'token')} ({self.source})")
 
 
-def too_long(name: str, i: int, tokens: int, max_tokens: int, limit: int, model_limit: int) -> TooLong:
+def too_long(name: str, i: int, tokens: int, max_tokens: int, limit: int, model_limit: int,
+             prompt_flag: str | None = None) -> TooLong:
     """The error (an :class:`ArgError`) for request ``i`` of ``name`` whose ``tokens`` + ``max_tokens``
-    pass ``limit`` (the engine's max_model_len; ``model_limit``: the model's own, named when it is higher)."""
-    return TooLong(name, i, tokens, max_tokens, limit, model_limit)
+    pass ``limit`` (the engine's max_model_len; ``model_limit``: the model's own, named when it is higher);
+    ``prompt_flag``: a command's flag that sets the prompt's length in tokens (generate's
+    ``--machine-text``), named in the advice instead of "shorten the prompt"."""
+    return TooLong(name, i, tokens, max_tokens, limit, model_limit, prompt_flag)
 
 
 def check_max_model_len(max_model_len: int | None, limit: int) -> None:
