@@ -136,16 +136,23 @@ def run_short_requests(core, n: int) -> None:
                 assert o.error is None, o.error
 
 
-def half_experts_budget(preset: str = "tiny-qwen3-moe", dtype: torch.dtype = torch.float32, batch: int = 2) -> int:
-    """A VRAM budget (bytes) that leaves about half of ``preset``'s routed experts in host memory:
-    the plan's device minimum (``window`` 16, ``static:0.5``, ``batch`` requests of ``dtype``) and
-    room for half the routed experts plus 8 experts' worth of streaming slots. The tiny presets'
-    plans depend on ``dtype`` and ``batch``; build the LLM with the same ``max_batch`` (and no
-    smaller ``prefill_chunk_tokens``, which shrinks the working set and lets more experts fit)."""
+def budget_plan(preset: str = "tiny-qwen3-moe", dtype: torch.dtype = torch.float32, batch: int = 2, budget: int = 2**40):
+    """``make_plan`` of ``preset`` as the budget tests load it: ``window`` 16, ``static:0.5``,
+    ``batch`` requests of ``dtype`` at the model's context limit, under ``budget`` bytes (by default
+    one with room for everything)."""
     from writescope.budget.plan import make_plan
     from writescope.presets import preset_config
     from writescope.scheduler.policies import StaticPolicy
 
     cfg = preset_config(preset)
-    base = make_plan(cfg, dtype, 2**40, batch, cfg.max_position_embeddings, 0, StaticPolicy(0.5), 16)
+    return make_plan(cfg, dtype, budget, batch, cfg.max_position_embeddings, 0, StaticPolicy(0.5), 16)
+
+
+def half_experts_budget(preset: str = "tiny-qwen3-moe", dtype: torch.dtype = torch.float32, batch: int = 2) -> int:
+    """A VRAM budget (bytes) that leaves about half of ``preset``'s routed experts in host memory:
+    the plan's device minimum (:func:`budget_plan`) and room for half the routed experts plus 8
+    experts' worth of streaming slots. The tiny presets' plans depend on ``dtype`` and ``batch``;
+    build the LLM with the same ``max_batch`` (and no smaller ``prefill_chunk_tokens``, which
+    shrinks the working set and lets more experts fit)."""
+    base = budget_plan(preset, dtype, batch)
     return base.gpu_min + (base.experts_total // 2 + 8) * base.expert_bytes

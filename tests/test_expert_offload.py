@@ -11,6 +11,8 @@ from writescope.engine.threads import usable_cpus
 from writescope.kvcache.contiguous import ContiguousKVCache
 from writescope.moe.block import SparseMoeBlock
 
+from helpers import budget_plan, half_experts_budget
+
 
 def _logits(llm, ids):
     cache = ContiguousKVCache(llm.config.kv_layout, llm.config.num_layers, llm.dtype, "cpu")
@@ -47,14 +49,11 @@ def test_bad_expert_id():
 
 def test_vram_budget_offloads_what_the_plan_says_and_keeps_the_tokens():
     from writescope import SamplingParams
-    from writescope.budget.plan import make_plan
     from writescope.presets import preset_config
-    from writescope.scheduler.policies import StaticPolicy
 
     cfg = preset_config("tiny-qwen3-moe")
-    base = make_plan(cfg, torch.float32, 2**40, 2, cfg.max_position_embeddings, 0, StaticPolicy(0.5), 16)
-    # room for half the routed experts plus the 8 experts' worth of streaming slots
-    budget = base.gpu_min + (base.experts_total // 2 + 8) * base.expert_bytes
+    base = budget_plan()
+    budget = half_experts_budget()  # room for half the routed experts plus the 8 experts' worth of streaming slots
     llm = LLM("tiny-qwen3-moe", progress=False, policy="static:0.5", window=16, vram_budget=budget, max_batch=2)
     assert llm.vram_plan.stream_slots == 8 * base.expert_bytes
     blocks = [m for m in llm.model.modules() if isinstance(m, SparseMoeBlock)]

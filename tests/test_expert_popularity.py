@@ -9,19 +9,19 @@ import pytest
 import torch
 
 from writescope.budget.apply import coverage_line, host_experts
-from writescope.budget.plan import make_plan
 from writescope.cli.main import main
 from writescope.moe.popularity import ExpertProfile, recording
 from writescope.presets import preset_config
-from writescope.scheduler.policies import StaticPolicy
+
+from helpers import budget_plan, half_experts_budget
 
 PRESET = "tiny-qwen3-moe"
 
 
 def _half_plan(cfg):
-    base = make_plan(cfg, torch.float32, 2**40, 2, cfg.max_position_embeddings, 0, StaticPolicy(0.5), 16)
-    budget = base.gpu_min + (base.experts_total // 2 + 8) * base.expert_bytes
-    return make_plan(cfg, torch.float32, budget, 2, cfg.max_position_embeddings, 0, StaticPolicy(0.5), 16), budget
+    assert cfg == preset_config(PRESET)
+    budget = half_experts_budget(PRESET)
+    return budget_plan(PRESET, budget=budget), budget
 
 
 def _skewed(cfg) -> ExpertProfile:

@@ -11,6 +11,8 @@ import writescope.moe.streaming as streaming
 from writescope import LLM
 from writescope.moe.block import SparseMoeBlock
 
+from helpers import budget_plan, half_experts_budget
+
 
 def _blocks(llm):
     return [m for m in llm.model.modules() if isinstance(m, SparseMoeBlock)]
@@ -108,13 +110,8 @@ def test_reported_share_is_the_one_decode_uses(monkeypatch):
     """LLM.expert_stream_share and its words follow what decode does: checked against a spy on
     the streaming path during generate (a decode batch of 2 tokens: only the share streams)."""
     import writescope.engine.llm as engine
-    from writescope.budget.plan import make_plan
-    from writescope.presets import preset_config
-    from writescope.scheduler.policies import StaticPolicy
 
-    cfg = preset_config("tiny-qwen3-moe")
-    base = make_plan(cfg, torch.float32, 2**40, 2, cfg.max_position_embeddings, 0, StaticPolicy(0.5), 16)
-    half = base.gpu_min + (base.experts_total // 2 + 8) * base.expert_bytes  # half the experts on the host, with slots
+    base, half = budget_plan(), half_experts_budget()  # half the experts on the host, with slots
 
     def load(share, budget=half):
         return LLM("tiny-qwen3-moe", progress=False, policy="static:0.5", window=16, vram_budget=budget, max_batch=2,
