@@ -254,22 +254,24 @@ def _held_engine(llm, server, max_num_seqs: int, max_queue: int):
 
 
 def test_full_queue_gets_503_with_retry_after(llm, server):
-    """An engine whose steps are held: requests wait, and the one past --max-queue is refused."""
+    """An engine whose steps are held: the batch's one place and --max-queue 2 take three requests
+    (a burst is not admitted at once, but only those past the batch's places count as waiting),
+    and the fourth is refused."""
     state, engine, release = _held_engine(llm, server, max_num_seqs=1, max_queue=2)
     body = {"model": MODEL, "prompt": "queued", "max_tokens": 3}
     with ServerThread(build_app(state)) as srv:
         results: list = []
         threads = [threading.Thread(target=lambda: results.append(httpx.post(srv.url + "/v1/completions", json=body, timeout=WAIT_S)))
-                   for _ in range(2)]
+                   for _ in range(3)]
         for t in threads:
             t.start()
-        wait_until(lambda: engine.snapshot()["waiting"] == 2, "two requests to wait")
+        wait_until(lambda: engine.snapshot()["waiting"] == 3, "three requests to be taken")
         r = httpx.post(srv.url + "/v1/completions", json=body, timeout=WAIT_S)
         assert r.status_code == 503 and r.headers["Retry-After"] == "1" and "--max-queue 2" in r.json()["error"]["message"]
         release.set()
         for t in threads:
             t.join(WAIT_S)
-        assert [x.status_code for x in results] == [200, 200]
+        assert [x.status_code for x in results] == [200, 200, 200]
     assert llm.cache.active_slots == []
 
 
@@ -616,3 +618,33 @@ def test_a_stop_as_the_engine_starts_stops_it_too():
     other.calls = []
     open_state.ready(other, tokenizer=None)
     assert other.calls == ["start"]
+
+
+def test_a_chunked_body_is_held_to_the_size_limit(server, monkeypatch):
+    """A body sent without Content-Length (chunked) is counted as it arrives: past the limit a 413,
+    and under it the request is served as a sized one is."""
+    import writescope.serve.app as app
+
+    monkeypatch.setattr(app, "MAX_BODY_BYTES", 4096)  # read by the guard on each request
+    big = json.dumps({"model": MODEL, "prompt": "hi", "max_tokens": 2, "user": "x" * 10_000}).encode()
+
+    def chunks(b):
+        for i in range(0, len(b), 1000):
+            yield b[i : i + 1000]
+
+    r = httpx.post(server.url + "/v1/completions", content=chunks(big), headers={"content-type": "application/json"}, timeout=WAIT_S)
+    assert r.status_code == 413 and "more than 4,096 bytes" in r.json()["error"]["message"], r.text
+    small = json.dumps({"model": MODEL, "prompt": "hi", "max_tokens": 2}).encode()
+    r = httpx.post(server.url + "/v1/completions", content=chunks(small), headers={"content-type": "application/json"}, timeout=WAIT_S)
+    assert r.status_code == 200 and r.json()["usage"]["completion_tokens"] == 2, r.text
+
+
+def test_a_tiny_temperature_samples_greedily_and_fails_no_one(server):
+    """logits / 1e-38 overflows: such a temperature is greedy (as vLLM below 1e-5), not a failed step."""
+    for t in (1.2e-38, 1e-300, 9e-6):
+        r = httpx.post(server.url + "/v1/completions", json={"model": MODEL, "prompt": "hello", "max_tokens": 5, "temperature": t},
+                       timeout=WAIT_S)
+        assert r.status_code == 200, (t, r.text)
+    greedy = httpx.post(server.url + "/v1/completions", json={"model": MODEL, "prompt": "hello", "max_tokens": 5, "temperature": 0},
+                        timeout=WAIT_S)
+    assert r.json()["choices"][0]["text"] == greedy.json()["choices"][0]["text"]

@@ -395,10 +395,10 @@ def test_n_above_the_queue_limit_is_refused(llm, server):
 
 # ---------------------------------------------------------------- admission and cancellation with n
 def test_n_takes_n_places_in_the_queue(llm, server):
-    """An engine whose steps are held: a request of n=2 waits in 2 places of --max-queue 3, so
-    another n=2 is refused whole (503) while n=1 still fits."""
+    """An engine whose steps are held: a request of n=2 takes 2 of the 3 places of --max-num-seqs
+    1 and --max-queue 2, so another n=2 is refused whole (503) while n=1 still fits."""
     state = ServerState(MODEL)
-    engine = AsyncEngine(llm, max_num_seqs=1, max_queue=3)
+    engine = AsyncEngine(llm, max_num_seqs=1, max_queue=2)
     release, real = threading.Event(), engine.core.step
 
     def held_step():

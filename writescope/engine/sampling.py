@@ -19,7 +19,7 @@ class SamplingParams:
 
     Attributes:
         max_tokens: new tokens to generate per request (>= 1).
-        temperature: 0 means greedy (argmax); > 0 samples from softmax(logits / temperature).
+        temperature: 0 means greedy (argmax), and so does one below 1e-5 (GREEDY_BELOW); above, samples from softmax(logits / temperature).
         top_p: nucleus sampling mass in (0, 1]; 1 keeps the whole distribution.
         seed: per-request random seed (sampling only); ``None`` uses the engine seed + index.
         ignore_eos: keep generating after an end-of-sequence token (benchmarks).
@@ -78,7 +78,12 @@ class SamplingParams:
 
     @property
     def greedy(self) -> bool:
-        return self.temperature == 0
+        """Temperature 0, or below :data:`GREEDY_BELOW` (as vLLM: logits / a tiny temperature
+        overflow to inf and softmax gives NaN, where the limit of sampling is the argmax)."""
+        return self.temperature < GREEDY_BELOW
+
+
+GREEDY_BELOW = 1e-5  # temperatures below this sample greedily (vLLM's threshold)
 
 
 def _pick(logits: torch.Tensor, params: list[SamplingParams], generators: list[torch.Generator | None]) -> torch.Tensor:
