@@ -136,3 +136,12 @@ def test_a_checkpoint_without_its_tokenizer_is_warned_of(made, tmp_path):
         warnings.simplefilter("always")
         LLM(str(path), progress=False)  # with it: no such warning
     assert not [w for w in seen if "tokenizer.json" in str(w.message)]
+
+
+@pytest.mark.parametrize("size", ["0", "-1", "nan", "inf"])
+def test_make_checkpoint_refuses_a_shard_size_that_is_not_a_size(tmp_path, capsys, size):
+    """0 or a negative size wrote one file per tensor; refused before anything is written."""
+    out = tmp_path / "ckpt"
+    assert main(["make-checkpoint", "--preset", "tiny-mixtral", "--out", str(out), "--max-shard-gib", size, "--quiet"]) == 2
+    assert f"--max-shard-gib must be a size in GiB above 0, got {float(size)}" in capsys.readouterr().err
+    assert not out.exists()

@@ -23,6 +23,8 @@ def add_parser(sub) -> None:
 def run(args: argparse.Namespace) -> int:
     import shutil
 
+    import math
+
     import torch
 
     from writescope.checkpoint.synthetic import synthetic_tensors
@@ -35,6 +37,9 @@ def run(args: argparse.Namespace) -> int:
     from writescope.presets import preset_config
 
     cfg = preset_config(args.preset)
+    if not args.max_shard_gib > 0 or math.isinf(args.max_shard_gib):  # also NaN
+        raise ValueError(f"--max-shard-gib must be a size in GiB above 0, got {args.max_shard_gib}: e.g. 4 (the default) "
+                         "or 0.5 for smaller files")
     check_output_dir(args.out, "--out")  # before the weights are built, not after
     if (args.out / SINGLE_NAME).exists() or (args.out / INDEX_NAME).exists():
         raise FileExistsError(f"--out {args.out} already holds a checkpoint: choose a new --out directory or delete it")
