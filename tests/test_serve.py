@@ -648,3 +648,14 @@ def test_a_tiny_temperature_samples_greedily_and_fails_no_one(server):
     greedy = httpx.post(server.url + "/v1/completions", json={"model": MODEL, "prompt": "hello", "max_tokens": 5, "temperature": 0},
                         timeout=WAIT_S)
     assert r.json()["choices"][0]["text"] == greedy.json()["choices"][0]["text"]
+
+
+def test_a_seed_torch_cannot_take_is_refused_naming_it(server):
+    for seed, n in ((2**64, 1), (2**64 - 1, 2), (-2**63 - 1, 1)):
+        r = httpx.post(server.url + "/v1/completions", json={"model": MODEL, "prompt": "hi", "max_tokens": 2, "seed": seed, "n": n,
+                                                             "temperature": 1}, timeout=WAIT_S)
+        assert r.status_code == 400 and r.json()["error"]["param"] == "seed", r.text
+        assert "seed must be an integer in [-2**63, 2**64 - n]" in r.json()["error"]["message"]
+    r = httpx.post(server.url + "/v1/completions", json={"model": MODEL, "prompt": "hi", "max_tokens": 2, "seed": 2**64 - 2, "n": 2,
+                                                         "temperature": 1}, timeout=WAIT_S)
+    assert r.status_code == 200, r.text

@@ -72,6 +72,10 @@ class SamplingParams:
             raise ArgError(f"logprobs must be None or an integer in [0, {MAX_LOGPROBS}], got {self.logprobs!r}", "logprobs")
         if isinstance(self.n, bool) or not isinstance(self.n, int) or not 1 <= self.n <= MAX_N:
             raise ArgError(f"n (choices per prompt) must be an integer in [1, {MAX_N}], got {self.n!r}", "n")
+        if self.seed is not None and (isinstance(self.seed, bool) or not isinstance(self.seed, int)
+                                      or not -2**63 <= self.seed <= 2**64 - self.n):
+            raise ArgError(f"seed must be an integer in [-2**63, 2**64 - n] (torch's generator seeds; choice i of n uses "
+                           f"seed + i), got {self.seed!r}", "seed")
         if not isinstance(self.include_stop_str_in_output, bool):
             raise ArgError(f"include_stop_str_in_output must be True or False, got {self.include_stop_str_in_output!r}",
                            "include_stop_str_in_output")
