@@ -135,3 +135,12 @@ def test_serve_whose_server_does_not_start_exits_2(monkeypatch, capsys):
     assert main(["serve", "--model", MODEL, "--port", "0", "--log-level", "warning"]) == 2
     err = capsys.readouterr().err
     assert err.startswith("writescope serve: error: the server did not start on 127.0.0.1:0 (uvicorn's message above says why)")
+
+
+def test_serve_without_its_extra_says_how_to_install_it(monkeypatch, capsys):
+    import sys
+
+    monkeypatch.setitem(sys.modules, "uvicorn", None)  # import uvicorn raises ImportError(name="uvicorn")
+    assert main(["serve", "--model", "tiny-qwen3-moe"]) == 2
+    err = capsys.readouterr().err
+    assert "uvicorn is not installed: in the project's clone, pip install -e '.[serve]'" in err

@@ -56,7 +56,8 @@ def run(args: argparse.Namespace) -> int:
         from writescope.serve.app import ServerState, build_app
         from writescope.serve.server import uvicorn_config
     except ImportError as e:
-        print(f"writescope serve: error: {e.name} is not installed: pip install 'writescope[serve]'", file=sys.stderr)
+        print(f"writescope serve: error: {e.name} is not installed: in the project's clone, pip install -e '.[serve]' "
+              "(the README's way; from a package index: pip install 'writescope[serve]')", file=sys.stderr)
         return 2
     if not 0 <= args.port <= 65535:
         raise ValueError(f"--port must be in [0, 65535], got {args.port}")
