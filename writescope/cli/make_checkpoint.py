@@ -21,9 +21,8 @@ def add_parser(sub) -> None:
 
 
 def run(args: argparse.Namespace) -> int:
-    import shutil
-
     import math
+    import shutil
 
     import torch
 
@@ -37,7 +36,7 @@ def run(args: argparse.Namespace) -> int:
     from writescope.presets import preset_config
 
     cfg = preset_config(args.preset)
-    if not args.max_shard_gib > 0 or math.isinf(args.max_shard_gib):  # also NaN
+    if not (args.max_shard_gib > 0 and math.isfinite(args.max_shard_gib)):
         raise ValueError(f"--max-shard-gib must be a size in GiB above 0, got {args.max_shard_gib}: e.g. 4 (the default) "
                          "or 0.5 for smaller files")
     check_output_dir(args.out, "--out")  # before the weights are built, not after

@@ -11,6 +11,7 @@ from writescope.engine.logprobs import MAX_LOGPROBS, TokenLogprobs, logprob_rows
 from writescope.errors import ArgError
 
 MAX_N = 16  # choices per prompt (SamplingParams.n; the server's ``n`` too)
+GREEDY_BELOW = 1e-5  # temperatures below this sample greedily (vLLM's threshold)
 
 
 @dataclass(frozen=True)
@@ -85,9 +86,6 @@ class SamplingParams:
         """Temperature 0, or below :data:`GREEDY_BELOW` (as vLLM: logits / a tiny temperature
         overflow to inf and softmax gives NaN, where the limit of sampling is the argmax)."""
         return self.temperature < GREEDY_BELOW
-
-
-GREEDY_BELOW = 1e-5  # temperatures below this sample greedily (vLLM's threshold)
 
 
 def _pick(logits: torch.Tensor, params: list[SamplingParams], generators: list[torch.Generator | None]) -> torch.Tensor:

@@ -340,7 +340,7 @@ class _Guard:
                 refusal = _error(413, f"the body has {int(size):,} bytes, above the limit of {MAX_BODY_BYTES:,}",
                                  "invalid_request_error")
             if refusal is None and not size.isdigit():  # a chunked body: counted as it arrives, never buffered past the limit
-                _, receive, too_big = await _read_capped(receive)
+                receive, too_big = await _read_capped(receive)
                 if too_big:
                     refusal = _error(413, f"the body has more than {MAX_BODY_BYTES:,} bytes, the limit", "invalid_request_error")
             if refusal is not None:
@@ -350,21 +350,20 @@ class _Guard:
 
 async def _read_capped(receive):
     """Reads a request body of unknown length (no Content-Length: chunked) up to
-    :data:`MAX_BODY_BYTES`. Returns ``(body, receive, too_big)``: ``receive`` gives the app the
-    body read, then the connection's own messages (a disconnect); ``too_big``: the body passed
-    the limit (reading stopped there, the rest is not held)."""
+    :data:`MAX_BODY_BYTES`. Returns ``(receive, too_big)``: ``receive`` gives the app the body
+    read, then the connection's own messages (a disconnect); ``too_big``: the body passed the
+    limit (reading stopped there, the rest is not held)."""
     chunks, n, more = [], 0, True
     while more:
         msg = await receive()
         if msg["type"] != "http.request":  # the client left
-            return b"", _replay([msg], receive), False
+            return _replay([msg], receive), False
         chunks.append(msg.get("body", b""))
         n += len(chunks[-1])
         more = msg.get("more_body", False)
         if n > MAX_BODY_BYTES:
-            return b"", receive, True
-    body = b"".join(chunks)
-    return body, _replay([{"type": "http.request", "body": body, "more_body": False}], receive), False
+            return receive, True
+    return _replay([{"type": "http.request", "body": b"".join(chunks), "more_body": False}], receive), False
 
 
 def _replay(messages: list, receive):

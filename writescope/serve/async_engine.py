@@ -154,15 +154,13 @@ class AsyncEngine:
             # admits one a step, so a burst sits in _waiting while places are free); a request
             # admitted this step is in both until _publish prunes the waiting ids: counted once
             held = len({r.request_id for r in list(self.core.scheduler.active)} | self._waiting)
-            if not self.max_queue:  # no waiting queue
-                if held + n > self.max_num_seqs:
-                    raise QueueFull(f"{min(held, self.max_num_seqs)} of the {self.max_num_seqs} places in the batch are taken (--max-num-seqs "
-                                    f"{self.max_num_seqs}; --max-queue 0: no request waits)"
-                                    + (f", no room for n={n} more" if n > 1 else "") + ": try again later")
-            elif held + n > self.max_num_seqs + self.max_queue:  # those past the batch's places wait
-                waiting = plural(max(0, held - self.max_num_seqs), "request")
-                raise QueueFull(f"{waiting} already wait for admission (--max-queue {self.max_queue})"
-                                + (f", no room for n={n} more" if n > 1 else "") + ": try again later")
+            if held + n > self.max_num_seqs + self.max_queue:  # those past the batch's places wait
+                if not self.max_queue:  # no waiting queue
+                    why = (f"{min(held, self.max_num_seqs)} of the {self.max_num_seqs} places in the batch are taken (--max-num-seqs "
+                           f"{self.max_num_seqs}; --max-queue 0: no request waits)")
+                else:
+                    why = f"{plural(max(0, held - self.max_num_seqs), 'request')} already wait for admission (--max-queue {self.max_queue})"
+                raise QueueFull(why + (f", no room for n={n} more" if n > 1 else "") + ": try again later")
             self._waiting.update(r.request_id for r in reqs)
         stream = RequestStream([r.request_id for r in reqs], asyncio.get_running_loop())
         stream.arrival = reqs[0].arrival
