@@ -562,39 +562,21 @@ int64_t set_tuning(int64_t flags) { return ws::g_tuning.exchange(flags); }
 int64_t get_tuning() { return ws::g_tuning.load(); }
 int64_t best() { return best_isa(); }
 
-static int32_t* flag_ptr(const at::Tensor& flags, int64_t index) {
-  TORCH_CHECK(flags.scalar_type() == at::kInt && flags.is_contiguous() && flags.dim() == 1, "flags must be a contiguous int32 vector");
-  TORCH_CHECK(index >= 0 && index < flags.numel(), "flag index ", index, " outside ", flags.numel(), " flags");
-  TORCH_CHECK(flags.device().is_cpu(), "flags must be in host memory");
-  return flags.data_ptr<int32_t>() + index;
-}
-
 PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
-  py::class_<Worker>(m, "Worker")
-      .def(py::init<int64_t, std::vector<int64_t>, int64_t>(), py::arg("threads"), py::arg("cpus") = std::vector<int64_t>{},
-           py::arg("preread_bytes") = 0)
-      .def("submit",
-           [](Worker& w, at::Tensor q, std::vector<at::Tensor> ks, std::vector<at::Tensor> vs, std::vector<int64_t> rows, int64_t chunk,
-              double scale, int64_t isa, at::Tensor out_o, at::Tensor out_lse, at::Tensor flags, int64_t ready_index, int32_t ready_value,
-              int64_t done_index, int32_t done_value) {
-             // the caller keeps q, the keys, values and outputs alive until the done flag reaches done_value
-             Request r = describe(q, ks, vs, rows, chunk, scale, isa, w.threads(), out_o, out_lse);
-             w.submit(std::move(r), flag_ptr(flags, ready_index), ready_value, flag_ptr(flags, done_index), done_value);
-           },
-           "queue one layer's CPU attention (returns at once)", py::arg("q"), py::arg("ks"), py::arg("vs"), py::arg("rows"), py::arg("chunk"),
-           py::arg("scale"), py::arg("isa"), py::arg("out_o"), py::arg("out_lse"), py::arg("flags"), py::arg("ready_index"),
-           py::arg("ready_value"), py::arg("done_index"), py::arg("done_value"))
-      .def("close", &Worker::close, py::call_guard<py::gil_scoped_release>())
-      .def("take_error", &Worker::take_error)
-      .def("totals", &Worker::totals)
-      .def("take_done", &Worker::take_done)
-      .def("set_trace", &Worker::set_trace, py::arg("on"))
-      .def("take_trace", &Worker::take_trace)
-      .def_property_readonly("threads", &Worker::threads)
-      .def_property_readonly("pinned", &Worker::pinned)
-      .def_property_readonly("preread_total", &Worker::preread_total);
-  m.def("wait_flag", [](at::Tensor flags, int64_t index, int32_t value, double timeout_s) { return wait_flag(flag_ptr(flags, index), value, timeout_s); },
-        "wait (GIL released) until flags[index] reaches value; False after timeout_s", py::call_guard<py::gil_scoped_release>());
+  py::class_<Worker> worker(m, "Worker");
+  wsnative::bind_flag_worker<AttentionJob>(m, worker);  // the constructor, close, take_error, totals, take_done, traces; wait_flag
+  worker.def("submit",
+             [](Worker& w, at::Tensor q, std::vector<at::Tensor> ks, std::vector<at::Tensor> vs, std::vector<int64_t> rows, int64_t chunk,
+                double scale, int64_t isa, at::Tensor out_o, at::Tensor out_lse, at::Tensor flags, int64_t ready_index, int32_t ready_value,
+                int64_t done_index, int32_t done_value) {
+               // the caller keeps q, the keys, values and outputs alive until the done flag reaches done_value
+               Request r = describe(q, ks, vs, rows, chunk, scale, isa, w.threads(), out_o, out_lse);
+               w.submit(AttentionJob{std::move(r)}, wsnative::flag_ptr(flags, ready_index), ready_value, wsnative::flag_ptr(flags, done_index),
+                        done_value);
+             },
+             "queue one layer's CPU attention (returns at once)", py::arg("q"), py::arg("ks"), py::arg("vs"), py::arg("rows"), py::arg("chunk"),
+             py::arg("scale"), py::arg("isa"), py::arg("out_o"), py::arg("out_lse"), py::arg("flags"), py::arg("ready_index"),
+             py::arg("ready_value"), py::arg("done_index"), py::arg("done_value"));
   // the GIL is released: the GPU part of the step is launched from the main thread meanwhile
   m.def("attend", &attend, "batched CPU decode attention", py::arg("q"), py::arg("ks"), py::arg("vs"), py::arg("rows"), py::arg("chunk"),
         py::arg("scale"), py::arg("isa") = -1, py::arg("threads") = 1, py::arg("out_o") = py::none(), py::arg("out_lse") = py::none(),

@@ -11,6 +11,8 @@
 //            h = silu(g) * u for all the expert's tokens, in bf16
 //   barrier
 //   phase 2  units of 32 output features of one expert (32 rows of w2), likewise: y = rw h W2^T
+// compute() runs one call without the GIL or a torch tensor: the Python binding (forward) and the
+// native host-expert worker (expert_worker.h, bound as ExpertWorker) both call it.
 #include <torch/extension.h>
 #include <omp.h>
 #include <algorithm>
@@ -19,6 +21,7 @@
 #include <cstdint>
 #include <cstdlib>
 #include <cstring>
+#include <stdexcept>
 #include <string>
 #include <vector>
 
@@ -212,33 +215,48 @@ static void run(const Plan& P, int64_t threads, std::string& error) {
   }
 }
 
-}  // namespace wsmoe
+// The packed host weights of one call, read in place: w13 [E, 2I, D], w2 [E, D, I]
+struct Weights {
+  const char *w13, *w2;
+  int64_t E, D, I, e13, r13, e2, r2;  // expert and row strides in elements
+  bool bf16;
+};
 
-using namespace wsmoe;
-
-// x [n, D] (bf16 or fp32, contiguous); w13 [E, 2I, D], w2 [E, D, I] (x's dtype, unit last stride,
-// any row and expert strides: read in place); group g = counts[g] consecutive rows of x for the
-// expert in slot slots[g]; rw [n] fp32. Returns (y [n, D] in x's dtype, the path that ran).
-std::tuple<at::Tensor, int64_t> forward(at::Tensor x, at::Tensor w13, at::Tensor w2, std::vector<int64_t> slots, std::vector<int64_t> counts,
-                                        at::Tensor rw, int64_t isa, int64_t threads) {
-  TORCH_CHECK(x.dim() == 2 && x.is_contiguous() && x.device().is_cpu(), "x must be a contiguous [n, D] CPU tensor, got ", x.sizes());
-  TORCH_CHECK(x.scalar_type() == at::kBFloat16 || x.scalar_type() == at::kFloat, "x must be bf16 or fp32, got ", x.scalar_type());
-  const int64_t n = x.size(0), D = x.size(1);
+// w13 [E, 2I, D] and w2 [E, D, I] of dtype `dtype` (unit last stride, any row and expert strides,
+// on the CPU), for inputs of width D. Throws (c10::Error) naming what does not match.
+static Weights describe_weights(const at::Tensor& w13, const at::Tensor& w2, at::ScalarType dtype, int64_t D) {
   TORCH_CHECK(w13.dim() == 3 && w2.dim() == 3 && w13.size(0) == w2.size(0), "w13 must be [E, 2I, D] and w2 [E, D, I]");
   const int64_t E = w13.size(0), I = w13.size(1) / 2;
   TORCH_CHECK(w13.size(1) == 2 * I && w13.size(2) == D && w2.size(1) == D && w2.size(2) == I, "w13 ", w13.sizes(), " and w2 ", w2.sizes(),
               " do not match D = ", D);
-  TORCH_CHECK(w13.scalar_type() == x.scalar_type() && w2.scalar_type() == x.scalar_type(), "weights and x must have one dtype");
+  TORCH_CHECK(w13.scalar_type() == dtype && w2.scalar_type() == dtype, "weights and x must have one dtype");
   TORCH_CHECK(w13.stride(2) == 1 && w2.stride(2) == 1 && w13.device().is_cpu() && w2.device().is_cpu(), "weight rows must have unit stride, on the CPU");
-  TORCH_CHECK(rw.dim() == 1 && rw.size(0) == n && rw.scalar_type() == at::kFloat && rw.is_contiguous(), "rw must be contiguous fp32 [n]");
+  Weights W;
+  W.w13 = static_cast<const char*>(w13.data_ptr());
+  W.w2 = static_cast<const char*>(w2.data_ptr());
+  W.E = E; W.D = D; W.I = I;
+  W.e13 = w13.stride(0); W.r13 = w13.stride(1); W.e2 = w2.stride(0); W.r2 = w2.stride(1);
+  W.bf16 = dtype == at::kBFloat16;
+  return W;
+}
+
+// The host experts of one call on `threads` threads (OpenMP, the calling thread included; neither
+// the GIL nor a torch tensor is touched, so the native worker calls it too): x [n, D] contiguous in
+// the weights' dtype, grouped: group g = counts[g] consecutive rows for the expert in slot slots[g];
+// rw [n] fp32; y [n, D] contiguous in x's dtype: row i = rw[i] * expert(x[i]) (gate/up in fp32, h
+// rounded to x's dtype, down in fp32, times rw, rounded once to x's dtype). isa: a path from
+// choose(). Throws (c10::Error / std::runtime_error) on a bad slot or count or a failed thread.
+static void compute(const Weights& W, const void* x, int64_t n, const std::vector<int64_t>& slots, const std::vector<int64_t>& counts,
+                    const float* rw, void* y, int64_t isa, int64_t threads) {
   TORCH_CHECK(slots.size() == counts.size(), "one count per slot");
   TORCH_CHECK(threads >= 1, "threads must be >= 1, got ", threads);
+  const int64_t D = W.D, I = W.I;
   Plan P;
-  P.D = D; P.I = I; P.bf16 = x.scalar_type() == at::kBFloat16;
-  P.isa = choose(isa, P.bf16, D, I);
+  P.D = D; P.I = I; P.bf16 = W.bf16;
+  P.isa = isa;
   int64_t total = 0, xsz = 0, hsz = 0;
   for (size_t g = 0; g < slots.size(); ++g) {
-    TORCH_CHECK(slots[g] >= 0 && slots[g] < E, "slot ", slots[g], " outside [0, ", E, ")");
+    TORCH_CHECK(slots[g] >= 0 && slots[g] < W.E, "slot ", slots[g], " outside [0, ", W.E, ")");
     TORCH_CHECK(counts[g] >= 0, "count ", counts[g], " < 0");
     if (counts[g] > 0) {
       P.slot.push_back(slots[g]); P.start.push_back(total); P.count.push_back(counts[g]);
@@ -250,14 +268,13 @@ std::tuple<at::Tensor, int64_t> forward(at::Tensor x, at::Tensor w13, at::Tensor
     total += counts[g];
   }
   TORCH_CHECK(total == n, "the counts sum to ", total, ", x has ", n, " rows");
-  at::Tensor y = at::empty({n, D}, x.options());
-  if (n == 0 || D == 0) return {y, P.isa};
-  P.x = static_cast<const char*>(x.data_ptr());
-  P.w13 = static_cast<const char*>(w13.data_ptr());
-  P.w2 = static_cast<const char*>(w2.data_ptr());
-  P.e13 = w13.stride(0); P.r13 = w13.stride(1); P.e2 = w2.stride(0); P.r2 = w2.stride(1);
-  P.rw = rw.data_ptr<float>();
-  P.y = static_cast<char*>(y.data_ptr());
+  if (n == 0 || D == 0) return;
+  P.x = static_cast<const char*>(x);
+  P.w13 = W.w13;
+  P.w2 = W.w2;
+  P.e13 = W.e13; P.r13 = W.r13; P.e2 = W.e2; P.r2 = W.r2;
+  P.rw = rw;
+  P.y = static_cast<char*>(y);
   P.units1 = (I + 15) / 16;
   P.units2 = (D + 31) / 32;
   Caller& c = caller();
@@ -270,8 +287,29 @@ std::tuple<at::Tensor, int64_t> forward(at::Tensor x, at::Tensor w13, at::Tensor
   std::string error;
   if (P.bf16) run<uint16_t>(P, T, error);
   else run<float>(P, T, error);
-  TORCH_CHECK(error.empty(), "host-expert kernel failed: ", error);
-  return {y, P.isa};
+  if (!error.empty()) throw std::runtime_error("host-expert kernel failed: " + error);
+}
+
+}  // namespace wsmoe
+
+#include "expert_worker.h"
+
+using namespace wsmoe;
+
+// x [n, D] (bf16 or fp32, contiguous); w13 [E, 2I, D], w2 [E, D, I] (x's dtype, unit last stride,
+// any row and expert strides: read in place); group g = counts[g] consecutive rows of x for the
+// expert in slot slots[g]; rw [n] fp32. Returns (y [n, D] in x's dtype, the path that ran).
+std::tuple<at::Tensor, int64_t> forward(at::Tensor x, at::Tensor w13, at::Tensor w2, std::vector<int64_t> slots, std::vector<int64_t> counts,
+                                        at::Tensor rw, int64_t isa, int64_t threads) {
+  TORCH_CHECK(x.dim() == 2 && x.is_contiguous() && x.device().is_cpu(), "x must be a contiguous [n, D] CPU tensor, got ", x.sizes());
+  TORCH_CHECK(x.scalar_type() == at::kBFloat16 || x.scalar_type() == at::kFloat, "x must be bf16 or fp32, got ", x.scalar_type());
+  const int64_t n = x.size(0), D = x.size(1);
+  const Weights W = describe_weights(w13, w2, x.scalar_type(), D);
+  TORCH_CHECK(rw.dim() == 1 && rw.size(0) == n && rw.scalar_type() == at::kFloat && rw.is_contiguous(), "rw must be contiguous fp32 [n]");
+  const int64_t path = choose(isa, W.bf16, D, W.I);
+  at::Tensor y = at::empty({n, D}, x.options());
+  compute(W, x.data_ptr(), n, slots, counts, rw.data_ptr<float>(), y.data_ptr(), path, threads);
+  return {y, path};
 }
 
 int64_t path_for(int64_t isa, bool bf16, int64_t D, int64_t I) { return choose(isa, bf16, D, I); }
@@ -285,6 +323,18 @@ int64_t read_bytes(at::Tensor t, int64_t threads) {
 }
 
 PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
+  py::class_<ExpertWorker> worker(m, "ExpertWorker");
+  wsnative::bind_flag_worker<ExpertJob>(m, worker);  // the constructor, close, take_error, totals, take_done, traces; wait_flag
+  worker.def("submit",
+             [](ExpertWorker& w, at::Tensor x, at::Tensor slot, at::Tensor rw, at::Tensor w13, at::Tensor w2, at::Tensor y, int64_t isa,
+                at::Tensor flags, int64_t ready_index, int32_t ready_value, int64_t done_index, int32_t done_value) {
+               // the caller keeps every tensor alive until the done flag reaches done_value
+               ExpertJob j = describe_job(x, slot, rw, w13, w2, y, isa, w.threads());
+               w.submit(j, wsnative::flag_ptr(flags, ready_index), ready_value, wsnative::flag_ptr(flags, done_index), done_value);
+             },
+             "queue one MoE layer's host experts (returns at once)", py::arg("x"), py::arg("slot"), py::arg("rw"), py::arg("w13"), py::arg("w2"),
+             py::arg("y"), py::arg("isa"), py::arg("flags"), py::arg("ready_index"), py::arg("ready_value"), py::arg("done_index"),
+             py::arg("done_value"));
   // the GIL is released: other Python threads (the GPU side of the step) run meanwhile
   m.def("forward", &forward, "every host expert of one MoE step", py::arg("x"), py::arg("w13"), py::arg("w2"), py::arg("slots"), py::arg("counts"),
         py::arg("rw"), py::arg("isa") = -1, py::arg("threads") = 1, py::call_guard<py::gil_scoped_release>());

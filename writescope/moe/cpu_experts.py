@@ -13,6 +13,10 @@ gate + 16 up rows), one equal range of units per thread; after a barrier phase 2
 rows into units of 32 output features the same way. So each weight byte is read by one thread,
 once; an expert's tokens are all handled while its rows are in cache.
 
+The same computation runs on a persistent native thread, fed through flags in pinned memory, in
+:class:`writescope.moe.expert_worker.ExpertWorker` (expert_worker.h; one C++ function, ``compute``,
+serves both).
+
 Three paths, chosen at run time from the CPU's flags (``WRITESCOPE_EXPERT_ISA`` forces one):
 - ``amx``: AMX-BF16 tiles, Y^T = W X^T with the weight rows as the A tile read in place (16 rows x
   32 inputs at the matrix's row stride) and the tokens packed per call into the B tile's bf16
@@ -36,7 +40,7 @@ PATHS = build.PATHS  # index = the extension's path number; the last (amx-emulat
 ENV = "WRITESCOPE_EXPERT_ISA"
 
 _DIR = Path(__file__).parent
-_SOURCES = ("cpu_experts.cpp", "cpu_experts_avx512.h", "cpu_experts_amx.h", "cpu_experts_amx_tiles.h")
+_SOURCES = ("cpu_experts.cpp", "cpu_experts_avx512.h", "cpu_experts_amx.h", "cpu_experts_amx_tiles.h", "expert_worker.h")
 
 _EXTENSION = build.Extension("writescope_cpu_experts", _DIR, _SOURCES, "host experts use torch's GEMMs")
 

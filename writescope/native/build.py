@@ -12,7 +12,7 @@ import warnings
 from pathlib import Path
 
 NATIVE_DIR = Path(__file__).parent
-SHARED = ("cpu_features.h", "avx512_math.h", "amx.h", "scratch.h", "read_probe.h")
+SHARED = ("cpu_features.h", "avx512_math.h", "amx.h", "scratch.h", "read_probe.h", "flag_worker.h")
 PATHS = ("portable", "avx512bf16", "amx", "amx-emulated")  # index = the extensions' path number; the last is for tests
 
 

@@ -1,0 +1,196 @@
+"""The Python side of a native flag worker (native/flag_worker.h): a persistent C++ thread that runs
+one job per layer, in order, and never takes the GIL; the CPU attention worker
+(attention/cpu_worker.py, ``NativeWorker``) and the host-expert worker (moe/expert_worker.py,
+``ExpertWorker``) are its two kinds (docs/DESIGN.md section 10).
+
+Hand-offs, all through one pinned int32 flag pair per worker (sequence numbers, modulo 2^32):
+- ``ready``: the job's inputs are in host memory. On CUDA the stream sets it after their copies (a
+  one-CTA Triton kernel storing into the pinned flag through its device address,
+  attention/flag_kernels.py); without CUDA the host sets it at submit.
+- ``done``: the job's outputs are in their pinned buffers. On CUDA the stream waits for it with a
+  one-CTA Triton kernel spinning on the flag (``cuStreamWaitValue32`` hung on the H200 machine:
+  docs/HARDWARE.md), so the thread that issues the step does not wait; without CUDA the host
+  waits (GIL released).
+A job that fails fills its outputs with NaN, still sets its done flag (nothing waits forever), and
+its error is raised by the next :meth:`FlagWorker.check` (called by every ``submit``, ``consume``
+and ``close``). The GPU wait gives up after ``flag_kernels.MAX_POLLS`` polls (tens of seconds) and
+writes a third pinned flag, which ``check`` reads (no device sync) and raises.
+Sequence numbers count without bound in Python; the flags hold them modulo 2^32 as int32, and
+every comparison is a signed 32-bit difference (valid while fewer than 2^31 jobs are in flight).
+"""
+
+from __future__ import annotations
+
+import time
+from collections import deque
+from typing import Callable
+
+import torch
+
+WAIT_SECONDS = 60.0  # the longest a stream or the host waits for one job
+FLAG_READY, FLAG_DONE, FLAG_TIMEOUT = 0, 1, 2
+
+
+def int32(n: int) -> int:
+    """n modulo 2^32, as a signed int32 (what the flags hold)."""
+    return (n + 2**31) % 2**32 - 2**31
+
+
+def reached(flag: int, value: int) -> bool:
+    """flag has reached value, both int32, modulo 2^32."""
+    return (flag - value) % 2**32 < 2**31
+
+
+class FlagWorker:
+    """The flags, the sequence numbers, the tensors of the jobs in flight and the errors of one
+    native worker (a ``FlagWorker<J>`` binding of the extension ``ext``, which also binds
+    ``wait_flag``); subclasses call its ``submit`` through :meth:`_issue`.
+
+    Args:
+        ext: the extension module (its ``wait_flag`` is the host's wait).
+        make: makes the native worker (its thread starts), called last.
+        device: the device whose stream hands the inputs over and consumes the results (CPU: the
+            host does).
+        what: the worker in messages (``"CPU attention worker"``).
+        flag_kernels: on CUDA, writescope.attention.flag_kernels (imported by the caller before
+                the worker is made, so a missing Triton leaves no thread behind).
+
+    Raises:
+        RuntimeError: on CUDA, ``flag_kernels`` missing.
+    """
+
+    def __init__(self, ext, make: Callable[[], object], device: torch.device, what: str, flag_kernels=None):
+        self.device, self.cuda, self.what = device, device.type == "cuda", what
+        if self.cuda and flag_kernels is None:
+            raise RuntimeError(f"the {what} needs the flag kernels (Triton) on {device}")
+        self._kernels = flag_kernels
+        self.flags = torch.zeros(3, dtype=torch.int32, pin_memory=self.cuda)  # ready, done, timeout; outlives the thread (close)
+        self._flag = self.flags.numpy()  # the same memory: read and written without a torch call on the issuing thread
+        self._flags_dev = self._kernels.device_view(self.flags, device) if self.cuda else None
+        if self.cuda:
+            self._kernels.warm(self._flags_dev, FLAG_TIMEOUT)
+        self.seq = 0  # jobs submitted (unbounded; the flags hold it modulo 2^32)
+        self._inflight: deque = deque()  # (flag value, tensors the job reads or writes) until its done flag
+        # the issuing thread's time in submit: in the native call (ns), and the calls; subclasses add
+        # the time in all to submit_total_ns
+        self.submit_total_ns = self.submit_wall_ns = self.submits = 0
+        self._ext, self._w = ext, make()
+
+    @property
+    def threads(self) -> int:
+        """The worker's OpenMP threads (the worker thread included)."""
+        return self._w.threads
+
+    @property
+    def pinned(self) -> bool:
+        """The worker thread runs on the CPUs asked for (False until it has started, where none were
+        asked for, or where the OS refused the list; ``OMP_PROC_BIND`` / ``GOMP_CPU_AFFINITY`` make
+        OpenMP bind its team itself)."""
+        return bool(self._w.pinned)
+
+    def _issue(self, keep, native_submit: Callable[[int], None]) -> int:
+        """Queue one job: check for earlier errors, release the finished jobs' tensors, keep ``keep``
+        alive until this job is done, set the ready flag on the current stream (CUDA, after what
+        was issued before), call ``native_submit(value)`` (the binding's submit with ready and done
+        value ``value``), and on the host set the ready flag (no CUDA). Returns the job's value."""
+        self.check()
+        self._release_done()
+        value = int32(self.seq + 1)
+        self._inflight.append((value, keep))  # before the worker can see the job: it owns nothing
+        try:
+            if self.cuda:
+                self._kernels.store_flag(self._flags_dev, FLAG_READY, value)
+            t0 = time.perf_counter_ns()  # (about 50 ns; the thread's CPU clock would be a system call)
+            native_submit(value)
+            self.submit_wall_ns += time.perf_counter_ns() - t0
+            self.submits += 1
+        except BaseException:
+            self._inflight.pop()
+            raise
+        self.seq += 1
+        if not self.cuda:
+            self._flag[FLAG_READY] = value  # the inputs are already in host memory
+        return value
+
+    def consume(self, seq: int) -> None:
+        """Make the job's outputs safe to read: on CUDA the current stream waits for its done flag
+        (the host does not); without CUDA the host waits (GIL released, at most ``WAIT_SECONDS``).
+
+        Raises:
+            RuntimeError: a job failed (this one or an earlier one) or the host wait timed out (no CUDA).
+        """
+        if self.cuda:
+            self._kernels.wait_flag(self._flags_dev, FLAG_DONE, seq, FLAG_TIMEOUT)
+            self.check()  # errors of earlier jobs (this one may still run)
+            return
+        if not self._ext.wait_flag(self.flags, FLAG_DONE, seq, WAIT_SECONDS):
+            raise RuntimeError(f"the {self.what} did not finish job {seq} in {WAIT_SECONDS:.0f} s")
+        self.check()
+
+    def wait_host(self, seq: int) -> bool:
+        """This thread waits (GIL released, at most ``WAIT_SECONDS``) until job ``seq`` is done,
+        whatever the device (after an error: the job may still read its inputs). Returns whether
+        it finished."""
+        return bool(self._ext.wait_flag(self.flags, FLAG_DONE, seq, WAIT_SECONDS))
+
+    def done_value(self) -> int:
+        """The done flag: the value of the last job finished (int32)."""
+        return int(self._flag[FLAG_DONE])
+
+    def check(self) -> None:
+        """Raise the first error a job met since the last check (the worker goes on with later jobs).
+
+        Raises:
+            RuntimeError: with the job's error, or a device stream gave up waiting.
+        """
+        err = self._w.take_error()
+        if err:
+            raise RuntimeError(f"{self.what}: {err}")
+        if self._flag[FLAG_TIMEOUT]:
+            self._flag[FLAG_TIMEOUT] = 0
+            raise RuntimeError(f"a device stream gave up waiting for the {self.what} (tens of seconds); "
+                               "the outputs of that layer were not waited for")
+
+    def _take_done(self) -> list[tuple]:
+        """``(done value, seconds, *counts)`` of each job finished since the last call, in order."""
+        return [tuple(d) for d in self._w.take_done()]
+
+    def trace(self, on: bool) -> None:
+        """Record each job's times from now on (``on``) or stop; see :meth:`take_trace`."""
+        self._w.set_trace(bool(on))
+
+    def take_trace(self) -> list[tuple[int, int, int, int]]:
+        """``(sequence number, taken, inputs seen, done)`` of each job recorded since the last call,
+        in order: when the worker took the job from its queue, when it saw the job's inputs (its
+        ready flag), and when it was done (recorded just before its done flag is set), in
+        nanoseconds of ``time.perf_counter_ns``'s clock (CLOCK_MONOTONIC; C++ ``steady_clock`` on
+        Linux). The last 65,536 are kept."""
+        return [tuple(t) for t in self._w.take_trace()]
+
+    def totals(self) -> tuple:
+        """``(jobs done, seconds running, *counts)`` since the start (the counts as the kind's
+        ``take_done`` gives them)."""
+        return tuple(self._w.totals())
+
+    def _release_done(self) -> None:
+        done = self.done_value()
+        while self._inflight and reached(done, self._inflight[0][0]):
+            self._inflight.popleft()
+
+    def close(self) -> None:
+        """Let the device reach the queued jobs, finish them and stop the thread (a job whose
+        inputs never came fails); then raise what went wrong, if anything did. Again: a no-op
+        (but for the check).
+
+        Raises:
+            RuntimeError: a job failed or a wait on the device timed out.
+        """
+        if self.cuda:
+            torch.cuda.synchronize(self.device)  # the jobs queued behind device work get their inputs first
+        self._w.close()
+        self._inflight.clear()
+        self._closed()
+        self.check()
+
+    def _closed(self) -> None:
+        """A subclass's own bookkeeping to drop at close."""
