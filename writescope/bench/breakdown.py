@@ -16,6 +16,7 @@ The engine marks its parts with ``torch.profiler.record_function``:
 | ``moe.tokens_to_host`` | main | the host experts' tokens copied to the host (waits for the device) |
 | ``moe.streamed_experts`` | main | host experts whose weights are streamed to the device and computed there |
 | ``moe.host_experts_in_place`` | main | host experts read in place over PCIe by the fused kernels (``WRITESCOPE_MOE_KERNEL=fused``, the default) |
+| ``moe.experts_async`` | main | the routed experts of a pass whose host experts are split on the device, the CPU's share on the native expert worker (moe/async_experts.py): issuing only |
 | ``decode.stage_graph`` | main | a decode stage replayed as a CUDA graph (models/graphs.py): the projections, norms and expert phase of the stages captured, whose own ranges (``moe.*``) then do not appear; ``WRITESCOPE_CUDA_GRAPHS=off`` splits them again |
 
 For each, per step: CPU wall time (time spent inside the range on its thread, including waiting
@@ -51,7 +52,7 @@ WORKER_RANGES = ("attn.cpu_part",)
 MAIN_RANGES = (
     "attn.q_to_host", "attn.window", "attn.load_region", "attn.monolithic_prepare", "attn.wait_cpu", "attn.merge",
     "kv.append", "kv.evict", "kv.drain", "moe.router", "moe.tokens_to_host", "moe.device_experts", "moe.host_experts",
-    "moe.streamed_experts", "moe.host_experts_in_place", "moe.shared_experts", "decode.stage_graph",
+    "moe.streamed_experts", "moe.host_experts_in_place", "moe.experts_async", "moe.shared_experts", "decode.stage_graph",
 )
 
 

@@ -32,6 +32,7 @@ from writescope.moe.block import SparseMoeBlock
 from writescope.moe.streaming import default_stream_share
 from writescope.moe.popularity import ExpertProfile
 from writescope.scheduler.expert_work import attach_expert_work, detach_expert_work
+from writescope.moe.async_experts import WorkerHandle
 from writescope.scheduler.calibrate import load_or_calibrate
 from writescope.scheduler.other_work import for_engine as other_work_for, in_place_link_seconds
 from writescope.scheduler.roofline import WriteScopePolicy
@@ -161,8 +162,10 @@ class LLM:
         self.load_info["grouped_experts"] = bool(blocks) and all(p or not [e for e in range(b.cfg.num_experts) if e not in b.host_experts]
                                                                  for p, b in zip(packed, blocks))
         self.expert_threads = expert_threads or default_expert_threads(self.device)
+        self.expert_worker = WorkerHandle(self.expert_threads, self.device)  # started on the first pass that uses it
         for b in blocks:
             b.host_threads = self.expert_threads
+            b.expert_worker = self.expert_worker
             b.stream_share = expert_stream_share
             if self.vram_plan is not None and not self.vram_plan.stream_slots:
                 b.stream_min_tokens = None  # no room in the budget for streaming slots: host experts stay on the CPU
@@ -336,7 +339,19 @@ class LLM:
 
     def host_experts_in_decode(self) -> str:
         """Where a decode step computes the routed experts in host memory, in words
-        (see :attr:`expert_stream_share`)."""
+        (see :attr:`expert_stream_share`), and whether the CPU's share runs on the native expert
+        worker (moe/async_experts.py) or on the thread that issues the step."""
+        where = self._host_experts_where()
+        hosted = [b for b in self._moe_blocks if b.host_experts]
+        if not hosted or all(b.reads_host_experts_in_place(self.max_batch) for b in hosted) and getattr(self, "expert_work", None) is None:
+            return where
+        w = hosted[0].gate.weight
+        cpu_share = getattr(self, "expert_work", None) is not None or (self.expert_stream_share or 0.0) < 1
+        if cpu_share and all(b.takes_async(w.dtype, w.device, self.max_batch) for b in hosted):
+            return where + "; the CPU's share on the native expert worker, split on the device (no host wait)"
+        return where  # the CPU's share, if any, on the issuing thread after reading the routing back
+
+    def _host_experts_where(self) -> str:
         share = self.expert_stream_share
         if share is None:
             return "no routed experts in host memory"

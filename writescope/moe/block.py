@@ -15,7 +15,7 @@ from writescope.engine.ranges import named
 from writescope.engine.threads import intra_op_threads
 from writescope.layers.mlp import GatedMLP
 from writescope.kvcache.pinned import device_view
-from writescope.moe import cpu_experts, fused_decode
+from writescope.moe import async_experts, cpu_experts, fused_decode
 from writescope.moe.grouped import PackedExperts, grouped_mm_supported
 from writescope.moe.streaming import MIN_TOKENS, run_streamed
 from writescope.moe.router import route
@@ -52,6 +52,9 @@ class SparseMoeBlock(nn.Module):
         self.expert_work = None
         self.routing_counts: torch.Tensor | None = None  # [E] int64 on the device while a profile records (moe/popularity.py)
         self._host_views: tuple | None = None  # (w13, w2, slot_of) of the host pack as device tensors (reads in place)
+        # the native expert worker shared by the model's blocks (moe/async_experts.py; the engine sets it):
+        # a decode pass that splits its host experts computes the CPU's share there, off the issuing thread
+        self.expert_worker: async_experts.WorkerHandle | None = None
 
     def graph_key(self, tokens: int | None = None):
         """What a CUDA graph of this block at ``tokens`` tokens depends on beyond shapes: the kernel
@@ -204,7 +207,51 @@ class SparseMoeBlock(nn.Module):
                 w13, w2, slot_of = self._host_device_views(x.device)
                 fused_decode.fused_experts_into(x, weights, ids, slot_of, w13, w2, self.cfg.intermediate_size, out)
             return self._shared(x, out)
+        share = self._async_share(x)
+        if share is not None:
+            with named("moe.experts_async"):
+                self._async_forward(x, weights, ids, share, out)
+            return self._shared(x, out)
         return self._split_forward(x, weights, ids, out)
+
+    def takes_async(self, dtype: torch.dtype, device: torch.device, tokens: int | None = None) -> bool:
+        """Whether a pass of ``tokens`` tokens (None: decode-sized, not checked) that splits its
+        host experts would compute the CPU's share on the native expert worker, off the issuing
+        thread (moe/async_experts.py): a worker attached and wanted (``WRITESCOPE_EXPERT_WORKER``),
+        host experts through the C++ kernel, the grouped path, and the rest in the fused kernels
+        (with CUDA: wanted for this many rows, the device experts packed) or, without CUDA, at most
+        the fused kernels' row limit (the decode sizes)."""
+        if self.expert_worker is None or not self.host_experts or not self.grouped or not async_experts.worker_wanted(device):
+            return False
+        if not self.uses_host_kernel(dtype):
+            return False
+        rows = None if tokens is None else tokens * self.cfg.top_k
+        if device.type == "cuda":
+            return fused_decode.wanted_for(dtype, device, rows) and (self.packed is not None or len(self.host_experts) == self.cfg.num_experts)
+        return rows is None or rows <= fused_decode.MAX_ROWS
+
+    def _async_share(self, x: torch.Tensor) -> float | None:
+        """The share of the few-token hit host experts the link reads in place in this pass when it
+        takes the worker path (:meth:`takes_async`), else None: the joint roofline's choice for a
+        decode step where one is attached, else the fixed ``stream_share``; 0 where no streaming
+        slots fit the budget (the CPU computes them all, as on the old path)."""
+        if not self.takes_async(x.dtype, x.device, x.shape[0]):
+            return None
+        if self.stream_min_tokens is None:
+            return 0.0
+        share = None if self.expert_work is None else self.expert_work.share_for(x.shape[0], self)
+        return min(1.0, self.stream_share) if share is None else share
+
+    def _async_forward(self, x, weights, ids, share, out) -> None:
+        """The routed experts with the CPU's share on the native worker (moe/async_experts.py)."""
+        worker = self.expert_worker.get()
+        if worker is None:  # could not start (warned once): the old path, without its shared experts
+            self._split_forward(x, weights, ids, out, shared=False)
+            return
+        if self.expert_work is not None:  # E, tracked from the worker's finished jobs (they finish later)
+            for secs, nbytes, _ in worker.take_done():
+                self.expert_work.observe(secs, nbytes)
+        async_experts.forward_into(self, worker, x, weights, ids, share, out)
 
     def _shared(self, x, out):
         """The routed sum ``out`` (float32) plus the shared experts', rounded once to x's dtype."""
@@ -213,9 +260,10 @@ class SparseMoeBlock(nn.Module):
         with named("moe.shared_experts"):
             return (out + self.shared_experts(x)).to(x.dtype)
 
-    def _split_forward(self, x, weights, ids, out):
+    def _split_forward(self, x, weights, ids, out, shared: bool = True):
         """Some experts on the host (or no grouped GEMM): device experts issued first, then the
-        host experts on the CPU, then their sum moved back."""
+        host experts on the CPU, then their sum moved back. ``shared`` False: returns ``out``
+        (float32, the routed experts only)."""
         flat = ids.flatten()  # [T*K]
         order = torch.argsort(flat, stable=True)
         counts = torch.bincount(flat, minlength=self.cfg.num_experts).tolist()
@@ -264,7 +312,7 @@ class SparseMoeBlock(nn.Module):
                 if self.expert_work is not None:  # E, tracked: CPU seconds per expert weight byte
                     self.expert_work.observe(time.perf_counter() - t0, len(host) * self.host_pack.expert_nbytes)
             out.index_add_(0, host_tok, y.to(x.device).to(out.dtype))
-        return self._shared(x, out)
+        return self._shared(x, out) if shared else out
 
     def uses_host_kernel(self, dtype: torch.dtype) -> bool:
         """Whether host experts of this dtype go through the C++ kernel: ``host_kernel`` on, bf16,

@@ -52,17 +52,17 @@ class FlagWorker:
         device: the device whose stream hands the inputs over and consumes the results (CPU: the
             host does).
         what: the worker in messages (``"CPU attention worker"``).
-        flag_kernels: on CUDA, writescope.attention.flag_kernels (imported by the caller before
-                the worker is made, so a missing Triton leaves no thread behind).
+        flag_kernels: on CUDA, writescope.attention.flag_kernels (None: imported here, before the
+                native worker is made, so a missing Triton leaves no thread behind).
 
     Raises:
-        RuntimeError: on CUDA, ``flag_kernels`` missing.
+        ImportError: on CUDA, Triton missing.
     """
 
     def __init__(self, ext, make: Callable[[], object], device: torch.device, what: str, flag_kernels=None):
         self.device, self.cuda, self.what = device, device.type == "cuda", what
-        if self.cuda and flag_kernels is None:
-            raise RuntimeError(f"the {what} needs the flag kernels (Triton) on {device}")
+        if self.cuda and flag_kernels is None:  # Triton; raises ImportError without it, before any thread exists
+            from writescope.attention import flag_kernels
         self._kernels = flag_kernels
         self.flags = torch.zeros(3, dtype=torch.int32, pin_memory=self.cuda)  # ready, done, timeout; outlives the thread (close)
         self._flag = self.flags.numpy()  # the same memory: read and written without a torch call on the issuing thread

@@ -140,6 +140,19 @@ class ExpertWork:
         self.n_computed += len(sizes) - k
         return k
 
+    def share_for(self, tokens: int, block) -> float | None:
+        """The share of ``block``'s hit host experts the link reads in a decode layer step of
+        ``tokens`` tokens whose split is made on the device before the host knows the routing
+        (moe/async_experts.py): :meth:`choose` over the expected hit host experts (uniform
+        routing, :func:`expected_hit_experts`, at least one), as a fraction. None in a prefill.
+        The counters then add up expected experts, not counted ones."""
+        if not self.decoding():
+            return None
+        n = expected_hit_experts(tokens, block.cfg.num_experts, block.cfg.top_k) * len(block.host_experts) / block.cfg.num_experts
+        m = max(1, round(n))
+        k = self.choose([block.host_pack.expert_nbytes] * m)
+        return k / m
+
     def observe(self, seconds: float, nbytes: int) -> None:
         """One measured CPU expert call: ``seconds`` for ``nbytes`` of expert weights; E is
         updated with the call's time less its fixed part (at least a tenth of the call's time: a
@@ -223,6 +236,11 @@ def measure_cpu_expert_cost(block, experts: int = 8, reps: int = 3) -> tuple[flo
 # split 1.4 ms a layer faster (3.2 ms a layer unmodelled), and that path 39 ms (0.8 ms a layer)
 # slower than the in-place read.
 SPLIT_OVERHEAD_S = 4.0e-3
+# The same with the CPU's share on the native expert worker and the split made on the device
+# (moe/async_experts.py): no read-back and nothing computed on the issuing thread; what is left is
+# the split's dozen small launches, three copies to pinned memory, the flag hand-over both ways and
+# the worker's grouping. An estimate (about 0.3 ms a layer step), to be replaced by the H200's figure.
+ASYNC_SPLIT_OVERHEAD_S = 0.3e-3
 
 
 def expert_phase_seconds(layer_bytes: list[float], e: float, g: float,
@@ -331,17 +349,19 @@ def attach_expert_work(policy, decoder, blocks: list, kv_bytes_per_token: int, f
     e = call = None
     why = ""
     first = 0
+    w = hosted[0].gate.weight
+    overhead = ASYNC_SPLIT_OVERHEAD_S if all(b.takes_async(w.dtype, w.device, decode_tokens) for b in hosted) else SPLIT_OVERHEAD_S
     if all(b.reads_host_experts_in_place(decode_tokens) for b in hosted):
         if decode_tokens is None:
             return None
         most = [expected_host_expert_bytes([b], decode_tokens) for b in hosted]
-        if sum(most) * g <= len(most) * SPLIT_OVERHEAD_S:  # read in place faster than the split's overhead alone
+        if sum(most) * g <= len(most) * overhead:  # read in place faster than the split's overhead alone
             return None
         e, call = measure_cpu_expert_cost(hosted[0])
-        first = split_from(hosted, decode_tokens, e, g)
+        first = split_from(hosted, decode_tokens, e, g, overhead)
         if first is None:
             return None
-        in_place_s, split_s = expert_phase_seconds(most, e, g)
+        in_place_s, split_s = expert_phase_seconds(most, e, g, overhead)
         why = (f"split from {first} tokens a decode step, read in place over PCIe below; at {decode_tokens} tokens the"
                f" expert phase would take about {in_place_s * 1e3:.0f} ms read in place, {split_s * 1e3:.0f} ms split")
     cfg = hosted[0].cfg

@@ -1,0 +1,201 @@
+"""The host experts' split made on the device, and the whole MoE block with the CPU's share on the
+native expert worker (moe/async_experts.py), against the old path and the all-device result."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+from writescope import LLM, SamplingParams
+from writescope.moe import async_experts
+from writescope.moe.block import SparseMoeBlock
+from writescope.moe.cpu_experts import kernel_available
+
+
+def _old_split(ids: torch.Tensor, host: set[int], share: float, min_tokens: int | None) -> set[int]:
+    """The experts the CPU computes as SparseMoeBlock._split_forward chooses them, read on the host."""
+    counts = torch.bincount(ids.flatten(), minlength=64).tolist()
+    hit = [e for e in host if counts[e]]
+    small = [e for e in hit if min_tokens is None or counts[e] < min_tokens]
+    by_tokens = sorted(small, key=lambda e: (-counts[e], e))
+    k = round(share * len(by_tokens))
+    return set(by_tokens[k:])
+
+
+@pytest.mark.parametrize("tokens", [1, 4, 15, 16, 17, 64])
+@pytest.mark.parametrize("share", [0.0, 0.25, 0.5, 0.6, 1.0])
+@pytest.mark.parametrize("min_tokens", [None, 2, 4])
+def test_partition_matches_the_old_split(tokens, share, min_tokens):
+    E, K = 64, 6
+    g = torch.Generator().manual_seed(tokens * 7 + int(share * 100))
+    ids = torch.stack([torch.randperm(E, generator=g)[:K] for _ in range(tokens)])
+    # skewed routing too: a few experts take most tokens
+    ids[: tokens // 2, 0] = 3
+    host = set(torch.randperm(E, generator=g)[: E // 2].tolist()) | {3}
+    slot_of = torch.full((E,), len(host), dtype=torch.long)
+    for s, e in enumerate(sorted(host)):
+        slot_of[e] = s
+    cpu_slot, link_slot_of = async_experts.partition(ids, slot_of, len(host), share, min_tokens)
+    want = _old_split(ids, host, share, min_tokens)
+    got = {e for e in range(E) if link_slot_of[e] == len(host) and e in host and (ids == e).any()}
+    assert got == want
+    assert cpu_slot.dtype == torch.int32 and cpu_slot.shape == ids.shape
+    for t in range(tokens):
+        for k in range(K):
+            e = int(ids[t, k])
+            assert int(cpu_slot[t, k]) == (int(slot_of[e]) if e in want else -1)
+    # the link keeps every other host expert's slot; device experts stay past the last slot
+    for e in range(E):
+        if e not in want:
+            assert int(link_slot_of[e]) == int(slot_of[e])
+
+
+def test_partition_of_nothing():
+    ids = torch.empty(0, 4, dtype=torch.long)
+    slot_of = torch.tensor([0, 2, 1, 2])
+    cpu_slot, link = async_experts.partition(ids, slot_of, 2, 0.0, None)
+    assert cpu_slot.shape == (0, 4) and torch.equal(link, slot_of)
+
+
+def test_switch_is_checked(monkeypatch):
+    monkeypatch.setenv(async_experts.ENV, "sometimes")
+    with pytest.raises(ValueError, match="WRITESCOPE_EXPERT_WORKER='sometimes'"):
+        async_experts.worker_wanted(torch.device("cpu"))
+    monkeypatch.setenv(async_experts.ENV, "auto")
+    assert not async_experts.worker_wanted(torch.device("cpu"))
+    monkeypatch.setenv(async_experts.ENV, "on")
+    assert async_experts.worker_wanted(torch.device("cpu"))
+
+
+needs_kernel = pytest.mark.skipif(not kernel_available(), reason="the host-expert kernel does not build here")
+
+
+def _offload_half(llm) -> list[SparseMoeBlock]:
+    blocks = [m for m in llm.model.modules() if isinstance(m, SparseMoeBlock)]
+    g = torch.Generator().manual_seed(1)
+    for b in blocks:
+        b.offload_experts(torch.randperm(b.cfg.num_experts, generator=g)[: b.cfg.num_experts // 2].tolist())
+    return blocks
+
+
+@needs_kernel
+@pytest.mark.parametrize("preset", ["tiny-qwen3-moe", "tiny-mixtral", "tiny-deepseek-v2"])
+@pytest.mark.parametrize("share", [0.0, 0.5, 1.0])
+def test_block_on_the_worker_equals_the_old_path(preset, share, monkeypatch):
+    llm = LLM(preset, progress=False, dtype="bfloat16")
+    blocks = _offload_half(llm)
+    b = blocks[0]
+    b.stream_share = share
+    D = b.gate.weight.shape[1]
+    for tokens in (1, 3, 16, 17):
+        x = torch.randn(tokens, D, generator=torch.Generator().manual_seed(tokens)).to(torch.bfloat16)
+        monkeypatch.setenv(async_experts.ENV, "off")
+        with torch.no_grad():
+            ref = b(x)
+        monkeypatch.setenv(async_experts.ENV, "on")
+        assert b.takes_async(x.dtype, x.device, tokens)
+        with torch.no_grad():
+            got = b(x)
+        # fp32 sums in another order, one bf16 rounding of the result
+        torch.testing.assert_close(got.float(), ref.float(), atol=2e-2, rtol=2e-2)
+    llm.expert_worker.close()
+
+
+@needs_kernel
+def test_whole_model_on_the_worker_gives_the_same_tokens(monkeypatch):
+    monkeypatch.setenv(async_experts.ENV, "on")
+    prompts = [list(range(3, 3 + n)) for n in (40, 9, 23)]
+    params = SamplingParams(max_tokens=12, ignore_eos=True)
+    ref = LLM("tiny-qwen3-moe", progress=False, dtype="bfloat16")
+    want = [o.token_ids for o in ref.generate(prompt_token_ids=prompts, sampling_params=params)]
+    llm = LLM("tiny-qwen3-moe", progress=False, dtype="bfloat16")
+    for b in _offload_half(llm):
+        b.stream_share = 0.5
+    worker_jobs = []
+    real = async_experts.forward_into
+
+    def counted(*a, **k):
+        worker_jobs.append(real(*a, **k))
+        return worker_jobs[-1]
+
+    monkeypatch.setattr(async_experts, "forward_into", counted)
+    got = [o.token_ids for o in llm.generate(prompt_token_ids=prompts, sampling_params=params)]
+    assert worker_jobs, "no pass took the worker path"
+    assert got == want
+    llm.expert_worker.close()
+
+
+@needs_kernel
+def test_no_worker_means_the_old_path(monkeypatch):
+    monkeypatch.setenv(async_experts.ENV, "off")
+    llm = LLM("tiny-qwen3-moe", progress=False, dtype="bfloat16")
+    b = _offload_half(llm)[0]
+    assert not b.takes_async(torch.bfloat16, torch.device("cpu"), 4)
+    monkeypatch.setenv(async_experts.ENV, "on")
+    assert b.takes_async(torch.bfloat16, torch.device("cpu"), 4)
+    assert not b.takes_async(torch.bfloat16, torch.device("cpu"), 10_000)  # prefill-sized: the old path
+    assert llm.host_experts_in_decode().endswith("on the native expert worker, split on the device (no host wait)")
+    monkeypatch.setenv(async_experts.ENV, "off")
+    assert "worker" not in llm.host_experts_in_decode()
+    monkeypatch.setenv(async_experts.ENV, "on")
+    b.host_kernel = False
+    assert not b.takes_async(torch.bfloat16, torch.device("cpu"), 4)
+    assert "worker" not in llm.host_experts_in_decode()  # one block off the worker: the words say the old path
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("preset", ["tiny-qwen3-moe", "tiny-deepseek-v2"])
+@pytest.mark.parametrize("share", [0.0, 0.5])
+def test_block_on_the_worker_equals_the_old_path_on_cuda(preset, share, monkeypatch):
+    llm = LLM(preset, device="cuda", dtype="bfloat16", progress=False)
+    b = _offload_half(llm)[0]
+    b.pack()
+    b.stream_share = share
+    for tokens in (1, 4, 16, 17):
+        x = torch.randn(tokens, b.gate.weight.shape[1], device="cuda", dtype=torch.bfloat16)
+        monkeypatch.setenv(async_experts.ENV, "off")
+        with torch.no_grad():
+            ref = b(x)
+        monkeypatch.setenv(async_experts.ENV, "on")
+        assert b.takes_async(x.dtype, x.device, tokens)
+        with torch.no_grad():
+            got = b(x)
+        torch.testing.assert_close(got.float(), ref.float(), atol=2e-2, rtol=2e-2)
+    llm.expert_worker.close()
+
+
+@pytest.mark.gpu
+def test_the_worker_path_does_not_wait_on_the_host(monkeypatch):
+    monkeypatch.setenv(async_experts.ENV, "on")
+    llm = LLM("tiny-qwen3-moe", device="cuda", dtype="bfloat16", progress=False)
+    b = _offload_half(llm)[0]
+    b.pack()
+    b.stream_share = 0.5
+    x = torch.randn(8, b.gate.weight.shape[1], device="cuda", dtype=torch.bfloat16)
+    with torch.no_grad():
+        ref = b(x)  # first call: the worker starts and the Triton kernels compile
+        torch.cuda.synchronize()
+        torch.cuda.set_sync_debug_mode("error")
+        try:
+            got = b(x)
+        finally:
+            torch.cuda.set_sync_debug_mode("default")
+    torch.testing.assert_close(got.float(), ref.float(), atol=1e-2, rtol=1e-2)
+    llm.expert_worker.close()
+
+
+@pytest.mark.gpu
+def test_whole_model_on_the_worker_gives_the_same_tokens_on_cuda(monkeypatch):
+    monkeypatch.setenv(async_experts.ENV, "on")
+    prompts = [list(range(3, 3 + n)) for n in (40, 9, 23)]
+    params = SamplingParams(max_tokens=12, ignore_eos=True)
+    ref = LLM("tiny-mixtral", device="cuda", dtype="bfloat16", progress=False)
+    want = [o.token_ids for o in ref.generate(prompt_token_ids=prompts, sampling_params=params)]
+    del ref
+    llm = LLM("tiny-mixtral", device="cuda", dtype="bfloat16", progress=False)
+    for b in _offload_half(llm):
+        b.pack()
+        b.stream_share = 0.5
+    got = [o.token_ids for o in llm.generate(prompt_token_ids=prompts, sampling_params=params)]
+    assert got == want
+    llm.expert_worker.close()

@@ -1,0 +1,157 @@
+"""A decode layer's host experts off the issuing thread: the CPU's share on the native expert worker
+(moe/expert_worker.py), the link's share read in place over PCIe by the fused decode kernels, the
+split made on the device from the routing, so the thread that issues the step never waits
+(issue 14 item 3, issue 15 item 3; docs/DESIGN.md section 6).
+
+Before this path (``SparseMoeBlock._split_forward``) a layer with host experts read its routing
+back to the host (``bincount(...).tolist()``, a device wait), computed the CPU's experts on the
+issuing thread and only then issued the rest of the layer: the device drained at every MoE layer
+and the split cost about 4 ms a layer step beyond its balance on the H200
+(``scheduler/expert_work.SPLIT_OVERHEAD_S``), so the CPU stayed idle through the expert phase.
+
+One layer, in stream order (nothing on the host waits):
+1. the split, on the device (:func:`partition`): of the layer's hit host experts, those with at
+   least ``stream_min_tokens`` tokens and then a ``share`` of the rest, most tokens first (ties:
+   the lower id), go to the link; the CPU computes the others. ``share`` is the block's fixed
+   ``stream_share`` or the joint roofline's choice for the step (scheduler/expert_work.py,
+   ``ExpertWork.share_for``), chosen before routing from the expected hits;
+2. x, the CPU's slots and the routing weights copied to pinned memory, the worker's ready flag
+   set behind them; the worker groups the assignments and runs the C++ expert kernel;
+3. the device experts and the link's host experts in the fused kernels (two launches each);
+4. the stream waits for the worker's done flag and adds its ``[T, D]`` fp32 sum into ``out``.
+
+Without CUDA (the tests) the "device" is the CPU: the host sets the ready flag, the link's share
+and the device experts run as torch GEMMs (the reference), and the host waits for the worker.
+
+``WRITESCOPE_EXPERT_WORKER``: ``auto`` (the default: on with CUDA), ``on`` (also without CUDA, for
+tests), ``off`` (the old path: routing read back, the CPU's experts on the issuing thread).
+"""
+
+from __future__ import annotations
+
+import warnings
+
+import torch
+
+from writescope.env import env_choice
+
+ENV = "WRITESCOPE_EXPERT_WORKER"
+
+
+def worker_wanted(device: torch.device) -> bool:
+    """Whether host experts of blocks on ``device`` take this path (``WRITESCOPE_EXPERT_WORKER``).
+
+    Raises:
+        ValueError: a value other than ``auto``, ``on`` or ``off`` (names it).
+    """
+    mode = env_choice(ENV, ("auto", "on", "off"))
+    return mode == "on" or (mode == "auto" and device.type == "cuda")
+
+
+class WorkerHandle:
+    """One native expert worker shared by a model's MoE blocks, made on first use with ``threads``
+    OpenMP threads. Where it cannot start (no Triton on CUDA, the kernel not built), ``get``
+    returns None after one warning and the blocks keep the old path."""
+
+    def __init__(self, threads: int, device: torch.device):
+        self.threads, self.device = int(threads), device
+        self._worker = None
+        self._failed = False
+
+    def get(self):
+        if self._worker is None and not self._failed:
+            try:
+                from writescope.moe.expert_worker import ExpertWorker
+
+                self._worker = ExpertWorker(self.threads, self.device)
+            except Exception as e:  # noqa: BLE001 - no Triton, a failed build: the old path
+                self._failed = True
+                warnings.warn(f"native expert worker unavailable ({e}); host experts run on the issuing thread", stacklevel=3)
+        return self._worker
+
+    def close(self) -> None:
+        """Finish the queued jobs and stop the worker (made again on the next use).
+
+        Raises:
+            RuntimeError: a job failed.
+        """
+        worker, self._worker = self._worker, None
+        if worker is not None:
+            worker.close()
+
+
+def partition(ids: torch.Tensor, slot_of: torch.Tensor, hosted: int, share: float,
+              min_tokens: int | None) -> tuple[torch.Tensor, torch.Tensor]:
+    """Split a layer's hit host experts between the link and the CPU, on ids' device (no host wait).
+
+    Args:
+        ids: ``[T, K]`` int64 routed expert ids.
+        slot_of: ``[E]`` int64, each expert's slot in the host pack (``hosted`` for device experts).
+        hosted: host pack slots (experts in host memory).
+        share: in [0, 1], the share of the hit host experts below ``min_tokens`` tokens the link
+            takes, most tokens first, ties to the lower id (rounded half to even, as Python's round).
+        min_tokens: host experts with at least this many tokens go to the link whatever ``share``
+            (None: none).
+
+    Returns:
+        ``(cpu_slot [T, K] int32, link_slot_of [E] int64)``: the host pack slot of each assignment
+        the CPU computes (-1 for the others), and ``slot_of`` with the CPU's experts moved to
+        ``hosted`` (skipped by the fused kernels), so the two read disjoint experts.
+    """
+    E = slot_of.shape[0]
+    flat = ids.flatten()
+    counts = torch.zeros(E, dtype=torch.long, device=ids.device).scatter_add_(0, flat, torch.ones_like(flat))  # bincount syncs on CUDA
+    hit = (counts > 0) & (slot_of < hosted)
+    big = hit & (counts >= min_tokens) if min_tokens is not None else torch.zeros_like(hit)
+    small = hit & ~big
+    e = torch.arange(E, device=ids.device)
+    score = torch.where(small, counts * (E + 1) + (E - e), 0)  # more tokens first, then the lower id; 0 outside
+    rank = torch.empty_like(e).scatter_(0, torch.argsort(score, descending=True), e)
+    k = torch.round(small.sum() * float(share))
+    cpu = small & (rank >= k)
+    cpu_slot = torch.where(cpu[flat], slot_of[flat], -1).view(ids.shape).to(torch.int32)
+    return cpu_slot, torch.where(cpu, hosted, slot_of)
+
+
+def _reference_into(block, x: torch.Tensor, weights: torch.Tensor, ids: torch.Tensor, take: torch.Tensor,
+                    out: torch.Tensor) -> None:
+    """Experts ``take`` (``[E]`` bool) of the block by torch's GEMMs into ``out`` (fp32): the
+    stand-in for the fused kernels where there is no CUDA (reads the routing on the host)."""
+    for e in take.nonzero().flatten().tolist():
+        tok, k = (ids == e).nonzero(as_tuple=True)
+        y = block.experts[e](x[tok])
+        out.index_add_(0, tok, y.to(out.dtype) * weights[tok, k, None].to(out.dtype))
+
+
+def forward_into(block, worker, x: torch.Tensor, weights: torch.Tensor, ids: torch.Tensor, share: float,
+                 out: torch.Tensor) -> int:
+    """Every routed expert of ``block`` for tokens ``x`` ``[T, D]`` added into ``out`` ``[T, D]``
+    fp32 (shared experts not included), the host experts split by ``share`` (:func:`partition`)
+    between ``worker`` (an ``ExpertWorker``) and the link. Returns the worker's job number."""
+    pack = block.host_pack
+    hosted = len(pack.ids)
+    cuda = x.device.type == "cuda"
+    if cuda:
+        w13_dev, w2_dev, slot_of = block._host_device_views(x.device)
+    else:
+        slot_of = pack.slot_of
+    cpu_slot, link_slot_of = partition(ids, slot_of, hosted, share, block.stream_min_tokens)
+    # the CPU's inputs in host memory (pinned with CUDA), copied on the current stream; fresh
+    # buffers from torch's host allocator, which reuses one only after its copies are done
+    xh = torch.empty(x.shape, dtype=x.dtype, pin_memory=cuda).copy_(x, non_blocking=cuda)
+    sh = torch.empty(cpu_slot.shape, dtype=torch.int32, pin_memory=cuda).copy_(cpu_slot, non_blocking=cuda)
+    rh = torch.empty(weights.shape, dtype=torch.float32, pin_memory=cuda).copy_(weights, non_blocking=cuda)
+    yh = torch.empty(x.shape, dtype=torch.float32, pin_memory=cuda)
+    seq = worker.submit(xh, sh, rh, pack.w13, pack.w2, yh)
+    if cuda:  # the fused kernels: the device experts, then the link's host experts read in place
+        if block.packed is not None:
+            block.packed(x, weights, ids, out)
+        from writescope.moe import fused_decode
+
+        fused_decode.fused_experts_into(x, weights, ids, link_slot_of, w13_dev, w2_dev, block.cfg.intermediate_size, out)
+    else:
+        take = (link_slot_of < hosted) | (slot_of >= hosted)  # the link's host experts and the device experts
+        _reference_into(block, x, weights, ids, take, out)
+    worker.consume(seq)  # with CUDA the stream waits for the done flag, not this thread
+    out.add_(yh.to(x.device, non_blocking=cuda))
+    return seq
