@@ -50,6 +50,15 @@ def test_partition_matches_the_old_split(tokens, share, min_tokens):
             assert int(link_slot_of[e]) == int(slot_of[e])
 
 
+def test_partition_rounds_the_share_as_python_does():
+    # 90 small host experts at share 0.35: 31.499999999999996 in float64 (31), 31.5 in float32 (32)
+    E = 128
+    ids = torch.arange(90).view(90, 1)
+    slot_of = torch.arange(E).clamp(max=100)
+    _, link = async_experts.partition(ids, slot_of, 100, 0.35, None)
+    assert int((link[:90] < 100).sum()) == round(0.35 * 90) == 31
+
+
 def test_partition_of_nothing():
     ids = torch.empty(0, 4, dtype=torch.long)
     slot_of = torch.tensor([0, 2, 1, 2])
@@ -99,6 +108,17 @@ def test_block_on_the_worker_equals_the_old_path(preset, share, monkeypatch):
         # fp32 sums in another order, one bf16 rounding of the result
         torch.testing.assert_close(got.float(), ref.float(), atol=2e-2, rtol=2e-2)
     llm.expert_worker.close()
+
+
+@needs_kernel
+def test_no_tokens_no_job(monkeypatch):
+    monkeypatch.setenv(async_experts.ENV, "on")
+    llm = LLM("tiny-qwen3-moe", progress=False, dtype="bfloat16")
+    b = _offload_half(llm)[0]
+    x = torch.empty(0, b.gate.weight.shape[1], dtype=torch.bfloat16)
+    with torch.no_grad():
+        assert b(x).shape == x.shape
+    assert llm.expert_worker._worker is None or llm.expert_worker._worker.seq == 0
 
 
 @needs_kernel

@@ -162,7 +162,9 @@ class LLM:
         self.load_info["grouped_experts"] = bool(blocks) and all(p or not [e for e in range(b.cfg.num_experts) if e not in b.host_experts]
                                                                  for p, b in zip(packed, blocks))
         self.expert_threads = expert_threads or default_expert_threads(self.device)
-        self.expert_worker = WorkerHandle(self.expert_threads, self.device)  # started on the first pass that uses it
+        # started on the first pass that uses it; by default as many threads as the attention worker
+        # (on CUDA one CPU fewer than torch's count, left to the thread that issues the step)
+        self.expert_worker = WorkerHandle(expert_threads or default_attention_threads(self.device), self.device)
         for b in blocks:
             b.host_threads = self.expert_threads
             b.expert_worker = self.expert_worker

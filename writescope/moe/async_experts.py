@@ -107,7 +107,7 @@ def partition(ids: torch.Tensor, slot_of: torch.Tensor, hosted: int, share: floa
     e = torch.arange(E, device=ids.device)
     score = torch.where(small, counts * (E + 1) + (E - e), 0)  # more tokens first, then the lower id; 0 outside
     rank = torch.empty_like(e).scatter_(0, torch.argsort(score, descending=True), e)
-    k = torch.round(small.sum() * float(share))
+    k = torch.round(small.sum().double() * float(share))  # float64: the product Python's round sees
     cpu = small & (rank >= k)
     cpu_slot = torch.where(cpu[flat], slot_of[flat], -1).view(ids.shape).to(torch.int32)
     return cpu_slot, torch.where(cpu, hosted, slot_of)
@@ -128,6 +128,8 @@ def forward_into(block, worker, x: torch.Tensor, weights: torch.Tensor, ids: tor
     """Every routed expert of ``block`` for tokens ``x`` ``[T, D]`` added into ``out`` ``[T, D]``
     fp32 (shared experts not included), the host experts split by ``share`` (:func:`partition`)
     between ``worker`` (an ``ExpertWorker``) and the link. Returns the worker's job number."""
+    if x.shape[0] == 0:  # no tokens: no job (an empty pinned tensor is not pinned)
+        return 0
     pack = block.host_pack
     hosted = len(pack.ids)
     cuda = x.device.type == "cuda"

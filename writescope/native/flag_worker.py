@@ -90,16 +90,15 @@ class FlagWorker:
 
     def _issue(self, keep, native_submit: Callable[[int], None]) -> int:
         """Queue one job: check for earlier errors, release the finished jobs' tensors, keep ``keep``
-        alive until this job is done, set the ready flag on the current stream (CUDA, after what
-        was issued before), call ``native_submit(value)`` (the binding's submit with ready and done
-        value ``value``), and on the host set the ready flag (no CUDA). Returns the job's value."""
+        alive until this job is done, call ``native_submit(value)`` (the binding's submit with ready
+        and done value ``value``), then set the ready flag: on the current stream with CUDA (after
+        what was issued before), else on the host. Returns the job's value."""
         self.check()
         self._release_done()
         value = int32(self.seq + 1)
         self._inflight.append((value, keep))  # before the worker can see the job: it owns nothing
+        # on CUDA the ready flag is set on the stream after the native submit (the worker waits for it)
         try:
-            if self.cuda:
-                self._kernels.store_flag(self._flags_dev, FLAG_READY, value)
             t0 = time.perf_counter_ns()  # (about 50 ns; the thread's CPU clock would be a system call)
             native_submit(value)
             self.submit_wall_ns += time.perf_counter_ns() - t0
@@ -107,6 +106,8 @@ class FlagWorker:
         except BaseException:
             self._inflight.pop()
             raise
+        if self.cuda:  # after the native submit: a refused job leaves no ready flag for the next to see early
+            self._kernels.store_flag(self._flags_dev, FLAG_READY, value)
         self.seq += 1
         if not self.cuda:
             self._flag[FLAG_READY] = value  # the inputs are already in host memory
@@ -191,6 +192,16 @@ class FlagWorker:
         self._inflight.clear()
         self._closed()
         self.check()
+
+    def __del__(self):
+        # the native thread stops (joined) before the flags and the kept tensors it may still touch
+        # are freed; an unclosed worker's errors are dropped here
+        w = self.__dict__.get("_w")
+        if w is not None:
+            try:
+                w.close()
+            except Exception:  # noqa: BLE001 - nothing to raise to at collection
+                pass
 
     def _closed(self) -> None:
         """A subclass's own bookkeeping to drop at close."""
