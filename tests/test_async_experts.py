@@ -87,17 +87,10 @@ def _offload_half(llm) -> list[SparseMoeBlock]:
     return blocks
 
 
-@needs_kernel
-@pytest.mark.parametrize("preset", ["tiny-qwen3-moe", "tiny-mixtral", "tiny-deepseek-v2"])
-@pytest.mark.parametrize("share", [0.0, 0.5, 1.0])
-def test_block_on_the_worker_equals_the_old_path(preset, share, monkeypatch):
-    llm = LLM(preset, progress=False, dtype="bfloat16")
-    blocks = _offload_half(llm)
-    b = blocks[0]
-    b.stream_share = share
-    D = b.gate.weight.shape[1]
-    for tokens in (1, 3, 16, 17):
-        x = torch.randn(tokens, D, generator=torch.Generator().manual_seed(tokens)).to(torch.bfloat16)
+def _paths_agree(b, monkeypatch, make_x, token_counts) -> None:
+    """The block with the worker path on equals it off (the old path), for each token count."""
+    for tokens in token_counts:
+        x = make_x(tokens)
         monkeypatch.setenv(async_experts.ENV, "off")
         with torch.no_grad():
             ref = b(x)
@@ -107,6 +100,18 @@ def test_block_on_the_worker_equals_the_old_path(preset, share, monkeypatch):
             got = b(x)
         # fp32 sums in another order, one bf16 rounding of the result
         torch.testing.assert_close(got.float(), ref.float(), atol=2e-2, rtol=2e-2)
+
+
+@needs_kernel
+@pytest.mark.parametrize("preset", ["tiny-qwen3-moe", "tiny-mixtral", "tiny-deepseek-v2"])
+@pytest.mark.parametrize("share", [0.0, 0.5, 1.0])
+def test_block_on_the_worker_equals_the_old_path(preset, share, monkeypatch):
+    llm = LLM(preset, progress=False, dtype="bfloat16")
+    blocks = _offload_half(llm)
+    b = blocks[0]
+    b.stream_share = share
+    D = b.gate.weight.shape[1]
+    _paths_agree(b, monkeypatch, lambda t: torch.randn(t, D, generator=torch.Generator().manual_seed(t)).to(torch.bfloat16), (1, 3, 16, 17))
     llm.expert_worker.close()
 
 
@@ -171,16 +176,8 @@ def test_block_on_the_worker_equals_the_old_path_on_cuda(preset, share, monkeypa
     b = _offload_half(llm)[0]
     b.pack()
     b.stream_share = share
-    for tokens in (1, 4, 16, 17):
-        x = torch.randn(tokens, b.gate.weight.shape[1], device="cuda", dtype=torch.bfloat16)
-        monkeypatch.setenv(async_experts.ENV, "off")
-        with torch.no_grad():
-            ref = b(x)
-        monkeypatch.setenv(async_experts.ENV, "on")
-        assert b.takes_async(x.dtype, x.device, tokens)
-        with torch.no_grad():
-            got = b(x)
-        torch.testing.assert_close(got.float(), ref.float(), atol=2e-2, rtol=2e-2)
+    D = b.gate.weight.shape[1]
+    _paths_agree(b, monkeypatch, lambda t: torch.randn(t, D, device="cuda", dtype=torch.bfloat16), (1, 4, 16, 17))
     llm.expert_worker.close()
 
 

@@ -109,15 +109,9 @@ def prepare(progress: bool = True) -> str:
     return f"C++ kernel ({PATHS[req] if req >= 0 else best})"
 
 
-def _check(x, counts, w13, w2, slots, weights) -> None:
-    """The argument errors, as ValueError naming the bad value (see host_experts_forward)."""
-    for name, t in (("x", x), ("w13", w13), ("w2", w2), ("weights", weights)):
-        if not isinstance(t, torch.Tensor):
-            raise ValueError(f"{name} must be a torch.Tensor, got {type(t).__name__}")
-        if t.device.type != "cpu":
-            raise ValueError(f"{name} must be on the CPU, got {t.device}")
-    if x.dim() != 2 or x.dtype not in (torch.bfloat16, torch.float32):
-        raise ValueError(f"x must be [n, D] bf16 or fp32, got {list(x.shape)} {x.dtype}")
+def check_weights(x, w13, w2) -> int:
+    """The host pack's errors for tokens ``x`` ``[n, D]``, as ValueError naming the bad value:
+    ``w13 [E, 2I, D]`` and ``w2 [E, D, I]`` of x's dtype with unit last stride. Returns E."""
     if w13.dim() != 3 or w2.dim() != 3:
         raise ValueError(f"w13 must be [E, 2I, D] and w2 [E, D, I], got {list(w13.shape)} and {list(w2.shape)}")
     E, two_i, D = w13.shape
@@ -129,6 +123,19 @@ def _check(x, counts, w13, w2, slots, weights) -> None:
         raise ValueError(f"x, w13 and w2 must have one dtype, got {x.dtype}, {w13.dtype}, {w2.dtype}")
     if w13.stride(2) != 1 or w2.stride(2) != 1:
         raise ValueError(f"weight rows must have unit stride (read in place), got strides {w13.stride()} and {w2.stride()}")
+    return E
+
+
+def _check(x, counts, w13, w2, slots, weights) -> None:
+    """The argument errors, as ValueError naming the bad value (see host_experts_forward)."""
+    for name, t in (("x", x), ("w13", w13), ("w2", w2), ("weights", weights)):
+        if not isinstance(t, torch.Tensor):
+            raise ValueError(f"{name} must be a torch.Tensor, got {type(t).__name__}")
+        if t.device.type != "cpu":
+            raise ValueError(f"{name} must be on the CPU, got {t.device}")
+    if x.dim() != 2 or x.dtype not in (torch.bfloat16, torch.float32):
+        raise ValueError(f"x must be [n, D] bf16 or fp32, got {list(x.shape)} {x.dtype}")
+    E = check_weights(x, w13, w2)
     if len(counts) != len(slots):
         raise ValueError(f"{len(counts)} counts for {len(slots)} slots: one token count per expert")
     bad = [s for s in slots if not 0 <= int(s) < E]

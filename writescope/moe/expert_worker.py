@@ -51,17 +51,7 @@ def _check(x, slot, rw, w13, w2, y, cuda: bool) -> None:
         raise ValueError(f"y must be a contiguous float32 [{T}, {D}] tensor, got {list(y.shape)} {y.dtype}")
     if cuda and not y.is_pinned():
         raise ValueError("y must be pinned on CUDA (a copy of pageable y to the device would not wait for the job): use buffers()")
-    if w13.dim() != 3 or w2.dim() != 3:
-        raise ValueError(f"w13 must be [E, 2I, D] and w2 [E, D, I], got {list(w13.shape)} and {list(w2.shape)}")
-    E, two_i, wd = w13.shape
-    I = two_i // 2
-    if two_i % 2 or wd != D or tuple(w2.shape) != (E, D, I):
-        raise ValueError(f"shapes do not match: x {list(x.shape)}, w13 {list(w13.shape)} (want [E, 2I, {D}]), "
-                         f"w2 {list(w2.shape)} (want [{E}, {D}, {I}])")
-    if w13.dtype != x.dtype or w2.dtype != x.dtype:
-        raise ValueError(f"x, w13 and w2 must have one dtype, got {x.dtype}, {w13.dtype}, {w2.dtype}")
-    if w13.stride(2) != 1 or w2.stride(2) != 1:
-        raise ValueError(f"weight rows must have unit stride (read in place), got strides {w13.stride()} and {w2.stride()}")
+    E = cpu_experts.check_weights(x, w13, w2)
     if not cuda and slot.numel():  # on CUDA the device writes slot after submit: the worker checks it
         lo, hi = int(slot.min()), int(slot.max())
         if lo < -1 or hi >= E:
