@@ -194,3 +194,44 @@ def test_profile_refuses_before_loading(flags, says, tmp_path, monkeypatch, caps
     monkeypatch.setattr(engine.LLM, "__init__", lambda *a, **k: pytest.fail("the model was loaded"))
     assert main(["profile", "--model", "tiny-qwen3-moe", "--quiet", *flags]) == 2
     assert says in capsys.readouterr().err
+
+
+def test_the_expert_workers_jobs_pair_with_their_flags_in_stream_order():
+    """A layer: the attention job's flags, then the experts' job's flags, on one compute stream
+    (times in ms). The attention job sees q at 1.1 and is done at 3.0; the experts' job sees its
+    inputs at 4.2 and is done at 6.0."""
+    device = [_ev("_store", 7, 1.0, 1.01), _ev("_wait", 7, 2.0, 3.05), _ev("_store", 7, 4.0, 4.01), _ev("_wait", 7, 5.0, 6.1),
+              _ev("gemm", 7, 4.1, 4.9)]
+    jobs = [Job(int(0.5 * MS), int(4.2 * MS), int(6.0 * MS), "experts"), Job(int(0.2 * MS), int(1.1 * MS), int(3.0 * MS))]
+    (step,) = build_steps([(0, 20 * MS)], device, jobs, [int(0.4 * MS)])
+    rows = step.per_job()
+    assert [r["kind"] for r in rows] == ["attention", "experts"]
+    assert rows[1]["q_to_cpu_ms"] == pytest.approx(0.19) and rows[1]["gpu_wait_ms"] == pytest.approx(1.1)
+    assert rows[0]["issue_lead_ms"] == pytest.approx(0.6) and rows[1]["issue_lead_ms"] is None  # issues are attention calls
+    summary = step.summary()
+    assert summary["cpu_attention_ms"] == pytest.approx(1.9) and summary["cpu_experts_ms"] == pytest.approx(1.8)
+    assert summary["median_cpu_ms"] == pytest.approx(1.9) and summary["median_expert_ms"] == pytest.approx(1.8)
+    text = format_summary(Timeline([step], "flags", 1_000))
+    assert "host experts 1.80 (1 expert jobs" in text
+
+
+def test_the_timeline_records_the_expert_workers_jobs(tmp_path, monkeypatch):
+    from writescope import LLM
+    from writescope.bench.timeline import decode_timeline, plot
+    from writescope.moe import async_experts
+    from writescope.moe.block import SparseMoeBlock
+    from writescope.moe.cpu_experts import kernel_available
+
+    if not kernel_available() or not cpu_kernel.kernel_available():
+        pytest.skip("the native kernels do not build here")
+    monkeypatch.setenv(async_experts.ENV, "on")
+    llm = LLM("tiny-qwen3-moe", progress=False, dtype="bfloat16", policy="static:0.5", window=16)
+    for b in (m for m in llm.model.modules() if isinstance(m, SparseMoeBlock)):
+        b.offload_experts(range(0, b.cfg.num_experts, 2))
+    tl = decode_timeline(llm, [list(range(3, 60)), list(range(5, 50))], steps=2, skip=1)
+    kinds = {j.kind for s in tl.steps for j in s.jobs}
+    assert "experts" in kinds
+    layers = llm.config.num_layers
+    assert all(s.summary()["expert_jobs"] == layers for s in tl.steps)  # one per MoE layer and step
+    plot(tl.steps[0], str(tmp_path / "t.png"))
+    assert (tmp_path / "t.png").stat().st_size > 0

@@ -7,7 +7,9 @@ steps of ``writescope profile --timeline`` (:func:`decode_timeline`):
 
 - the CPU worker's jobs (one per layer, or per half with micro-batches): when the worker took the
   job, saw its q (the ready flag) and set its done flag (:meth:`NativeWorker.take_trace
-  <writescope.attention.cpu_worker.NativeWorker.take_trace>`, CLOCK_MONOTONIC);
+  <writescope.attention.cpu_worker.NativeWorker.take_trace>`, CLOCK_MONOTONIC); and the native
+  expert worker's (moe/async_experts.py: the CPU's share of a layer's host experts), ``kind``
+  ``"experts"``, recorded the same way;
 - the device's activity from torch's profiler (CUPTI only): on the compute stream, the one-CTA flag
   kernels (``_store``: q is in host memory, the ready flag set; ``_wait``: the stream spinning on
   the done flag, i.e. the GPU waiting for the CPU) and every other kernel; the host-to-device
@@ -21,7 +23,8 @@ per step under the full profiler against 196-227 ms in bench rows on the H200). 
 (:func:`flag_offset`): a job's q is seen after its ``_store`` ended, and a ``_wait`` that was
 waiting ends after its job's done flag, which bounds the offset from both sides. Each CPU job is
 paired with the k-th ``_store`` and ``_wait`` of its step (one of each per job, in submission
-order). All times below are on the host's clock. The flags bound the offset by the two hand-off
+order; both workers' flags run on the compute stream in stream order, a layer's attention job
+before its experts' job, so the jobs of both kinds are paired in the order they saw their inputs). All times below are on the host's clock. The flags bound the offset by the two hand-off
 latencies, so ``q_to_cpu_ms`` and ``done_to_gpu_ms`` are split between themselves only within the
 alignment's uncertainty (printed); their sum is measured. Per job:
 
@@ -31,13 +34,13 @@ alignment's uncertainty (printed); their sum is measured. Per job:
 | ``q_to_cpu_ms`` | ``_store`` end -> seen | the worker noticing its q (0 when the worker was still busy with the last job: then it counts in ``cpu_ms`` of that job) |
 | ``done_to_gpu_ms`` | done -> ``_wait`` end | the device noticing the done flag (only where it was waiting) |
 | ``gpu_wait_ms`` | ``_wait`` start -> end | the compute stream idle, waiting for the CPU |
-| ``cpu_idle_ms`` | done -> next job's seen | the CPU side idle before its next layer: the hand-back, the merge, the layer's other work (O), the next q |
-| ``issue_lead_ms`` | the main thread enters the layer's attention (``attend_begin``) -> ``_store`` start | how far the main thread ran ahead of the device; near 0: the device waited for Python (issue-bound) |
+| ``cpu_idle_ms`` | done -> next job's seen | the CPU side idle before its next job (of either worker): the hand-back, the merge, the layer's other work (O), the next inputs |
+| ``issue_lead_ms`` | the main thread enters the layer's attention (``attend_begin``) -> ``_store`` start | how far the main thread ran ahead of the device; near 0: the device waited for Python (issue-bound); attention jobs only |
 
 The step's ``link_busy`` is the union of its host-to-device copies over the step (kernels reading
 pinned memory in place, such as ``WRITESCOPE_LOAD_READ=in-place`` or host experts read over PCIe,
 use the link too but are kernels, not copies: they count in ``gpu_busy``); ``cpu_busy`` the sum of
-its jobs; ``gpu_busy`` the union of the device's kernels on every stream other than the flag kernels.
+its jobs (``cpu_attention`` and ``cpu_experts`` by kind); ``gpu_busy`` the union of the device's kernels on every stream other than the flag kernels.
 """
 
 from __future__ import annotations
@@ -65,11 +68,13 @@ class DeviceEvent:
 
 @dataclass
 class Job:
-    """One CPU worker job in ns of the profiler's clock (see the module doc)."""
+    """One CPU worker job in ns of the profiler's clock (see the module doc): ``kind``
+    ``"attention"`` (the CPU attention worker) or ``"experts"`` (the native expert worker)."""
 
     taken: int
     seen: int
     done: int
+    kind: str = "attention"
 
 
 @dataclass
@@ -93,13 +98,15 @@ class StepTimeline:
         """Per CPU job, the figures of the module doc in ms (a figure is None where its pairing is
         missing: a job without its ``_store`` or ``_wait`` in this step)."""
         paired = len(self.stores) == len(self.jobs) == len(self.waits)
+        attention = [i for i, j in enumerate(self.jobs) if j.kind == "attention"]
+        lead = dict(zip(attention, self.issues)) if paired and len(self.issues) == len(attention) else {}
         rows = []
         for i, j in enumerate(self.jobs):
-            row = {"cpu_ms": (j.done - j.seen) / 1e6, "q_to_cpu_ms": None, "done_to_gpu_ms": None, "gpu_wait_ms": None,
+            row = {"kind": j.kind, "cpu_ms": (j.done - j.seen) / 1e6, "q_to_cpu_ms": None, "done_to_gpu_ms": None, "gpu_wait_ms": None,
                    "cpu_idle_ms": (self.jobs[i + 1].seen - j.done) / 1e6 if i + 1 < len(self.jobs) else None,
                    "issue_lead_ms": None}
-            if paired and len(self.issues) == len(self.jobs):
-                row["issue_lead_ms"] = (self.stores[i].start - self.issues[i]) / 1e6
+            if i in lead:
+                row["issue_lead_ms"] = (self.stores[i].start - lead[i]) / 1e6
             if paired:
                 st, wt = self.stores[i], self.waits[i]
                 ready = max(st.end, self.jobs[i - 1].done if i else st.end)  # a busy worker sees q when it is done with the last job
@@ -112,14 +119,19 @@ class StepTimeline:
     def summary(self) -> dict:
         """The step in ms: its length, the CPU's, the GPU's and the link's busy time, the GPU's
         waits for the CPU, and the medians of the per-job figures."""
+        busy = {k: sum(j.done - j.seen for j in self.jobs if j.kind == k) / 1e6 for k in ("attention", "experts")}
         out = {"step_ms": self.ms, "jobs": len(self.jobs), "cpu_busy_ms": sum(j.done - j.seen for j in self.jobs) / 1e6,
+               "expert_jobs": sum(j.kind == "experts" for j in self.jobs),
+               "cpu_attention_ms": busy["attention"], "cpu_experts_ms": busy["experts"],
                "gpu_busy_ms": _union(self.kernels, self.start, self.end) / 1e6,
                "gpu_wait_ms": sum(w.end - w.start for w in self.waits) / 1e6,
                "link_busy_ms": _union(self.copies, self.start, self.end) / 1e6}
         rows = self.per_job()
         for k in ("cpu_ms", "q_to_cpu_ms", "done_to_gpu_ms", "gpu_wait_ms", "cpu_idle_ms", "issue_lead_ms"):
-            xs = [r[k] for r in rows if r[k] is not None]
+            xs = [r[k] for r in rows if r[k] is not None and (k != "cpu_ms" or r["kind"] == "attention")]
             out[f"median_{k}"] = statistics.median(xs) if xs else None
+        xs = [r["cpu_ms"] for r in rows if r["kind"] == "experts"]
+        out["median_expert_ms"] = statistics.median(xs) if xs else None
         return out
 
 
@@ -248,6 +260,9 @@ def format_summary(timeline: Timeline) -> str:
     device = any(s.kernels or s.copies or s.waits or s.stores for s in steps)
     if not device:  # CPU tensors stand in for the device (no CUDA): only the worker's side is timed
         lines[1] = f"  step {step:.2f} ms: CPU worker busy {med('cpu_busy_ms'):.2f} ({100 * med('cpu_busy_ms') / step:.0f}%) in {med('jobs'):.0f} jobs (no device)"
+    if med("expert_jobs") > 0:
+        lines[1] += (f"; of the CPU's busy time, attention {med('cpu_attention_ms'):.2f} and host experts {med('cpu_experts_ms'):.2f}"
+                     f" ({med('expert_jobs'):.0f} expert jobs, {med('median_expert_ms'):.3f} each)")
     if med("jobs") > 0:
         line = f"  per CPU job: attention {med('median_cpu_ms'):.3f}; idle before the next {med('median_cpu_idle_ms'):.3f}"
         if device:
@@ -259,21 +274,23 @@ def format_summary(timeline: Timeline) -> str:
 
 
 def to_json(timeline: Timeline) -> dict:
-    """The steps' summaries and per-job rows, and the first step's intervals (ms from its start)."""
+    """The steps' summaries and per-job rows, and the first step's intervals (ms from its start;
+    ``job_kinds`` beside ``jobs``)."""
     steps = timeline.steps
     out = {"aligned_by": timeline.aligned_by, "uncertainty_ns": timeline.uncertainty_ns,
            "steps": [dict(s.summary(), per_job=s.per_job()) for s in steps]}
     if steps:
         s = steps[0]
         ms = lambda t: (t - s.start) / 1e6  # noqa: E731
-        out["first_step"] = {"jobs": [[ms(j.taken), ms(j.seen), ms(j.done)] for j in s.jobs], "issues": [ms(t) for t in s.issues],
+        out["first_step"] = {"jobs": [[ms(j.taken), ms(j.seen), ms(j.done)] for j in s.jobs], "job_kinds": [j.kind for j in s.jobs],
+                             "issues": [ms(t) for t in s.issues],
                              **{k: [[e.name, ms(e.start), ms(e.end)] for e in getattr(s, k)] for k in ("stores", "waits", "kernels", "copies")}}
     return out
 
 
 def plot(step: StepTimeline, path: str, title: str = "") -> None:
-    """One step as a PNG: rows for the CPU worker (its jobs; the wait for q lighter), the compute
-    stream's kernels, its waits for the CPU, and the link's copies."""
+    """One step as a PNG: rows for the CPU worker's jobs (and the expert worker's, where it ran),
+    the compute stream's kernels, its waits for the CPU, and the link's copies."""
     import matplotlib
 
     matplotlib.use("Agg")
@@ -284,8 +301,10 @@ def plot(step: StepTimeline, path: str, title: str = "") -> None:
         ("link (H2D copies)", [(ms(e.start), ms(e.end) - ms(e.start)) for e in step.copies], "tab:green"),
         ("GPU waits for CPU", [(ms(e.start), ms(e.end) - ms(e.start)) for e in step.waits], "tab:red"),
         ("GPU kernels (any stream)", [(ms(e.start), ms(e.end) - ms(e.start)) for e in step.kernels], "tab:blue"),
-        ("CPU worker", [(ms(j.seen), ms(j.done) - ms(j.seen)) for j in step.jobs], "tab:orange"),
+        ("CPU worker", [(ms(j.seen), ms(j.done) - ms(j.seen)) for j in step.jobs if j.kind == "attention"], "tab:orange"),
     ]
+    if any(j.kind == "experts" for j in step.jobs):
+        rows.append(("CPU expert worker", [(ms(j.seen), ms(j.done) - ms(j.seen)) for j in step.jobs if j.kind == "experts"], "tab:purple"))
     fig, ax = plt.subplots(figsize=(14, 3.6))
     rows.append(("main thread issues", [(ms(t), step.ms / 1500) for t in step.issues], "black"))
     for y, (_, spans, color) in enumerate(rows):
@@ -339,7 +358,8 @@ def decode_timeline(llm, prompt_token_ids: list[list[int]], steps: int = 3, skip
     decoder = getattr(llm.cache, "decoder", None)
     stamps: list[int] = []  # perf_counter_ns after each decode step (synchronised)
     issues: list[int] = []  # perf_counter_ns as the main thread enters each decode call's attention
-    traced: list = []  # the native worker, once made (by the first decode step with a CPU part)
+    traced: list = []  # the native workers, once made (by the first decode step with a CPU part): (worker, kind)
+    experts = getattr(llm, "expert_worker", None)
     # the profiler's step 0 holds the prefill and the first decode step: wait; then skip warm-up steps
     prof = profile(activities=[ProfilerActivity.CUDA], schedule=schedule(wait=1, warmup=skip, active=steps, repeat=1)) if cuda else None
 
@@ -347,22 +367,24 @@ def decode_timeline(llm, prompt_token_ids: list[list[int]], steps: int = 3, skip
         synchronize(llm.device)
         stamps.append(time.perf_counter_ns())
         native = getattr(decoder, "worker", None)
-        if native is not None and not traced:
-            native.trace(True)
-            traced.append(native)
+        expert = getattr(experts, "running", None)
+        for w, kind in ((native, "attention"), (expert, "experts")):
+            if w is not None and all(t is not w for t, _ in traced):
+                w.trace(True)
+                traced.append((w, kind))
         if prof is not None:
             prof.step()
 
     try:
         run_decode_steps(llm, prompt_token_ids, steps, skip, on_step, on_attention=lambda: issues.append(time.perf_counter_ns()), around=prof)
     finally:
-        recorded = traced[0].take_trace() if traced else []
-        if traced:
-            traced[0].trace(False)
+        recorded = [(rec, kind) for w, kind in traced for rec in w.take_trace()]
+        for w, _ in traced:
+            w.trace(False)
     window = stamps[skip : skip + steps + 1]  # laid-out step j runs from stamp j - 1 to stamp j
     if len(window) < 2:
         return Timeline([], "host", None)
-    jobs = [Job(t, s, d) for _, t, s, d in recorded if window[0] <= s < window[-1]]
+    jobs = [Job(t, s, d, kind) for (_, t, s, d), kind in recorded if window[0] <= s < window[-1]]
     device, aligned_by, uncertainty = [], "host", None
     if prof is not None:
         device = device_events(prof.profiler.kineto_results.events())

@@ -69,6 +69,11 @@ class WorkerHandle:
                 warnings.warn(f"native expert worker unavailable ({e}); host experts run on the issuing thread", stacklevel=3)
         return self._worker
 
+    @property
+    def running(self):
+        """The worker if it has started, else None (does not start it)."""
+        return self._worker
+
     def close(self) -> None:
         """Finish the queued jobs and stop the worker (made again on the next use).
 
