@@ -105,11 +105,16 @@ def test_core_plan_names_the_worker_the_kernel_path_and_the_experts(monkeypatch)
 
     block = SimpleNamespace(host_experts=frozenset({3}), uses_host_kernel=lambda dtype: dtype is torch.bfloat16)
     llm = SimpleNamespace(attention_threads=15, expert_threads=16, cpu_attention="C++ kernel (amx)", device=torch.device("cuda"),
-                          dtype=torch.bfloat16, _moe_blocks=[block, SimpleNamespace(host_experts=frozenset())])
+                          dtype=torch.bfloat16, _moe_blocks=[block, SimpleNamespace(host_experts=frozenset())], max_batch=4,
+                          expert_worker=SimpleNamespace(threads=15))
     monkeypatch.delenv("WRITESCOPE_CPU_WORKER", raising=False)
     line = core_plan(llm)
     assert "attention 15 (the native C++ worker, C++ kernel (amx))" in line
-    assert "16 threads for the host experts the CPU computes (C++ kernel" in line and "main thread issues the GPU work" in line
+    assert "16 threads for the host experts the CPU computes (on the issuing thread, C++ kernel" in line
+    assert "main thread issues the GPU work" in line
+    block.takes_async = lambda dtype, device, tokens: tokens == 4
+    assert "15 threads for the host experts the CPU computes (on the native expert worker, C++ kernel" in core_plan(llm)
+    del block.takes_async
     monkeypatch.setenv("WRITESCOPE_CPU_WORKER", "python")
     llm.dtype, llm._moe_blocks = torch.float32, [block]
     line = core_plan(llm)
