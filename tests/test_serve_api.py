@@ -474,3 +474,46 @@ def test_disconnect_cancels_every_choice(server):
                     break  # a token in: the loop's iterator, dropped here, closes the connection (hangs up)
     wait_until(lambda: metrics(server.url).get(key, 0) == before + 2, "both choices to be aborted")
     wait_until(lambda: server.engine.snapshot()["kv_slots"] == 0, "their KV to be freed")
+
+
+# ---------------------------------------------------------------- work off the event loop
+def test_prompts_are_tokenized_and_checked_off_the_event_loop(server, ref_llm, monkeypatch):
+    """A request's prompt is tokenized, and its ids checked, in a worker thread, not on the event
+    loop's (the server's thread): a prompt of millions of characters takes seconds there, and
+    /health must answer meanwhile. Completions (with echo alone too) and chat; a refusal found
+    there is the same answer."""
+    tok, check = server.state.tokenizer, server.engine.core.check
+    loop_threads, where = [], []
+
+    class Spy:  # the served tokenizer, recording where it encodes
+        def __getattr__(self, name):
+            return getattr(tok, name)
+
+        def encode(self, text):
+            where.append(("encode", threading.current_thread()))
+            return tok.encode(text)
+
+    def spy_check(ids, max_tokens):
+        where.append(("check", threading.current_thread()))
+        return check(ids, max_tokens)
+
+    real_render = server.state.metrics.render
+
+    def render():  # /metrics' route runs on the loop: its thread is the loop's
+        loop_threads.append(threading.current_thread())
+        return real_render()
+
+    monkeypatch.setattr(server.state, "tokenizer", Spy())
+    monkeypatch.setattr(server.engine.core, "check", spy_check)
+    monkeypatch.setattr(server.state.metrics, "render", render)
+    assert httpx.get(server.url + "/metrics").status_code == 200
+    assert loop_threads == [server.thread]
+    assert complete(server, prompt=PROMPT, max_tokens=2)["choices"][0]["finish_reason"] == "length"
+    assert complete(server, prompt=PROMPT, max_tokens=0, echo=True)["choices"][0]["text"] == PROMPT
+    r = post(server, "/v1/chat/completions", messages=CHAT, max_tokens=2)
+    assert r.status_code == 200, r.text
+    r = post(server, "/v1/completions", prompt=PROMPT, max_tokens=MAX_LEN)  # beyond max_model_len: found by the check
+    assert r.status_code == 400 and "beyond this server's max_model_len" in r.json()["error"]["message"], r.text
+    assert r.json()["error"]["param"] == "max_tokens"
+    assert [w for w, _ in where] == ["encode", "check"] * 4
+    assert all(t is not server.thread for _, t in where), where

@@ -34,7 +34,9 @@ class Tokenizer:
         return self._tok.get_vocab_size()
 
     def encode(self, text: str) -> list[int]:
-        return self._tok.encode(text, add_special_tokens=False).ids
+        # encode_batch, not encode: the same ids, but it lets go of the GIL while it works (seconds for a
+        # prompt of millions of characters), so the server's event loop answers meanwhile (it encodes off the loop)
+        return self._tok.encode_batch([text], add_special_tokens=False)[0].ids
 
     def decode(self, ids: list[int]) -> str:
         return self._tok.decode([i for i in ids if 0 <= i < self.vocab_size], skip_special_tokens=True)

@@ -34,7 +34,7 @@ import hmac
 import json
 import time
 import uuid
-from contextlib import asynccontextmanager
+from contextlib import asynccontextmanager, contextmanager
 from dataclasses import dataclass, field
 
 from fastapi import FastAPI, Request
@@ -201,14 +201,12 @@ def build_app(state: ServerState, on_shutdown=None) -> FastAPI:
             raise APIError(404, f"model {body.model!r} is not served here: this server serves {state.model_name!r} "
                                 "(GET /v1/models)", "invalid_request_error", "model")
 
-    def _submit(engine: AsyncEngine, ids: list[int], max_tokens: int | None, body, prompt_field: str = "prompt"):
-        if max_tokens is None:  # chat without a limit: the rest of the context
-            max_tokens = max(1, engine.max_model_len - len(ids))
+    @contextmanager
+    def _api_errors(engine: AsyncEngine, ids: list[int], prompt_field: str):
+        """The engine's refusals as the API's errors, named with the body's fields."""
         try:
-            if max_tokens == 0:  # echo alone (the protocol allows 0 with echo only): nothing for the engine to do
-                return prompt_only(engine, ids, body.n)
-            return engine.submit(ids, _params(body, max_tokens))
-        except ArgError as e:  # named with the body's fields
+            yield
+        except ArgError as e:
             param = e.names[0] if e.names else None
             if param == "max_tokens" and len(ids) >= engine.max_model_len:  # no room left by the prompt alone
                 param = prompt_field
@@ -220,24 +218,56 @@ def build_app(state: ServerState, on_shutdown=None) -> FastAPI:
         except EngineDead as e:
             raise APIError(503, str(e), "service_unavailable") from None
 
+    def _checked(engine: AsyncEngine, ids: list[int], max_tokens: int | None, body, prompt_field: str) -> SamplingParams | None:
+        """The request's sampling parameters, the request checked as the engine would check it
+        (in a worker thread: a long prompt's check takes time); None for ``echo`` alone
+        (``max_tokens`` 0: nothing for the engine to do)."""
+        if max_tokens is None:  # chat without a limit: the rest of the context
+            max_tokens = max(1, engine.max_model_len - len(ids))
+        with _api_errors(engine, ids, prompt_field):
+            if max_tokens == 0:  # echo alone (the protocol allows 0 with echo only)
+                engine.core.check(ids, 0)
+                return None
+            params = _params(body, max_tokens)
+            engine.check(ids, params)
+            return params
+
+    def _submit(engine: AsyncEngine, ids: list[int], params: SamplingParams | None, body, prompt_field: str):
+        """On the event loop, after :func:`_checked` (in a worker thread) passed."""
+        with _api_errors(engine, ids, prompt_field):
+            if params is None:
+                return prompt_only(engine, ids, body.n, checked=True)
+            return engine.submit(ids, params, checked=True)
+
     @app.post("/v1/completions")
     async def completions(body: CompletionRequest, request: Request):
         engine = _engine()
         _check_model(body)
-        ids = state.tokenizer.encode(body.prompt) if isinstance(body.prompt, str) else list(body.prompt)
-        stream = _submit(engine, ids, body.max_tokens, body)
-        echo = prompt_text(body.prompt, ids, state.tokenizer) if body.echo else None
+
+        def prepare():  # off the event loop: tokenizing and checking a long prompt takes seconds
+            ids = state.tokenizer.encode(body.prompt) if isinstance(body.prompt, str) else list(body.prompt)
+            params = _checked(engine, ids, body.max_tokens, body, "prompt")
+            return ids, params, prompt_text(body.prompt, ids, state.tokenizer) if body.echo else None
+
+        ids, params, echo = await asyncio.to_thread(prepare)
+        stream = _submit(engine, ids, params, body, "prompt")
         return await _respond(request, engine, stream, body, chat=False, echo=echo)
 
     @app.post("/v1/chat/completions")
     async def chat_completions(body: ChatCompletionRequest, request: Request):
         engine = _engine()
         _check_model(body)
-        try:
-            text = state.chat_template.render([{"role": m.role, "content": m.text()} for m in body.messages])
-        except ValueError as e:
-            raise APIError(400, str(e), "invalid_request_error", "messages") from None
-        stream = _submit(engine, state.tokenizer.encode(text), body.max_new, body, "messages")
+
+        def prepare():  # off the event loop, as completions'
+            try:
+                text = state.chat_template.render([{"role": m.role, "content": m.text()} for m in body.messages])
+            except ValueError as e:
+                raise APIError(400, str(e), "invalid_request_error", "messages") from None
+            ids = state.tokenizer.encode(text)
+            return ids, _checked(engine, ids, body.max_new, body, "messages")
+
+        ids, params = await asyncio.to_thread(prepare)
+        stream = _submit(engine, ids, params, body, "messages")
         return await _respond(request, engine, stream, body, chat=True)
 
     async def _respond(request: Request, engine: AsyncEngine, stream, body, chat: bool, echo: str | None = None):

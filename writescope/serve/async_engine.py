@@ -124,18 +124,17 @@ class AsyncEngine:
         self._thread.start()
 
     # ------------------------------------------------------------ handler side
-    def submit(self, prompt_ids: list[int], params: SamplingParams) -> RequestStream:
-        """Queue the ``params.n`` choices of one prompt (call on the event loop); returns their
-        stream. Choice ``i`` samples with ``params.seed + i`` when a seed is given (else each its
-        own engine seed), so the choices differ under sampling and are reproducible.
+    def check(self, prompt_ids: list[int], params: SamplingParams) -> None:
+        """Refuse a request :meth:`submit` would refuse as one that could never run (not for a
+        full queue): what takes time for a long prompt (its ids checked against the vocabulary).
+        Safe to call from any thread, so an HTTP handler runs it off the event loop, then submits
+        with ``checked=True``.
 
         Raises:
-            ArgError: a request that could never run (see :meth:`EngineCore.make_request`), ``n``
-                above ``max_queue`` (``max_num_seqs`` with ``max_queue`` 0), or ``n`` choices whose
-                KV could never be held at once (:meth:`Scheduler.check_group`).
-            QueueFull: fewer than ``n`` places are left of ``max_queue`` (with ``max_queue`` 0: of
-                ``max_num_seqs``, less the requests running or not admitted yet).
             EngineDead: the engine stopped.
+            ArgError: ``n`` above ``max_queue`` (``max_num_seqs`` with ``max_queue`` 0), a request
+                that could never run (see :meth:`EngineCore.check`), or ``n`` choices whose KV
+                could never be held at once (:meth:`Scheduler.check_group`).
         """
         if not self._alive:
             raise EngineDead(self.error or "the engine is shut down")
@@ -144,11 +143,30 @@ class AsyncEngine:
                       (self.max_num_seqs, f"--max-num-seqs {self.max_num_seqs}, with --max-queue 0"))
         if n > limit:
             raise ArgError(f"n must be in [1, {limit}] ({why}), got {n}", "n")
-        choices = expand(params)
-        reqs = [self.core.make_request(prompt_ids, p, request_id=f"req-{next(self._ids)}", checked=i > 0)
-                for i, p in enumerate(choices)]  # the first is checked; the others are the same request
+        self.core.check(prompt_ids, params.max_tokens)
         if n > 1:
             self.core.scheduler.check_group(len(prompt_ids), params.max_tokens, n)
+
+    def submit(self, prompt_ids: list[int], params: SamplingParams, checked: bool = False) -> RequestStream:
+        """Queue the ``params.n`` choices of one prompt (call on the event loop); returns their
+        stream. Choice ``i`` samples with ``params.seed + i`` when a seed is given (else each its
+        own engine seed), so the choices differ under sampling and are reproducible.
+        ``checked``: :meth:`check` passed already for this prompt and ``params`` (not done again).
+
+        Raises:
+            EngineDead: the engine stopped.
+            ArgError: what :meth:`check` refuses (unless ``checked``).
+            QueueFull: fewer than ``n`` places are left of ``max_queue`` (with ``max_queue`` 0: of
+                ``max_num_seqs``, less the requests running or not admitted yet).
+        """
+        if not self._alive:
+            raise EngineDead(self.error or "the engine is shut down")
+        if not checked:
+            self.check(prompt_ids, params)
+        n = params.n
+        choices = expand(params)
+        reqs = [self.core.make_request(prompt_ids, p, request_id=f"req-{next(self._ids)}", checked=True)
+                for p in choices]  # checked above (the choices are the same request)
         with self._lock:
             # the batch's places, less those held or promised (submitted, not admitted yet: the scheduler
             # admits one a step, so a burst sits in _waiting while places are free); a request

@@ -23,15 +23,17 @@ def prompt_text(prompt: str | list[int], ids: list[int], tokenizer) -> str:
     return prompt if isinstance(prompt, str) else tokenizer.decode(ids)
 
 
-def prompt_only(engine: AsyncEngine, ids: list[int], n: int) -> RequestStream:
+def prompt_only(engine: AsyncEngine, ids: list[int], n: int, checked: bool = False) -> RequestStream:
     """The stream of ``n`` choices that generate nothing (``echo`` with ``max_tokens`` 0), every
     choice finished already; call on the event loop. Nothing is queued in the engine.
+    ``checked``: ``engine.core.check(ids, 0)`` passed already (off the loop: not done again).
 
     Raises:
         ArgError: a prompt no request could take (see
             :meth:`~writescope.engine.runner.EngineCore.check`).
     """
-    engine.core.check(ids, 0)
+    if not checked:
+        engine.core.check(ids, 0)
     stream = RequestStream([f"echo-{i}" for i in range(n)], asyncio.get_running_loop())
     for i, rid in enumerate(stream.request_ids):
         stream.queue.put_nowait((i, StepOutput(rid, finish_reason="length", prompt_tokens=len(ids))))
