@@ -328,7 +328,10 @@ def test_calibrate_cli(tmp_path, monkeypatch, capsys):
     out = capsys.readouterr().out
     assert "ns/token" in out and "r(L)" in out
     assert (tmp_path / "writescope" / "calibration.json").is_file()
+    capsys.readouterr()
     assert main(["calibrate", "--model", "tiny-qwen3-moe", "--batch", "0"]) == 2
+    err = capsys.readouterr().err
+    assert "--batch must be >= 1, got 0" in err and "--window" not in err  # names only the bad flag
 
 
 def test_fit_is_exact_on_a_line():

@@ -25,8 +25,9 @@ def run(args: argparse.Namespace) -> int:
 
     from writescope.engine.threads import check_cpu_threads
 
-    if args.window < 1 or args.batch < 1:
-        raise ValueError(f"--window and --batch must be >= 1, got {args.window}, {args.batch}")
+    for flag, value in (("--window", args.window), ("--batch", args.batch)):
+        if value < 1:
+            raise ValueError(f"{flag} must be >= 1, got {value}")
     check_cpu_threads(args.cpu_threads, "--cpu-threads")
     device = resolve_device(args.device)
     dtype = parse_dtype(args.dtype, device)
