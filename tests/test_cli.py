@@ -121,3 +121,17 @@ def test_core_plan_names_the_worker_the_kernel_path_and_the_experts(monkeypatch)
     assert "a Python thread pool" in line and "torch's GEMMs" in line
     llm._moe_blocks = []
     assert "experts: none in host memory" in core_plan(llm)
+
+
+def test_profile_prints_no_profiler_info_lines():
+    """kineto's "USDT: ... profiler_start" lines on stderr stay out of profile's output (its log
+    level is read when the profiler first starts in a process: hence a fresh process)."""
+    import os
+    import subprocess
+    import sys
+
+    env = {k: v for k, v in os.environ.items() if k != "KINETO_LOG_LEVEL"}
+    out = subprocess.run([sys.executable, "-m", "writescope.cli.main", "profile", "--model", "tiny-qwen3-moe", "--batch", "2",
+                          "--context", "64", "--steps", "1", "--policy", "static:0.5"], capture_output=True, text=True, env=env, timeout=600)
+    assert out.returncode == 0, out.stderr[-2000:]
+    assert "decode step" in out.stdout and "USDT" not in out.stderr + out.stdout

@@ -54,6 +54,11 @@ def _suffixed(path: Path | None, entry: str, many: bool) -> Path | None:
 
 
 def run(args: argparse.Namespace) -> int:
+    import os
+
+    # the profiler's own info lines ("USDT: ... profiler_start") on stderr, once per profiled pass:
+    # kineto reads its log level when the profiler first starts (6: errors only); a value the user set stays
+    os.environ.setdefault("KINETO_LOG_LEVEL", "6")
     import torch
 
     from writescope.bench import switches
