@@ -98,6 +98,8 @@ def test_calibrate_cli_flags_a_clamped_fit(tmp_path, monkeypatch, capsys, fake_l
     assert "CLAMPED" in alone and "GB/s" in alone
     assert "WARNING: 1 fit(s) stayed outside this machine's physical limits" in out
     assert "does not grow with the tokens" in out and "limits here: host read 10.0 GB/s" in out
+    # the limit it was held to is printed with its margin (2 x 10 GB/s), not only the measured 10
+    assert "a [CLAMPED] fit is held to: A at most 2x this machine's host read rate of 10.0 GB/s = 20.0 GB/s" in out
     a_line = next(ln for ln in out.splitlines() if ln.strip().startswith("A (CPU"))
     assert "CLAMPED" not in a_line
 

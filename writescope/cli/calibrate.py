@@ -21,6 +21,7 @@ def add_parser(sub) -> None:
 def run(args: argparse.Namespace) -> int:
     from writescope.engine.model_loader import parse_dtype, resolve_config, resolve_device
     from writescope.scheduler import calibrate as cal
+    from writescope.scheduler.limits import Limits
     from writescope.scheduler.roofline import WriteScopePolicy, roofline_share
 
     from writescope.engine.threads import check_cpu_threads
@@ -54,6 +55,10 @@ def run(args: argparse.Namespace) -> int:
              "them, as that KV is") if size else ""
     print(f"  limits here: host read {lims['host_read_gbs']:.1f} GB/s"
           + ("" if lims["load_path"] == "host read" else f", {lims['load_path']} {lims['load_gbs']:.1f} GB/s") + f" (measured{where})")
+    if bad:  # what a clamped fit was held to: the limit times its margin, not the limit itself
+        cpu_max = Limits(lims["host_read_gbs"], lims["load_gbs"], lims["load_path"]).max_gbs
+        print(f"  a [CLAMPED] fit is held to: A at most {cpu_max('cpu')[1]} = {cpu_max('cpu')[0]:.1f} GB/s; "
+              f"B at most {cpu_max('load')[1]} = {cpu_max('load')[0]:.1f} GB/s")
     print(f"  A (CPU, compute region)     {r.a * 1e9:10.3f} ns/token  = {tok_bytes / r.a / 1e9:6.1f} GB/s{flag('A and')}")
     print(f"  B (GPU, load region)        {r.b * 1e9:10.3f} ns/token  = {tok_bytes / r.b / 1e9:6.1f} GB/s{flag('B and')}")
     print(f"  C_cpu, C_gpu (fixed/step)   {r.c_cpu * 1e3:.3f} ms, {r.c_gpu * 1e3:.3f} ms")
