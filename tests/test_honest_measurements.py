@@ -191,6 +191,27 @@ def test_bench_report_gives_each_ratio_its_spread_and_says_when_it_is_noise():
     assert "gpu 1.00x (2) [0.86-1.17, within the noise]" in format_speedups(_rows(noisy))
 
 
+def test_bench_report_says_a_difference_at_r_0_is_between_runs():
+    """writescope at r 0 places every block as gpu does: a decode ratio beyond the noise there is
+    the runs', and the line says so; within the noise, or at a split, it says nothing more."""
+    from writescope.bench.report import format_best
+
+    def rows(runs, r):
+        out = _rows(runs)
+        for row in out:
+            if row.policy == "writescope":
+                row.r_deployed = r
+        return out
+
+    apart = {(8192, "gpu"): ([10.0, 10.4, 9.8], [2.0, 2.1, 1.9]), (8192, "writescope"): ([11.5, 11.4, 11.6], [1.9, 2.0, 1.8])}
+    note = "r 0 is gpu's placement, so this difference is between runs, not policies"
+    assert note in format_best(rows(apart, 0.0))
+    assert note not in format_best(rows(apart, 0.25))
+    by_context = {ln.split(":")[0]: ln for ln in format_best(rows(RUNS, 0.0)).splitlines()}
+    assert note not in by_context["  batch 1 context 8192"]  # decode within the noise there
+    assert note in by_context["  batch 1 context 16384"]
+
+
 def test_bench_report_without_repeats_says_no_spread_was_measured():
     from writescope.bench.report import format_best
 

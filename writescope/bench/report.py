@@ -178,6 +178,9 @@ def format_best(rows: list[BenchRow]) -> str:
             attn = run_ratio(g, w, "attn_ms_per_layer")
             tok = run_ratio(w, g, "step_tok_s")
             text += f" (attention {format_ratio(*attn)}, decode {format_ratio(*tok)} over gpu)"
+            if all(x.r_deployed == 0 for x in w) and not (tok[1] <= 1 <= tok[2]):
+                # r 0 places every block as gpu does: the same work, so the difference is the runs'
+                text += "; r 0 is gpu's placement, so this difference is between runs, not policies"
         lines.append(f"  batch {b} context {c}: best {r.policy} ({r.attn_ms_per_layer:.2f} ms); {text}")
     if not any(len(g) > 1 for g in groups.values()):
         lines.append("  (one run per configuration: no spread measured, a ratio may be noise; --repeats 3 measures it)")
