@@ -3,7 +3,6 @@
 from __future__ import annotations
 
 import argparse
-import asyncio
 import os
 import signal
 import sys
@@ -11,6 +10,7 @@ import threading
 import time
 
 from writescope.cli.experts import add_stream_share_flag, check_stream_share
+from writescope.errors import plural
 
 FLAGS = {"max_batch": "--max-num-seqs", "max_num_seqs": "--max-num-seqs", "seed": "--weight-seed",
          "num_layers": "writescope generate --num-layers"}  # serve loads whole models
@@ -51,10 +51,10 @@ def add_parser(sub) -> None:
 
 def run(args: argparse.Namespace) -> int:
     try:
-        import uvicorn
+        import uvicorn  # noqa: F401 - the serve extra (its absence is said below)
 
         from writescope.serve.app import ServerState, build_app
-        from writescope.serve.server import uvicorn_config
+        from writescope.serve.server import GRACEFUL_SHUTDOWN_S, Server, uvicorn_config
     except ImportError as e:
         print(f"writescope serve: error: {e.name} is not installed: in the project's clone, pip install -e '.[serve]' "
               "(the README's way; from a package index: pip install 'writescope[serve]')", file=sys.stderr)
@@ -80,26 +80,14 @@ def run(args: argparse.Namespace) -> int:
               file=sys.stderr)
 
     state = ServerState(args.served_model_name or args.model, api_key=args.api_key)
-    server = uvicorn.Server(uvicorn_config(build_app(state), args.host, args.port, args.log_level))
+    # a stop lets the requests in flight finish for GRACEFUL_SHUTDOWN_S, then fails those still running (503)
+    server = Server(uvicorn_config(build_app(state), args.host, args.port, args.log_level), state)
     threading.Thread(target=_load, args=(args, state, server), name="writescope-load", daemon=True).start()
     stopped = []
 
     def stop(signum, frame):  # uvicorn hands the Ctrl-C it stopped on back once it is done: the stop asked for, not an error
         stopped.append(signum)
         server.should_exit = True
-
-    uvicorn_exit = server.handle_exit  # what uvicorn's own signal handlers call while it serves
-
-    def handle_exit(signum, frame):
-        # requests in flight end now (finish_reason "abort"), so their connections close and uvicorn's graceful
-        # wait for them does not run out and cancel them; as a loop callback, never inside a handler's submit
-        try:
-            asyncio.get_running_loop().call_soon_threadsafe(_stop_engine, state)
-        except RuntimeError:  # no loop running on this thread
-            _stop_engine(state)
-        uvicorn_exit(signum, frame)
-
-    server.handle_exit = handle_exit
 
     main_thread = threading.current_thread() is threading.main_thread()
     previous = {sig: signal.signal(sig, stop) for sig in (signal.SIGINT, signal.SIGTERM)} if main_thread else {}
@@ -120,16 +108,10 @@ def run(args: argparse.Namespace) -> int:
         return 2
     if stopped:
         how = "Ctrl-C" if stopped[-1] == signal.SIGINT else "SIGTERM"  # uvicorn hands them back newest first
-        print(f"writescope serve: stopped ({how}): requests in flight were cancelled (finish_reason \"abort\")", file=sys.stderr)
+        failed = (f": {plural(state.failed_at_stop, 'request')} still running after the {GRACEFUL_SHUTDOWN_S} s grace "
+                  "got 503" if state.failed_at_stop else "")
+        print(f"writescope serve: stopped ({how}){failed}", file=sys.stderr)
     return 0
-
-
-def _stop_engine(state) -> None:
-    """Stop taking requests and cancel the ones in flight (the engine thread ends them); a model still
-    loading is not served once it is ready (``closing``)."""
-    state.closing = True
-    if state.engine is not None:
-        state.engine.shutdown(timeout=0)
 
 
 def check_before_listening(args: argparse.Namespace) -> None:

@@ -8,7 +8,9 @@ needs ``Authorization: Bearer KEY`` (401 otherwise). Errors are OpenAI's JSON sh
 prompt beyond the limits, an unknown field, one of OpenAI's fields this server does not implement
 at a value that would change the result: writescope/serve/protocol.py), 401, 404 for an unknown
 model, 404 or 405 for a path or method that is no route (naming the routes), 503 with Retry-After
-when the queue is full or the model is loading, 500 when the engine failed on the request.
+when the queue is full or the model is loading, 503 when the server stopped before the request
+finished (the grace after a stop ran out: writescope/serve/server.py), 500 when the engine failed
+on the request. A stream already started ends with an error event of that shape, then ``[DONE]``.
 
 Sampling fields: OpenAI's ``max_tokens`` (chat: also ``max_completion_tokens``), ``temperature``,
 ``top_p``, ``seed``, ``stop`` (up to 4 strings: the text ends before the first one generated,
@@ -53,6 +55,7 @@ from writescope.serve.metrics import ServeMetrics
 from writescope.serve.protocol import VALUE_WORDED, ChatCompletionRequest, CompletionRequest
 
 RETRY_AFTER_S = 1  # what a 503 tells the client to wait (seconds)
+UNFINISHED = ("error", "abort")  # the engine's finish reasons of a request it ended unfinished: never an API finish_reason
 MAX_BODY_BYTES = 16 * 2**20
 
 
@@ -70,6 +73,8 @@ class ServerState:
     load_error: str | None = None
     created: int = field(default_factory=lambda: int(time.time()))
     closing: bool = False  # the server is stopping (Ctrl-C, SIGTERM): a model that finishes loading is not served
+    stopped: str | None = None  # set by stop(): why the requests still running are failed
+    failed_at_stop: int = 0  # requests failed so (503), as their routes answered
 
     def ready(self, engine: AsyncEngine, tokenizer, chat_template: ChatTemplate | None = None) -> None:
         """The model is loaded: start serving (the engine's thread is started here)."""
@@ -82,6 +87,15 @@ class ServerState:
         self.engine = engine
         if self.closing:  # a stop came as the engine started (it sets closing before it reads engine): stop it too
             engine.shutdown(timeout=0)
+
+    def stop(self, why: str) -> None:
+        """The grace after a stop is over (writescope/serve/server.py): the engine stops, and the
+        requests still running are failed (503, or a streamed error event; ``why`` says why, in
+        their answer); a model still loading is not served. Call on the event loop."""
+        self.closing = True
+        self.stopped = why
+        if self.engine is not None:
+            self.engine.shutdown(timeout=0)  # the engine thread ends the requests (finish_reason "abort")
 
 
 class APIError(Exception):
@@ -140,7 +154,7 @@ def build_app(state: ServerState, on_shutdown=None) -> FastAPI:
     @asynccontextmanager
     async def lifespan(app):
         yield
-        if state.engine is not None:  # graceful: in-flight requests are cancelled, their KV freed
+        if state.engine is not None:  # the requests have ended (finished, or failed when the grace ran out: server.py)
             await asyncio.get_running_loop().run_in_executor(None, state.engine.shutdown)
         if on_shutdown is not None:
             on_shutdown()
@@ -281,12 +295,25 @@ def build_app(state: ServerState, on_shutdown=None) -> FastAPI:
         if choices is None:  # disconnected: nobody reads this
             return Response(status_code=499)
         if failed is not None:
-            raise APIError(500, f"the request failed inside the engine: {failed.error}", "server_error")
+            raise _failure(failed)
         return fmt.response(choices)
 
+    def _failure(out) -> APIError:
+        """The answer to a request the engine ended unfinished: finish_reason "error" (it failed
+        inside the engine: 500) or "abort" (the engine's, not the API's: the engine stopped it; the
+        routes' own cancels come when nobody reads): the server stopped and its grace ran out
+        (503), or the engine thread failed (500)."""
+        engine_error = state.engine.error if state.engine is not None else None
+        if out.finish_reason == "error" or engine_error is not None:
+            return APIError(500, f"the request failed inside the engine: {out.error or engine_error}", "server_error")
+        state.failed_at_stop += 1
+        why = state.stopped or "the engine was shut down"
+        return APIError(503, f"the server is shutting down: the request was cancelled before it finished ({why}): "
+                             "send it again once the server is back", "service_unavailable")
+
     async def _collect(request: Request, engine: AsyncEngine, stream) -> tuple[list[Choice] | None, object]:
-        """(every choice, None) once all finished; (choices, the failed output) when one failed
-        (the others are cancelled); (None, None) when the client went away first."""
+        """(every choice, None) once all finished; (choices, the failed output) when one failed or
+        was aborted by the engine (the others are cancelled); (None, None) when the client went away first."""
         choices = [Choice(i, state.tokenizer, streaming=False) for i in range(stream.n)]
         gone = asyncio.ensure_future(_disconnected(request))
         try:
@@ -299,7 +326,7 @@ def build_app(state: ServerState, on_shutdown=None) -> FastAPI:
                     return None, None
                 index, out = get.result()
                 choices[index].add([out])
-                if out.finish_reason == "error":
+                if out.finish_reason in UNFINISHED:
                     engine.cancel(stream)
                     return choices, out
                 if stream.seen(out):
@@ -324,7 +351,7 @@ def build_app(state: ServerState, on_shutdown=None) -> FastAPI:
                     per_choice.setdefault(index, []).append(out)
                     complete = stream.seen(out) or complete
                 for index, outs in per_choice.items():
-                    if outs[-1].finish_reason == "error":
+                    if outs[-1].finish_reason in UNFINISHED:
                         failed = outs[-1]
                         break
                     c = choices[index]
@@ -336,8 +363,8 @@ def build_app(state: ServerState, on_shutdown=None) -> FastAPI:
             if failed is not None:
                 engine.cancel(stream)  # the other choices, at once (before writing to a client that may be slow)
                 complete = True  # nothing left to cancel
-                err = {"message": f"the request failed inside the engine: {failed.error}", "type": "server_error",
-                       "param": None, "code": 500}
+                e = _failure(failed)
+                err = {"message": e.message, "type": e.type, "param": e.param, "code": e.status}
                 yield f"data: {json.dumps({'error': err})}\n\n"
             elif include_usage:
                 yield fmt.usage_chunk(usage(choices))
