@@ -216,3 +216,26 @@ def test_whole_model_on_the_worker_gives_the_same_tokens_on_cuda(monkeypatch):
     got = [o.token_ids for o in llm.generate(prompt_token_ids=prompts, sampling_params=params)]
     assert got == want
     llm.expert_worker.close()
+
+
+def test_share_for_chooses_from_the_expected_hits_before_routing():
+    from types import SimpleNamespace
+
+    from writescope.scheduler.expert_work import ExpertWork, expected_hit_experts
+
+    policy = SimpleNamespace(roofline=SimpleNamespace(b=1e-9, c_cpu=0.0, c_gpu=0.0), a=SimpleNamespace(value=1e-9))
+    decoder = SimpleNamespace(last_split=(0, 0))  # a decode step
+    block = SimpleNamespace(cfg=SimpleNamespace(num_experts=64, top_k=6), host_experts=frozenset(range(32)),
+                            host_pack=SimpleNamespace(expert_nbytes=1000))
+    m = round(expected_hit_experts(4, 64, 6) * 32 / 64)
+
+    def work(e, g):
+        return ExpertWork(e=e, g=g, host_fraction=0.5, expert_bytes=1000, num_experts=64, top_k=6, decoder=decoder, policy=policy)
+
+    fast_cpu, slow_cpu, even = work(1e-12, 1e-6), work(1e-6, 1e-12), work(1e-9, 1e-9)
+    assert fast_cpu.share_for(4, block) == 0.0 and fast_cpu.expected
+    assert slow_cpu.share_for(4, block) == 1.0
+    assert 0.0 < even.share_for(4, block) < 1.0  # as fast as each other: about half each
+    assert sum(even.take_counts()) == m  # the expected hits, counted as such
+    decoder.last_split = None  # a prefill: the block's fixed share applies
+    assert even.share_for(4, block) is None

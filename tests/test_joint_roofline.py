@@ -370,6 +370,9 @@ def test_a_bench_row_records_the_joint_expert_split():
     text = format_expert_split([row])
     assert text.startswith("the joint roofline's expert split") and "batch 2 context 40 writescope: 0.0 streamed" in text
     assert x["cpu_call_ms"] >= 0 and "ms a call" in text
+    assert x["expected"] is False and "expected counts" not in text  # counted on the host (the old path, fp32 here)
+    row.extra["expert_split"] = dict(x, expected=True)  # as the native expert worker's rows record it
+    assert "; expected counts, uniform routing: the split is made on the device" in format_expert_split([row])
     assert format_expert_split([]) == ""
 
 

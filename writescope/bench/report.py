@@ -222,7 +222,8 @@ def format_expert_split(rows: list[BenchRow]) -> str:
         x = median_run(ok).extra.get("expert_split") if ok else None
         if x:
             lines.append(f"  batch {b} context {c} {p}: {x['streamed_per_step']:.1f} streamed, {x['cpu_per_step']:.1f} on the CPU "
-                         f"(E {x['cpu_gbs']:.1f} GB/s + {x.get('cpu_call_ms', 0.0):.2f} ms a call, G {x['link_gbs']:.1f} GB/s)")
+                         f"(E {x['cpu_gbs']:.1f} GB/s + {x.get('cpu_call_ms', 0.0):.2f} ms a call, G {x['link_gbs']:.1f} GB/s)"
+                         + ("; expected counts, uniform routing: the split is made on the device, the host counts nothing" if x.get("expected") else ""))
     if not lines:
         return ""
     return "\n".join(["the joint roofline's expert split (hit host experts per decode step, all layers; "

@@ -86,6 +86,7 @@ class ExpertWork:
         self.decoder, self.policy = decoder, policy
         self.overlap = False  # see the module docstring
         self.n_streamed = self.n_computed = 0
+        self.expected = False  # the counters add up expected experts (share_for), not counted ones
         self.unmeasured = 0  # layer steps in a row that streamed every hit host expert (see PROBE_EVERY)
         self.why = ""  # why the split was taken over the in-place read, in words ("" when that was not possible)
         # decode passes of fewer tokens read their host experts in place instead (the blocks ask:
@@ -150,6 +151,7 @@ class ExpertWork:
             return None
         n = expected_hit_experts(tokens, block.cfg.num_experts, block.cfg.top_k) * len(block.host_experts) / block.cfg.num_experts
         m = max(1, round(n))
+        self.expected = True
         k = self.choose([block.host_pack.expert_nbytes] * m)
         return k / m
 
