@@ -534,3 +534,22 @@ def test_the_real_in_place_check_decides_whether_writescope_splits(monkeypatch):
     llm.model.to(llm.device)  # drops every block's pack until the next forward
     llm.set_policy("writescope", roofline=rf)
     assert llm.expert_work is None and llm.host_experts_in_decode() == in_place
+
+
+def test_the_expert_balance_switch_chooses_the_model(monkeypatch):
+    """``WRITESCOPE_EXPERT_BALANCE``: ``phase`` (the default) balances each expert phase alone,
+    ``joint`` counts the step's KV on each side with its experts (``overlap``); read when the
+    split is attached (a bench row's switch), a bad value refused naming it."""
+    from writescope.scheduler.expert_work import BALANCE_ENV, balance_from_env
+
+    llm = _half_on_host_llm()
+    rf = Roofline(a=1e-9, b=1e-9, c_cpu=0.0, c_gpu=0.0)
+    monkeypatch.delenv(BALANCE_ENV, raising=False)
+    llm.set_policy("writescope", roofline=rf)
+    assert llm.expert_work is not None and not llm.expert_work.overlap
+    monkeypatch.setenv(BALANCE_ENV, "joint")
+    llm.set_policy("writescope", roofline=rf)
+    assert llm.expert_work.overlap
+    monkeypatch.setenv(BALANCE_ENV, "both")
+    with pytest.raises(ValueError, match="WRITESCOPE_EXPERT_BALANCE='both'"):
+        balance_from_env()

@@ -24,6 +24,7 @@ def readers() -> dict[str, Callable[[], object]]:
     from writescope.env import env_choice
     from writescope.layers.attention import mla_prefill_mode
     from writescope.moe import async_experts, cpu_experts
+    from writescope.scheduler.expert_work import balance_from_env
     from writescope.kvcache.inplace import _micro_batches, _prefill_load_on_evict_stream
     from writescope.kvcache.spec import load_read_from_env, pingpong_buffers_from_env
     from writescope.models.graphs import graphs_wanted
@@ -51,6 +52,7 @@ def readers() -> dict[str, Callable[[], object]]:
         "WRITESCOPE_HUGE_PAGES": huge_pages_wanted,
         "WRITESCOPE_CPU_PREREAD": preread_from_env,
         "WRITESCOPE_EXPERT_WORKER": lambda: async_experts.worker_wanted(torch.device("cpu")),
+        "WRITESCOPE_EXPERT_BALANCE": balance_from_env,
     }
 
 
@@ -78,7 +80,8 @@ NAMES = ("WRITESCOPE_MICRO_BATCHES", "WRITESCOPE_MOE_KERNEL", "WRITESCOPE_LOAD_R
          "WRITESCOPE_PINGPONG_BUFFERS", "WRITESCOPE_GPU_ATTENTION", "WRITESCOPE_CUDA_GRAPHS", "WRITESCOPE_PREFILL_LOAD_STREAM", "WRITESCOPE_CPU_WORKER", "WRITESCOPE_CPU_PARTIAL",
          "WRITESCOPE_GPU_TILES", "WRITESCOPE_MLA_PREFILL", "WRITESCOPE_EXPERT_ISA", "WRITESCOPE_CPU_ATTENTION", "WRITESCOPE_CPU_ISA",
          "WRITESCOPE_CPU_TUNING", "WRITESCOPE_PINNED_POOL", "WRITESCOPE_CPU_THREADS", "WRITESCOPE_CPU_PIN",
-         "WRITESCOPE_HUGE_PAGES", "WRITESCOPE_CPU_PREREAD", "WRITESCOPE_EXPERT_WORKER")
+         "WRITESCOPE_HUGE_PAGES", "WRITESCOPE_CPU_PREREAD", "WRITESCOPE_EXPERT_WORKER",
+         "WRITESCOPE_EXPERT_BALANCE")
 
 
 OTHER_NAMES = ("WRITESCOPE_API_KEY",)  # read elsewhere (writescope serve's --api-key default), not a switch

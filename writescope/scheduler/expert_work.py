@@ -296,6 +296,25 @@ def split_from(blocks: list, most_tokens: int, e: float, g: float, overhead: flo
     return lo
 
 
+BALANCE_ENV = "WRITESCOPE_EXPERT_BALANCE"
+
+
+def balance_from_env() -> str:
+    """``WRITESCOPE_EXPERT_BALANCE``: ``phase`` (the default: each layer's expert phase balanced
+    alone, ``ExpertWork.overlap`` False) or ``joint`` (the split and r(L) from the joint model, the
+    step's KV on each side counted with its experts, ``overlap`` True). With the native expert
+    worker the link streams KV through the expert phase too (the next layer's copies run ahead),
+    which the phase balance does not count: Mixtral-8x7B's split lost to the CPU computing every
+    host expert in run 47; ``joint`` is the model that counts it, to be measured against ``phase``.
+
+    Raises:
+        ValueError: another value (names it).
+    """
+    from writescope.env import env_choice
+
+    return env_choice(BALANCE_ENV, ("phase", "joint"))
+
+
 def detach_expert_work(policy, blocks: list) -> None:
     """No per-step expert split: the blocks take their fixed ``stream_share`` (or read in place)."""
     for b in blocks:
@@ -373,6 +392,7 @@ def attach_expert_work(policy, decoder, blocks: list, kv_bytes_per_token: int, f
     work = ExpertWork(e, g, sum(len(b.host_experts) for b in blocks) / total, hosted[0].host_pack.expert_nbytes,
                       cfg.num_experts, cfg.top_k, decoder, policy, call=call)
     work.why, work.in_place_below = why, first
+    work.overlap = balance_from_env() == "joint"
     policy.experts = work
     for b in hosted:
         b.expert_work = work
