@@ -102,7 +102,7 @@ def test_an_empty_policy_list_is_refused_before_the_model_loads(no_model, capsys
 @pytest.mark.parametrize("value", ["1.5", "2k", "0", "4,x", "-1", "1_0"])
 def test_batch_takes_plain_sequence_counts(no_model, capsys, value):
     assert main(["bench", "--model", "tiny-qwen3-moe", "--batch", value, "--quiet"]) == 2
-    assert f"--batch {value!r}: a comma-separated list of sequence counts, e.g. 4,16" in capsys.readouterr().err
+    assert f"--batch {value!r}: a comma-separated list of sequence counts, each >= 1, e.g. 4,16" in capsys.readouterr().err
 
 
 def test_parse_counts_and_context_still_takes_token_counts():

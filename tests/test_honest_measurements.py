@@ -87,6 +87,21 @@ def test_a_fit_still_impossible_after_the_remeasure_is_clamped_and_flagged(monke
     assert r.a == pytest.approx(40e-9)  # the plausible fits are left as they are
 
 
+def test_a_first_use_calibration_with_a_clamped_fit_says_what_to_do(tmp_path, monkeypatch, fake_limits):
+    """generate's first writescope run calibrates on the way: a clamped fit warns in words a
+    newcomer can act on (the run goes on; calibrate again on a quieter machine), the details after."""
+    monkeypatch.setattr(cal, "store_path", lambda: tmp_path / "calibration.json")
+    monkeypatch.setattr(cal, "_measure", _fake(["flat"], []))
+    real = cal.calibrate
+    monkeypatch.setattr(cal, "calibrate", lambda *a, **k: real(*a, **dict(k, contexts=(1000, 2000, 4000))))
+    with pytest.warns(UserWarning) as got:
+        cal.load_or_calibrate(LAYOUT, 4, torch.float32, "cpu", progress=False)
+    text = str(got[0].message)
+    assert text.startswith("calibration: 1 fit(s) CLAMPED to this machine's limits")
+    assert "The run goes on" in text and "`writescope calibrate` on a quieter machine" in text
+    assert "Details: B alone and C_gpu alone" in text
+
+
 def test_calibrate_cli_flags_a_clamped_fit(tmp_path, monkeypatch, capsys, fake_limits):
     from writescope.cli.main import main
 

@@ -88,7 +88,7 @@ def parse_counts(text: str, flag: str) -> list[int]:
     for part in text.split(","):
         t = part.strip()
         if not (t.isascii() and t.isdigit()) or int(t) < 1:  # isdigit: no sign, point, k or "1_0"
-            raise ValueError(f"{flag} {text!r}: a comma-separated list of sequence counts, e.g. 4,16")
+            raise ValueError(f"{flag} {text!r}: a comma-separated list of sequence counts, each >= 1, e.g. 4,16")
         out.append(int(t))
     return out
 

@@ -318,7 +318,8 @@ def load_or_calibrate(layout, q_heads, dtype, device, window=256, cpu_threads=No
     roofline, detail = calibrate(layout, q_heads, dtype, device, window, cpu_threads=cpu_threads, progress=progress)
     save(device, shape, roofline, detail)
     if detail["implausible"]:
-        warnings.warn("calibration: fits outside this machine's physical limits after a re-measure, held inside them "
-                      f"(the CPU share from them is unreliable; `writescope calibrate` measures again): {'; '.join(detail['implausible'])}",
-                      stacklevel=2)
+        warnings.warn(f"calibration: {len(detail['implausible'])} fit(s) CLAMPED to this machine's limits (measured twice, still "
+                      "impossible; a busy or noisy machine does this). The run goes on; only the CPU share writescope picks "
+                      "may be off. To measure again: `writescope calibrate` on a quieter machine. "
+                      f"Details: {'; '.join(detail['implausible'])}", stacklevel=2)
     return roofline
