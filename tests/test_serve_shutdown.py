@@ -117,20 +117,31 @@ def test_requests_still_running_when_the_grace_ends_get_503(llm):
 
 def test_a_failed_engine_thread_fails_its_requests_with_500(llm):
     """The engine thread dying ends its requests (internally "abort"): the client gets 500 naming
-    the failure, not a 200 with finish_reason "abort"."""
+    the failure, not a 200 with finish_reason "abort" (nor no answer: the streamed request is
+    submitted while the failing step runs, so it is still in the engine's inbox when it dies)."""
     state = ServerState(MODEL)
     engine = AsyncEngine(llm, max_num_seqs=4, max_queue=4)
-    release = threading.Event()
+    inside, release = threading.Event(), threading.Event()
 
     def failing_step():
+        inside.set()
         release.wait(WAIT_S)
         raise RuntimeError("injected engine failure")
 
     engine.core.step = failing_step
     state.ready(engine, llm.tokenizer)
+    body = {"model": MODEL, "prompt": "in flight", "max_tokens": 5}
+    got: dict = {}
+
+    def send(stream: bool):
+        got[stream] = httpx.post(srv.url + "/v1/completions", json={**body, "stream": stream}, timeout=WAIT_S)
+
     with ServerThread(build_app(state)) as srv:
-        got, threads = send_both(srv, max_tokens=5)
-        wait_until(taken(engine, 2), "both requests to be taken")
+        threads = [threading.Thread(target=send, args=(False,)), threading.Thread(target=send, args=(True,))]
+        threads[0].start()
+        wait_until(inside.is_set, "the first request's step")
+        threads[1].start()
+        wait_until(taken(engine, 2), "the second request to be submitted")
         release.set()
         for t in threads:
             t.join(WAIT_S)
@@ -140,4 +151,6 @@ def test_a_failed_engine_thread_fails_its_requests_with_500(llm):
         assert last["error"]["code"] == 500 and "injected engine failure" in last["error"]["message"], last
         assert "abort" not in got[False].text + got[True].text
         assert httpx.get(srv.url + "/health").status_code == 503
+        r = httpx.post(srv.url + "/v1/completions", json=body, timeout=WAIT_S)
+        assert r.status_code == 503 and "injected engine failure" in r.json()["error"]["message"], r.text
     assert state.failed_at_stop == 0 and llm.cache.active_slots == []

@@ -167,7 +167,11 @@ class AsyncEngine:
         choices = expand(params)
         reqs = [self.core.make_request(prompt_ids, p, request_id=f"req-{next(self._ids)}", checked=True)
                 for p in choices]  # checked above (the choices are the same request)
-        with self._lock:
+        stream = RequestStream([r.request_id for r in reqs], asyncio.get_running_loop())
+        stream.arrival = reqs[0].arrival
+        with self._lock:  # queued under the lock: the engine thread, as it ends, answers what is in its inbox then
+            if not self._alive:
+                raise EngineDead(self.error or "the engine is shut down")
             # the batch's places, less those held or promised (submitted, not admitted yet: the scheduler
             # admits one a step, so a burst sits in _waiting while places are free); a request
             # admitted this step is in both until _publish prunes the waiting ids: counted once
@@ -180,9 +184,7 @@ class AsyncEngine:
                     why = f"{plural(max(0, held - self.max_num_seqs), 'request')} already wait for admission (--max-queue {self.max_queue})"
                 raise QueueFull(why + (f", no room for n={n} more" if n > 1 else "") + ": try again later")
             self._waiting.update(r.request_id for r in reqs)
-        stream = RequestStream([r.request_id for r in reqs], asyncio.get_running_loop())
-        stream.arrival = reqs[0].arrival
-        self._inbox.put(("add", reqs, stream))
+            self._inbox.put(("add", reqs, stream))
         return stream
 
     def abort(self, request_id: str) -> None:
@@ -248,7 +250,29 @@ class AsyncEngine:
                     s.put(i, StepOutput(rid, finish_reason="error", error=self.error))
                 self._streams.clear()
         finally:
+            self._answer_the_inbox()
+
+    def _answer_the_inbox(self) -> None:
+        """As the thread ends: requests submitted but not taken yet (in the inbox: submitted
+        during the last step) end too, "abort" (or "error" when the thread failed); a submit from
+        now on raises EngineDead."""
+        with self._lock:
             self._alive = False
+            pending = []
+            while True:
+                try:
+                    pending.append(self._inbox.get_nowait())
+                except queue.Empty:
+                    break
+            for kind, reqs, _ in pending:
+                if kind == "add":
+                    self._waiting.difference_update(r.request_id for r in reqs)
+        reason = "error" if self.error is not None else "abort"
+        for kind, reqs, stream in pending:
+            if kind == "add":
+                for i, req in enumerate(reqs):
+                    stream.put(i, StepOutput(req.request_id, finish_reason=reason, error=self.error,
+                                             prompt_tokens=len(req.prompt_ids)))
 
     def _publish(self, outs: list[StepOutput]) -> None:
         sch = self.core.scheduler
