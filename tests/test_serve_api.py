@@ -12,6 +12,8 @@ the synthetic model happens to say. No test depends on timing: waits poll a cond
 
 from __future__ import annotations
 
+import logging
+import re
 import threading
 
 import pytest
@@ -517,3 +519,36 @@ def test_prompts_are_tokenized_and_checked_off_the_event_loop(server, ref_llm, m
     assert r.json()["error"]["param"] == "max_tokens"
     assert [w for w, _ in where] == ["encode", "check"] * 4
     assert all(t is not server.thread for _, t in where), where
+
+
+# ---------------------------------------------------------------- the log
+LOG_LINE = re.compile(r"(?P<id>\S+) status=(?P<status>\d+) prompt_tokens=(?P<prompt>\d+) completion_tokens=(?P<completion>\d+) "
+                      r"finish_reason=(?P<finish>\S+) ttft_ms=(?P<ttft>[\d.]+) total_ms=(?P<total>[\d.]+)$")
+
+
+def test_one_info_line_per_finished_request(server, caplog, monkeypatch):
+    """Each request, as it ends, logs one line through the server's logger (uvicorn's, whose level
+    is --log-level) at INFO: its id, status, prompt and completion tokens, finish reason (one per
+    choice), TTFT and total ms. Whole, streamed with n=2, and chat."""
+    top = logging.getLogger("uvicorn")  # it does not propagate to the root: recent pytest attaches caplog to it, else it is here
+    if caplog.handler not in top.handlers:
+        monkeypatch.setattr(top, "handlers", [*top.handlers, caplog.handler])
+    caplog.set_level(logging.INFO, logger="uvicorn.error")
+    whole = complete(server, prompt=PROMPT, max_tokens=3, ignore_eos=True)
+    events = stream(server, prompt=PROMPT, max_tokens=2, ignore_eos=True, n=2, stream_options={"include_usage": True})
+    r = post(server, "/v1/chat/completions", messages=CHAT, max_tokens=4, ignore_eos=True)
+    assert r.status_code == 200, r.text
+    chat = r.json()
+    lines = {}
+    for rec in caplog.records:
+        m = LOG_LINE.match(rec.getMessage())
+        if m:
+            assert rec.levelno == logging.INFO and rec.name == "uvicorn.error"
+            assert m["id"] not in lines, "two lines for one request"
+            lines[m["id"]] = m
+    assert set(lines) == {whole["id"], events[0]["id"], chat["id"]}, [r.getMessage() for r in caplog.records]
+    for resp, finish in ((whole, "length"), (events[-1], "length,length"), (chat, "length")):
+        m = lines[resp["id"]]
+        assert m["status"] == "200" and m["finish"] == finish
+        assert (int(m["prompt"]), int(m["completion"])) == (resp["usage"]["prompt_tokens"], resp["usage"]["completion_tokens"])
+        assert 0 <= float(m["ttft"]) <= float(m["total"])

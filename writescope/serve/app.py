@@ -34,6 +34,7 @@ from __future__ import annotations
 import asyncio
 import hmac
 import json
+import logging
 import time
 import uuid
 from contextlib import asynccontextmanager, contextmanager
@@ -55,6 +56,7 @@ from writescope.serve.metrics import ServeMetrics
 from writescope.serve.protocol import VALUE_WORDED, ChatCompletionRequest, CompletionRequest
 
 RETRY_AFTER_S = 1  # what a 503 tells the client to wait (seconds)
+log = logging.getLogger("uvicorn.error")  # the server's logger (its level is --log-level): a line per request at INFO
 UNFINISHED = ("error", "abort")  # the engine's finish reasons of a request it ended unfinished: never an API finish_reason
 MAX_BODY_BYTES = 16 * 2**20
 
@@ -255,6 +257,7 @@ def build_app(state: ServerState, on_shutdown=None) -> FastAPI:
 
     @app.post("/v1/completions")
     async def completions(body: CompletionRequest, request: Request):
+        t0 = time.perf_counter()
         engine = _engine()
         _check_model(body)
 
@@ -265,10 +268,11 @@ def build_app(state: ServerState, on_shutdown=None) -> FastAPI:
 
         ids, params, echo = await asyncio.to_thread(prepare)
         stream = _submit(engine, ids, params, body, "prompt")
-        return await _respond(request, engine, stream, body, chat=False, echo=echo)
+        return await _respond(request, engine, stream, body, False, t0, len(ids), echo)
 
     @app.post("/v1/chat/completions")
     async def chat_completions(body: ChatCompletionRequest, request: Request):
+        t0 = time.perf_counter()
         engine = _engine()
         _check_model(body)
 
@@ -282,21 +286,32 @@ def build_app(state: ServerState, on_shutdown=None) -> FastAPI:
 
         ids, params = await asyncio.to_thread(prepare)
         stream = _submit(engine, ids, params, body, "messages")
-        return await _respond(request, engine, stream, body, chat=True)
+        return await _respond(request, engine, stream, body, True, t0, len(ids))
 
-    async def _respond(request: Request, engine: AsyncEngine, stream, body, chat: bool, echo: str | None = None):
+    async def _respond(request: Request, engine: AsyncEngine, stream, body, chat: bool, t0: float, prompt_tokens: int,
+                       echo: str | None = None):
+        """The answer, whole or streamed; ``t0``: when the route began (``time.perf_counter()``)."""
         rid = ("chatcmpl-" if chat else "cmpl-") + uuid.uuid4().hex[:24]
         fmt = ResponseFormat(chat, rid, int(time.time()), state.model_name, state.tokenizer, body.return_token_ids,
                              body.top_logprobs_count is not None, echo)
+        done = _RequestLog(rid, t0, stream, prompt_tokens)
         if body.stream:
-            gen = _sse(engine, stream, body, fmt)
+            gen = _sse(engine, stream, body, fmt, done)
             return StreamingResponse(gen, media_type="text/event-stream", headers={"Cache-Control": "no-cache"})
-        choices, failed = await _collect(request, engine, stream)
-        if choices is None:  # disconnected: nobody reads this
-            return Response(status_code=499)
-        if failed is not None:
-            raise _failure(failed)
-        return fmt.response(choices)
+        choices = [Choice(i, state.tokenizer, streaming=False) for i in range(stream.n)]
+        status = 499  # unless it ends otherwise: the client went away (or the route was cancelled)
+        try:
+            failed = await _collect(request, engine, stream, choices)
+            if failed is _GONE:  # disconnected: nobody reads this
+                return Response(status_code=499)
+            if failed is not None:
+                e = _failure(failed)
+                status = e.status
+                raise e
+            status = 200
+            return fmt.response(choices)
+        finally:
+            done(choices, status)
 
     def _failure(out) -> APIError:
         """The answer to a request the engine ended unfinished: finish_reason "error" (it failed
@@ -311,10 +326,10 @@ def build_app(state: ServerState, on_shutdown=None) -> FastAPI:
         return APIError(503, f"the server is shutting down: the request was cancelled before it finished ({why}): "
                              "send it again once the server is back", "service_unavailable")
 
-    async def _collect(request: Request, engine: AsyncEngine, stream) -> tuple[list[Choice] | None, object]:
-        """(every choice, None) once all finished; (choices, the failed output) when one failed or
-        was aborted by the engine (the others are cancelled); (None, None) when the client went away first."""
-        choices = [Choice(i, state.tokenizer, streaming=False) for i in range(stream.n)]
+    async def _collect(request: Request, engine: AsyncEngine, stream, choices: list[Choice]):
+        """Adds the outputs to ``choices`` until: all finished (returns None); one failed or was
+        aborted by the engine (returns its output; the others are cancelled); the client went away
+        (returns ``_GONE``)."""
         gone = asyncio.ensure_future(_disconnected(request))
         try:
             while True:
@@ -323,24 +338,25 @@ def build_app(state: ServerState, on_shutdown=None) -> FastAPI:
                 if get not in done:
                     get.cancel()
                     engine.cancel(stream)
-                    return None, None
+                    return _GONE
                 index, out = get.result()
                 choices[index].add([out])
                 if out.finish_reason in UNFINISHED:
                     engine.cancel(stream)
-                    return choices, out
+                    return out
                 if stream.seen(out):
-                    return choices, None
+                    return None
         except asyncio.CancelledError:
             engine.cancel(stream)
             raise
         finally:
             gone.cancel()
 
-    async def _sse(engine: AsyncEngine, stream, body, fmt: ResponseFormat):
+    async def _sse(engine: AsyncEngine, stream, body, fmt: ResponseFormat, done: _RequestLog):
         include_usage = body.stream_options is not None and body.stream_options.include_usage
         choices = [Choice(i, state.tokenizer, streaming=True) for i in range(stream.n)]
         complete = False
+        status = 499  # unless it ends otherwise: the client went away
         try:
             for event in fmt.opening(choices):  # chat's roles, or the echoed prompt
                 yield event
@@ -353,6 +369,7 @@ def build_app(state: ServerState, on_shutdown=None) -> FastAPI:
                 for index, outs in per_choice.items():
                     if outs[-1].finish_reason in UNFINISHED:
                         failed = outs[-1]
+                        choices[index].add(outs)  # for the log line's counts
                         break
                     c = choices[index]
                     delta = c.add(outs)
@@ -364,16 +381,41 @@ def build_app(state: ServerState, on_shutdown=None) -> FastAPI:
                 engine.cancel(stream)  # the other choices, at once (before writing to a client that may be slow)
                 complete = True  # nothing left to cancel
                 e = _failure(failed)
+                status = e.status
                 err = {"message": e.message, "type": e.type, "param": e.param, "code": e.status}
                 yield f"data: {json.dumps({'error': err})}\n\n"
             elif include_usage:
                 yield fmt.usage_chunk(usage(choices))
+            if failed is None:
+                status = 200
             yield "data: [DONE]\n\n"
         finally:
             if not complete:  # the client went away (the generator was closed or cancelled)
                 engine.cancel(stream)
+            done(choices, status)
 
     return app
+
+
+_GONE = object()  # _collect's answer when the client went away
+
+
+class _RequestLog:
+    """The INFO line of one request as it ends: its id, HTTP status (a stream's: its error
+    event's code; 499: the client went away), tokens, finish reasons (one per choice; ``-``: it
+    did not finish), the time to its first token and in all (from when its route began, the
+    prompt's tokenizing included)."""
+
+    def __init__(self, rid: str, t0: float, stream, prompt_tokens: int):
+        self.rid, self.t0, self.stream, self.prompt_tokens = rid, t0, stream, prompt_tokens
+
+    def __call__(self, choices: list[Choice], status: int) -> None:
+        total_ms = (time.perf_counter() - self.t0) * 1e3
+        firsts = [c.ttft_s for c in choices if c.ttft_s is not None]  # the engine's, from the request's arrival
+        ttft = f"{(self.stream.arrival + min(firsts) - self.t0) * 1e3:.1f}" if firsts else "-"
+        reasons = ",".join(c.last.finish_reason if c.last is not None else "-" for c in choices)
+        log.info("%s status=%d prompt_tokens=%d completion_tokens=%d finish_reason=%s ttft_ms=%s total_ms=%.1f", self.rid,
+                 status, self.prompt_tokens, sum(len(c.ids) for c in choices), reasons, ttft, total_ms)
 
 
 class _Guard:

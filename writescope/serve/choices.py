@@ -56,6 +56,7 @@ class Choice:
         self.ids: list[int] = []
         self.logprobs: list[TokenLogprobs] = []
         self.last: StepOutput | None = None  # its finishing output
+        self.ttft_s: float | None = None  # the engine's time to its first token (from the request's arrival)
         self._engine_text: list[str] | None = None  # the engine's pieces (stop strings)
         self._detok = Detokenizer(tokenizer) if streaming else None
         self.text_offset = 0  # where the next streamed token's text starts (completions logprobs)
@@ -71,6 +72,8 @@ class Choice:
         lps = [lp for o in outs for lp in (o.logprobs or ())]
         self.ids += ids
         self.logprobs += lps
+        if self.ttft_s is None:
+            self.ttft_s = next((o.ttft_s for o in outs if o.ttft_s is not None), None)
         if outs[-1].finished:
             self.last = outs[-1]
         if outs[0].text is not None:
