@@ -381,16 +381,22 @@ def test_bad_values_get_400_naming_the_field(server, case):
     assert msg.split(":")[0].split(".")[0] == field or f" {field} " in f" {msg} ", msg
 
 
-def test_n_above_the_queue_limit_is_refused(llm, server):
+def test_n_above_the_places_of_the_server_is_refused(llm, server):
+    """A request's n choices may take up to --max-num-seqs + --max-queue places (2 + 3 here): n=5
+    is served (above --max-queue alone), n=6 could never be taken: 400 naming n, the limit and the
+    flags that set it."""
     state = ServerState(MODEL)
     engine = AsyncEngine(llm, max_num_seqs=2, max_queue=3)
     state.ready(engine, llm.tokenizer)
     try:
         wait_until(lambda: server.engine.snapshot()["running"] == 0, "the module server to be idle")  # they share the model
         with ServerThread(build_app(state)) as srv:
-            r = post(srv, "/v1/completions", prompt="hi", max_tokens=2, n=4)
-            assert r.status_code == 400 and "n must be in [1, 3]" in r.json()["error"]["message"], r.text
+            r = post(srv, "/v1/completions", prompt="hi", max_tokens=2, n=6)
+            assert r.status_code == 400, r.text
+            assert r.json()["error"]["message"] == ("n must be in [1, 5], got 6: each choice takes one of the 5 places of this "
+                                                    "server (--max-num-seqs 2 + --max-queue 3)"), r.text
             assert r.json()["error"]["param"] == "n"
+            assert len(complete(srv, prompt="hi", max_tokens=2, n=5)["choices"]) == 5
     finally:
         engine.shutdown()
 

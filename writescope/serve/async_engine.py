@@ -132,17 +132,18 @@ class AsyncEngine:
 
         Raises:
             EngineDead: the engine stopped.
-            ArgError: ``n`` above ``max_queue`` (``max_num_seqs`` with ``max_queue`` 0), a request
-                that could never run (see :meth:`EngineCore.check`), or ``n`` choices whose KV
-                could never be held at once (:meth:`Scheduler.check_group`).
+            ArgError: ``n`` above ``max_num_seqs + max_queue`` (the places a request may take: its
+                choices could never all be taken), a request that could never run (see
+                :meth:`EngineCore.check`), or ``n`` choices whose KV could never be held at once
+                (:meth:`Scheduler.check_group`).
         """
         if not self._alive:
             raise EngineDead(self.error or "the engine is shut down")
         n = params.n
-        limit, why = ((self.max_queue, f"--max-queue {self.max_queue}") if self.max_queue else
-                      (self.max_num_seqs, f"--max-num-seqs {self.max_num_seqs}, with --max-queue 0"))
+        limit = self.max_num_seqs + self.max_queue
         if n > limit:
-            raise ArgError(f"n must be in [1, {limit}] ({why}), got {n}", "n")
+            raise ArgError(f"n must be in [1, {limit}], got {n}: each choice takes one of the {limit} places of this server "
+                           f"(--max-num-seqs {self.max_num_seqs} + --max-queue {self.max_queue})", "n")
         self.core.check(prompt_ids, params.max_tokens)
         if n > 1:
             self.core.scheduler.check_group(len(prompt_ids), params.max_tokens, n)
@@ -156,8 +157,8 @@ class AsyncEngine:
         Raises:
             EngineDead: the engine stopped.
             ArgError: what :meth:`check` refuses (unless ``checked``).
-            QueueFull: fewer than ``n`` places are left of ``max_queue`` (with ``max_queue`` 0: of
-                ``max_num_seqs``, less the requests running or not admitted yet).
+            QueueFull: fewer than ``n`` places are left of ``max_num_seqs + max_queue``, less the
+                requests running or not admitted yet.
         """
         if not self._alive:
             raise EngineDead(self.error or "the engine is shut down")
