@@ -449,6 +449,37 @@ def test_cli_load_failure_stops_the_server(capsys):
     assert "raise --vram-budget, lower --max-num-seqs or --max-model-len" in err and "PlanDoesNotFit" not in err
 
 
+def test_serve_says_the_vram_budget_plan_on_the_cpu_too(capsys):
+    """With --vram-budget, serve prints the budget's line as generate does; on the CPU, worded as
+    generate words it there (the split only shows where the experts would live), before the
+    ready line. The model load (serve's own, after the server listens) runs here without uvicorn."""
+    import argparse
+    import types
+
+    from writescope.cli import serve as serve_cli
+    from writescope.cli.main import main
+
+    parser = argparse.ArgumentParser()
+    serve_cli.add_parser(parser.add_subparsers())
+    args = parser.parse_args(["serve", "--model", MODEL, "--device", "cpu", "--vram-budget", "2GiB", "--max-model-len", "512",
+                              "--max-num-seqs", "2", "--port", "0"])
+    state = ServerState(MODEL)
+    serve_cli._load(args, state, types.SimpleNamespace(started=True, should_exit=False, servers=[]))
+    try:
+        assert state.load_error is None and state.engine is not None, state.load_error
+        out = capsys.readouterr().out.splitlines()
+    finally:
+        state.engine.shutdown()
+    budget = [line for line in out if "VRAM budget" in line]
+    assert len(budget) == 1 and budget[0].startswith("writescope serve: VRAM budget 2.00 GiB: "), out
+    assert "(the device is the CPU here: the split only shows where they would live)" in budget[0], budget
+    assert out.index(budget[0]) < next(i for i, line in enumerate(out) if " ready on http" in line)
+    assert main(["generate", "--model", MODEL, "--device", "cpu", "--vram-budget", "2GiB", "--prompt", "hi",
+                 "--max-new-tokens", "1", "--quiet"]) == 0
+    said = [line for line in capsys.readouterr().out.splitlines() if "VRAM budget" in line]
+    assert said == [budget[0].removeprefix("writescope serve: ")], said  # the same words as generate's
+
+
 def test_chat_template_from_tokenizer_config(tmp_path):
     from writescope.serve.chat_template import ChatTemplate
 

@@ -105,6 +105,13 @@ def _prompt(args) -> tuple[list[str] | None, list[list[int]] | None]:
     return [text] * args.batch, None
 
 
+def budget_line(llm) -> str:
+    """The line that says a ``--vram-budget`` run's plan (``llm.vram_plan``, not None): the budget
+    and where the routed experts live; on the CPU, that the split only shows where they would."""
+    where = "" if llm.device.type == "cuda" else " (the device is the CPU here: the split only shows where they would live)"
+    return f"{llm.vram_plan.placement_line()}{where} ({llm.host_experts_in_decode()}; see `writescope plan`)"
+
+
 def run(args: argparse.Namespace) -> int:
     from writescope import LLM, SamplingParams
     from writescope.engine.threads import BUSY_REMEDY, busy_note
@@ -173,8 +180,7 @@ def run(args: argparse.Namespace) -> int:
     cfg = llm.config
     if llm.vram_plan is not None:
         p = llm.vram_plan
-        where = "" if llm.device.type == "cuda" else " (the device is the CPU here: the split only shows where they would live)"
-        print(f"{p.placement_line()}{where} ({llm.host_experts_in_decode()}; see `writescope plan`)")
+        print(budget_line(llm))
         held = llm.load_info.get("device_memory_at_cap")
         if held:
             print(f"device memory when the cap was set: {held['allocated'] / 2**30:.2f} GiB in tensors, "

@@ -238,5 +238,9 @@ def _load(args, state, server) -> None:
     state.ready(engine, llm.tokenizer, template)  # shuts the engine down again if a stop came meanwhile (closing)
     if state.closing:
         return
+    if llm.vram_plan is not None:  # --vram-budget: the plan, as generate says it (on the CPU: only where they would live)
+        from writescope.cli.generate import budget_line
+
+        print(f"writescope serve: {budget_line(llm)}", flush=True)
     print(f"writescope serve: {state.model_name} ready on http://{args.host}:{_bound_port(server, args.port)} (policy {llm.policy_name}, "
           f"max_model_len {llm.max_model_len}, max_num_seqs {engine.max_num_seqs}, chat template: {template.name})", flush=True)
