@@ -89,3 +89,22 @@ def per_choice(events: list[dict], chat: bool = False) -> dict[int, dict]:
             if c.get("stop_reason") is not None:
                 s["stop_reason"].append(c["stop_reason"])
     return out
+
+
+def held_engine(llm, max_num_seqs: int, max_queue: int, idle=None):
+    """A server state over a new engine on ``llm`` whose steps wait for the returned event (set it
+    to let them run): ``(state, engine, release)``. ``idle``: a module server sharing the model,
+    waited for until it runs nothing."""
+    state = ServerState(MODEL)
+    engine = AsyncEngine(llm, max_num_seqs=max_num_seqs, max_queue=max_queue)
+    release, real = threading.Event(), engine.core.step
+
+    def held_step():
+        release.wait(WAIT_S)
+        return real()
+
+    engine.core.step = held_step
+    state.ready(engine, llm.tokenizer)
+    if idle is not None:
+        wait_until(lambda: idle.engine.snapshot()["running"] == 0, "the module server to be idle")
+    return state, engine, release

@@ -19,7 +19,7 @@ from writescope import LLM, SamplingParams  # noqa: E402
 from writescope.serve.app import ServerState, build_app  # noqa: E402
 from writescope.serve.async_engine import AsyncEngine  # noqa: E402
 from writescope.serve.server import ServerThread  # noqa: E402
-from serve_helpers import WAIT_S, metrics, start_server, stop_server, wait_until  # noqa: E402
+from serve_helpers import WAIT_S, held_engine, metrics, start_server, stop_server, wait_until  # noqa: E402
 
 MODEL = "tiny-qwen3-moe"
 MAX_LEN = 2048
@@ -238,19 +238,7 @@ def test_disconnected_client_frees_its_kv(server):
 def _held_engine(llm, server, max_num_seqs: int, max_queue: int):
     """A server state over a second engine on the module's model whose steps wait for the returned
     event (set it to let them run); once the module's server is idle, as they share the model."""
-    state = ServerState(MODEL)
-    engine = AsyncEngine(llm, max_num_seqs=max_num_seqs, max_queue=max_queue)
-    release = threading.Event()
-    real = engine.core.step
-
-    def held_step():
-        release.wait(WAIT_S)
-        return real()
-
-    engine.core.step = held_step
-    state.ready(engine, llm.tokenizer)
-    wait_until(lambda: server.engine.snapshot()["running"] == 0, "the module server to be idle")
-    return state, engine, release
+    return held_engine(llm, max_num_seqs, max_queue, idle=server)
 
 
 def test_full_queue_gets_503_with_retry_after(llm, server):

@@ -30,7 +30,7 @@ from writescope.serve.app import ServerState, build_app  # noqa: E402
 from writescope.serve.async_engine import AsyncEngine, RequestStream  # noqa: E402
 from writescope.serve.chat_template import ChatTemplate  # noqa: E402
 from writescope.serve.server import ServerThread  # noqa: E402
-from serve_helpers import (MODEL, WAIT_S, complete, metrics, per_choice, post, sse,  # noqa: E402
+from serve_helpers import (MODEL, WAIT_S, complete, held_engine, metrics, per_choice, post, sse,  # noqa: E402
                            stream, wait_until)
 from stop_helpers import inner_stop, spanning_stop, stop_at_a_token_start, token_texts  # noqa: E402
 
@@ -405,17 +405,7 @@ def test_n_above_the_places_of_the_server_is_refused(llm, server):
 def test_n_takes_n_places_in_the_queue(llm, server):
     """An engine whose steps are held: a request of n=2 takes 2 of the 3 places of --max-num-seqs
     1 and --max-queue 2, so another n=2 is refused whole (503) while n=1 still fits."""
-    state = ServerState(MODEL)
-    engine = AsyncEngine(llm, max_num_seqs=1, max_queue=2)
-    release, real = threading.Event(), engine.core.step
-
-    def held_step():
-        release.wait(WAIT_S)
-        return real()
-
-    engine.core.step = held_step
-    state.ready(engine, llm.tokenizer)
-    wait_until(lambda: server.engine.snapshot()["running"] == 0, "the module server to be idle")
+    state, engine, release = held_engine(llm, 1, 2, idle=server)
     with ServerThread(build_app(state)) as srv:
         results: list = []
 

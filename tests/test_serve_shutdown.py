@@ -17,7 +17,7 @@ from writescope import LLM  # noqa: E402
 from writescope.serve.app import ServerState, build_app  # noqa: E402
 from writescope.serve.async_engine import AsyncEngine  # noqa: E402
 from writescope.serve.server import ServerThread  # noqa: E402
-from serve_helpers import MODEL, WAIT_S, sse, wait_until  # noqa: E402
+from serve_helpers import MODEL, WAIT_S, held_engine, sse, wait_until  # noqa: E402
 
 
 @pytest.fixture(scope="module")
@@ -27,16 +27,7 @@ def llm():
 
 def held_server(llm, grace_s: float):
     """A server (not started) over an engine whose steps wait for the returned event."""
-    state = ServerState(MODEL)
-    engine = AsyncEngine(llm, max_num_seqs=4, max_queue=4)
-    release, real = threading.Event(), engine.core.step
-
-    def held_step():
-        release.wait(WAIT_S)
-        return real()
-
-    engine.core.step = held_step
-    state.ready(engine, llm.tokenizer)
+    state, engine, release = held_engine(llm, 4, 4)
     return ServerThread(build_app(state), grace_s=grace_s), state, engine, release
 
 
