@@ -123,7 +123,7 @@ def test_no_tokens_no_job(monkeypatch):
     x = torch.empty(0, b.gate.weight.shape[1], dtype=torch.bfloat16)
     with torch.no_grad():
         assert b(x).shape == x.shape
-    assert llm.expert_worker._worker is None or llm.expert_worker._worker.seq == 0
+    assert llm.expert_worker.running is None or llm.expert_worker.running.seq == 0
 
 
 @needs_kernel

@@ -49,19 +49,27 @@ def taken(engine, n: int):
     return lambda: engine.snapshot()["waiting"] + engine.snapshot()["running"] == n
 
 
-def test_requests_in_flight_finish_within_the_grace(llm):
-    srv, state, engine, release = held_server(llm, grace_s=WAIT_S)
+def stop_while_held(srv, engine, release, max_tokens: int, until, what: str) -> dict:
+    """Start the server, send a whole and a streamed completion of ``max_tokens`` while the
+    engine's steps are held, stop the server once both are taken, let the steps go once ``until()``
+    (``what``), and wait for the requests and the stop to end; the responses by ``stream``."""
     srv.start()
     try:
-        got, threads = send_both(srv, max_tokens=3)
+        got, threads = send_both(srv, max_tokens=max_tokens)
         wait_until(taken(engine, 2), "both requests to be taken")
         stopper = threading.Thread(target=srv.stop)
         stopper.start()
-        wait_until(lambda: state.closing, "the stop to begin")
+        wait_until(until, what)
     finally:
         release.set()
     for t in (*threads, stopper):
         t.join(WAIT_S)
+    return got
+
+
+def test_requests_in_flight_finish_within_the_grace(llm):
+    srv, state, engine, release = held_server(llm, grace_s=WAIT_S)
+    got = stop_while_held(srv, engine, release, 3, lambda: state.closing, "the stop to begin")
     assert not srv.thread.is_alive() and not engine._thread.is_alive()
     assert got[False].status_code == 200, got[False].text
     assert got[False].json()["choices"][0]["finish_reason"] == "length"
@@ -77,17 +85,7 @@ def test_requests_still_running_when_the_grace_ends_get_503(llm):
     the whole one with a 503 error body, the stream (its 200 already sent) with an error event of
     code 503, then [DONE]; no "abort" reaches the client."""
     srv, state, engine, release = held_server(llm, grace_s=0)
-    srv.start()
-    try:
-        got, threads = send_both(srv, max_tokens=500)
-        wait_until(taken(engine, 2), "both requests to be taken")
-        stopper = threading.Thread(target=srv.stop)
-        stopper.start()
-        wait_until(lambda: state.stopped is not None, "the grace to end")
-    finally:
-        release.set()
-    for t in (*threads, stopper):
-        t.join(WAIT_S)
+    got = stop_while_held(srv, engine, release, 500, lambda: state.stopped is not None, "the grace to end")
     assert not srv.thread.is_alive() and not engine._thread.is_alive()
     whole = got[False]
     assert whole.status_code == 503, whole.text

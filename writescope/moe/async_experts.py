@@ -34,6 +34,7 @@ import warnings
 import torch
 
 from writescope.env import env_choice
+from writescope.moe import fused_decode
 
 ENV = "WRITESCOPE_EXPERT_WORKER"
 
@@ -153,8 +154,6 @@ def forward_into(block, worker, x: torch.Tensor, weights: torch.Tensor, ids: tor
     if cuda:  # the fused kernels: the device experts, then the link's host experts read in place
         if block.packed is not None:
             block.packed(x, weights, ids, out)
-        from writescope.moe import fused_decode
-
         fused_decode.fused_experts_into(x, weights, ids, link_slot_of, w13_dev, w2_dev, block.cfg.intermediate_size, out)
     else:
         take = (link_slot_of < hosted) | (slot_of >= hosted)  # the link's host experts and the device experts
