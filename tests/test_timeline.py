@@ -235,3 +235,26 @@ def test_the_timeline_records_the_expert_workers_jobs(tmp_path, monkeypatch):
     assert all(s.summary()["expert_jobs"] == layers for s in tl.steps)  # one per MoE layer and step
     plot(tl.steps[0], str(tmp_path / "t.png"))
     assert (tmp_path / "t.png").stat().st_size > 0
+
+
+@pytest.mark.skipif(not cpu_kernel.kernel_available(), reason="no C++ compiler for the CPU attention kernel")
+def test_profile_applies_an_entrys_expert_stream_share(tmp_path, capsys):
+    """``POLICY@expert_stream_share=S`` is an engine setting, not an environment variable: profile
+    sets it for that entry alone, as bench does for a row (run 50 profiled such an entry with the
+    run's own share, the experts read in place), and the next entry runs with the run's share."""
+    from writescope.budget.plan import make_plan
+    from writescope.presets import preset_config
+    from writescope.scheduler.policies import StaticPolicy
+
+    # half the routed experts in host memory, planned for what this profile holds (2 x 103 tokens)
+    plan = make_plan(preset_config("tiny-qwen3-moe"), torch.float32, 2**40, 2, 103, 0, StaticPolicy(0.5), 16)
+    budget = plan.gpu_min + (plan.experts_total // 2 + 8) * plan.expert_bytes
+    out = tmp_path / "p.json"
+    assert main(["profile", "--model", "tiny-qwen3-moe", "--batch", "2", "--context", "100", "--window", "16",
+                 "--vram-budget", str(budget), "--dtype", "float32", "--steps", "1", "--skip", "0", "--kv-fill", "random",
+                 "--policy", "static:0.5@expert_stream_share=0.5,static:0.5", "--expert-stream-share", "0.25",
+                 "--output-json", str(out), "--quiet"]) == 0
+    printed = capsys.readouterr().out
+    assert "policy static:0.5 @ expert_stream_share=0.5" in printed
+    runs = json.loads(out.read_text())["runs"]
+    assert [r["expert_stream_share"] for r in runs] == [0.5, 0.25]

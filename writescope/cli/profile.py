@@ -109,7 +109,8 @@ def run(args: argparse.Namespace) -> int:
         check_output_file(_suffixed(args.trace, entry, many), "--trace")
         check_output_file(_suffixed(args.timeline, entry, many), "--timeline")
         check_output_file(_suffixed(args.host_profile, entry, many), "--host-profile")
-    first, first_env = switches.split(entries[0])
+    first, first_sw = switches.split(entries[0])
+    first_env, _ = switches.settings(first_sw)
     with switches.applied(first_env):
         llm = LLM(args.model, synthetic=args.synthetic, device=args.device, dtype=args.dtype, progress=not args.quiet,
                   policy=first, window=args.window, vram_budget=args.vram_budget, max_batch=args.batch,
@@ -127,16 +128,20 @@ def run(args: argparse.Namespace) -> int:
     n = llm.config.num_layers
     runs = []
     for i, entry in enumerate(entries):
-        policy, env = switches.split(entry)
+        policy, sw = switches.split(entry)
+        env, settings = switches.settings(sw)  # environment switches; engine settings (expert_stream_share), as bench's rows
         trace, timeline = _suffixed(args.trace, entry, many), _suffixed(args.timeline, entry, many)
         host = _suffixed(args.host_profile, entry, many)
         with switches.applied(env):
-            if i:  # the first policy's cache was made with the model
+            share = settings.get("expert_stream_share", llm.expert_stream_share_at_load)  # an entry without its own: the run's
+            if share != llm.expert_stream_share_given:  # set_policy below attaches the per-step split for it
+                llm.set_expert_stream_share(share, attach=False)
+            if i or share != llm.expert_stream_share_at_load:  # the first policy's cache was made with the model
                 llm.set_policy(policy, args.window)
             bd = None if args.no_breakdown else decode_breakdown(llm, prompts, args.steps, args.skip, str(trace) if trace else None)
             tl = decode_timeline(llm, prompts, args.steps, args.skip) if timeline is not None else None
             hp = main_thread_profile(llm, prompts, args.steps, args.skip) if host is not None else None
-        name = llm.policy_name + (f" @ {'+'.join(f'{k}={v}' for k, v in env.items())}" if env else "")
+        name = llm.policy_name + (f" @ {'+'.join(f'{k}={v}' for k, v in sw.items())}" if sw else "")
         print(f"{args.model} ({n} layer{'s' if n != 1 else ''}, {llm.dtype} on {llm.device}), batch {args.batch} x {context} tokens, "
               f"policy {name}")
         if bd is not None:
