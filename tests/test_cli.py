@@ -113,7 +113,11 @@ def test_core_plan_names_the_worker_the_kernel_path_and_the_experts(monkeypatch)
     assert "16 threads for the host experts the CPU computes (on the issuing thread, C++ kernel" in line
     assert "main thread issues the GPU work" in line
     block.takes_async = lambda dtype, device, tokens: tokens == 4
-    assert "15 threads for the host experts the CPU computes (on the native expert worker, C++ kernel" in core_plan(llm)
+    monkeypatch.delenv("WRITESCOPE_CPU_TEAM", raising=False)
+    assert ("15 threads for the host experts the CPU computes (on the native expert worker (one thread and OpenMP team with the "
+            "attention worker), C++ kernel") in core_plan(llm)
+    monkeypatch.setenv("WRITESCOPE_CPU_TEAM", "own")
+    assert "(on the native expert worker (a thread of its own), C++ kernel" in core_plan(llm)
     del block.takes_async
     monkeypatch.setenv("WRITESCOPE_CPU_WORKER", "python")
     llm.dtype, llm._moe_blocks = torch.float32, [block]

@@ -73,7 +73,7 @@ def preread_from_env() -> int:
 
 
 class NativeWorker(FlagWorker):
-    """One worker thread with ``threads`` OpenMP threads of its own (the worker thread included).
+    """One worker thread (its own, or a team's) whose jobs run on ``threads`` OpenMP threads (that thread included).
     ``consume``, ``wait_host``, ``done_value``, ``check``, ``trace``, ``take_trace``, ``totals``
     (jobs done, seconds attending, keys attended), ``threads``, ``pinned`` and ``close`` are
     :class:`writescope.native.flag_worker.FlagWorker`'s.
@@ -81,19 +81,22 @@ class NativeWorker(FlagWorker):
     Args:
         threads: CPU threads of the attention.
         device: the device whose stream hands q over and consumes the results (CPU: the host does).
+        team: a :class:`writescope.native.team.CpuTeam` to run the jobs on, with the team's other
+            workers' (None: a thread of its own, on ``WRITESCOPE_CPU_PIN``'s CPUs).
 
     Raises:
         RuntimeError: the C++ kernel cannot be built; ImportError: on CUDA, Triton is missing.
     """
 
-    def __init__(self, threads: int, device: torch.device):
+    def __init__(self, threads: int, device: torch.device, team=None):
         ext = cpu_kernel._extension()
         if ext is None:
             raise RuntimeError("the CPU attention kernel could not be built: no native worker")
         self._batch: dict[int, int] = {}  # flag value -> the job's batch size, for take_done
         self.cpus = worker_cpus(threads)  # asked for; whether the OS agreed: `pinned`
         self.preread_bytes = preread_from_env()
-        super().__init__(ext, lambda: ext.Worker(threads, self.cpus, self.preread_bytes), device, "CPU attention worker")
+        super().__init__(ext, lambda ex, post: ext.Worker(threads, self.cpus, self.preread_bytes, ex, post), device, "CPU attention worker",
+                         team=team)
 
     def submit(self, q: torch.Tensor, kv: list, scale: float, out: tuple[torch.Tensor, torch.Tensor]) -> int:
         """Queue one layer: ``q [B, kv_heads, G, dk]`` (host memory; on CUDA being copied there on

@@ -31,7 +31,10 @@ def core_plan(llm) -> str:
         how = "C++ kernel" if hosted[0].uses_host_kernel(llm.dtype) else "torch's GEMMs"
         handle = getattr(llm, "expert_worker", None)
         on_worker = handle is not None and all(getattr(b, "takes_async", lambda *a: False)(llm.dtype, llm.device, llm.max_batch) for b in hosted)
-        threads, where = (handle.threads, "on the native expert worker, ") if on_worker else (llm.expert_threads, "on the issuing thread, ")
+        from writescope.native.team import team_wanted
+
+        team = "one thread and OpenMP team with the attention worker" if team_wanted() and worker.startswith("the native") else "a thread of its own"
+        threads, where = (handle.threads, f"on the native expert worker ({team}), ") if on_worker else (llm.expert_threads, "on the issuing thread, ")
         experts = (f"{threads} threads for the host experts the CPU computes ({where}{how}, "
                    f"WRITESCOPE_EXPERT_ISA={os.environ.get('WRITESCOPE_EXPERT_ISA', 'auto')})")
     return (f"CPU threads: attention {llm.attention_threads} ({worker}, {llm.cpu_attention}); experts: {experts}; {issue} "

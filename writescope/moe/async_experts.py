@@ -35,6 +35,7 @@ import torch
 
 from writescope.env import env_choice
 from writescope.moe import fused_decode
+from writescope.native.team import team_wanted
 
 ENV = "WRITESCOPE_EXPERT_WORKER"
 
@@ -60,11 +61,17 @@ class WorkerHandle:
         self._failed = False
 
     def get(self):
+        if self._worker is not None and (self._worker.team is not None) != team_wanted():  # WRITESCOPE_CPU_TEAM changed (a bench row's)
+            self.close()
         if self._worker is None and not self._failed:
             try:
+                from writescope.moe import cpu_experts
                 from writescope.moe.expert_worker import ExpertWorker
+                from writescope.native.team import engine_team
 
-                self._worker = ExpertWorker(self.threads, self.device)
+                ext = cpu_experts._extension()  # None: ExpertWorker raises, naming it
+                team = engine_team(ext) if ext is not None else None  # one thread with the CPU attention worker
+                self._worker = ExpertWorker(self.threads, self.device, team=team)
             except Exception as e:  # noqa: BLE001 - no Triton, a failed build: the old path
                 self._failed = True
                 warnings.warn(f"native expert worker unavailable ({e}); host experts run on the issuing thread", stacklevel=3)

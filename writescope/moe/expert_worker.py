@@ -60,8 +60,8 @@ def _check(x, slot, rw, w13, w2, y, cuda: bool) -> None:
 
 
 class ExpertWorker(FlagWorker):
-    """One worker thread with ``threads`` OpenMP threads of its own (the worker thread included)
-    for the host experts of MoE layers. ``consume``, ``wait_host``, ``done_value``, ``check``,
+    """One worker thread (its own, or a team's) whose jobs, the host experts of MoE layers, run on
+    ``threads`` OpenMP threads (that thread included). ``consume``, ``wait_host``, ``done_value``, ``check``,
     ``trace``, ``take_trace``, ``threads``, ``pinned`` and ``close`` are
     :class:`writescope.native.flag_worker.FlagWorker`'s; ``totals()`` gives (jobs done, seconds
     computing, weight bytes read, experts computed).
@@ -69,14 +69,16 @@ class ExpertWorker(FlagWorker):
     Args:
         threads: CPU threads of the experts (>= 1).
         device: the device whose stream hands the inputs over and consumes y (CPU: the host does).
-        cpus: the CPUs the worker thread and its team may run on (None: wherever the process may).
+        cpus: the CPUs the worker thread and its team may run on (None: wherever the process may;
+            with ``team``, the team's stand).
+        team: a :class:`writescope.native.team.CpuTeam` to run the jobs on (None: a thread of its own).
 
     Raises:
         ValueError: ``threads`` < 1; RuntimeError: the host-expert kernel cannot be built;
             ImportError: on CUDA, Triton is missing.
     """
 
-    def __init__(self, threads: int, device: torch.device | str, cpus: list[int] | None = None):
+    def __init__(self, threads: int, device: torch.device | str, cpus: list[int] | None = None, team=None):
         threads = int(threads)
         if threads < 1:
             raise ValueError(f"threads must be >= 1, got {threads}")
@@ -85,7 +87,8 @@ class ExpertWorker(FlagWorker):
             raise RuntimeError("the host-expert kernel could not be built: no native expert worker")
         self.cpus = [int(c) for c in cpus] if cpus else []
         self._buffers: tuple | None = None  # (key, (x, slot, rw, y)) of buffers()
-        super().__init__(ext, lambda: ext.ExpertWorker(threads, self.cpus, 0), torch.device(device), "host-expert worker")
+        super().__init__(ext, lambda ex, post: ext.ExpertWorker(threads, self.cpus, 0, ex, post), torch.device(device), "host-expert worker",
+                         team=team)
 
     def buffers(self, T: int, K: int, D: int, dtype: torch.dtype) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]:
         """Host buffers for one layer's job: ``x [T, D]`` of ``dtype``, ``slot [T, K]`` int32,

@@ -48,18 +48,22 @@ class FlagWorker:
 
     Args:
         ext: the extension module (its ``wait_flag`` is the host's wait).
-        make: makes the native worker (its thread starts), called last.
+        make: makes the native worker, called last with the executor's address and post function
+            (the team's, or 0 and 0: the worker makes its own thread).
         device: the device whose stream hands the inputs over and consumes the results (CPU: the
             host does).
         what: the worker in messages (``"CPU attention worker"``).
         flag_kernels: on CUDA, writescope.attention.flag_kernels (None: imported here, before the
                 native worker is made, so a missing Triton leaves no thread behind).
+        team: a :class:`writescope.native.team.CpuTeam` whose thread runs the jobs, in submit
+            order with those of the team's other workers (held until this worker is gone); None:
+            a thread of its own.
 
     Raises:
         ImportError: on CUDA, Triton missing.
     """
 
-    def __init__(self, ext, make: Callable[[], object], device: torch.device, what: str, flag_kernels=None):
+    def __init__(self, ext, make: Callable[[int, int], object], device: torch.device, what: str, flag_kernels=None, team=None):
         self.device, self.cuda, self.what = device, device.type == "cuda", what
         if self.cuda and flag_kernels is None:  # Triton; raises ImportError without it, before any thread exists
             from writescope.attention import flag_kernels
@@ -74,19 +78,20 @@ class FlagWorker:
         # the issuing thread's time in submit: in the native call (ns), and the calls; subclasses add
         # the time in all to submit_total_ns
         self.submit_total_ns = self.submit_wall_ns = self.submits = 0
-        self._ext, self._w = ext, make()
+        self.team = team  # held: its thread outlives this worker's jobs
+        self._ext, self._w = ext, make(team.address, team.post_address) if team is not None else make(0, 0)
 
     @property
     def threads(self) -> int:
-        """The worker's OpenMP threads (the worker thread included)."""
+        """The OpenMP threads of a job (the thread that runs it included)."""
         return self._w.threads
 
     @property
     def pinned(self) -> bool:
-        """The worker thread runs on the CPUs asked for (False until it has started, where none were
-        asked for, or where the OS refused the list; ``OMP_PROC_BIND`` / ``GOMP_CPU_AFFINITY`` make
-        OpenMP bind its team itself)."""
-        return bool(self._w.pinned)
+        """The thread that runs the jobs (the team's, if any) runs on the CPUs asked for (False
+        until it has started, where none were asked for, or where the OS refused the list;
+        ``OMP_PROC_BIND`` / ``GOMP_CPU_AFFINITY`` make OpenMP bind its team itself)."""
+        return self.team.pinned if self.team is not None else bool(self._w.pinned)
 
     def _issue(self, keep, native_submit: Callable[[int], None]) -> int:
         """Queue one job: check for earlier errors, release the finished jobs' tensors, keep ``keep``
