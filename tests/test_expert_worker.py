@@ -344,6 +344,37 @@ def test_buffers_are_cached_by_shape(worker):
     assert torch.equal(by, grouped_reference(x, slot, rw, w13, w2))
 
 
+def test_submit_buffers_takes_only_the_workers_own_sets(worker):
+    """The decode path's submit (no Python checks of the buffers) gives what submit gives; a set
+    the worker does not hold, or no longer holds (past BUFFER_SETS shapes), is refused; weights
+    that do not match are refused by the native check; the worker goes on."""
+    from writescope.moe.expert_worker import BUFFER_SETS
+
+    D, I = 64, 32
+    w13, w2 = experts(D, I, torch.bfloat16)
+    x, slot, rw = job(5, 3, D, torch.bfloat16, seed=4)
+    bufs = worker.buffers(5, 3, D, torch.bfloat16)
+    for b, t in zip(bufs, (x, slot, rw)):
+        b.copy_(t)
+    worker.consume(worker.submit_buffers(bufs, w13, w2))
+    assert torch.equal(bufs[3], grouped_reference(x, slot, rw, w13, w2))
+    mine = tuple(t.clone() for t in bufs)
+    with pytest.raises(ValueError, match="buffers"):
+        worker.submit_buffers(mine, w13, w2)
+    with pytest.raises(RuntimeError, match="do not match"):
+        worker.submit_buffers(bufs, w13[:, :, :32], w2)
+    for T in range(6, 6 + BUFFER_SETS):  # as many newer shapes as are kept: the first set is let go
+        worker.buffers(T, 3, D, torch.bfloat16)
+    with pytest.raises(ValueError, match="still holds"):
+        worker.submit_buffers(bufs, w13, w2)
+    again = worker.buffers(5, 3, D, torch.bfloat16)
+    assert again is not bufs
+    for b, t in zip(again, (x, slot, rw)):
+        b.copy_(t)
+    worker.consume(worker.submit_buffers(again, w13, w2))
+    assert torch.equal(again[3], bufs[3])
+
+
 @pytest.mark.gpu
 def test_on_cuda_the_stream_hands_the_inputs_over_and_waits_for_y():
     """x, slot and rw copied from device tensors into the pinned buffers on the current stream

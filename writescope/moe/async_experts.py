@@ -151,13 +151,15 @@ def forward_into(block, worker, x: torch.Tensor, weights: torch.Tensor, ids: tor
     else:
         slot_of = pack.slot_of
     cpu_slot, link_slot_of = partition(ids, slot_of, hosted, share, block.stream_min_tokens)
-    # the CPU's inputs in host memory (pinned with CUDA), copied on the current stream; fresh
-    # buffers from torch's host allocator, which reuses one only after its copies are done
-    xh = torch.empty(x.shape, dtype=x.dtype, pin_memory=cuda).copy_(x, non_blocking=cuda)
-    sh = torch.empty(cpu_slot.shape, dtype=torch.int32, pin_memory=cuda).copy_(cpu_slot, non_blocking=cuda)
-    rh = torch.empty(weights.shape, dtype=torch.float32, pin_memory=cuda).copy_(weights, non_blocking=cuda)
-    yh = torch.empty(x.shape, dtype=torch.float32, pin_memory=cuda)
-    seq = worker.submit(xh, sh, rh, pack.w13, pack.w2, yh)
+    # the CPU's inputs in the worker's host buffers for this shape (pinned with CUDA), copied on
+    # the current stream: the last job's buffers are free once the stream has waited for its done
+    # flag and copied its y, which it did before these copies (one stream, in order)
+    bufs = worker.buffers(x.shape[0], ids.shape[1], x.shape[1], x.dtype)
+    xh, sh, rh, yh = bufs
+    xh.copy_(x, non_blocking=cuda)
+    sh.copy_(cpu_slot, non_blocking=cuda)
+    rh.copy_(weights, non_blocking=cuda)
+    seq = worker.submit_buffers(bufs, pack.w13, pack.w2)
     if cuda:  # the fused kernels: the device experts, then the link's host experts read in place
         if block.packed is not None:
             block.packed(x, weights, ids, out)

@@ -59,6 +59,9 @@ def _check(x, slot, rw, w13, w2, y, cuda: bool) -> None:
             raise ValueError(f"slots {bad[:5]} outside [-1, {E}) (w13 holds {E} experts; -1: not computed on the CPU)")
 
 
+BUFFER_SETS = 8  # buffers() keeps this many shapes' sets (a server's batch sizes, two micro-batches)
+
+
 class ExpertWorker(FlagWorker):
     """One worker thread (its own, or a team's) whose jobs, the host experts of MoE layers, run on
     ``threads`` OpenMP threads (that thread included). ``consume``, ``wait_host``, ``done_value``, ``check``,
@@ -86,17 +89,17 @@ class ExpertWorker(FlagWorker):
         if ext is None:
             raise RuntimeError("the host-expert kernel could not be built: no native expert worker")
         self.cpus = [int(c) for c in cpus] if cpus else []
-        self._buffers: tuple | None = None  # (key, (x, slot, rw, y)) of buffers()
+        self._buffers: dict[tuple, tuple] = {}  # (T, K, D, dtype) -> (x, slot, rw, y) of buffers(), the newest last
         super().__init__(ext, lambda ex, post: ext.ExpertWorker(threads, self.cpus, 0, ex, post), torch.device(device), "host-expert worker",
                          team=team)
 
     def buffers(self, T: int, K: int, D: int, dtype: torch.dtype) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]:
         """Host buffers for one layer's job: ``x [T, D]`` of ``dtype``, ``slot [T, K]`` int32,
         ``rw [T, K]`` float32 and ``y [T, D]`` float32, pinned when the device is CUDA (plain CPU
-        tensors otherwise). The same tensors again for the same shape (one set per worker: the
-        jobs of one stream are consumed in order, so a job's buffers are free once the stream has
-        waited for its done flag; on the host, once :meth:`consume` returned); a new shape makes
-        a new set (the old one stays alive while a job in flight uses it).
+        tensors otherwise). The same tensors again for the same shape (one set per shape and
+        worker: the jobs of one stream are consumed in order, so a job's buffers are free once the
+        stream has waited for its done flag; on the host, once :meth:`consume` returned); the last
+        ``BUFFER_SETS`` shapes are kept (an older set stays alive while a job in flight uses it).
 
         Raises:
             ValueError: a negative size, or ``dtype`` neither bf16 nor fp32.
@@ -107,11 +110,36 @@ class ExpertWorker(FlagWorker):
         if dtype not in (torch.bfloat16, torch.float32):
             raise ValueError(f"dtype must be torch.bfloat16 or torch.float32 (x's), got {dtype}")
         key = (T, K, D, dtype)
-        if self._buffers is None or self._buffers[0] != key:
+        bufs = self._buffers.pop(key, None)
+        if bufs is None:
             pin = self.cuda
-            self._buffers = (key, (torch.empty(T, D, dtype=dtype, pin_memory=pin), torch.full((T, K), -1, dtype=torch.int32, pin_memory=pin),
-                                   torch.zeros(T, K, dtype=torch.float32, pin_memory=pin), torch.zeros(T, D, dtype=torch.float32, pin_memory=pin)))
-        return self._buffers[1]
+            bufs = (torch.empty(T, D, dtype=dtype, pin_memory=pin), torch.full((T, K), -1, dtype=torch.int32, pin_memory=pin),
+                    torch.zeros(T, K, dtype=torch.float32, pin_memory=pin), torch.zeros(T, D, dtype=torch.float32, pin_memory=pin))
+            while len(self._buffers) >= BUFFER_SETS:
+                self._buffers.pop(next(iter(self._buffers)))  # the least recently used shape
+        self._buffers[key] = bufs  # the newest last
+        return bufs
+
+    def submit_buffers(self, bufs: tuple, w13: torch.Tensor, w2: torch.Tensor) -> int:
+        """:meth:`submit` of a set from :meth:`buffers` (x, slot and rw written by the caller, on
+        the current stream with CUDA), without its Python checks: the buffers were made right, and
+        the native call checks the weights against them (the decode step's path, one call a MoE
+        layer on the thread that issues the step).
+
+        Raises:
+            ValueError: ``bufs`` is not a set :meth:`buffers` holds; RuntimeError: the weights do
+                not match (the native check's message), an earlier job failed, or the worker is closed.
+        """
+        entered = time.perf_counter_ns()
+        try:
+            x, slot, rw, y = bufs
+            if self._buffers.get((x.shape[0], slot.shape[1], x.shape[1], x.dtype)) is not bufs:
+                raise ValueError("bufs must be a set this worker's buffers() gave (and still holds)")
+            isa = cpu_experts.requested_path()
+            return self._issue((bufs, w13, w2), lambda v: self._w.submit(
+                x, slot, rw, w13, w2, y, isa, self.flags, FLAG_READY, v, FLAG_DONE, v))
+        finally:
+            self.submit_total_ns += time.perf_counter_ns() - entered
 
     def submit(self, x: torch.Tensor, slot: torch.Tensor, rw: torch.Tensor, w13: torch.Tensor, w2: torch.Tensor, y: torch.Tensor) -> int:
         """Queue one layer's host experts (see the module's docstring for the inputs and y); the
