@@ -74,16 +74,62 @@ def test_graphed_stages_give_the_eager_logits(preset, policy):
     assert graphs.replayed >= 4 * graphs.captured  # the later steps replay
 
 
-def test_a_stage_whose_mlp_reads_routing_back_runs_eagerly():
+@pytest.mark.parametrize("split", ["on", "off"])
+def test_a_stage_whose_mlp_reads_routing_back_is_cut_around_it(split, monkeypatch):
+    """Layer 1's MoE block reads its routing back (host experts): its stage cannot be one graph.
+    Cut (the default) the stage runs as two graphs with the block eagerly between them; with
+    ``WRITESCOPE_GRAPH_SPLIT=off`` the whole stage runs eagerly. The logits are the eager ones
+    either way, and the block runs once a step (never in a capture's warm-up)."""
+    monkeypatch.setenv("WRITESCOPE_GRAPH_SPLIT", split)
     llm = LLM("tiny-qwen3-moe", progress=False, policy="gpu", window=D)
     blocks = [layer.mlp_module for layer in llm.model.model.layers]
     blocks[1].offload_experts([0, 1])  # host experts in layer 1: its post cannot be captured
     ref = _decode_logits(llm, _prompts(llm.config.vocab_size), 4)
     graphs = _with_graphs(llm)
+    calls = []
+    real = type(blocks[1]).forward
+    monkeypatch.setattr(type(blocks[1]), "forward", lambda self, x: (calls.append(self), real(self, x))[1])
     got = _decode_logits(llm, _prompts(llm.config.vocab_size), 4)
     torch.testing.assert_close(got, ref, atol=1e-5, rtol=0)
     assert blocks[1].graph_key() is None
-    assert graphs.captured == llm.config.num_layers  # L + 1 stages less stage 2 (layer 1's post)
+    L = llm.config.num_layers
+    stages = [k[0] for k in graphs._shapes[(0, len(PROMPT_LENS))]]
+    if split == "on":
+        assert graphs.captured == L + 2 and (2, "before") in stages and (2, "after") in stages and 2 not in stages
+    else:
+        assert graphs.captured == L and 2 not in stages  # L + 1 stages less stage 2 (layer 1's post)
+    # captures run their stage once more (EagerCapture's capture, or a warm-up on CUDA): never the cut-out block
+    assert calls.count(blocks[1]) == 1 + 4  # the prefill pass and 4 decode steps
+
+
+def test_cut_stages_around_the_expert_worker_give_the_eager_logits(monkeypatch):
+    """Host experts on the native expert worker (a host call each MoE layer): every stage is cut
+    around its block; the logits equal the eager ones, and the worker ran as many jobs as without
+    graphs (none in a capture)."""
+    from writescope.moe import async_experts, cpu_experts
+
+    if not cpu_experts.kernel_available():
+        pytest.skip("the host-expert kernel does not build here")
+    monkeypatch.setenv(async_experts.ENV, "on")
+    runs = []
+    for graphed in (False, True):
+        llm = LLM("tiny-qwen3-moe", progress=False, policy="static:0.5", window=D, dtype="bfloat16")
+        g = torch.Generator().manual_seed(2)
+        for layer in llm.model.model.layers:
+            b = layer.mlp_module
+            b.offload_experts(torch.randperm(b.cfg.num_experts, generator=g)[: b.cfg.num_experts // 2].tolist())
+            b.stream_share = 0.5
+        graphs = _with_graphs(llm) if graphed else None
+        logits = _decode_logits(llm, _prompts(llm.config.vocab_size), 4)
+        worker = llm.expert_worker.running
+        assert worker is not None
+        runs.append((logits, worker.totals()[0], graphs))
+        llm.expert_worker.close()
+    (ref, jobs_ref, _), (got, jobs, graphs) = runs
+    torch.testing.assert_close(got, ref, atol=0, rtol=0)
+    assert jobs == jobs_ref > 0
+    stages = {k[0] for graphs_of_shape in graphs._shapes.values() for k in graphs_of_shape}
+    assert {(1, "before"), (1, "after")} <= stages and 1 not in stages
 
 
 def test_a_failed_capture_leaves_that_stage_eager_and_decode_goes_on():
@@ -139,6 +185,38 @@ def test_generate_with_graphs_gives_the_same_tokens():
     graphs = _with_graphs(llm)
     assert [o.token_ids for o in llm.generate(prompt_token_ids=prompts, sampling_params=params)] == ref
     assert graphs.captured > 0
+
+
+@pytest.mark.gpu
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")
+def test_cut_stages_around_the_expert_worker_on_cuda(monkeypatch):
+    """On CUDA, with host experts split between the native expert worker and the link: the stages
+    cut around each MoE block (two captured graphs each) give the logits of those stages run
+    eagerly whole (``WRITESCOPE_GRAPH_SPLIT=off``), within what two eager runs differ by."""
+    from writescope.moe import async_experts
+
+    monkeypatch.setenv(async_experts.ENV, "on")
+    prompts = _prompts(4096)
+    out = {}
+    for mode in ("off", "off again", "on"):
+        monkeypatch.setenv("WRITESCOPE_GRAPH_SPLIT", mode.split()[0])
+        llm = LLM("tiny-mixtral", device="cuda", dtype="bf16", progress=False, policy="static:0.5", window=D)
+        g = torch.Generator().manual_seed(2)
+        for layer in llm.model.model.layers:
+            b = layer.mlp_module
+            b.offload_experts(torch.randperm(b.cfg.num_experts, generator=g)[: b.cfg.num_experts // 2].tolist())
+            b.pack()
+            b.stream_share = 0.5
+        out[mode] = _decode_logits(llm, prompts, 6, device="cuda")
+        graphs = llm.model.decode.graphs
+        stages = {k[0] for v in graphs._shapes.values() for k in v}
+        assert ((1, "before") in stages) == (mode == "on") and graphs.replayed > graphs.captured > 0
+        assert llm.expert_worker.running is not None and llm.expert_worker.running.totals()[0] > 0
+        llm.expert_worker.close()
+        del llm
+    scale = out["off"].abs().max().item()
+    eager = (out["off again"] - out["off"]).abs().max().item()
+    torch.testing.assert_close(out["on"], out["off"], atol=max(0.02 * scale, 1.5 * eager), rtol=0)
 
 
 @pytest.mark.gpu

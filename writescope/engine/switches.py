@@ -30,6 +30,7 @@ def readers() -> dict[str, Callable[[], object]]:
     from writescope.models.graphs import graphs_wanted
     from writescope.moe.fused_decode import env_fused
     from writescope.native.team import team_wanted
+    from writescope.models.decode_step import graph_split_wanted
 
     return {
         "WRITESCOPE_MICRO_BATCHES": _micro_batches,
@@ -55,6 +56,7 @@ def readers() -> dict[str, Callable[[], object]]:
         "WRITESCOPE_EXPERT_WORKER": lambda: async_experts.worker_wanted(torch.device("cpu")),
         "WRITESCOPE_EXPERT_BALANCE": balance_from_env,
         "WRITESCOPE_CPU_TEAM": team_wanted,
+        "WRITESCOPE_GRAPH_SPLIT": graph_split_wanted,
     }
 
 
@@ -83,7 +85,7 @@ NAMES = ("WRITESCOPE_MICRO_BATCHES", "WRITESCOPE_MOE_KERNEL", "WRITESCOPE_LOAD_R
          "WRITESCOPE_GPU_TILES", "WRITESCOPE_MLA_PREFILL", "WRITESCOPE_EXPERT_ISA", "WRITESCOPE_CPU_ATTENTION", "WRITESCOPE_CPU_ISA",
          "WRITESCOPE_CPU_TUNING", "WRITESCOPE_PINNED_POOL", "WRITESCOPE_CPU_THREADS", "WRITESCOPE_CPU_PIN",
          "WRITESCOPE_HUGE_PAGES", "WRITESCOPE_CPU_PREREAD", "WRITESCOPE_EXPERT_WORKER",
-         "WRITESCOPE_EXPERT_BALANCE", "WRITESCOPE_CPU_TEAM")
+         "WRITESCOPE_EXPERT_BALANCE", "WRITESCOPE_CPU_TEAM", "WRITESCOPE_GRAPH_SPLIT")
 
 
 OTHER_NAMES = ("WRITESCOPE_API_KEY",)  # read elsewhere (writescope serve's --api-key default), not a switch

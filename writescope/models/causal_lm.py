@@ -60,6 +60,17 @@ class DecoderLayer(nn.Module):
     def _mlp_residual(self, h) -> torch.Tensor:
         return h + getattr(self, self.mlp_name)(self.post_attention_layernorm(h))
 
+    def post_begin(self, x, o) -> tuple:
+        """:meth:`post` up to its MLP: ``(h, n)``, the residual stream ``h = x + output(o)`` and the
+        MLP's input ``n`` (its normed ``h``); the layer's output is ``h + mlp_out(n)``, the same ops
+        as :meth:`post` (a stage cut around an MLP that runs outside its graphs, models/decode_step.py)."""
+        h = x + self.self_attn.output(o)
+        return h, self.post_attention_layernorm(h)
+
+    def mlp_out(self, n) -> torch.Tensor:
+        """The MLP (or MoE block) of the normed residual stream ``n`` (see :meth:`post_begin`)."""
+        return getattr(self, self.mlp_name)(n)
+
     def graph_key(self, tokens: int | None = None):
         """What a CUDA graph of :meth:`post` at ``tokens`` tokens depends on beyond shapes, or None
         when it cannot be captured (an MLP that reads routing back to the host): see models/graphs.py."""

@@ -16,8 +16,13 @@ so B's layer-l attention is queued (its CPU part included) before A's is waited 
 attends one group while the device runs the other's stages. Every sequence's arithmetic is that of
 the whole batch row by row, only split in two: the matrix products' shapes change, so results
 agree within rounding, not bit for bit. Stages run as CUDA graphs where they can
-(:class:`~writescope.models.graphs.StageGraphs`), else eagerly. On an error the begun attentions
-are waited for (``cache.abandon``) before it propagates.
+(:class:`~writescope.models.graphs.StageGraphs`). A stage whose MLP cannot be captured (an MoE
+block with host experts: its routing read back, or its CPU share handed to the native expert
+worker, a host call) is cut around that MLP: the attention output, residual and norm before it and
+the residual and the next layer's ``pre`` after it run as two graphs, the MLP eagerly between them,
+the same ops in the same order as the whole stage (``WRITESCOPE_GRAPH_SPLIT``: ``on``, the default,
+or ``off``: such a stage runs eagerly whole, as before). On an error the begun attentions are
+waited for (``cache.abandon``) before it propagates.
 """
 
 from __future__ import annotations
@@ -27,8 +32,19 @@ from typing import Callable
 import torch
 
 from writescope.attention.metadata import ForwardBatch
+from writescope.env import env_choice
 from writescope.kvcache.base import KVCache
 from writescope.models.graphs import StageGraphs, graphs_wanted
+
+
+def graph_split_wanted() -> bool:
+    """``WRITESCOPE_GRAPH_SPLIT``: ``on`` (the default) cuts a stage whose MLP cannot be captured
+    around it, ``off`` runs such a stage eagerly whole (read every decode pass).
+
+    Raises:
+        ValueError: another value than on/off (names it).
+    """
+    return env_choice("WRITESCOPE_GRAPH_SPLIT", ("on", "off")) == "on"
 
 
 class DecodeStep:
@@ -39,7 +55,9 @@ class DecodeStep:
         self.graphs: StageGraphs | None = None
         self._graphs_checked = False
         self._fns: list[Callable] | None = None  # the L + 1 stage functions, made on the first pass
+        self._cuts: list | None = None  # stage l >= 1 cut around layer l-1's MLP: (before, mlp, after)
         graphs_wanted(torch.device("cpu"))  # a bad WRITESCOPE_CUDA_GRAPHS fails here, when the model is built
+        graph_split_wanted()
 
     def run(self, input_ids: torch.Tensor, batch: ForwardBatch, cache: KVCache, layer_callback: Callable[[int], None] | None = None):
         """Logits ``[B, vocab]`` float32 of a decode pass (every query length 1)."""
@@ -57,14 +75,21 @@ class DecodeStep:
         css = [(cos[a:b], sin[a:b]) for a, b in groups]
         if self._fns is None:
             self._fns = [self._stage_fn(model, l) for l in range(L + 1)]
-        fns = self._fns
+            self._cuts = [None] + [self._cut_fns(model, l) for l in range(1, L + 1)]
+        fns, cuts = self._fns, self._cuts
         # per micro-batch (its token count decides an MoE block's path); stage l's MLP is layer l-1's
         keys = None if self.graphs is None else [[()] + [layer.graph_key(b - a) for layer in layers] for a, b in groups]
+        cut = keys is not None and graph_split_wanted()
 
         def stage(l, g, *inputs):
             if keys is None:
                 return fns[l](*inputs)
-            return self.graphs.run(l, g, groups[g][1] - groups[g][0], keys[g][l], fns[l], inputs)
+            tokens = groups[g][1] - groups[g][0]
+            if keys[g][l] is not None or not cut:
+                return self.graphs.run(l, g, tokens, keys[g][l], fns[l], inputs)
+            before, mlp, after = cuts[l]  # the MLP outside the graphs, the rest of the stage in two
+            h, n = self.graphs.run((l, "before"), g, tokens, (), before, inputs[:2])
+            return self.graphs.run((l, "after"), g, tokens, (), after, (h, mlp(n), *inputs[2:]))
 
         xs, pending, logits = [None] * len(groups), [None] * len(groups), [None] * len(groups)
         try:
@@ -109,3 +134,18 @@ class DecodeStep:
             return model.lm_head(model.model.norm(layers[L - 1].post(x, o))).float()
 
         return last
+
+    @staticmethod
+    def _cut_fns(model, l: int) -> tuple[Callable, Callable, Callable]:
+        """Stage l (1 <= l <= L) cut around layer l-1's MLP: ``before(x, o) -> (h, n)``, ``mlp(n)``,
+        ``after(h, y, *rest)``: what :meth:`_stage_fn`'s stage computes, op for op."""
+        layers, rope, L = model.model.layers, model.rope, len(model.model.layers)
+        prev = layers[l - 1]
+        if l < L:
+            def after(h, y, cos, sin):
+                x = h + y
+                return x, layers[l].pre(x, rope, (cos, sin))
+        else:
+            def after(h, y):
+                return model.lm_head(model.model.norm(h + y)).float()
+        return prev.post_begin, prev.mlp_out, after
