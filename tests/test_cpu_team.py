@@ -142,16 +142,22 @@ def test_a_closed_team_gives_up_waiting_jobs_and_refuses_new_ones():
 
 
 def test_engine_team_is_shared_while_held(monkeypatch):
+    """The same team for the same CPUs while one is held and not closed, from either module; other
+    CPUs, a closed team or none held: a new one."""
     monkeypatch.setattr(team_mod, "_team", None)
     monkeypatch.delenv(team_mod.ENV, raising=False)
     ext = cpu_kernel._extension()
     t1 = engine_team(ext)
-    assert t1 is not None and engine_team(cpu_experts._extension(), [0]) is t1  # the first caller's executor and CPUs stand
-    first = id(t1)
-    del t1
+    assert t1 is not None and engine_team(cpu_experts._extension(), []) is t1
+    t0 = engine_team(ext, [0])
+    assert t0 is not t1 and t0.cpus == [0] and engine_team(ext, [0]) is t0
+    t0.close()
+    t3 = engine_team(ext, [0])
+    assert t3 is not t0 and not t3.closed
+    del t1, t0, t3
     gc.collect()
     t2 = engine_team(ext)
-    assert t2 is not None and (id(t2) != first or t2.tasks_run == 0)  # none held: a new team
+    assert t2 is not None and t2.tasks_run == 0  # none held: a new team
     monkeypatch.setenv(team_mod.ENV, "own")
     assert engine_team(ext) is None
     monkeypatch.setenv(team_mod.ENV, "two")
@@ -221,3 +227,39 @@ def test_one_team_on_cuda_gives_the_tokens_of_a_thread_per_worker(monkeypatch):
         llm.expert_worker.close()
         del llm, att, exp
     assert tokens["one"] == tokens["own"]
+
+
+def test_pinned_workers_share_the_attention_workers_cpus_whoever_starts_first(monkeypatch):
+    """Under ``WRITESCOPE_CPU_PIN=on`` the team runs on the attention worker's CPUs even where the
+    expert worker starts first (a prefill pass of few tokens takes the expert worker before any
+    decode step has a CPU attention part); a policy set under other settings gives the expert
+    worker a team of the new ones."""
+    import os
+
+    from writescope import LLM, SamplingParams
+    from writescope.attention.cpu_worker import worker_cpus
+    from writescope.moe import async_experts
+    from writescope.moe.block import SparseMoeBlock
+
+    if not hasattr(os, "sched_getaffinity") or len(os.sched_getaffinity(0)) < 2:
+        pytest.skip("needs two CPUs this process may use")
+    monkeypatch.setenv(async_experts.ENV, "on")
+    monkeypatch.setenv("WRITESCOPE_CPU_PIN", "on")
+    llm = LLM("tiny-qwen3-moe", progress=False, dtype="bfloat16", policy="static:0.5", window=16, cpu_threads=1, expert_threads=1)
+    g = torch.Generator().manual_seed(1)
+    for b in (m for m in llm.model.modules() if isinstance(m, SparseMoeBlock)):
+        b.offload_experts(torch.randperm(b.cfg.num_experts, generator=g)[: b.cfg.num_experts // 2].tolist())
+        b.stream_share = 0.0
+    exp = llm.expert_worker.get()  # the expert worker first
+    want = worker_cpus(1)
+    assert want and exp.team.cpus == want
+    llm.generate(prompt_token_ids=[list(range(3, 40)), list(range(5, 30))], sampling_params=SamplingParams(max_tokens=6, ignore_eos=True))
+    att = llm.cache.decoder.worker
+    assert att is not None and att.team is exp.team and exp.team.pinned
+    monkeypatch.setenv("WRITESCOPE_CPU_PIN", "off")
+    llm.set_policy("static:0.5", 16)  # a bench row's switch: the running expert worker is made again, unpinned
+    assert llm.expert_worker.running is None and llm.expert_worker.get().team.cpus == []
+    monkeypatch.setenv(team_mod.ENV, "own")
+    llm.set_policy("static:0.5", 16)
+    assert llm.expert_worker.running is None and llm.expert_worker.get().team is None
+    llm.expert_worker.close()

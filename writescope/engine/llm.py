@@ -227,6 +227,10 @@ class LLM:
             self.cache.close()
         self.cache, self.policy, self.window, self.cpu_threads = cache, parsed, window, cpu_threads
         self.attention_threads = cpu_threads or default_attention_threads(self.device)  # what the CPU attention uses
+        if getattr(self, "expert_worker", None) is not None:  # the CPU team's settings as this policy's worker has them
+            from writescope.attention.cpu_worker import worker_cpus
+
+            self.expert_worker.refresh(worker_cpus(self.attention_threads))
         self.policy_name = "resident" if parsed is None else parsed.name
         if isinstance(cache, InplaceKVCache):  # O, measured across caches (scheduler/other_work.py)
             cache.other_work = self.other_work

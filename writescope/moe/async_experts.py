@@ -57,12 +57,21 @@ class WorkerHandle:
 
     def __init__(self, threads: int, device: torch.device):
         self.threads, self.device = int(threads), device
+        self.team_cpus: list[int] = []  # the CPU team's CPUs (refresh)
         self._worker = None
         self._failed = False
 
-    def get(self):
-        if self._worker is not None and (self._worker.team is not None) != team_wanted():  # WRITESCOPE_CPU_TEAM changed (a bench row's)
+    def refresh(self, team_cpus: list[int]) -> None:
+        """Settings for the next worker: the CPU team's CPUs (the attention worker's,
+        ``worker_cpus``) and ``WRITESCOPE_CPU_TEAM`` as they are now; a running worker made under
+        others is closed (made again on its next use). Called when a policy is set (a bench row's
+        switches), not on every layer."""
+        self.team_cpus = list(team_cpus)
+        w = self._worker
+        if w is not None and ((w.team is not None) != team_wanted() or (w.team is not None and w.team.cpus != self.team_cpus)):
             self.close()
+
+    def get(self):
         if self._worker is None and not self._failed:
             try:
                 from writescope.moe import cpu_experts
@@ -70,7 +79,7 @@ class WorkerHandle:
                 from writescope.native.team import engine_team
 
                 ext = cpu_experts._extension()  # None: ExpertWorker raises, naming it
-                team = engine_team(ext) if ext is not None else None  # one thread with the CPU attention worker
+                team = engine_team(ext, self.team_cpus) if ext is not None else None  # one thread with the CPU attention worker
                 self._worker = ExpertWorker(self.threads, self.device, team=team)
             except Exception as e:  # noqa: BLE001 - no Triton, a failed build: the old path
                 self._failed = True

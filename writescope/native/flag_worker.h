@@ -11,7 +11,8 @@
 // host). It then runs on the executor thread's OpenMP team (that thread and threads - 1 more),
 // writes its outputs (pinned memory) and sets the int32 `done` flag to the job's value after them
 // (a release store): a GPU stream or a host waits on that flag. A job whose inputs have not come
-// after INPUT_WAIT_S gives up (an error), so no job holds a shared thread forever. Flag values are sequence numbers compared modulo 2^32 (a
+// INPUT_WAIT_S after its submit gives up (an error), so no job holds a shared thread forever, nor
+// a backlog behind one longer than that. Flag values are sequence numbers compared modulo 2^32 (a
 // signed difference). A failed job records its error (the first one is kept until taken), fills
 // its outputs with NaN and still sets its done flag, so nothing waits forever and nothing reads
 // stale results as if they were right.
@@ -54,7 +55,7 @@ static inline bool reached(const volatile int32_t* flag, int32_t value) { return
 // A task run on an executor's thread: fn(arg, stopping), where *stopping becomes nonzero once the
 // executor is closing (a task waiting for something that may never come gives up then). A plain C
 // function pointer and a void*: an executor made by one extension module runs tasks of another.
-using TaskFn = void (*)(void* arg, const volatile int32_t* stopping);
+using TaskFn = void (*)(void* arg, const std::atomic<int32_t>* stopping);
 
 // One std::thread, started once, that runs posted tasks in order (never touching Python). cpus:
 // the CPUs the thread may run on, set before its first task (its OpenMP team, made on the first
@@ -77,15 +78,16 @@ class Executor {
     return true;
   }
 
-  // run what is queued (each task sees stopping set), then stop the thread
+  // run what is queued (each task sees stopping set), then stop the thread; every caller returns
+  // after the thread has stopped
   void close() {
     {
       std::lock_guard<std::mutex> lk(mu_);
-      if (stop_) return;
       stop_ = true;
-      stopping_ = 1;
+      stopping_.store(1, std::memory_order_release);
     }
     cv_.notify_one();
+    std::lock_guard<std::mutex> j(join_mu_);
     if (thread_.joinable()) thread_.join();
   }
 
@@ -118,8 +120,8 @@ class Executor {
   const std::vector<int64_t> cpus_;
   std::atomic<bool> pinned_{false};
   std::atomic<int64_t> tasks_run_{0};
-  volatile int32_t stopping_ = 0;
-  std::mutex mu_;
+  std::atomic<int32_t> stopping_{0};
+  std::mutex mu_, join_mu_;
   std::condition_variable cv_;
   std::deque<std::pair<TaskFn, void*>> tasks_;
   bool stop_ = false;
@@ -168,7 +170,7 @@ class FlagWorker {
   void submit(J job, int32_t* ready, int32_t ready_value, int32_t* done, int32_t done_value) {
     std::lock_guard<std::mutex> lk(mu_);  // held while posting: the task posted takes this job, the queue's last
     TORCH_CHECK(!stop_, J::NAME, " is closed");
-    jobs_.push_back({std::move(job), ready, ready_value, done, done_value});
+    jobs_.push_back({std::move(job), ready, ready_value, done, done_value, std::chrono::steady_clock::now()});
     if (!post_(executor_, &FlagWorker::task, this)) {
       jobs_.pop_back();
       TORCH_CHECK(false, J::NAME, ": its CPU team is closed");
@@ -238,6 +240,7 @@ class FlagWorker {
     int32_t ready_value;
     volatile int32_t* done;
     int32_t done_value;
+    std::chrono::steady_clock::time_point submitted;  // INPUT_WAIT_S counts from here: a backlog behind a job whose inputs never come gives up within it
   };
 
   void fail(const std::string& what) {
@@ -246,10 +249,10 @@ class FlagWorker {
     has_error_.store(true, std::memory_order_release);
   }
 
-  static void task(void* self, const volatile int32_t* stopping) { static_cast<FlagWorker*>(self)->run_one(stopping); }
+  static void task(void* self, const std::atomic<int32_t>* stopping) { static_cast<FlagWorker*>(self)->run_one(stopping); }
 
   // One posted task: the oldest queued job, on the executor's thread.
-  void run_one(const volatile int32_t* executor_stopping) {
+  void run_one(const std::atomic<int32_t>* executor_stopping) {
     std::optional<Queued> one;  // the job taken (J need not be default-constructible)
     {
       std::lock_guard<std::mutex> lk(mu_);
@@ -258,7 +261,6 @@ class FlagWorker {
     }
     Queued& j = *one;
     const bool tracing = tracing_.load(std::memory_order_relaxed);
-    const auto taken = std::chrono::steady_clock::now();
     const int64_t taken_ns = tracing ? now_ns() : 0;
     bool ready = true, timed_out = false;
     // the inputs arrive within the layer: spin, then yield; the stop requests read without a lock
@@ -272,11 +274,11 @@ class FlagWorker {
         }
       }
       if (spins > 4096) {
-        if ((stopping_.load(std::memory_order_acquire) || *executor_stopping) && !reached(j.ready, j.ready_value)) {
+        if ((stopping_.load(std::memory_order_acquire) || executor_stopping->load(std::memory_order_acquire)) && !reached(j.ready, j.ready_value)) {
           ready = false;
           break;
         }
-        if ((spins & 1023) == 0 && std::chrono::steady_clock::now() - taken > std::chrono::duration<double>(INPUT_WAIT_S) &&
+        if ((spins & 1023) == 0 && std::chrono::steady_clock::now() - j.submitted > std::chrono::duration<double>(INPUT_WAIT_S) &&
             !reached(j.ready, j.ready_value)) {
           ready = false; timed_out = true;
           break;
@@ -319,10 +321,8 @@ class FlagWorker {
     std::atomic_thread_fence(std::memory_order_release);  // the outputs before the flag
     *j.done = j.done_value;
     one.reset();  // the job's own resources, before close() may return
-    {
-      std::lock_guard<std::mutex> lk(mu_);
-      --pending_;
-    }
+    std::lock_guard<std::mutex> lk(mu_);  // notified under the lock: close() (and the worker's destruction) waits for it
+    --pending_;
     idle_.notify_all();
   }
 

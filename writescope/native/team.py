@@ -51,6 +51,7 @@ class CpuTeam:
 
     def __init__(self, ext, cpus: list[int] | None = None):
         self.cpus = [int(c) for c in cpus] if cpus else []
+        self.closed = False
         self._x = ext.Executor(self.cpus)
 
     @property
@@ -75,7 +76,9 @@ class CpuTeam:
         return int(self._x.tasks_run)
 
     def close(self) -> None:
-        """Run what is queued (a job still waiting for its inputs gives up) and stop the thread."""
+        """Run what is queued (a job still waiting for its inputs gives up) and stop the thread;
+        later jobs of its workers are refused."""
+        self.closed = True
         self._x.close()
 
 
@@ -84,10 +87,10 @@ _team: weakref.ref | None = None
 
 
 def engine_team(ext, cpus: list[int] | None = None) -> CpuTeam | None:
-    """The team the engine's workers share, or None under ``WRITESCOPE_CPU_TEAM=own``. Made on
-    first use with ``ext``'s executor and ``cpus`` (those of the first worker to ask: the CPU
-    attention worker's under ``WRITESCOPE_CPU_PIN=on``); while any worker holds it, later workers
-    get the same one, whatever their ``cpus``.
+    """The team the engine's workers share, or None under ``WRITESCOPE_CPU_TEAM=own``: the live
+    one (held by a worker, not closed) on ``cpus`` (the CPU attention worker's under
+    ``WRITESCOPE_CPU_PIN=on``, ``worker_cpus``; both workers ask with them), else a new one made
+    with ``ext``'s executor, which later calls then get.
 
     Raises:
         ValueError: a bad ``WRITESCOPE_CPU_TEAM``.
@@ -97,7 +100,7 @@ def engine_team(ext, cpus: list[int] | None = None) -> CpuTeam | None:
         return None
     with _lock:
         team = _team() if _team is not None else None
-        if team is None:
+        if team is None or team.closed or team.cpus != ([int(c) for c in cpus] if cpus else []):
             team = CpuTeam(ext, cpus)
             _team = weakref.ref(team)
         return team
