@@ -375,6 +375,9 @@ def test_cli_refuses_bad_flags_before_binding(capsys):
     assert "--max-queue must be >= 0, got -1" in capsys.readouterr().err
     assert main(["serve", "--model", MODEL, "--port", "70000"]) == 2
     assert "--port" in capsys.readouterr().err
+    for bad in ("-1", "nan", "1e6"):
+        assert main(["serve", "--model", MODEL, "--shutdown-grace", bad]) == 2
+        assert f"--shutdown-grace must be seconds from 0 to 86400, got {float(bad)}" in capsys.readouterr().err
 
 
 @pytest.fixture
@@ -569,7 +572,8 @@ def test_ctrl_c_stops_the_server_gracefully_and_quietly(signame, words):
     env = {**os.environ, "PYTHONUNBUFFERED": "1"}
 
     def start():
-        proc = subprocess.Popen([sys.executable, "-m", "writescope", "serve", "--model", MODEL, "--device", "cpu", "--port", "0"],
+        proc = subprocess.Popen([sys.executable, "-m", "writescope", "serve", "--model", MODEL, "--device", "cpu", "--port", "0",
+                                 "--shutdown-grace", "600"],  # the stream ends within the grace however loaded this machine is
                                 stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True, env=env)
         seen: list[str] = []
         reader = threading.Thread(target=lambda: seen.extend(iter(proc.stdout.readline, "")), daemon=True)

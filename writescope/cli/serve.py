@@ -31,6 +31,9 @@ def add_parser(sub) -> None:
     p.add_argument("--max-queue", type=int, default=256,
                    help="requests that may wait for a place in the batch; more get 503 with Retry-After (default 256; "
                         "0: none wait: a request is taken while one of the --max-num-seqs places is free, else 503)")
+    p.add_argument("--shutdown-grace", type=float, default=None, metavar="SECONDS",
+                   help="after Ctrl-C or SIGTERM, the requests in flight may finish for this long; those still running "
+                        "then get 503 (default 30)")
     p.add_argument("--prefill-chunk-tokens", type=int, default=2048,
                    help="prompt tokens per engine step (default 2048: running requests decode between chunks)")
     p.add_argument("--device", default="auto", help="auto (cuda when present, the default), cpu or cuda")
@@ -66,6 +69,9 @@ def run(args: argparse.Namespace) -> int:
             raise ValueError(f"{flag} must be >= 1, got {value}")
     if args.max_queue < 0:
         raise ValueError(f"--max-queue must be >= 0, got {args.max_queue}")
+    grace = GRACEFUL_SHUTDOWN_S if args.shutdown_grace is None else args.shutdown_grace
+    if not 0 <= grace <= 86400:  # NaN fails too
+        raise ValueError(f"--shutdown-grace must be seconds from 0 to 86400, got {args.shutdown_grace}")
     from writescope.engine.threads import check_cpu_threads
 
     check_cpu_threads(args.cpu_threads, "--cpu-threads")  # before the server listens, as the other flags
@@ -80,8 +86,8 @@ def run(args: argparse.Namespace) -> int:
               file=sys.stderr)
 
     state = ServerState(args.served_model_name or args.model, api_key=args.api_key)
-    # a stop lets the requests in flight finish for GRACEFUL_SHUTDOWN_S, then fails those still running (503)
-    server = Server(uvicorn_config(build_app(state), args.host, args.port, args.log_level), state)
+    # a stop lets the requests in flight finish for the grace, then fails those still running (503)
+    server = Server(uvicorn_config(build_app(state), args.host, args.port, args.log_level, grace), state, grace)
     threading.Thread(target=_load, args=(args, state, server), name="writescope-load", daemon=True).start()
     stopped = []
 
@@ -108,7 +114,7 @@ def run(args: argparse.Namespace) -> int:
         return 2
     if stopped:
         how = "Ctrl-C" if stopped[-1] == signal.SIGINT else "SIGTERM"  # uvicorn hands them back newest first
-        failed = (f": {plural(state.failed_at_stop, 'request')} still running after the {GRACEFUL_SHUTDOWN_S} s grace "
+        failed = (f": {plural(state.failed_at_stop, 'request')} still running after the {grace:g} s grace "
                   "got 503" if state.failed_at_stop else "")
         print(f"writescope serve: stopped ({how}){failed}", file=sys.stderr)
     return 0
