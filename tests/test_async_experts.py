@@ -239,3 +239,28 @@ def test_share_for_chooses_from_the_expected_hits_before_routing():
     assert sum(even.take_counts()) == m  # the expected hits, counted as such
     decoder.last_split = None  # a prefill: the block's fixed share applies
     assert even.share_for(4, block) is None
+
+
+@needs_kernel
+def test_an_error_after_submit_waits_for_the_job_before_it_propagates(monkeypatch):
+    """The device work after the worker's submit fails: the job is waited for (its cached buffers
+    are free again) before the error propagates, and the next pass works."""
+    monkeypatch.setenv(async_experts.ENV, "on")
+    llm = LLM("tiny-qwen3-moe", progress=False, dtype="bfloat16")
+    b = _offload_half(llm)[0]
+    b.stream_share = 0.0
+    x = torch.randn(4, b.gate.weight.shape[1], generator=torch.Generator().manual_seed(3)).to(torch.bfloat16)
+    real = async_experts._reference_into
+
+    def boom(*a, **k):
+        raise RuntimeError("the device work failed")
+
+    monkeypatch.setattr(async_experts, "_reference_into", boom)
+    with torch.no_grad(), pytest.raises(RuntimeError, match="device work failed"):
+        b(x)
+    w = llm.expert_worker.running
+    assert w is not None and w.seq >= 1 and w.done_value() == w.seq  # waited for, not left running
+    monkeypatch.setattr(async_experts, "_reference_into", real)
+    with torch.no_grad():
+        assert torch.isfinite(b(x).float()).all()
+    llm.expert_worker.close()

@@ -312,3 +312,16 @@ def test_every_capture_warms_up_on_one_stream():
     assert all(c.warmup is one for c in caps) and len(graphs._WARMUP) == 1
     for c in caps:
         torch.testing.assert_close(c.replay((x,)), x @ w)
+
+
+def test_a_stage_cut_and_whole_replace_each_other():
+    """A stage whole and cut around its MLP are two forms of it: capturing one drops the other,
+    while the cut's two parts stay side by side."""
+    g = StageGraphs(EagerCapture)
+    x = (torch.ones(2),)
+    g.run(3, 0, 2, (), lambda t: t + 1, x)
+    g.run((3, "before"), 0, 2, (), lambda t: t * 2, x)
+    g.run((3, "after"), 0, 2, (), lambda t: t * 3, x)
+    assert sorted(map(str, (k[0] for k in g._shapes[(0, 2)]))) == ["(3, 'after')", "(3, 'before')"]
+    g.run(3, 0, 2, (), lambda t: t + 1, x)
+    assert [k[0] for k in g._shapes[(0, 2)]] == [3]

@@ -123,6 +123,14 @@ def _copy(dst, src):
             _copy(d, s)
 
 
+def _same_stage(old, new) -> bool:
+    """``old`` is ``new`` or its other form: a stage whole (``l``) and cut around its MLP
+    (``(l, part)``, models/decode_step.py) replace each other; the two parts of a cut stage do not."""
+    if isinstance(old, tuple) != isinstance(new, tuple):
+        return (old[0] if isinstance(old, tuple) else old) == (new[0] if isinstance(new, tuple) else new)
+    return old == new
+
+
 class StageGraphs:
     """The decode stages' graphs of one model (see module doc).
 
@@ -169,7 +177,7 @@ class StageGraphs:
                                   "such stages run without graphs", stacklevel=3)
                 return fn(*inputs)
             self._pools[group] = g.pool
-            graphs = {k: v for k, v in graphs.items() if k[0] != stage}  # an older key of this stage
+            graphs = {k: v for k, v in graphs.items() if not _same_stage(k[0], stage)}  # an older key, or the other form, of this stage
             graphs[(stage, key)] = g
             self._shapes[shape] = graphs
             self.captured += 1

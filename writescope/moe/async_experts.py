@@ -169,13 +169,18 @@ def forward_into(block, worker, x: torch.Tensor, weights: torch.Tensor, ids: tor
     sh.copy_(cpu_slot, non_blocking=cuda)
     rh.copy_(weights, non_blocking=cuda)
     seq = worker.submit_buffers(bufs, pack.w13, pack.w2)
-    if cuda:  # the fused kernels: the device experts, then the link's host experts read in place
-        if block.packed is not None:
-            block.packed(x, weights, ids, out)
-        fused_decode.fused_experts_into(x, weights, ids, link_slot_of, w13_dev, w2_dev, block.cfg.intermediate_size, out)
-    else:
-        take = (link_slot_of < hosted) | (slot_of >= hosted)  # the link's host experts and the device experts
-        _reference_into(block, x, weights, ids, take, out)
+    try:
+        if cuda:  # the fused kernels: the device experts, then the link's host experts read in place
+            if block.packed is not None:
+                block.packed(x, weights, ids, out)
+            fused_decode.fused_experts_into(x, weights, ids, link_slot_of, w13_dev, w2_dev, block.cfg.intermediate_size, out)
+        else:
+            take = (link_slot_of < hosted) | (slot_of >= hosted)  # the link's host experts and the device experts
+            _reference_into(block, x, weights, ids, take, out)
+    except BaseException:  # the job still runs: its buffers are free for the next copies only after its done flag
+        if not worker.wait_host(seq):
+            worker.close()  # it did not finish: no later job may reuse its buffers
+        raise
     worker.consume(seq)  # with CUDA the stream waits for the done flag, not this thread
     out.add_(yh.to(x.device, non_blocking=cuda))
     return seq

@@ -50,6 +50,8 @@ struct ExpertJob {
 
   std::array<int64_t, 2> run() {
     const int64_t D = W.D, es = W.bf16 ? 2 : 4, TK = T * K;
+    // the slots read once: every later pass uses these checked values, whatever happens to the buffer
+    const std::vector<int32_t> slot(this->slot, this->slot + TK);
     std::vector<int64_t> count(W.E, 0);
     for (int64_t i = 0; i < TK; ++i) {
       const int32_t s = slot[i];

@@ -170,4 +170,4 @@ class ExpertWorker(FlagWorker):
         return [(secs, nbytes, experts) for _, secs, nbytes, experts in self._take_done()]
 
     def _closed(self) -> None:
-        self._buffers = None
+        self._buffers = {}
