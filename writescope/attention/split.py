@@ -773,8 +773,7 @@ class SplitDecoder:
                 from writescope.attention.cpu_worker import NativeWorker, worker_cpus
                 from writescope.native.team import engine_team
 
-                ext = cpu_kernel._extension()  # None: NativeWorker raises, naming it
-                team = engine_team(ext, worker_cpus(self.cpu_threads)) if ext is not None else None  # one thread with the expert worker
+                team = engine_team(cpu_kernel._extension(), worker_cpus(self.cpu_threads))  # one thread with the expert worker
                 self.worker = NativeWorker(self.cpu_threads, self.device, team=team)
             except Exception as e:  # noqa: BLE001 - no Triton, no kernel, a failed compile: the thread pool
                 import warnings

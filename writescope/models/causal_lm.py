@@ -55,15 +55,16 @@ class DecoderLayer(nn.Module):
 
     def post(self, x, o) -> torch.Tensor:
         """The layer's output from its input ``x`` and its cache's attention output ``o``."""
-        return self._mlp_residual(x + self.self_attn.output(o))
+        h, n = self.post_begin(x, o)
+        return h + self.mlp_out(n)
 
     def _mlp_residual(self, h) -> torch.Tensor:
         return h + getattr(self, self.mlp_name)(self.post_attention_layernorm(h))
 
     def post_begin(self, x, o) -> tuple:
         """:meth:`post` up to its MLP: ``(h, n)``, the residual stream ``h = x + output(o)`` and the
-        MLP's input ``n`` (its normed ``h``); the layer's output is ``h + mlp_out(n)``, the same ops
-        as :meth:`post` (a stage cut around an MLP that runs outside its graphs, models/decode_step.py)."""
+        MLP's input ``n`` (its normed ``h``); the layer's output is ``h + mlp_out(n)`` (:meth:`post`;
+        a stage cut around an MLP that runs outside its graphs, models/decode_step.py)."""
         h = x + self.self_attn.output(o)
         return h, self.post_attention_layernorm(h)
 

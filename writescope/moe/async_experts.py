@@ -78,8 +78,7 @@ class WorkerHandle:
                 from writescope.moe.expert_worker import ExpertWorker
                 from writescope.native.team import engine_team
 
-                ext = cpu_experts._extension()  # None: ExpertWorker raises, naming it
-                team = engine_team(ext, self.team_cpus) if ext is not None else None  # one thread with the CPU attention worker
+                team = engine_team(cpu_experts._extension(), self.team_cpus)  # one thread with the CPU attention worker
                 self._worker = ExpertWorker(self.threads, self.device, team=team)
             except Exception as e:  # noqa: BLE001 - no Triton, a failed build: the old path
                 self._failed = True

@@ -87,7 +87,8 @@ _team: weakref.ref | None = None
 
 
 def engine_team(ext, cpus: list[int] | None = None) -> CpuTeam | None:
-    """The team the engine's workers share, or None under ``WRITESCOPE_CPU_TEAM=own``: the live
+    """The team the engine's workers share, or None under ``WRITESCOPE_CPU_TEAM=own`` (or with no
+    ``ext``, where the native kernel was not built): the live
     one (held by a worker, not closed) on ``cpus`` (the CPU attention worker's under
     ``WRITESCOPE_CPU_PIN=on``, ``worker_cpus``; both workers ask with them), else a new one made
     with ``ext``'s executor, which later calls then get.
@@ -96,7 +97,7 @@ def engine_team(ext, cpus: list[int] | None = None) -> CpuTeam | None:
         ValueError: a bad ``WRITESCOPE_CPU_TEAM``.
     """
     global _team
-    if not team_wanted():
+    if ext is None or not team_wanted():  # no extension: the worker's own constructor says why
         return None
     with _lock:
         team = _team() if _team is not None else None
