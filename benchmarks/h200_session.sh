@@ -33,6 +33,8 @@
 #     its waits for the CPU, the link (writescope profile --timeline; TL_POLICIES comma-separated, each with its own @switches,
 #     TL_BATCH 16, TL_CONTEXT 32k, TL_STEPS 3, TL_TAG a file-name suffix, TL_FLAGS more profile flags such as --no-breakdown;
 #     TL_HOST=1 also profiles the main thread's Python (--host-profile: where the thread that issues the step spends it); random KV fill)
+#   bash benchmarks/h200_session.sh spy MODEL  # the thread that issues a decode step, sampled by py-spy --native (benchmarks/spy_summary.py;
+#     carry .probe with .probe/py-spy from py-spy's wheel; SPY_POLICY, SPY_BATCH, SPY_CONTEXT, SPY_STEPS, SPY_TAG)
 #   bash benchmarks/h200_session.sh joint MODEL  # issue 16: writescope's per-step expert split vs --expert-stream-share 1 and 0, and gpu
 #     (TPOT_BATCH default 4 here, TPOT_CONTEXT, TPOT_NEW)
 # A grid or calibration with torch's flash op instead of the C++ kernel: WRITESCOPE_CPU_ATTENTION=flash (the environment passes through).
@@ -87,6 +89,16 @@ part() {
         --kv-fill random --batch "${VAR_BATCH:-16}" --context "${VAR_CONTEXT:-32k}" --steps "${VAR_STEPS:-12}" --repeats "${VAR_REPEATS:-2}" \
         --policies "${VAR_POLICIES:-gpu,writescope,writescope@WRITESCOPE_MICRO_BATCHES=2,writescope@WRITESCOPE_PINGPONG_BUFFERS=4}" --quiet \
         --output-json "$f.json" 2>&1 | tee "$f.log" | tail -24 ;;
+    spy)  # the issuing thread sampled by py-spy (native frames too; no cost per call, unlike cProfile): one bench row
+      # (copy the py-spy binary of its wheel to .probe/py-spy and carry .probe; SPY_POLICY, SPY_BATCH 4, SPY_CONTEXT 32k, SPY_STEPS 24, SPY_TAG)
+      local f="$out/spy_${m}_${SPY_BATCH:-4}x${SPY_CONTEXT:-32k}${SPY_TAG:-}"
+      [ -x .probe/py-spy ] || { echo "spy: no .probe/py-spy (carry .probe)" >&2; return 1; }
+      timeout "$(tmo 420)" .probe/py-spy record --native --rate "${SPY_RATE:-200}" --format raw --output "$f.raw" -- \
+        python3 -m writescope.cli.main bench --model "$m" --synthetic --device cuda --vram-budget 32GiB --kv-fill random \
+        --batch "${SPY_BATCH:-4}" --context "${SPY_CONTEXT:-32k}" --steps "${SPY_STEPS:-24}" --repeats 1 --policies "${SPY_POLICY:-writescope}" \
+        --quiet --output-json "$f.json" > "$f.log" 2>&1 || echo "spy: exit $?"
+      tail -3 "$f.log"
+      python3 benchmarks/spy_summary.py "$f.raw" --top 25 > "$f.txt" && head -90 "$f.txt" ;;
     multi-user)  # issue 18 item 5: two concurrent streams against the server, alone and together (MU_STREAMS, MU_POLICIES)
       if ! python3 -c "import fastapi, uvicorn" 2>/dev/null; then
         ls .whl/*.whl > /dev/null 2>&1 || { echo "multi-user: no fastapi here; run benchmarks/serve_wheels.sh and carry .whl" >&2; return 1; }

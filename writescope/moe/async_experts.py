@@ -72,6 +72,10 @@ class WorkerHandle:
             self.close()
 
     def get(self):
+        """The worker, made on first use and again after a close (a job that did not finish after
+        an error closes it: ``forward_into``); None where it cannot start."""
+        if self._worker is not None and self._worker.closed:
+            self._worker = None
         if self._worker is None and not self._failed:
             try:
                 from writescope.moe import cpu_experts

@@ -79,6 +79,7 @@ class FlagWorker:
         # the time in all to submit_total_ns
         self.submit_total_ns = self.submit_wall_ns = self.submits = 0
         self.team = team  # held: its thread outlives this worker's jobs
+        self.closed = False  # close() was called (a handle makes a new worker: moe/async_experts.py)
         self._ext, self._w = ext, make(team.address, team.post_address) if team is not None else make(0, 0)
 
     @property
@@ -191,6 +192,7 @@ class FlagWorker:
         Raises:
             RuntimeError: a job failed or a wait on the device timed out.
         """
+        self.closed = True
         if self.cuda:
             torch.cuda.synchronize(self.device)  # the jobs queued behind device work get their inputs first
         self._w.close()
