@@ -156,3 +156,24 @@ def half_experts_budget(preset: str = "tiny-qwen3-moe", dtype: torch.dtype = tor
     shrinks the working set and lets more experts fit)."""
     base = budget_plan(preset, dtype, batch)
     return base.gpu_min + (base.experts_total // 2 + 8) * base.expert_bytes
+
+
+@torch.no_grad()
+def teacher_forced_decode_logits(llm, prompts: list[list[int]], steps: int, device="cpu") -> torch.Tensor:
+    """``[steps, B, vocab]`` float32 logits of ``steps`` decode passes of ``llm.model`` after one
+    prefill of ``prompts``, each step fed a fixed token per sequence (teacher-forced: a near-tie
+    cannot send two runs apart). The sequences are freed afterwards."""
+    cache = llm.cache
+    slots = [cache.allocate(len(p) + steps, prompt_len=len(p)) for p in prompts]
+    try:
+        batch = ForwardBatch.build(slots, [len(p) for p in prompts], [0] * len(prompts), device)
+        llm.model(torch.tensor([t for p in prompts for t in p], device=device), batch, cache)
+        out = []
+        for s in range(steps):
+            batch = ForwardBatch.build(slots, [1] * len(prompts), [len(p) + s for p in prompts], device)
+            ids = torch.tensor([3 + (7 * s + 11 * i) % 1000 for i in range(len(prompts))], device=device)
+            out.append(llm.model(ids, batch, cache).float().clone())
+        return torch.stack(out)
+    finally:
+        for s in slots:
+            cache.free(s)

@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import pytest
 import torch
+from helpers import teacher_forced_decode_logits
 
 from writescope import LLM, SamplingParams
 from writescope.attention.metadata import ForwardBatch
@@ -38,22 +39,7 @@ def _with_graphs(llm: LLM, capture=EagerCapture) -> StageGraphs:
     return llm.model.decode.graphs
 
 
-@torch.no_grad()
-def _decode_logits(llm: LLM, prompts, steps: int, device="cpu") -> torch.Tensor:
-    cache = llm.cache
-    slots = [cache.allocate(len(p) + steps, prompt_len=len(p)) for p in prompts]
-    try:
-        batch = ForwardBatch.build(slots, [len(p) for p in prompts], [0] * len(prompts), device)
-        llm.model(torch.tensor([t for p in prompts for t in p], device=device), batch, cache)
-        out = []
-        for s in range(steps):  # teacher-forced inputs: a near-tie cannot send two runs apart
-            batch = ForwardBatch.build(slots, [1] * len(prompts), [len(p) + s for p in prompts], device)
-            ids = torch.tensor([3 + (7 * s + 11 * i) % 1000 for i in range(len(prompts))], device=device)
-            out.append(llm.model(ids, batch, cache).float().clone())
-        return torch.stack(out)
-    finally:
-        for s in slots:
-            cache.free(s)
+_decode_logits = teacher_forced_decode_logits
 
 
 @pytest.mark.parametrize("preset", ["tiny-qwen3-moe", "tiny-deepseek-v2", "tiny-mixtral"])
@@ -111,6 +97,7 @@ def test_cut_stages_around_the_expert_worker_give_the_eager_logits(monkeypatch):
     if not cpu_experts.kernel_available():
         pytest.skip("the host-expert kernel does not build here")
     monkeypatch.setenv(async_experts.ENV, "on")
+    monkeypatch.setenv(async_experts.GRAPH_ENV, "off")  # on: the stages are captured whole (tests/test_graph_experts.py)
     runs = []
     for graphed in (False, True):
         llm = LLM("tiny-qwen3-moe", progress=False, policy="static:0.5", window=D, dtype="bfloat16")
@@ -196,6 +183,7 @@ def test_cut_stages_around_the_expert_worker_on_cuda(monkeypatch):
     from writescope.moe import async_experts
 
     monkeypatch.setenv(async_experts.ENV, "on")
+    monkeypatch.setenv(async_experts.GRAPH_ENV, "off")  # on: the stages are captured whole (tests/test_graph_experts.py)
     prompts = _prompts(4096)
     out = {}
     for mode in ("off", "off again", "on"):

@@ -38,6 +38,7 @@ from typing import Callable
 import torch
 
 from writescope.engine.ranges import named
+from writescope.engine.replay_hooks import collecting
 from writescope.env import env_choice
 
 MAX_SHAPES = 32  # distinct (micro-batch, tokens) shapes kept (a server's batch sizes); the oldest shape's graphs go first
@@ -70,7 +71,8 @@ def warmup_stream(device: torch.device) -> "torch.cuda.Stream":
 
 
 class CudaCapture:
-    """One stage captured as a CUDA graph (see module doc)."""
+    """One stage captured as a CUDA graph (see module doc); ``hooks``: the host calls each replay
+    makes before the graph's (engine/replay_hooks.py)."""
 
     def __init__(self, fn: Callable, inputs: tuple, pool):
         self.static = tuple(t.clone() for t in inputs)
@@ -81,7 +83,7 @@ class CudaCapture:
             fn(*self.static)
         cur.wait_stream(side)
         self.graph = torch.cuda.CUDAGraph()
-        with torch.cuda.graph(self.graph, pool=pool, capture_error_mode="thread_local"):
+        with collecting() as self.hooks, torch.cuda.graph(self.graph, pool=pool, capture_error_mode="thread_local"):
             self.out = fn(*self.static)
         self.pool = self.graph.pool()
 
@@ -89,6 +91,8 @@ class CudaCapture:
         for s, t in zip(self.static, inputs):
             if s.data_ptr() != t.data_ptr():
                 s.copy_(t)
+        for hook in self.hooks:
+            hook()
         self.graph.replay()
         return self.out
 

@@ -33,11 +33,26 @@ import warnings
 
 import torch
 
+from writescope.engine import replay_hooks
 from writescope.env import env_choice
 from writescope.moe import fused_decode
 from writescope.native.team import team_wanted
 
 ENV = "WRITESCOPE_EXPERT_WORKER"
+
+
+GRAPH_ENV = "WRITESCOPE_GRAPH_EXPERTS"
+
+
+def graph_wanted() -> bool:
+    """``WRITESCOPE_GRAPH_EXPERTS``: ``on`` (the default) captures a decode stage whose MoE block
+    hands its CPU share to the worker whole, the job handed over at each replay
+    (:func:`captured_into`); ``off``: such a stage is cut around the block (models/decode_step.py).
+
+    Raises:
+        ValueError: a value other than on/off (names it).
+    """
+    return env_choice(GRAPH_ENV, ("on", "off")) == "on"
 
 
 def worker_wanted(device: torch.device) -> bool:
@@ -114,7 +129,8 @@ def partition(ids: torch.Tensor, slot_of: torch.Tensor, hosted: int, share: floa
         slot_of: ``[E]`` int64, each expert's slot in the host pack (``hosted`` for device experts).
         hosted: host pack slots (experts in host memory).
         share: in [0, 1], the share of the hit host experts below ``min_tokens`` tokens the link
-            takes, most tokens first, ties to the lower id (rounded half to even, as Python's round).
+            takes, most tokens first, ties to the lower id (rounded half to even, as Python's round);
+            a float, or a 0-dim float64 tensor on ids' device (a captured pass reads it when it runs).
         min_tokens: host experts with at least this many tokens go to the link whatever ``share``
             (None: none).
 
@@ -132,7 +148,7 @@ def partition(ids: torch.Tensor, slot_of: torch.Tensor, hosted: int, share: floa
     e = torch.arange(E, device=ids.device)
     score = torch.where(small, counts * (E + 1) + (E - e), 0)  # more tokens first, then the lower id; 0 outside
     rank = torch.empty_like(e).scatter_(0, torch.argsort(score, descending=True), e)
-    k = torch.round(small.sum().double() * float(share))  # float64: the product Python's round sees
+    k = torch.round(small.sum().double() * (share if isinstance(share, torch.Tensor) else float(share)))  # float64: the product Python's round sees
     cpu = small & (rank >= k)
     cpu_slot = torch.where(cpu[flat], slot_of[flat], -1).view(ids.shape).to(torch.int32)
     return cpu_slot, torch.where(cpu, hosted, slot_of)
@@ -187,3 +203,63 @@ def forward_into(block, worker, x: torch.Tensor, weights: torch.Tensor, ids: tor
     worker.consume(seq)  # with CUDA the stream waits for the done flag, not this thread
     out.add_(yh.to(x.device, non_blocking=cuda))
     return seq
+
+
+def captured_into(block, worker, x: torch.Tensor, weights: torch.Tensor, ids: torch.Tensor, out: torch.Tensor) -> None:
+    """:func:`forward_into` inside a stage's CUDA graph capture: the device work is
+    captured, and the host's part, handing the worker its job, is registered to run before each
+    replay (engine/replay_hooks.py), since the graph cannot hold it:
+
+    - each replay first: the share of the pass (the joint roofline's, as eagerly) into the block's
+      share tensor (a fill only when it changes), the worker's finished jobs into the roofline's E,
+      the job posted to the worker (its inputs not yet ready) and its number written into a pinned
+      job slot of this graph (native/flag_worker.py ``JobSlot``);
+    - the graph: the split read from the share tensor, the CPU's inputs copied into the worker's
+      pinned buffers for this shape (fixed addresses: the hook holds them), the ready flag set to
+      the slot's job, the device experts and the link's host experts, a wait for the slot's job's
+      done flag, and its sum added into ``out``.
+    Nothing runs on the worker at the capture itself.
+    """
+    T, K = ids.shape
+    hand = replay_hooks.on_replay(_Handover(block, worker, worker.buffers(T, K, x.shape[1], x.dtype), worker.job_slot(), T))
+    bufs, slot = hand.bufs, hand.slot
+    share = block.share_tensor(x.device)
+    pack = block.host_pack
+    hosted = len(pack.ids)
+    cuda = x.device.type == "cuda"
+    if cuda:
+        w13_dev, w2_dev, slot_of = block._host_device_views(x.device)
+    else:  # the tests' stand-in for a capture (tests/test_graph_experts.py)
+        slot_of = pack.slot_of
+    cpu_slot, link_slot_of = partition(ids, slot_of, hosted, share, block.stream_min_tokens)
+    xh, sh, rh, yh = bufs
+    xh.copy_(x, non_blocking=cuda)
+    sh.copy_(cpu_slot, non_blocking=cuda)
+    rh.copy_(weights, non_blocking=cuda)
+    worker.mark_ready(slot)
+    if cuda:
+        if block.packed is not None:
+            block.packed(x, weights, ids, out)
+        fused_decode.fused_experts_into(x, weights, ids, link_slot_of, w13_dev, w2_dev, block.cfg.intermediate_size, out)
+    else:
+        _reference_into(block, x, weights, ids, (link_slot_of < hosted) | (slot_of >= hosted), out)
+    worker.consume_slot(slot)
+    out.add_(yh.to(x.device, non_blocking=cuda))
+
+
+class _Handover:
+    """The host's part of each replay of a :func:`captured_into` capture (see there): the share,
+    E's observations, the job posted and its number in the graph's slot. Holds the pinned
+    buffers and the slot whose addresses the graph reads."""
+
+    def __init__(self, block, worker, bufs: tuple, slot, tokens: int):
+        self.block, self.worker, self.bufs, self.slot, self.tokens = block, worker, bufs, slot, tokens
+
+    def __call__(self) -> None:
+        block, worker = self.block, self.worker
+        block.share_tensor(block.gate.weight.device, block.share_of_pass(self.tokens))
+        if block.expert_work is not None:  # E, tracked from the worker's finished jobs (they finish later)
+            for secs, nbytes, _ in worker.take_done():
+                block.expert_work.observe(secs, nbytes)
+        self.slot.free()
+        self.slot.set(worker.post_buffers(self.bufs, block.host_pack.w13, block.host_pack.w2))

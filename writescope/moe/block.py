@@ -15,6 +15,7 @@ from writescope.engine.ranges import named
 from writescope.engine.threads import intra_op_threads
 from writescope.layers.mlp import GatedMLP
 from writescope.kvcache.pinned import device_view
+from writescope.engine import replay_hooks
 from writescope.moe import async_experts, cpu_experts, fused_decode
 from writescope.moe.grouped import PackedExperts, grouped_mm_supported
 from writescope.moe.streaming import MIN_TOKENS, run_streamed
@@ -55,6 +56,8 @@ class SparseMoeBlock(nn.Module):
         # the native expert worker shared by the model's blocks (moe/async_experts.py; the engine sets it):
         # a decode pass that splits its host experts computes the CPU's share there, off the issuing thread
         self.expert_worker: async_experts.WorkerHandle | None = None
+        self._share_dev: torch.Tensor | None = None  # the share a captured pass reads (share_tensor)
+        self._share_last = 0.0
 
     def graph_key(self, tokens: int | None = None):
         """What a CUDA graph of this block at ``tokens`` tokens depends on beyond shapes: the kernel
@@ -67,7 +70,7 @@ class SparseMoeBlock(nn.Module):
         w = self.gate.weight
         in_place = self._in_place_for(w.dtype, w.device, tokens)
         if self.host_experts and not in_place:
-            return None
+            return self._async_graph_key(tokens)
         if self.packed is None and not in_place:
             return None
         p = self.packed
@@ -77,6 +80,25 @@ class SparseMoeBlock(nn.Module):
             w13, w2, slot_of = self._host_device_views(w.device)
             key += (w13.data_ptr(), w2.data_ptr(), slot_of.data_ptr(), tuple(self.host_pack.ids))
         return key
+
+    def _async_graph_key(self, tokens: int | None):
+        """:meth:`graph_key` of a pass whose CPU share goes to the native expert worker, captured
+        with its job's hand-over (moe/async_experts.py, ``captured_into``), or None: not wanted
+        (``WRITESCOPE_GRAPH_EXPERTS``), not that path, no worker running yet (the first pass starts
+        it eagerly) or not CUDA. The graph reads the worker's flags and this block's host pack and
+        device experts by address."""
+        w = self.gate.weight
+        if tokens is None or not async_experts.graph_wanted():
+            return None
+        worker = None if self.expert_worker is None else self.expert_worker.running
+        if worker is None or worker.closed or not self.takes_async(w.dtype, w.device, tokens):
+            return None
+        p, h = self.packed, self.host_pack
+        slot_of = self._host_device_views(w.device)[2] if w.device.type == "cuda" else h.slot_of
+        self.share_tensor(w.device)  # made here, before a capture: made inside one, each replay would zero it
+        return (("async", fused_decode.env_fused(), worker.flags.data_ptr(), self.stream_min_tokens, h.w13.data_ptr(),
+                 h.w2.data_ptr(), slot_of.data_ptr(), tuple(h.ids))
+                + (() if p is None else (p.w13.data_ptr(), p.w2.data_ptr(), p.slot_of.data_ptr(), tuple(p.ids))))
 
     def _host_in_place_configured(self, tokens: int | None = None) -> bool:
         """Whether decode passes of ``tokens`` tokens (None: unknown) read the hit host experts'
@@ -232,15 +254,35 @@ class SparseMoeBlock(nn.Module):
 
     def _async_share(self, x: torch.Tensor) -> float | None:
         """The share of the few-token hit host experts the link reads in place in this pass when it
-        takes the worker path (:meth:`takes_async`), else None: the joint roofline's choice for a
-        decode step where one is attached, else the fixed ``stream_share``; 0 where no streaming
-        slots fit the budget (the CPU computes them all, as on the old path)."""
+        takes the worker path (:meth:`takes_async`), else None (see :meth:`share_of_pass`)."""
         if not self.takes_async(x.dtype, x.device, x.shape[0]):
             return None
+        return self.share_of_pass(x.shape[0])
+
+    def share_of_pass(self, tokens: int) -> float:
+        """The share of the few-token hit host experts the link reads in place in a worker-path
+        pass of ``tokens`` tokens: the joint roofline's choice for a decode step where one is
+        attached, else the fixed ``stream_share``; 0 where no streaming slots fit the budget (the
+        CPU computes them all, as on the old path)."""
         if self.stream_min_tokens is None:
             return 0.0
-        share = None if self.expert_work is None else self.expert_work.share_for(x.shape[0], self)
+        share = None if self.expert_work is None else self.expert_work.share_for(tokens, self)
         return min(1.0, self.stream_share) if share is None else share
+
+    def share_tensor(self, device: torch.device, share: float | None = None) -> torch.Tensor:
+        """A 0-dim float64 tensor on ``device`` that a captured pass reads its share from, set to
+        ``share`` now (on the current stream, in order with the work around it) unless None or
+        what it last was (async_experts.captured_into)."""
+        t = self._share_dev
+        if t is None or t.device != device:
+            if replay_hooks.capturing():
+                raise RuntimeError("the share tensor must be made before a capture (graph_key makes it)")
+            t = self._share_dev = torch.zeros((), dtype=torch.float64, device=device)
+            self._share_last = 0.0
+        if share is not None and share != self._share_last:
+            t.fill_(share)
+            self._share_last = share
+        return t
 
     def _async_forward(self, x, weights, ids, share, out) -> None:
         """The routed experts with the CPU's share on the native worker (moe/async_experts.py)."""
@@ -251,6 +293,9 @@ class SparseMoeBlock(nn.Module):
         if self.expert_work is not None:  # E, tracked from the worker's finished jobs (they finish later)
             for secs, nbytes, _ in worker.take_done():
                 self.expert_work.observe(secs, nbytes)
+        if replay_hooks.capturing():  # the job's hand-over at each replay, the rest in the graph
+            async_experts.captured_into(self, worker, x, weights, ids, out)
+            return
         async_experts.forward_into(self, worker, x, weights, ids, share, out)
 
     def _shared(self, x, out):

@@ -141,6 +141,23 @@ class ExpertWorker(FlagWorker):
         finally:
             self.submit_total_ns += time.perf_counter_ns() - entered
 
+    def post_buffers(self, bufs: tuple, w13: torch.Tensor, w2: torch.Tensor) -> int:
+        """:meth:`submit_buffers` of a job whose inputs are written later, its ready flag left to
+        :meth:`mark_ready` (a CUDA graph's copies and flag kernel, replayed after this call: the
+        job waits for them). Returns the job's value.
+
+        Raises:
+            as :meth:`submit_buffers`.
+        """
+        entered = time.perf_counter_ns()
+        try:
+            x, slot, rw, y = bufs
+            isa = cpu_experts.requested_path()
+            return self._issue((bufs, w13, w2), lambda v: self._w.submit(
+                x, slot, rw, w13, w2, y, isa, self.flags, FLAG_READY, v, FLAG_DONE, v), ready=False)
+        finally:
+            self.submit_total_ns += time.perf_counter_ns() - entered
+
     def submit(self, x: torch.Tensor, slot: torch.Tensor, rw: torch.Tensor, w13: torch.Tensor, w2: torch.Tensor, y: torch.Tensor) -> int:
         """Queue one layer's host experts (see the module's docstring for the inputs and y); the
         weights ``w13 [E_host, 2I, D]``, ``w2 [E_host, D, I]`` (x's dtype, unit last stride) are the

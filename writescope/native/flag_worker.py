@@ -29,6 +29,7 @@ import torch
 
 WAIT_SECONDS = 60.0  # the longest a stream or the host waits for one job
 FLAG_READY, FLAG_DONE, FLAG_TIMEOUT = 0, 1, 2
+SLOT_CHUNK = 1024  # job slots pinned at a time (4 KiB)
 
 
 def int32(n: int) -> int:
@@ -80,6 +81,8 @@ class FlagWorker:
         self.submit_total_ns = self.submit_wall_ns = self.submits = 0
         self.team = team  # held: its thread outlives this worker's jobs
         self.closed = False  # close() was called (a handle makes a new worker: moe/async_experts.py)
+        self._slot_chunks: list[tuple] = []  # (pinned int32 [SLOT_CHUNK], its device view) of job_slot()
+        self._slot_next = 0
         self._ext, self._w = ext, make(team.address, team.post_address) if team is not None else make(0, 0)
 
     @property
@@ -94,11 +97,12 @@ class FlagWorker:
         ``OMP_PROC_BIND`` / ``GOMP_CPU_AFFINITY`` make OpenMP bind its team itself)."""
         return self.team.pinned if self.team is not None else bool(self._w.pinned)
 
-    def _issue(self, keep, native_submit: Callable[[int], None]) -> int:
+    def _issue(self, keep, native_submit: Callable[[int], None], ready: bool = True) -> int:
         """Queue one job: check for earlier errors, release the finished jobs' tensors, keep ``keep``
         alive until this job is done, call ``native_submit(value)`` (the binding's submit with ready
         and done value ``value``), then set the ready flag: on the current stream with CUDA (after
-        what was issued before), else on the host. Returns the job's value."""
+        what was issued before), else on the host. ``ready`` False: the flag is left to
+        :meth:`mark_ready` (the job's inputs are written after this call). Returns the job's value."""
         self.check()
         self._release_done()
         value = int32(self.seq + 1)
@@ -112,12 +116,45 @@ class FlagWorker:
         except BaseException:
             self._inflight.pop()
             raise
-        if self.cuda:  # after the native submit: a refused job leaves no ready flag for the next to see early
+        if self.cuda and ready:  # after the native submit: a refused job leaves no ready flag for the next to see early
             self._kernels.store_flag(self._flags_dev, FLAG_READY, value)
         self.seq += 1
-        if not self.cuda:
+        if not self.cuda and ready:
             self._flag[FLAG_READY] = value  # the inputs are already in host memory
         return value
+
+    def job_slot(self) -> "JobSlot":
+        """A new :class:`JobSlot` of this worker (pinned with CUDA; kept as long as the worker)."""
+        if not self._slot_chunks or self._slot_next == SLOT_CHUNK:
+            host = torch.zeros(SLOT_CHUNK, dtype=torch.int32, pin_memory=self.cuda)
+            self._slot_chunks.append((host, self._kernels.device_view(host, self.device) if self.cuda else None))
+            self._slot_next = 0
+        host, dev = self._slot_chunks[-1]
+        i, self._slot_next = self._slot_next, self._slot_next + 1
+        return JobSlot(self, host[i:i + 1].numpy(), None if dev is None else dev[i:i + 1])
+
+    def mark_ready(self, slot: "JobSlot") -> None:
+        """The ready flag of the job whose value ``slot`` holds when this runs: on the current
+        stream with CUDA (after what was issued before it: the job's input copies), at once on the
+        host otherwise. What a CUDA graph captures (the kernel reads the slot when it runs)."""
+        if self.cuda:
+            self._kernels.store_flag_from(self._flags_dev, FLAG_READY, slot.dev)
+        else:
+            self._flag[FLAG_READY] = slot.host[0]
+
+    def consume_slot(self, slot: "JobSlot") -> None:
+        """:meth:`consume` of the job whose value ``slot`` holds when the wait runs (see
+        :meth:`mark_ready`).
+
+        Raises:
+            RuntimeError: a job failed or the host wait timed out (no CUDA); with CUDA, an earlier
+                job failed (checked now: inside a graph's capture only at its replays' posts).
+        """
+        if self.cuda:
+            self._kernels.wait_flag_for(self._flags_dev, FLAG_DONE, slot.dev, FLAG_TIMEOUT)
+            self.check()
+            return
+        self.consume(int(slot.host[0]))
 
     def consume(self, seq: int) -> None:
         """Make the job's outputs safe to read: on CUDA the current stream waits for its done flag
@@ -212,3 +249,43 @@ class FlagWorker:
 
     def _closed(self) -> None:
         """A subclass's own bookkeeping to drop at close."""
+
+
+class JobSlot:
+    """One pinned int32 that names, to kernels that run later, the job whose ready flag they set
+    and whose done flag they wait for (:meth:`FlagWorker.mark_ready`, :meth:`FlagWorker.consume_slot`):
+    the host writes it before the kernels run, so a CUDA graph that captured them serves a new job
+    at each replay (its kernels' arguments are fixed). A slot serves one job at a time: :meth:`set`
+    first waits (host, at most ``WAIT_SECONDS``) for the job it named before, in case the device has
+    not yet reached that job's kernels (the host ahead by a whole pass), so they never read the
+    next job's value.
+
+    Attributes:
+        host: the slot, a one-element int32 numpy view of pinned memory; dev: its device view (None
+            without CUDA); value: the job it names now (None: none yet).
+    """
+
+    def __init__(self, worker: FlagWorker, host, dev):
+        self.worker, self.host, self.dev, self.value = worker, host, dev, None
+
+    def free(self) -> None:
+        """Wait until the job named before (if any) is done (the host reads its done flag; a wait
+        only where the device has not reached it yet).
+
+        Raises:
+            RuntimeError: it did not finish within ``WAIT_SECONDS``.
+        """
+        prev = self.value
+        if prev is not None and not reached(self.worker.done_value(), prev) and not self.worker.wait_host(prev):
+            raise RuntimeError(f"the {self.worker.what} did not finish job {prev} in {WAIT_SECONDS:.0f} s "
+                               "(a job slot is named again only after its last job)")
+
+    def set(self, value: int) -> None:
+        """Name job ``value`` (int32, as the flags hold it), after :meth:`free`.
+
+        Raises:
+            RuntimeError: the job named before did not finish within ``WAIT_SECONDS``.
+        """
+        self.free()
+        self.host[0] = value
+        self.value = value
