@@ -120,7 +120,8 @@ def test_the_switch_off_or_no_worker_yet_leaves_the_stage_uncaptured(monkeypatch
     llm.expert_worker.close()
     with torch.no_grad():
         b(x)  # a new worker: the graphs of the old one are not replayed
-    assert b.graph_key(4)[2] != key[2] or llm.expert_worker.running is not old
+    new = llm.expert_worker.running
+    assert new is not old and b.graph_key(4)[2] == new.flags.data_ptr() != key[2]  # the old worker lives on in `old`
     llm.expert_worker.close()
 
 
@@ -171,6 +172,40 @@ def test_a_slot_is_named_again_only_after_its_last_job(monkeypatch):
         w.close()
 
 
+def test_a_worker_error_inside_a_capture_reaches_the_caller():
+    """A job's error raised by a check inside a stage's capture is the caller's (the check cleared
+    it): not taken for a failed capture that would leave the stage eager and the error unseen."""
+    graphs = StageGraphs(HookCapture)
+
+    def stage(x):
+        raise flag_worker.WorkerError("host-expert worker: a job failed")
+
+    with pytest.raises(flag_worker.WorkerError, match="a job failed"):
+        graphs.run(1, 0, 4, ("async",), stage, (torch.zeros(2),))
+    assert not graphs.failed and graphs.captured == 0
+
+
+@needs_kernel
+def test_job_slots_come_back_when_their_graph_goes(monkeypatch):
+    import gc
+
+    from writescope.moe.expert_worker import ExpertWorker
+
+    monkeypatch.setattr(flag_worker, "SLOT_CHUNK", 2)
+    w = ExpertWorker(1, "cpu")
+    try:
+        a, b = w.job_slot(), w.job_slot()
+        with pytest.raises(RuntimeError, match="job slots are all in use"):
+            w.job_slot()
+        a_host = a.host
+        del a
+        gc.collect()
+        c = w.job_slot()  # a's index again
+        assert c.host.ctypes.data == a_host.ctypes.data and c.value is None and b.value is None
+    finally:
+        w.close()
+
+
 @pytest.mark.gpu
 @pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")
 def test_whole_stages_with_the_expert_worker_on_cuda(monkeypatch):
@@ -210,3 +245,36 @@ def test_a_re_run_capture_hands_back_the_captured_hooks_in_order():
     with replay_hooks.collecting(replaying=hooks) as new:
         assert replay_hooks.on_replay(object()) is a and replay_hooks.on_replay(object()) is b
     assert hooks == [a, b] and new == []
+
+
+@pytest.mark.gpu
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")
+def test_a_replay_waits_for_its_own_job_when_the_host_names_the_next_one_early(monkeypatch):
+    """The host is a replay ahead: it names the next job in the slot while the previous replay's
+    work still runs (its job already done, so the slot's guard lets it). That replay's wait must
+    still wait for its own job (the latch its ready-flag kernel wrote), not the next one, which
+    would stall the stream until the wait gives up and flags a timeout."""
+    from writescope.attention import flag_kernels
+    from writescope.moe.expert_worker import ExpertWorker
+
+    monkeypatch.setattr(flag_kernels, "MAX_POLLS", 3_000_000)  # seconds, not tens: a wrong wait gives up soon
+    w = ExpertWorker(1, "cuda")
+    try:
+        w13 = torch.zeros(2, 8, 4, dtype=torch.bfloat16, pin_memory=True)
+        w2 = torch.zeros(2, 4, 4, dtype=torch.bfloat16, pin_memory=True)
+        bufs = w.buffers(1, 1, 4, torch.bfloat16)
+        bufs[1].fill_(-1)  # no expert: the job only sets its done flag
+        slot = w.job_slot()
+        graph = torch.cuda.CUDAGraph()
+        with torch.cuda.graph(graph):
+            w.mark_ready(slot)
+            torch.cuda._sleep(100_000_000)  # tens of ms: the host names the next job meanwhile
+            w.consume_slot(slot)
+        for _ in range(4):
+            slot.set(w.post_buffers(bufs, w13, w2))
+            graph.replay()
+        torch.cuda.synchronize()
+        w.check()  # no timeout flagged
+        assert w.done_value() == flag_worker.int32(w.seq) and w.seq == 4
+    finally:
+        w.close()

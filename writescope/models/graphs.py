@@ -39,6 +39,7 @@ import torch
 
 from writescope.engine.ranges import named
 from writescope.engine.replay_hooks import collecting
+from writescope.native.flag_worker import WorkerError
 from writescope.env import env_choice
 
 MAX_SHAPES = 32  # distinct (micro-batch, tokens) shapes kept (a server's batch sizes); the oldest shape's graphs go first
@@ -172,6 +173,8 @@ class StageGraphs:
                 return fn(*inputs)
             try:
                 g = self.capture(fn, inputs, self._pools.get(group))
+            except WorkerError:  # a worker's job failed (checked inside the stage): the caller's error, not the capture's
+                raise
             except Exception as e:  # noqa: BLE001 - any capture failure: this stage runs eagerly from now on
                 self.failed.add((stage, tokens, key))
                 if len(self.failed) == 1:  # once: the same cause usually fails several stages

@@ -257,6 +257,8 @@ class SparseMoeBlock(nn.Module):
         takes the worker path (:meth:`takes_async`), else None (see :meth:`share_of_pass`)."""
         if not self.takes_async(x.dtype, x.device, x.shape[0]):
             return None
+        if replay_hooks.capturing():  # no job now: each replay's hand-over chooses (and counts) the share
+            return 0.0
         return self.share_of_pass(x.shape[0])
 
     def share_of_pass(self, tokens: int) -> float:

@@ -22,6 +22,7 @@ every comparison is a signed 32-bit difference (valid while fewer than 2^31 jobs
 from __future__ import annotations
 
 import time
+import weakref
 from collections import deque
 from typing import Callable
 
@@ -29,7 +30,12 @@ import torch
 
 WAIT_SECONDS = 60.0  # the longest a stream or the host waits for one job
 FLAG_READY, FLAG_DONE, FLAG_TIMEOUT = 0, 1, 2
-SLOT_CHUNK = 1024  # job slots pinned at a time (4 KiB)
+SLOT_CHUNK = 8192  # job slots of a worker (one per captured stage; 32 KiB pinned, 32 KiB on the device)
+
+
+class WorkerError(RuntimeError):
+    """A job of a native worker failed, or a wait for one gave up: raised to the caller, never
+    taken for a failed graph capture (models/graphs.py), since the check that raises it has cleared it."""
 
 
 def int32(n: int) -> int:
@@ -81,8 +87,11 @@ class FlagWorker:
         self.submit_total_ns = self.submit_wall_ns = self.submits = 0
         self.team = team  # held: its thread outlives this worker's jobs
         self.closed = False  # close() was called (a handle makes a new worker: moe/async_experts.py)
-        self._slot_chunks: list[tuple] = []  # (pinned int32 [SLOT_CHUNK], its device view) of job_slot()
-        self._slot_next = 0
+        # job_slot()'s: the slots (pinned int32), their device views, the values the stream keeps for its waits
+        self._slot_host = torch.zeros(SLOT_CHUNK, dtype=torch.int32, pin_memory=self.cuda)
+        self._slot_dev = self._kernels.device_view(self._slot_host, device) if self.cuda else None
+        self._latch = torch.zeros(SLOT_CHUNK, dtype=torch.int32, device=device) if self.cuda else None
+        self._free_slots = list(range(SLOT_CHUNK - 1, -1, -1))  # the lowest first
         self._ext, self._w = ext, make(team.address, team.post_address) if team is not None else make(0, 0)
 
     @property
@@ -124,21 +133,27 @@ class FlagWorker:
         return value
 
     def job_slot(self) -> "JobSlot":
-        """A new :class:`JobSlot` of this worker (pinned with CUDA; kept as long as the worker)."""
-        if not self._slot_chunks or self._slot_next == SLOT_CHUNK:
-            host = torch.zeros(SLOT_CHUNK, dtype=torch.int32, pin_memory=self.cuda)
-            self._slot_chunks.append((host, self._kernels.device_view(host, self.device) if self.cuda else None))
-            self._slot_next = 0
-        host, dev = self._slot_chunks[-1]
-        i, self._slot_next = self._slot_next, self._slot_next + 1
-        return JobSlot(self, host[i:i + 1].numpy(), None if dev is None else dev[i:i + 1])
+        """A free :class:`JobSlot` of this worker (its index goes back to the pool when the slot
+        is collected: a graph dropped with its hook). ``SLOT_CHUNK`` slots, made with the worker
+        (outside any capture).
+
+        Raises:
+            RuntimeError: all ``SLOT_CHUNK`` are in use.
+        """
+        if not self._free_slots:
+            raise RuntimeError(f"the {self.what}'s {SLOT_CHUNK} job slots are all in use (one per captured stage)")
+        i = self._free_slots.pop()
+        slot = JobSlot(self, self._slot_host[i:i + 1].numpy(), None if self._slot_dev is None else self._slot_dev[i:i + 1],
+                       None if self._latch is None else self._latch[i:i + 1])
+        weakref.finalize(slot, self._free_slots.append, i)
+        return slot
 
     def mark_ready(self, slot: "JobSlot") -> None:
         """The ready flag of the job whose value ``slot`` holds when this runs: on the current
         stream with CUDA (after what was issued before it: the job's input copies), at once on the
         host otherwise. What a CUDA graph captures (the kernel reads the slot when it runs)."""
         if self.cuda:
-            self._kernels.store_flag_from(self._flags_dev, FLAG_READY, slot.dev)
+            self._kernels.store_flag_from(self._flags_dev, FLAG_READY, slot.dev, slot.latch)
         else:
             self._flag[FLAG_READY] = slot.host[0]
 
@@ -151,7 +166,7 @@ class FlagWorker:
                 job failed (checked now: inside a graph's capture only at its replays' posts).
         """
         if self.cuda:
-            self._kernels.wait_flag_for(self._flags_dev, FLAG_DONE, slot.dev, FLAG_TIMEOUT)
+            self._kernels.wait_flag_for(self._flags_dev, FLAG_DONE, slot.latch, FLAG_TIMEOUT)
             self.check()
             return
         self.consume(int(slot.host[0]))
@@ -168,7 +183,7 @@ class FlagWorker:
             self.check()  # errors of earlier jobs (this one may still run)
             return
         if not self._ext.wait_flag(self.flags, FLAG_DONE, seq, WAIT_SECONDS):
-            raise RuntimeError(f"the {self.what} did not finish job {seq} in {WAIT_SECONDS:.0f} s")
+            raise WorkerError(f"the {self.what} did not finish job {seq} in {WAIT_SECONDS:.0f} s")
         self.check()
 
     def wait_host(self, seq: int) -> bool:
@@ -189,10 +204,10 @@ class FlagWorker:
         """
         err = self._w.take_error()
         if err:
-            raise RuntimeError(f"{self.what}: {err}")
+            raise WorkerError(f"{self.what}: {err}")
         if self._flag[FLAG_TIMEOUT]:
             self._flag[FLAG_TIMEOUT] = 0
-            raise RuntimeError(f"a device stream gave up waiting for the {self.what} (tens of seconds); "
+            raise WorkerError(f"a device stream gave up waiting for the {self.what} (tens of seconds); "
                                "the outputs of that layer were not waited for")
 
     def _take_done(self) -> list[tuple]:
@@ -257,16 +272,18 @@ class JobSlot:
     the host writes it before the kernels run, so a CUDA graph that captured them serves a new job
     at each replay (its kernels' arguments are fixed). A slot serves one job at a time: :meth:`set`
     first waits (host, at most ``WAIT_SECONDS``) for the job it named before, in case the device has
-    not yet reached that job's kernels (the host ahead by a whole pass), so they never read the
-    next job's value.
+    not yet reached that job's ready flag (the host ahead by a whole pass), so that kernel never
+    reads the next job's value; the wait after it reads the latch.
 
     Attributes:
         host: the slot, a one-element int32 numpy view of pinned memory; dev: its device view (None
-            without CUDA); value: the job it names now (None: none yet).
+            without CUDA); latch: one int32 in device memory where the ready flag's kernel keeps
+            the value it read, for the wait (the host may rename the slot before the wait runs:
+            :meth:`free` waits only for the done flag); value: the job it names now (None: none yet).
     """
 
-    def __init__(self, worker: FlagWorker, host, dev):
-        self.worker, self.host, self.dev, self.value = worker, host, dev, None
+    def __init__(self, worker: FlagWorker, host, dev, latch):
+        self.worker, self.host, self.dev, self.latch, self.value = worker, host, dev, latch, None
 
     def free(self) -> None:
         """Wait until the job named before (if any) is done (the host reads its done flag; a wait
@@ -277,7 +294,7 @@ class JobSlot:
         """
         prev = self.value
         if prev is not None and not reached(self.worker.done_value(), prev) and not self.worker.wait_host(prev):
-            raise RuntimeError(f"the {self.worker.what} did not finish job {prev} in {WAIT_SECONDS:.0f} s "
+            raise WorkerError(f"the {self.worker.what} did not finish job {prev} in {WAIT_SECONDS:.0f} s "
                                "(a job slot is named again only after its last job)")
 
     def set(self, value: int) -> None:
