@@ -94,7 +94,14 @@ class CudaCapture:
                 s.copy_(t)
         for hook in self.hooks:
             hook()
-        self.graph.replay()
+        try:
+            self.graph.replay()
+        except BaseException:  # the hooks' jobs would wait for inputs that never come: let them go
+            for hook in self.hooks:
+                cancel = getattr(hook, "cancel", None)
+                if cancel is not None:
+                    cancel()
+            raise
         return self.out
 
 

@@ -263,3 +263,8 @@ class _Handover:
                 block.expert_work.observe(secs, nbytes)
         self.slot.free()
         self.slot.set(worker.post_buffers(self.bufs, block.host_pack.w13, block.host_pack.w2))
+
+    def cancel(self) -> None:
+        """The graph was not replayed after this call: the job runs now on the buffers as they
+        are (its output is not read), so it and the team's jobs behind it do not wait for inputs."""
+        self.worker.release(self.slot)

@@ -157,6 +157,13 @@ class FlagWorker:
         else:
             self._flag[FLAG_READY] = slot.host[0]
 
+    def release(self, slot: "JobSlot") -> None:
+        """Set the ready flag of the job ``slot`` names from the host, if the stream has not:
+        for a job whose inputs will never come (its graph was not replayed), so that it, and the
+        jobs queued behind it on the same thread, do not wait for them."""
+        if slot.value is not None and not reached(int(self._flag[FLAG_READY]), slot.value):
+            self._flag[FLAG_READY] = slot.value
+
     def consume_slot(self, slot: "JobSlot") -> None:
         """:meth:`consume` of the job whose value ``slot`` holds when the wait runs (see
         :meth:`mark_ready`).
