@@ -75,6 +75,7 @@ _decode_logits = teacher_forced_decode_logits
 @pytest.mark.parametrize("micro_batches", ["1", "2"])
 def test_whole_stages_with_the_expert_worker_give_the_eager_logits(micro_batches, monkeypatch):
     monkeypatch.setenv(async_experts.ENV, "on")
+    monkeypatch.setenv(async_experts.GRAPH_ENV, "on")
     monkeypatch.setenv("WRITESCOPE_MICRO_BATCHES", micro_batches)
     runs = {}
     for mode in ("eager", "graphs"):
@@ -102,6 +103,7 @@ def test_whole_stages_with_the_expert_worker_give_the_eager_logits(micro_batches
 @needs_kernel
 def test_the_switch_off_or_no_worker_yet_leaves_the_stage_uncaptured(monkeypatch):
     monkeypatch.setenv(async_experts.ENV, "on")
+    monkeypatch.setenv(async_experts.GRAPH_ENV, "on")
     llm = LLM("tiny-qwen3-moe", progress=False, policy="static:0.5", window=D, dtype="bfloat16")
     b = _half_on_host(llm, 0.5)[0]
     assert b.graph_key(4) is None  # no worker running yet: the first pass starts it eagerly

@@ -45,14 +45,15 @@ GRAPH_ENV = "WRITESCOPE_GRAPH_EXPERTS"
 
 
 def graph_wanted() -> bool:
-    """``WRITESCOPE_GRAPH_EXPERTS``: ``on`` (the default) captures a decode stage whose MoE block
-    hands its CPU share to the worker whole, the job handed over at each replay
-    (:func:`captured_into`); ``off``: such a stage is cut around the block (models/decode_step.py).
+    """``WRITESCOPE_GRAPH_EXPERTS``: ``on`` captures a decode stage whose MoE block hands its CPU
+    share to the worker whole, the job handed over at each replay (:func:`captured_into`); ``off``
+    (the default until it is measured on the GPU machine): such a stage is cut around the block
+    (models/decode_step.py).
 
     Raises:
         ValueError: a value other than on/off (names it).
     """
-    return env_choice(GRAPH_ENV, ("on", "off")) == "on"
+    return env_choice(GRAPH_ENV, ("off", "on")) == "on"
 
 
 def worker_wanted(device: torch.device) -> bool:
