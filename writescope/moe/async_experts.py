@@ -165,6 +165,43 @@ def _reference_into(block, x: torch.Tensor, weights: torch.Tensor, ids: torch.Te
         out.index_add_(0, tok, y.to(out.dtype) * weights[tok, k, None].to(out.dtype))
 
 
+def observe_done(block, worker) -> None:
+    """The worker's jobs finished since the last call into the block's joint roofline's E (they
+    finish after their layer was issued); nothing without one."""
+    if block.expert_work is not None:
+        for secs, nbytes, _ in worker.take_done():
+            block.expert_work.observe(secs, nbytes)
+
+
+def _split_into(block, x: torch.Tensor, weights: torch.Tensor, ids: torch.Tensor, share, bufs: tuple) -> tuple:
+    """The split (:func:`partition`) made on x's device and the CPU's inputs copied into the
+    worker's buffers ``bufs`` on the current stream (the last job's buffers are free once the
+    stream has waited for its done flag and copied its y, which it did before these copies: one
+    stream, in order). Returns ``(slot_of, link_slot_of, device views of the host pack or None)``."""
+    pack = block.host_pack
+    views = block._host_device_views(x.device) if x.device.type == "cuda" else None
+    slot_of = pack.slot_of if views is None else views[2]
+    cpu_slot, link_slot_of = partition(ids, slot_of, len(pack.ids), share, block.stream_min_tokens)
+    xh, sh, rh, _ = bufs
+    cuda = views is not None
+    xh.copy_(x, non_blocking=cuda)
+    sh.copy_(cpu_slot, non_blocking=cuda)
+    rh.copy_(weights, non_blocking=cuda)
+    return slot_of, link_slot_of, views
+
+
+def _rest_into(block, x, weights, ids, slot_of, link_slot_of, views, out) -> None:
+    """The device experts and the link's host experts into ``out``: the fused kernels with CUDA
+    (host experts read in place), torch's GEMMs without (the reference)."""
+    if views is not None:
+        if block.packed is not None:
+            block.packed(x, weights, ids, out)
+        fused_decode.fused_experts_into(x, weights, ids, link_slot_of, views[0], views[1], block.cfg.intermediate_size, out)
+    else:
+        hosted = len(block.host_pack.ids)
+        _reference_into(block, x, weights, ids, (link_slot_of < hosted) | (slot_of >= hosted), out)
+
+
 def forward_into(block, worker, x: torch.Tensor, weights: torch.Tensor, ids: torch.Tensor, share: float,
                  out: torch.Tensor) -> int:
     """Every routed expert of ``block`` for tokens ``x`` ``[T, D]`` added into ``out`` ``[T, D]``
@@ -172,37 +209,17 @@ def forward_into(block, worker, x: torch.Tensor, weights: torch.Tensor, ids: tor
     between ``worker`` (an ``ExpertWorker``) and the link. Returns the worker's job number."""
     if x.shape[0] == 0:  # no tokens: no job (an empty pinned tensor is not pinned)
         return 0
-    pack = block.host_pack
-    hosted = len(pack.ids)
-    cuda = x.device.type == "cuda"
-    if cuda:
-        w13_dev, w2_dev, slot_of = block._host_device_views(x.device)
-    else:
-        slot_of = pack.slot_of
-    cpu_slot, link_slot_of = partition(ids, slot_of, hosted, share, block.stream_min_tokens)
-    # the CPU's inputs in the worker's host buffers for this shape (pinned with CUDA), copied on
-    # the current stream: the last job's buffers are free once the stream has waited for its done
-    # flag and copied its y, which it did before these copies (one stream, in order)
     bufs = worker.buffers(x.shape[0], ids.shape[1], x.shape[1], x.dtype)
-    xh, sh, rh, yh = bufs
-    xh.copy_(x, non_blocking=cuda)
-    sh.copy_(cpu_slot, non_blocking=cuda)
-    rh.copy_(weights, non_blocking=cuda)
-    seq = worker.submit_buffers(bufs, pack.w13, pack.w2)
+    slot_of, link_slot_of, views = _split_into(block, x, weights, ids, share, bufs)
+    seq = worker.submit_buffers(bufs, block.host_pack.w13, block.host_pack.w2)
     try:
-        if cuda:  # the fused kernels: the device experts, then the link's host experts read in place
-            if block.packed is not None:
-                block.packed(x, weights, ids, out)
-            fused_decode.fused_experts_into(x, weights, ids, link_slot_of, w13_dev, w2_dev, block.cfg.intermediate_size, out)
-        else:
-            take = (link_slot_of < hosted) | (slot_of >= hosted)  # the link's host experts and the device experts
-            _reference_into(block, x, weights, ids, take, out)
+        _rest_into(block, x, weights, ids, slot_of, link_slot_of, views, out)
     except BaseException:  # the job still runs: its buffers are free for the next copies only after its done flag
         if not worker.wait_host(seq):
             worker.close()  # it did not finish: no later job may reuse its buffers
         raise
     worker.consume(seq)  # with CUDA the stream waits for the done flag, not this thread
-    out.add_(yh.to(x.device, non_blocking=cuda))
+    out.add_(bufs[3].to(x.device, non_blocking=views is not None))
     return seq
 
 
@@ -219,33 +236,16 @@ def captured_into(block, worker, x: torch.Tensor, weights: torch.Tensor, ids: to
       pinned buffers for this shape (fixed addresses: the hook holds them), the ready flag set to
       the slot's job, the device experts and the link's host experts, a wait for the slot's job's
       done flag, and its sum added into ``out``.
-    Nothing runs on the worker at the capture itself.
+    Nothing runs on the worker at the capture itself. Without CUDA: the tests' stand-in for a
+    capture (tests/test_graph_experts.py).
     """
     T, K = ids.shape
     hand = replay_hooks.on_replay(_Handover(block, worker, worker.buffers(T, K, x.shape[1], x.dtype), worker.job_slot(), T))
-    bufs, slot = hand.bufs, hand.slot
-    share = block.share_tensor(x.device)
-    pack = block.host_pack
-    hosted = len(pack.ids)
-    cuda = x.device.type == "cuda"
-    if cuda:
-        w13_dev, w2_dev, slot_of = block._host_device_views(x.device)
-    else:  # the tests' stand-in for a capture (tests/test_graph_experts.py)
-        slot_of = pack.slot_of
-    cpu_slot, link_slot_of = partition(ids, slot_of, hosted, share, block.stream_min_tokens)
-    xh, sh, rh, yh = bufs
-    xh.copy_(x, non_blocking=cuda)
-    sh.copy_(cpu_slot, non_blocking=cuda)
-    rh.copy_(weights, non_blocking=cuda)
-    worker.mark_ready(slot)
-    if cuda:
-        if block.packed is not None:
-            block.packed(x, weights, ids, out)
-        fused_decode.fused_experts_into(x, weights, ids, link_slot_of, w13_dev, w2_dev, block.cfg.intermediate_size, out)
-    else:
-        _reference_into(block, x, weights, ids, (link_slot_of < hosted) | (slot_of >= hosted), out)
-    worker.consume_slot(slot)
-    out.add_(yh.to(x.device, non_blocking=cuda))
+    slot_of, link_slot_of, views = _split_into(block, x, weights, ids, block.share_tensor(x.device), hand.bufs)
+    worker.mark_ready(hand.slot)
+    _rest_into(block, x, weights, ids, slot_of, link_slot_of, views, out)
+    worker.consume_slot(hand.slot)
+    out.add_(hand.bufs[3].to(x.device, non_blocking=views is not None))
 
 
 class _Handover:
@@ -259,9 +259,7 @@ class _Handover:
     def __call__(self) -> None:
         block, worker = self.block, self.worker
         block.share_tensor(block.gate.weight.device, block.share_of_pass(self.tokens))
-        if block.expert_work is not None:  # E, tracked from the worker's finished jobs (they finish later)
-            for secs, nbytes, _ in worker.take_done():
-                block.expert_work.observe(secs, nbytes)
+        observe_done(block, worker)
         self.slot.free()
         self.slot.set(worker.post_buffers(self.bufs, block.host_pack.w13, block.host_pack.w2))
 

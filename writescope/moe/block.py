@@ -292,9 +292,7 @@ class SparseMoeBlock(nn.Module):
         if worker is None:  # could not start (warned once): the old path, without its shared experts
             self._split_forward(x, weights, ids, out, shared=False)
             return
-        if self.expert_work is not None:  # E, tracked from the worker's finished jobs (they finish later)
-            for secs, nbytes, _ in worker.take_done():
-                self.expert_work.observe(secs, nbytes)
+        async_experts.observe_done(self, worker)  # E, tracked from the worker's finished jobs
         if replay_hooks.capturing():  # the job's hand-over at each replay, the rest in the graph
             async_experts.captured_into(self, worker, x, weights, ids, out)
             return

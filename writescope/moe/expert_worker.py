@@ -130,31 +130,29 @@ class ExpertWorker(FlagWorker):
             ValueError: ``bufs`` is not a set :meth:`buffers` holds; RuntimeError: the weights do
                 not match (the native check's message), an earlier job failed, or the worker is closed.
         """
-        entered = time.perf_counter_ns()
-        try:
-            x, slot, rw, y = bufs
-            if self._buffers.get((x.shape[0], slot.shape[1], x.shape[1], x.dtype)) is not bufs:
-                raise ValueError("bufs must be a set this worker's buffers() gave (and still holds)")
-            isa = cpu_experts.requested_path()
-            return self._issue((bufs, w13, w2), lambda v: self._w.submit(
-                x, slot, rw, w13, w2, y, isa, self.flags, FLAG_READY, v, FLAG_DONE, v))
-        finally:
-            self.submit_total_ns += time.perf_counter_ns() - entered
+        x, slot, _, _ = bufs
+        if self._buffers.get((x.shape[0], slot.shape[1], x.shape[1], x.dtype)) is not bufs:
+            raise ValueError("bufs must be a set this worker's buffers() gave (and still holds)")
+        return self._submit_set(bufs, w13, w2, ready=True)
 
     def post_buffers(self, bufs: tuple, w13: torch.Tensor, w2: torch.Tensor) -> int:
         """:meth:`submit_buffers` of a job whose inputs are written later, its ready flag left to
         :meth:`mark_ready` (a CUDA graph's copies and flag kernel, replayed after this call: the
-        job waits for them). Returns the job's value.
+        job waits for them); ``bufs`` may be a set :meth:`buffers` no longer holds (the graph's
+        hook holds it). Returns the job's value.
 
         Raises:
-            as :meth:`submit_buffers`.
+            RuntimeError: the weights do not match, an earlier job failed, or the worker is closed.
         """
+        return self._submit_set(bufs, w13, w2, ready=False)
+
+    def _submit_set(self, bufs: tuple, w13: torch.Tensor, w2: torch.Tensor, ready: bool) -> int:
         entered = time.perf_counter_ns()
         try:
             x, slot, rw, y = bufs
             isa = cpu_experts.requested_path()
             return self._issue((bufs, w13, w2), lambda v: self._w.submit(
-                x, slot, rw, w13, w2, y, isa, self.flags, FLAG_READY, v, FLAG_DONE, v), ready=False)
+                x, slot, rw, w13, w2, y, isa, self.flags, FLAG_READY, v, FLAG_DONE, v), ready=ready)
         finally:
             self.submit_total_ns += time.perf_counter_ns() - entered
 
