@@ -199,7 +199,9 @@ def test_r_accounts_for_the_expected_expert_work():
     pol.experts = ExpertWork(e=1e-11, g=2e-11, host_fraction=0.5, expert_bytes=10**7, num_experts=128, top_k=8, policy=pol)
     # the expert phase runs after the attention today: each phase is balanced apart, r(L) is the KV-only one
     assert not pol.experts.overlap and pol.cpu_share(32768) == kv_only
-    pol.experts.overlap = True  # an expert phase beside the attention: the joint model
+    pol.experts.balance = "alone"  # nor with the expert phase balanced alone
+    assert not pol.experts.overlap and pol.cpu_share(32768) == kv_only
+    pol.experts.balance = "joint"  # an expert phase beside the attention: the joint model
     assert pol.experts.expected_bytes(16) == pytest.approx(expected_hit_experts(16, 128, 8) * 0.5 * 10**7)
     joint = pol.cpu_share(32768)
     assert joint < kv_only  # the CPU also computes host experts, so it takes less KV
@@ -388,10 +390,20 @@ def test_the_expert_split_is_chosen_in_decode_only_and_balances_the_expert_phase
     work.observe(1.0, 10**7)
     assert work.e.value == pytest.approx(1 / 70e9)  # nor is E fed from a prefill
     dec.last_split = (16 * 32768, 16 * 32768)  # a decode step whose KV split both sides are done with
+    assert work.balance == "phase" and pol.prefetch_tokens is None  # buffers not known: the whole load region ahead
     k = work.choose([10**7] * 10)
-    assert k == streamed_count([10**7] * 10, 0.0, 0.0, work.costs()) and 0 < k < 10  # the expert phase alone
+    assert k == streamed_count([10**7] * 10, 0.0, 16 * 32768 * 2e-8, work.costs()) and k == 0  # 10 ms of KV on the link
     assert work.observed and work.x.value == pytest.approx(1e8)  # seeded with the first sample, not averaged from 0
-    work.overlap = True  # with the phases overlapping, the KV already on each side counts
+    pol.prefetch_tokens = 16384  # the buffers hold 16384 tokens: 0.33 ms of the link's time in the expert phase
+    k = work.choose([10**7] * 10)
+    assert k == streamed_count([10**7] * 10, 0.0, 16384 * 2e-8, work.costs()) and 0 < k < 10
+    work.balance = "alone"  # the expert phase balanced as if the link had nothing else to do
+    alone = work.choose([10**7] * 10)
+    assert alone == streamed_count([10**7] * 10, 0.0, 0.0, work.costs()) and k < alone < 10
+    pol.prefetch_tokens = 0  # the load region read in place: nothing streams ahead, phase is alone
+    work.balance = "phase"
+    assert work.choose([10**7] * 10) == alone
+    work.balance = "joint"  # with the phases overlapping, the KV already on each side counts
     assert work.choose([10**7] * 10) == streamed_count([10**7] * 10, 16 * 32768 * 2e-8, 16 * 32768 * 2e-8, work.costs())
 
 
@@ -537,8 +549,8 @@ def test_the_real_in_place_check_decides_whether_writescope_splits(monkeypatch):
 
 
 def test_the_expert_balance_switch_chooses_the_model(monkeypatch):
-    """``WRITESCOPE_EXPERT_BALANCE``: ``phase`` (the default) balances each expert phase alone,
-    ``joint`` counts the step's KV on each side with its experts (``overlap``); read when the
+    """``WRITESCOPE_EXPERT_BALANCE``: ``phase`` (the default) balances each expert phase with the
+    link's copies ahead, ``alone`` without them, ``joint`` counts the step's KV on each side with its experts (``overlap``); read when the
     split is attached (a bench row's switch), a bad value refused naming it."""
     from writescope.scheduler.expert_work import BALANCE_ENV, balance_from_env
 
@@ -546,10 +558,13 @@ def test_the_expert_balance_switch_chooses_the_model(monkeypatch):
     rf = Roofline(a=1e-9, b=1e-9, c_cpu=0.0, c_gpu=0.0)
     monkeypatch.delenv(BALANCE_ENV, raising=False)
     llm.set_policy("writescope", roofline=rf)
-    assert llm.expert_work is not None and not llm.expert_work.overlap
+    assert llm.expert_work is not None and llm.expert_work.balance == "phase" and not llm.expert_work.overlap
+    monkeypatch.setenv(BALANCE_ENV, "alone")
+    llm.set_policy("writescope", roofline=rf)
+    assert llm.expert_work.balance == "alone" and not llm.expert_work.overlap
     monkeypatch.setenv(BALANCE_ENV, "joint")
     llm.set_policy("writescope", roofline=rf)
-    assert llm.expert_work.overlap
+    assert llm.expert_work.balance == "joint" and llm.expert_work.overlap
     monkeypatch.setenv(BALANCE_ENV, "both")
     with pytest.raises(ValueError, match="WRITESCOPE_EXPERT_BALANCE='both'"):
         balance_from_env()

@@ -5,16 +5,29 @@ weigh, what they cost the CPU, and each decode step's choice of which of them th
 host experts, each of which asks :meth:`ExpertWork.choose` once per decode layer step with its hit
 host experts, after routing.
 
-Which model applies depends on whether a layer's expert phase can overlap its attention phase.
-Today it cannot: the block learns which experts are hit through a host wait (``bincount(...)
-.tolist()``) that comes after the layer's attention has finished on both sides, and computes the
-CPU's experts on the issuing thread before the next layer's work is issued. A layer then takes
-max(CPU KV, link KV) + max(CPU experts, link experts), so each phase is balanced on its own:
-r(L) is the KV-only roofline and the expert split balances the expert phase alone
-(``overlap = False``, the default). With ``overlap = True`` (for an expert phase that runs beside
-the attention, e.g. on the native worker) r(L) and the split follow the joint model, the step's
-KV split read from the split decoder's last call. Only decode steps are chosen and observed: in a
-prefill (the decoder's ``last_split`` is None) the block's fixed ``stream_share`` applies.
+Which model applies depends on how a layer's expert phase shares the two resources with the
+attention around it (``ExpertWork.balance``, ``WRITESCOPE_EXPERT_BALANCE``):
+
+- ``phase`` (the default). The CPU cannot start layer l+1's attention before layer l's experts are
+  done (its q depends on them), so the CPU's side of the expert phase starts empty. The link is
+  not idle there: it copies the next layer's load region ahead into the ping-pong buffers, as far
+  as they reach (``policy.prefetch_tokens``; the load region has the same tokens in every layer).
+  So the expert split balances the CPU's experts against the link's streamed experts plus
+  min(the load region's tokens, the buffers' tokens) x B. r(L) is the KV roofline with O and the
+  same cap (scheduler/roofline.py).
+- ``alone``: the expert phase balanced as if the link had nothing else to do (the default until
+  the eighteenth session). On the H200 (run 56, benchmarks/results/gpu_decode_h200.md) it streamed
+  344 of a Qwen3-30B-A3B 4 x 32K step's 720 hit host experts and took about 300 ms a step, where
+  the CPU computing every one took 216-224: the buffers (128 MiB) hold nearly all of that layer's
+  load region (64K tokens x 2 KiB), so the link was already busy through the expert phase.
+- ``joint``: r(L) and the split from the joint model (scheduler/joint.py), the step's KV split
+  read from the split decoder's last call and counted on each side, as if the CPU's attention
+  could run beside the experts. It places no KV on the CPU for Mixtral-8x7B (r 0: 654-737 ms a
+  step against 481-515 for ``alone``, runs 50 and 56), since there the CPU's attention in fact
+  waits for the experts, and the link cannot stream a layer's load region (300 MB) ahead.
+
+Only decode steps are chosen and observed: in a prefill (the decoder's ``last_split`` is None) the
+block's fixed ``stream_share`` applies.
 """
 
 from __future__ import annotations
@@ -84,7 +97,7 @@ class ExpertWork:
         self.x = OnlineEstimate(0.0, alpha, window)  # hit host expert bytes per decode layer step (seeded by the first)
         self.observed = False
         self.decoder, self.policy = decoder, policy
-        self.overlap = False  # see the module docstring
+        self.balance = "phase"  # phase, alone or joint: see the module docstring
         self.n_streamed = self.n_computed = 0
         self.expected = False  # the counters add up expected experts (share_for), not counted ones
         self.unmeasured = 0  # layer steps in a row that streamed every hit host expert (see PROBE_EVERY)
@@ -93,10 +106,16 @@ class ExpertWork:
         # SparseMoeBlock._host_in_place_configured); 0: the split takes every pass
         self.in_place_below = 0
 
+    @property
+    def overlap(self) -> bool:
+        """Whether r(L) comes from the joint model (``balance`` ``joint``): the expert phase
+        counted as if it ran beside the attention."""
+        return self.balance == "joint"
+
     def expected_bytes(self, batch: int) -> float:
-        """Hit host expert bytes per layer step that r(L) plans for: 0 without ``overlap`` (the
-        phases are balanced apart); else the tracked value, or before any decode step the uniform
-        routing expectation for ``batch`` decode tokens."""
+        """Hit host expert bytes per layer step that r(L) plans for: 0 unless ``balance`` is
+        ``joint`` (the phases are balanced apart); else the tracked value, or before any decode
+        step the uniform routing expectation for ``batch`` decode tokens."""
         if not self.overlap:
             return 0.0
         if self.observed:
@@ -124,11 +143,7 @@ class ExpertWork:
         self.x.update(total)
         self.observed = True
         c = self.costs()
-        cpu_s = link_s = 0.0  # the expert phase alone (it runs after the layer's attention)
-        if self.overlap and self.decoder is not None:
-            cpu_tokens, load_tokens = self.decoder.last_split
-            cpu_s = cpu_tokens * c.a + (c.c_cpu if cpu_tokens else 0.0)
-            link_s = load_tokens * c.b + c.c_gpu
+        cpu_s, link_s = self.phase_start(c)
         k = streamed_count(sizes, cpu_s, link_s, c, self.call)
         if k == len(sizes) >= 2:  # the CPU took none: E is not measured, and one too high would never come down
             self.unmeasured += 1
@@ -140,6 +155,20 @@ class ExpertWork:
         self.n_streamed += k
         self.n_computed += len(sizes) - k
         return k
+
+    def phase_start(self, c: JointCosts) -> tuple[float, float]:
+        """``(cpu_s, link_s)``: what each side already has to do in this layer step's expert
+        phase, by ``balance`` (module docstring), from the decoder's last KV split (CPU tokens,
+        load-region tokens): ``phase`` (0, min(load tokens, the ping-pong buffers' tokens) x B;
+        no cap where the policy does not know the buffers); ``alone`` (0, 0); ``joint`` (the CPU's
+        KV x A + C_cpu, the link's KV x B + C_gpu)."""
+        if self.decoder is None or self.balance == "alone":
+            return 0.0, 0.0
+        cpu_tokens, load_tokens = self.decoder.last_split
+        if self.balance == "joint":
+            return cpu_tokens * c.a + (c.c_cpu if cpu_tokens else 0.0), load_tokens * c.b + c.c_gpu
+        ahead = getattr(self.policy, "prefetch_tokens", None)
+        return 0.0, (load_tokens if ahead is None else min(load_tokens, ahead)) * c.b
 
     def share_for(self, tokens: int, block) -> float | None:
         """The share of ``block``'s hit host experts the link reads in a decode layer step of
@@ -300,19 +329,16 @@ BALANCE_ENV = "WRITESCOPE_EXPERT_BALANCE"
 
 
 def balance_from_env() -> str:
-    """``WRITESCOPE_EXPERT_BALANCE``: ``phase`` (the default: each layer's expert phase balanced
-    alone, ``ExpertWork.overlap`` False) or ``joint`` (the split and r(L) from the joint model, the
-    step's KV on each side counted with its experts, ``overlap`` True). With the native expert
-    worker the link streams KV through the expert phase too (the next layer's copies run ahead),
-    which the phase balance does not count: Mixtral-8x7B's split lost to the CPU computing every
-    host expert in run 47; ``joint`` is the model that counts it, to be measured against ``phase``.
+    """``WRITESCOPE_EXPERT_BALANCE``: ``phase`` (the default), ``alone`` or ``joint``: which model
+    balances the per-step expert split and r(L) (the module docstring says each, and what the H200
+    measured).
 
     Raises:
         ValueError: another value (names it).
     """
     from writescope.env import env_choice
 
-    return env_choice(BALANCE_ENV, ("phase", "joint"))
+    return env_choice(BALANCE_ENV, ("phase", "alone", "joint"))
 
 
 def detach_expert_work(policy, blocks: list) -> None:
@@ -392,7 +418,7 @@ def attach_expert_work(policy, decoder, blocks: list, kv_bytes_per_token: int, f
     work = ExpertWork(e, g, sum(len(b.host_experts) for b in blocks) / total, hosted[0].host_pack.expert_nbytes,
                       cfg.num_experts, cfg.top_k, decoder, policy, call=call)
     work.why, work.in_place_below = why, first
-    work.overlap = balance_from_env() == "joint"
+    work.balance = balance_from_env()
     policy.experts = work
     for b in hosted:
         b.expert_work = work
