@@ -140,6 +140,7 @@ def test_speedups_are_geometric_means_over_configurations_from_8k():
     assert s["best static"][0] == pytest.approx(((20 / 10) * (10 / 40)) ** 0.5)  # gpu counts as static:0
     assert s["best baseline"][0] == pytest.approx(((20 / 10) * (10 / 40)) ** 0.5)
     assert "best baseline 0.71x" in format_speedups(rows)
+    assert "at its bound" not in format_speedups(rows)  # no bound measured: no ceiling
     assert speedups(rows, min_context=65536) == {} and format_speedups(rows, min_context=65536) == ""
     best = best_static(rows)  # by attention time; gpu and cpu are the static shares 0 and 1
     assert best[(4, 8192)].policy == "gpu" and best[(4, 32768)].policy == "static:0.5"
@@ -429,3 +430,22 @@ def test_resume_keeps_complete_cells_and_measures_the_rest(tmp_path, capsys, mon
     assert "were measured otherwise (--steps 2 there, 3 now)" in err
     assert main(base[:-6] + ["--batch", "1", "--resume", "--h2d-gbs", "50", "--cpu-gbs", "100"]) != 0
     assert "--resume needs --output-json" in capsys.readouterr().err
+
+
+def test_the_bound_caps_the_speedup_the_report_can_show():
+    """The ceiling is the best baseline's TPOT over the bound, geometric mean over the
+    configurations with a writescope row, a baseline and a bound; the joint bound where there is one."""
+    from writescope.bench.report import bound_ceiling, format_speedups
+
+    rows = [_row(4, 8192, "gpu", 10.0), _row(4, 8192, "static:0.5@expert_stream_share=0", 20.0), _row(4, 8192, "writescope", 25.0),
+            _row(4, 32768, "gpu", 4.0), _row(4, 32768, "writescope", 5.0),
+            _row(4, 65536, "writescope", 5.0)]  # no baseline: left out
+    for r in rows:
+        if r.policy == "writescope":
+            r.step_bound_ms = 100.0  # the KV bound
+    rows[2].joint_step_bound_ms = 125.0  # with host experts the joint bound counts instead
+    assert rows[1].tpot_ms == pytest.approx(200.0) and rows[3].tpot_ms == pytest.approx(1000.0)
+    ceiling, n = bound_ceiling(rows)
+    assert n == 2 and ceiling == pytest.approx(((200.0 / 125.0) * (1000.0 / 100.0)) ** 0.5)
+    assert f"at its bound writescope would be {ceiling:.2f}x the best baseline (2)" in format_speedups(rows)
+    assert bound_ceiling(rows, min_context=10**6) is None

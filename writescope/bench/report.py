@@ -317,6 +317,33 @@ def speedup_spread(rows: list[BenchRow], min_context: int = 8192) -> dict[str, t
     return {n: (_geomean(lo for _, lo, _ in ratios[n]), _geomean(hi for _, _, hi in ratios[n])) for n in BASELINES if n in ratios}
 
 
+def bound_ceiling(rows: list[BenchRow], min_context: int = 8192) -> tuple[float, int] | None:
+    """The most ``writescope`` could gain over the best baseline if its step ran at the bound:
+    the geometric mean, over the configurations (context >= ``min_context``) with a ``writescope``
+    row, a baseline and a bound, of the best baseline's TPOT (the :func:`median_run` of the most
+    decode tok/s, as :func:`speedups` chooses it) over the configuration's bound
+    (:attr:`BenchRow.tpot_bound_ms`: the joint bound where experts live in host memory, else the
+    step's KV bound with both paths at once). ``(ceiling, configurations)``, or None where no
+    configuration has all three. A target above it cannot be met on the machine measured."""
+    ratios = []
+    for (b, c), group in _configurations(rows, min_context).items():
+        ws = [r for r in group.get("writescope", []) if r.tpot_bound_ms > 0]
+        base = [median_run(v) for p, v in group.items() if p in ("gpu", "cpu", "monolithic") or static_share(p) is not None
+                or computes_host_experts_on_cpu(p)]
+        if ws and base:
+            ratios.append(min(r.tpot_ms for r in base) / ws[0].tpot_bound_ms)
+    return (_geomean(ratios), len(ratios)) if ratios else None
+
+
+def _configurations(rows: list[BenchRow], min_context: int) -> dict[tuple[int, int], dict[str, list[BenchRow]]]:
+    """Rows that ran (fit, with a TPOT) at context >= ``min_context``, by (batch, context) and policy."""
+    out: dict[tuple[int, int], dict[str, list[BenchRow]]] = {}
+    for r in rows:
+        if r.context >= min_context and r.fits and r.step_tok_s > 0:
+            out.setdefault((r.batch, r.context), {}).setdefault(r.policy, []).append(r)
+    return out
+
+
 def format_speedups(rows: list[BenchRow], min_context: int = 8192) -> str:
     s = speedups(rows, min_context)
     if not s:
@@ -328,6 +355,10 @@ def format_speedups(rows: list[BenchRow], min_context: int = 8192) -> str:
             + ", ".join(f"{name} {g:.2f}x ({n})" + (format_ratio(g, *spread[name])[len(f"{g:.2f}x"):]) for name, (g, n) in s.items()))
     if miss:
         text += f"; writescope did not fit in {miss[1]} configuration(s) where a baseline ran (left out)"
+    ceiling = bound_ceiling(rows, min_context)
+    if ceiling is not None:
+        text += (f"; at its bound writescope would be {ceiling[0]:.2f}x the best baseline ({ceiling[1]}): the most these "
+                 "rates allow")
     return text
 
 
