@@ -390,19 +390,26 @@ def test_the_expert_split_is_chosen_in_decode_only_and_balances_the_expert_phase
     work.observe(1.0, 10**7)
     assert work.e.value == pytest.approx(1 / 70e9)  # nor is E fed from a prefill
     dec.last_split = (16 * 32768, 16 * 32768)  # a decode step whose KV split both sides are done with
-    assert work.balance == "phase" and pol.prefetch_tokens is None  # buffers not known: the whole load region ahead
+    dec.last_early_tokens = 0  # no early copies: the thread issues the next layer's copies after the experts
+    assert work.balance == "phase"
     k = work.choose([10**7] * 10)
-    assert k == streamed_count([10**7] * 10, 0.0, 16 * 32768 * 2e-8, work.costs()) and k == 0  # 10 ms of KV on the link
+    assert k == streamed_count([10**7] * 10, 0.0, 0.0, work.costs()) and 0 < k < 10  # the expert phase alone
     assert work.observed and work.x.value == pytest.approx(1e8)  # seeded with the first sample, not averaged from 0
-    pol.prefetch_tokens = 16384  # the buffers hold 16384 tokens: 0.33 ms of the link's time in the expert phase
-    k = work.choose([10**7] * 10)
-    assert k == streamed_count([10**7] * 10, 0.0, 16384 * 2e-8, work.costs()) and 0 < k < 10
+    alone = k
+    # split on the device (the thread runs ahead and issues the next layer's copies): the whole load region, the
+    # buffers' cap unknown (10 ms of KV on the link: every expert to the CPU) ...
+    assert pol.prefetch_tokens is None and work.choose([10**7] * 10, on_device=True) == 0
+    pol.prefetch_tokens = 16384  # ... or as far as the buffers reach: 16384 tokens, 0.33 ms of the link's time
+    k = work.choose([10**7] * 10, on_device=True)
+    assert k == streamed_count([10**7] * 10, 0.0, 16384 * 2e-8, work.costs()) and 0 < k < alone
+    dec.last_early_tokens = 8192  # copied early at the end of the load part: what the link does, whatever the path
+    assert work.choose([10**7] * 10) == work.choose([10**7] * 10, on_device=True) == streamed_count(
+        [10**7] * 10, 0.0, 8192 * 2e-8, work.costs())
     work.balance = "alone"  # the expert phase balanced as if the link had nothing else to do
-    alone = work.choose([10**7] * 10)
-    assert alone == streamed_count([10**7] * 10, 0.0, 0.0, work.costs()) and k < alone < 10
-    pol.prefetch_tokens = 0  # the load region read in place: nothing streams ahead, phase is alone
-    work.balance = "phase"
-    assert work.choose([10**7] * 10) == alone
+    assert work.choose([10**7] * 10, on_device=True) == alone
+    with pytest.raises(ValueError, match="expert balance 'both'"):
+        work.balance = "both"
+    assert work.balance == "alone"
     work.balance = "joint"  # with the phases overlapping, the KV already on each side counts
     assert work.choose([10**7] * 10) == streamed_count([10**7] * 10, 16 * 32768 * 2e-8, 16 * 32768 * 2e-8, work.costs())
 

@@ -705,6 +705,37 @@ def test_early_copies_are_used_and_exact(make_harness, monkeypatch, shape, buffe
         h.assert_placement_exact(s)
 
 
+@pytest.mark.parametrize("mode", ["early", "own-layer"])
+def test_the_decoder_says_how_many_tokens_it_copied_early(make_harness, monkeypatch, mode):
+    """``last_early_tokens``: the next layer's load-region tokens a decode call copied early (the
+    expert split counts them as the link's work in the expert phase): the first fills, at most one
+    per buffer, none in the last layer, none without early copies."""
+    monkeypatch.setenv("WRITESCOPE_LOAD_COPIES", mode)
+    D, L, buffers, blocks = 16, 3, 2, 3
+    h = make_harness(window=D, policy="gpu", num_layers=L, pingpong_blocks=blocks, pingpong_buffers=buffers)
+    a, b = h.allocate(10 * D + 4, prompt_len=10 * D), h.allocate(2 * D + 4, prompt_len=2 * D)
+    h.prefill([a, b], [10 * D, 2 * D])
+    dec = h.cache.decoder
+    seen = []
+    real = dec.decode_begin
+
+    def begin(layer, *args, **kw):
+        out = real(layer, *args, **kw)
+        seen.append((layer, dec.last_early_tokens, dec.stats.last_load_tokens))
+        return out
+
+    monkeypatch.setattr(dec, "decode_begin", begin)
+    h.decode([a, b])
+    h.decode([a, b])
+    assert [x[0] for x in seen] == list(range(L)) * 2
+    for layer, early, load in seen:
+        assert load > 0
+        if mode == "early" and layer + 1 < L:
+            assert early == min(load, buffers * blocks * D) and early % D == 0
+        else:
+            assert early == 0
+
+
 def test_early_fills_whose_runs_differ_are_copied_again(make_harness, monkeypatch):
     """A fill copied early for other runs (another micro-batch's layer in between, a stale record)
     is copied again, never attended as it is."""

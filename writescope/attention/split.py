@@ -181,6 +181,9 @@ class SplitDecoder:
         self._free_events: list[object | None] = []  # per ping-pong buffer: recorded after its fill's attention
         self._ready_events: list[object] = []  # per ping-pong buffer: recorded after its fill's copies
         self.last_split = (0, 0)  # (CPU tokens, load-region tokens) of the last decode call
+        # tokens of the next layer's load region whose copies the last decode call issued early (_copy_early): the
+        # link's work during this layer's expert phase (scheduler/expert_work.py)
+        self.last_early_tokens = 0
         self.time_gpu = False  # time the GPU part of each call (calibration; see last_gpu_seconds)
         self.gpu_timers: list | None = None  # with time_gpu: (GPU-part timer, had a CPU part) of every call (bench rows)
         self._gpu_timer: object = 0.0
@@ -326,6 +329,7 @@ class SplitDecoder:
         qg = q.view(B, Hkv, Hq // Hkv, dk)
         self._stats.layer_steps += 1
         self._stats.last_cpu_seconds, self._stats.last_cpu_tokens = 0.0, 0
+        self.last_early_tokens = 0
         if self._early is not None and self._early[0] != layer:  # copied early for a layer that is not this one
             self._stats.early_fills_wasted += len(self._early[2])
             self._early = None
@@ -665,11 +669,12 @@ class SplitDecoder:
         for n, fill in enumerate(self._fills(sources)):
             if n == len(bufs):
                 break
+            total = sum(src.shape[0] for _, src in fill)
             if self.cuda:
                 self._copy_fill(bufs, n, fill, cur)
             else:
-                total = sum(src.shape[0] for _, src in fill)
                 torch.cat([src for _, src in fill], out=bufs[n][:total])
+            self.last_early_tokens += total * self.spec.window
             keys.append(_fill_key(fill))
         if keys:
             self._early = (layer, seq_ids, keys)

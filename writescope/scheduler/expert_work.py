@@ -9,12 +9,16 @@ Which model applies depends on how a layer's expert phase shares the two resourc
 attention around it (``ExpertWork.balance``, ``WRITESCOPE_EXPERT_BALANCE``):
 
 - ``phase`` (the default). The CPU cannot start layer l+1's attention before layer l's experts are
-  done (its q depends on them), so the CPU's side of the expert phase starts empty. The link is
-  not idle there: it copies the next layer's load region ahead into the ping-pong buffers, as far
-  as they reach (``policy.prefetch_tokens``; the load region has the same tokens in every layer).
-  So the expert split balances the CPU's experts against the link's streamed experts plus
-  min(the load region's tokens, the buffers' tokens) x B. r(L) is the KV roofline with O and the
-  same cap (scheduler/roofline.py).
+  done (its q depends on them), so the CPU's side of the expert phase starts empty. The link may
+  not be idle there: it copies the next layer's load region ahead into the ping-pong buffers.
+  So the expert split balances the CPU's experts against the link's streamed experts plus those
+  copies x B: the tokens the split decoder copied early at the end of this layer's load part
+  (``last_early_tokens``, ``WRITESCOPE_LOAD_COPIES``); without early copies, where the split is
+  made on the device (the issuing thread does not wait for the experts and issues the next
+  layer's copies meanwhile) min(the load region's tokens, the buffers' tokens
+  ``policy.prefetch_tokens``), else none (the thread waits for the routing and issues the next
+  layer's copies after the experts). r(L) is the KV roofline with O and the buffers' cap
+  (scheduler/roofline.py).
 - ``alone``: the expert phase balanced as if the link had nothing else to do (the default until
   the eighteenth session). On the H200 (run 56, benchmarks/results/gpu_decode_h200.md) it streamed
   344 of a Qwen3-30B-A3B 4 x 32K step's 720 hit host experts and took about 300 ms a step, where
@@ -37,6 +41,8 @@ import math
 from writescope.scheduler.joint import JointCosts, streamed_count
 from writescope.scheduler.roofline import OnlineEstimate, WriteScopePolicy
 
+BALANCE_ENV = "WRITESCOPE_EXPERT_BALANCE"
+BALANCES = ("phase", "alone", "joint")  # the models of the expert phase (module docstring); the first is the default
 
 # After this many layer steps in a row that streamed every one of 2 or more hit host experts, the
 # next gives one to the CPU: E is tracked from the CPU's calls, so without them an E measured too
@@ -97,7 +103,7 @@ class ExpertWork:
         self.x = OnlineEstimate(0.0, alpha, window)  # hit host expert bytes per decode layer step (seeded by the first)
         self.observed = False
         self.decoder, self.policy = decoder, policy
-        self.balance = "phase"  # phase, alone or joint: see the module docstring
+        self._balance = "phase"
         self.n_streamed = self.n_computed = 0
         self.expected = False  # the counters add up expected experts (share_for), not counted ones
         self.unmeasured = 0  # layer steps in a row that streamed every hit host expert (see PROBE_EVERY)
@@ -105,6 +111,17 @@ class ExpertWork:
         # decode passes of fewer tokens read their host experts in place instead (the blocks ask:
         # SparseMoeBlock._host_in_place_configured); 0: the split takes every pass
         self.in_place_below = 0
+
+    @property
+    def balance(self) -> str:
+        """``phase`` (the default), ``alone`` or ``joint``: the model of the expert phase (module docstring)."""
+        return self._balance
+
+    @balance.setter
+    def balance(self, value: str) -> None:
+        if value not in BALANCES:
+            raise ValueError(f"expert balance {value!r}: use one of {', '.join(BALANCES)}")
+        self._balance = value
 
     @property
     def overlap(self) -> bool:
@@ -131,10 +148,11 @@ class ExpertWork:
         """Whether the layer being run is a decode step (the split decoder ran for it)."""
         return self.decoder is None or getattr(self.decoder, "last_split", None) is not None
 
-    def choose(self, sizes: list[int]) -> int | None:
+    def choose(self, sizes: list[int], on_device: bool = False) -> int | None:
         """How many of this decode layer step's hit host experts (``sizes``: weight bytes each, in
         the block's streaming order) to stream; the CPU computes the rest. Records the step's
-        bytes. None in a prefill (the block's fixed share applies)."""
+        bytes. None in a prefill (the block's fixed share applies). ``on_device``: the split is
+        made on the device and the issuing thread does not wait for it (:meth:`share_for`)."""
         if not self.decoding():
             return None
         total = float(sum(sizes))
@@ -143,7 +161,7 @@ class ExpertWork:
         self.x.update(total)
         self.observed = True
         c = self.costs()
-        cpu_s, link_s = self.phase_start(c)
+        cpu_s, link_s = self.phase_start(c, on_device)
         k = streamed_count(sizes, cpu_s, link_s, c, self.call)
         if k == len(sizes) >= 2:  # the CPU took none: E is not measured, and one too high would never come down
             self.unmeasured += 1
@@ -156,17 +174,21 @@ class ExpertWork:
         self.n_computed += len(sizes) - k
         return k
 
-    def phase_start(self, c: JointCosts) -> tuple[float, float]:
-        """``(cpu_s, link_s)``: what each side already has to do in this layer step's expert
-        phase, by ``balance`` (module docstring), from the decoder's last KV split (CPU tokens,
-        load-region tokens): ``phase`` (0, min(load tokens, the ping-pong buffers' tokens) x B;
-        no cap where the policy does not know the buffers); ``alone`` (0, 0); ``joint`` (the CPU's
-        KV x A + C_cpu, the link's KV x B + C_gpu)."""
-        if self.decoder is None or self.balance == "alone":
+    def phase_start(self, c: JointCosts, on_device: bool = False) -> tuple[float, float]:
+        """``(cpu_s, link_s)``: what each side already has to do in this decode layer step's
+        expert phase, by ``balance`` (module docstring), from the decoder's last call: ``phase``
+        (0, the next layer's KV tokens copied early x B, or without early copies and ``on_device``
+        min(load-region tokens, the ping-pong buffers' tokens) x B, else 0); ``alone`` (0, 0);
+        ``joint`` (the CPU's KV x A + C_cpu, the link's KV x B + C_gpu). (0, 0) in a prefill or
+        without a decoder."""
+        if self.decoder is None or self.balance == "alone" or not self.decoding():
             return 0.0, 0.0
         cpu_tokens, load_tokens = self.decoder.last_split
         if self.balance == "joint":
             return cpu_tokens * c.a + (c.c_cpu if cpu_tokens else 0.0), load_tokens * c.b + c.c_gpu
+        early = getattr(self.decoder, "last_early_tokens", 0)
+        if early or not on_device:
+            return 0.0, early * c.b
         ahead = getattr(self.policy, "prefetch_tokens", None)
         return 0.0, (load_tokens if ahead is None else min(load_tokens, ahead)) * c.b
 
@@ -181,7 +203,7 @@ class ExpertWork:
         n = expected_hit_experts(tokens, block.cfg.num_experts, block.cfg.top_k) * len(block.host_experts) / block.cfg.num_experts
         m = max(1, round(n))
         self.expected = True
-        k = self.choose([block.host_pack.expert_nbytes] * m)
+        k = self.choose([block.host_pack.expert_nbytes] * m, on_device=True)
         return k / m
 
     def observe(self, seconds: float, nbytes: int) -> None:
@@ -325,8 +347,6 @@ def split_from(blocks: list, most_tokens: int, e: float, g: float, overhead: flo
     return lo
 
 
-BALANCE_ENV = "WRITESCOPE_EXPERT_BALANCE"
-
 
 def balance_from_env() -> str:
     """``WRITESCOPE_EXPERT_BALANCE``: ``phase`` (the default), ``alone`` or ``joint``: which model
@@ -338,7 +358,7 @@ def balance_from_env() -> str:
     """
     from writescope.env import env_choice
 
-    return env_choice(BALANCE_ENV, ("phase", "alone", "joint"))
+    return env_choice(BALANCE_ENV, BALANCES)
 
 
 def detach_expert_work(policy, blocks: list) -> None:
