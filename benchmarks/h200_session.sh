@@ -34,7 +34,7 @@
 #     TL_BATCH 16, TL_CONTEXT 32k, TL_STEPS 3, TL_TAG a file-name suffix, TL_FLAGS more profile flags such as --no-breakdown;
 #     TL_HOST=1 also profiles the main thread's Python (--host-profile: where the thread that issues the step spends it); random KV fill)
 #   bash benchmarks/h200_session.sh spy MODEL  # the thread that issues a decode step, sampled by py-spy --native (benchmarks/spy_summary.py;
-#     carry .probe with .probe/py-spy from py-spy's wheel; SPY_POLICY, SPY_BATCH, SPY_CONTEXT, SPY_STEPS, SPY_TAG)
+#     carry .probe with .probe/py-spy from py-spy's wheel; SPY_POLICY, SPY_BATCH, SPY_CONTEXT, SPY_STEPS, SPY_TAG, SPY_RATE 50 Hz: 200 slowed the step 3x in run 55)
 #   bash benchmarks/h200_session.sh joint MODEL  # issue 16: writescope's per-step expert split vs --expert-stream-share 1 and 0, and gpu
 #     (TPOT_BATCH default 4 here, TPOT_CONTEXT, TPOT_NEW)
 # A grid or calibration with torch's flash op instead of the C++ kernel: WRITESCOPE_CPU_ATTENTION=flash (the environment passes through).
@@ -93,7 +93,7 @@ part() {
       # (copy the py-spy binary of its wheel to .probe/py-spy and carry .probe; SPY_POLICY, SPY_BATCH 4, SPY_CONTEXT 32k, SPY_STEPS 24, SPY_TAG)
       local f="$out/spy_${m}_${SPY_BATCH:-4}x${SPY_CONTEXT:-32k}${SPY_TAG:-}"
       [ -x .probe/py-spy ] || { echo "spy: no .probe/py-spy (carry .probe)" >&2; return 1; }
-      timeout "$(tmo 420)" .probe/py-spy record --native --rate "${SPY_RATE:-200}" --format raw --output "$f.raw" -- \
+      timeout "$(tmo 420)" .probe/py-spy record --native --rate "${SPY_RATE:-50}" --format raw --output "$f.raw" -- \
         python3 -m writescope.cli.main bench --model "$m" --synthetic --device cuda --vram-budget 32GiB --kv-fill random \
         --batch "${SPY_BATCH:-4}" --context "${SPY_CONTEXT:-32k}" --steps "${SPY_STEPS:-24}" --repeats 1 --policies "${SPY_POLICY:-writescope}" \
         --quiet --output-json "$f.json" > "$f.log" 2>&1 || echo "spy: exit $?"
