@@ -202,6 +202,19 @@ def test_the_worker_path_does_not_wait_on_the_host(monkeypatch):
 
 
 @pytest.mark.gpu
+def test_the_in_place_read_of_host_experts_is_measured_on_cuda():
+    """G of the asynchronous path: the fused kernels reading host experts in place, seconds per
+    byte, positive and finite."""
+    from writescope.scheduler.expert_work import measure_link_expert_cost
+
+    llm = LLM("tiny-mixtral", device="cuda", dtype="bfloat16", progress=False)
+    b = _offload_half(llm)[0]
+    b.pack()
+    g = measure_link_expert_cost(b)
+    assert g is not None and 0 < g < 1e-6  # above 1 MB/s
+
+
+@pytest.mark.gpu
 def test_whole_model_on_the_worker_gives_the_same_tokens_on_cuda(monkeypatch):
     monkeypatch.setenv(async_experts.ENV, "on")
     prompts = [list(range(3, 3 + n)) for n in (40, 9, 23)]

@@ -555,6 +555,36 @@ def test_the_real_in_place_check_decides_whether_writescope_splits(monkeypatch):
     assert llm.expert_work is None and llm.host_experts_in_decode() == in_place
 
 
+def test_g_is_the_slower_of_the_kv_copies_and_the_in_place_read(monkeypatch):
+    """Where the link's share of the host experts is read in place by the fused kernels (the
+    asynchronous path), G is measured there at attach and the slower of it and the KV copies'
+    rate counts; the host path (copies) keeps the KV copies' rate and measures nothing."""
+    import writescope.scheduler.expert_work as expert_work
+    from writescope.moe.block import SparseMoeBlock
+
+    llm = _half_on_host_llm()
+    rf = _h200_link(llm)
+    g_kv = rf.b / llm.config.kv_layout.bytes_per_token(llm.dtype.itemsize)
+    measured = []
+
+    def measure(block, value):
+        measured.append(block)
+        return value
+
+    monkeypatch.setattr(SparseMoeBlock, "takes_async", lambda self, dtype, device, tokens=None: True)
+    for read, want in ((10 * g_kv, 10 * g_kv), (0.1 * g_kv, g_kv), (None, g_kv)):
+        monkeypatch.setattr(expert_work, "measure_link_expert_cost", lambda block, v=read: measure(block, v))
+        llm.set_policy("writescope", roofline=rf)
+        work = llm.expert_work
+        assert measured.pop() in _blocks(llm) and not measured
+        assert work.g == pytest.approx(want) and work.g_kv == pytest.approx(g_kv) and work.g_read == read
+    monkeypatch.setattr(SparseMoeBlock, "takes_async", lambda self, dtype, device, tokens=None: False)
+    llm.set_policy("writescope", roofline=rf)
+    assert not measured and llm.expert_work.g == pytest.approx(g_kv) and llm.expert_work.g_read is None
+    monkeypatch.undo()
+    assert expert_work.measure_link_expert_cost(next(b for b in _blocks(llm) if b.host_experts)) is None  # no CUDA here
+
+
 def test_the_expert_balance_switch_chooses_the_model(monkeypatch):
     """``WRITESCOPE_EXPERT_BALANCE``: ``phase`` (the default) balances each expert phase with the
     link's copies ahead, ``alone`` without them, ``joint`` counts the step's KV on each side with its experts (``overlap``); read when the

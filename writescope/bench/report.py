@@ -222,7 +222,9 @@ def format_expert_split(rows: list[BenchRow]) -> str:
         x = median_run(ok).extra.get("expert_split") if ok else None
         if x:
             lines.append(f"  batch {b} context {c} {p}: {x['streamed_per_step']:.1f} streamed, {x['cpu_per_step']:.1f} on the CPU "
-                         f"(E {x['cpu_gbs']:.1f} GB/s + {x.get('cpu_call_ms', 0.0):.2f} ms a call, G {x['link_gbs']:.1f} GB/s)"
+                         f"(E {x['cpu_gbs']:.1f} GB/s + {x.get('cpu_call_ms', 0.0):.2f} ms a call, G {x['link_gbs']:.1f} GB/s"
+                         + (f": the slower of the KV copies' {x['link_kv_gbs']:.1f} and the fused kernels' in-place read "
+                            f"{x['link_read_gbs']:.1f}" if x.get("link_read_gbs") and x.get("link_kv_gbs") else "") + ")"
                          + ("; expected counts, uniform routing: the split is made on the device, the host counts nothing" if x.get("expected") else ""))
     if not lines:
         return ""

@@ -301,7 +301,9 @@ def expert_split(work, trace: list[dict] | None) -> dict | None:
     return {"steps": len(points), "streamed_per_step": sum(p["experts_streamed"] for p in points) / len(points),
             "cpu_per_step": sum(p["experts_cpu"] for p in points) / len(points),
             "cpu_gbs": 1e-9 / work.e.value, "link_gbs": 1e-9 / work.g, "cpu_call_ms": work.call * 1e3,
-            "expected": bool(getattr(work, "expected", False))}
+            "expected": bool(getattr(work, "expected", False)),
+            "link_kv_gbs": 1e-9 / work.g_kv if getattr(work, "g_kv", None) else None,
+            "link_read_gbs": 1e-9 / work.g_read if getattr(work, "g_read", None) else None}
 
 
 def too_long_reason(e: TooLong, steps: int) -> str:

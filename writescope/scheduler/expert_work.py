@@ -108,6 +108,9 @@ class ExpertWork:
         self.expected = False  # the counters add up expected experts (share_for), not counted ones
         self.unmeasured = 0  # layer steps in a row that streamed every hit host expert (see PROBE_EVERY)
         self.why = ""  # why the split was taken over the in-place read, in words ("" when that was not possible)
+        # G's sources (seconds per byte): the KV copies' rate, and the fused kernels' in-place read where it was
+        # measured (measure_link_expert_cost; None: not measured); g is the slower of the two
+        self.g_kv, self.g_read = g, None
         # decode passes of fewer tokens read their host experts in place instead (the blocks ask:
         # SparseMoeBlock._host_in_place_configured); 0: the split takes every pass
         self.in_place_below = 0
@@ -280,6 +283,53 @@ def measure_cpu_expert_cost(block, experts: int = 8, reps: int = 3) -> tuple[flo
     return expert_cost_line(one, many, len(host), nbytes)
 
 
+def measure_link_expert_cost(block, experts: int = 8, reps: int = 3) -> float | None:
+    """Link seconds per weight byte of ``block``'s host experts read in place over PCIe by the fused
+    decode kernels (moe/fused_decode.py), as the asynchronous expert path reads the link's share
+    (moe/async_experts.py): calls with one random token on each of 1 and of up to ``experts`` host
+    experts (fewer where they weigh more than about 2 GB) (each the fastest of ``reps`` after one unmeasured call, timed by CUDA events with the
+    device otherwise idle), through :func:`expert_cost_line` (the slope; the fixed part, launches
+    and the slots not hit, is left out). None without CUDA, Triton or host experts: then G stays the
+    KV copies' rate.
+
+    Why: G was taken from the KV copies' rate (B), but the link's experts are not copied on that
+    path. On an H100 host (run 57, Mixtral-8x7B 4 x 32000) streaming 28 of 122 hit host experts a
+    step took 2.6 ms a layer longer than the CPU computing them all, where G from B (51 GB/s)
+    expected it to save time: the in-place read came to about 28 GB/s."""
+    import torch
+
+    from writescope.moe import fused_decode
+
+    w = block.gate.weight
+    if w.device.type != "cuda" or fused_decode.triton is None or not block.host_experts or block.host_pack is None:
+        return None
+    w13, w2, slot_of = block._host_device_views(w.device)
+    # at most about 2 GB a call (Mixtral-8x7B's experts are 352 MB each), at least 2 experts for the line
+    host = sorted(block.host_experts)[:max(2, min(experts, int(2e9 // block.host_pack.expert_nbytes)))]
+    g = torch.Generator(device=w.device).manual_seed(0)
+    x = (0.02 * torch.randn(len(host), w.shape[1], generator=g, device=w.device)).to(w13.dtype)
+    ids = torch.tensor(host, dtype=torch.long, device=w.device).view(-1, 1)  # one token on each expert, top-1
+    weights = torch.ones(len(host), 1, dtype=torch.float32, device=w.device)
+    out = torch.zeros(len(host), w.shape[1], dtype=torch.float32, device=w.device)
+    inter = block.cfg.intermediate_size
+
+    def timed(n: int) -> float:
+        times = []
+        for _ in range(reps + 1):
+            start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+            start.record()
+            fused_decode.fused_experts_into(x[:n], weights[:n], ids[:n], slot_of, w13, w2, inter, out[:n])
+            end.record()
+            end.synchronize()
+            times.append(start.elapsed_time(end) * 1e-3)
+        return min(times[1:])
+
+    with torch.no_grad():
+        many = timed(len(host))
+        one = timed(1) if len(host) >= 2 else many
+    return expert_cost_line(one, many, len(host), block.host_pack.expert_nbytes)[0]
+
+
 # What the per-step split costs a decode layer step beyond its balanced expert phase, against the
 # host experts read in place (seconds): the routing read back to the host (a device wait), the
 # block without a CUDA graph, and the CPU's experts computed on the issuing thread, which issues
@@ -435,8 +485,14 @@ def attach_expert_work(policy, decoder, blocks: list, kv_bytes_per_token: int, f
     total = sum(b.cfg.num_experts for b in blocks)
     if e is None:
         e, call = measure_cpu_expert_cost(hosted[0])
+    g_kv, g_read = g, None
+    if overhead == ASYNC_SPLIT_OVERHEAD_S:  # the link's share read in place by the fused kernels: its own rate
+        g_read = measure_link_expert_cost(hosted[0])
+        if g_read is not None and g_read > g:  # slower than the KV copies: the in-place read bounds it
+            g = g_read
     work = ExpertWork(e, g, sum(len(b.host_experts) for b in blocks) / total, hosted[0].host_pack.expert_nbytes,
                       cfg.num_experts, cfg.top_k, decoder, policy, call=call)
+    work.g_kv, work.g_read = g_kv, g_read
     work.why, work.in_place_below = why, first
     work.balance = balance_from_env()
     policy.experts = work
