@@ -215,6 +215,22 @@ def test_the_in_place_read_of_host_experts_is_measured_on_cuda():
 
 
 @pytest.mark.gpu
+def test_writescope_measures_the_in_place_read_when_it_attaches_on_cuda():
+    """``writescope`` with host experts on the asynchronous path measures the fused kernels' in-place
+    read at attach (G), and decodes with it."""
+    from helpers import half_experts_budget
+    from writescope.kvcache.spec import Roofline
+
+    llm = LLM("tiny-qwen3-moe", device="cuda", dtype="bfloat16", progress=False, window=16, max_batch=2, policy="static:0.5",
+              vram_budget=half_experts_budget("tiny-qwen3-moe", torch.bfloat16, 2))
+    llm.set_policy("writescope", roofline=Roofline(a=1e-9, b=1e-3, c_cpu=0.0, c_gpu=0.0))  # a slow link: the split attaches
+    work = llm.expert_work
+    assert work is not None and work.g_read is not None and work.g_read > 0 and work.g == max(work.g_kv, work.g_read)
+    out = llm.generate(prompt_token_ids=[[5, 6, 7] * 12], sampling_params=SamplingParams(max_tokens=4, ignore_eos=True))
+    assert len(out[0].token_ids) == 4
+
+
+@pytest.mark.gpu
 def test_whole_model_on_the_worker_gives_the_same_tokens_on_cuda(monkeypatch):
     monkeypatch.setenv(async_experts.ENV, "on")
     prompts = [list(range(3, 3 + n)) for n in (40, 9, 23)]
