@@ -37,6 +37,7 @@ block's fixed ``stream_share`` applies.
 from __future__ import annotations
 
 import math
+import warnings
 
 from writescope.scheduler.joint import JointCosts, streamed_count
 from writescope.scheduler.roofline import OnlineEstimate, WriteScopePolicy
@@ -487,7 +488,11 @@ def attach_expert_work(policy, decoder, blocks: list, kv_bytes_per_token: int, f
         e, call = measure_cpu_expert_cost(hosted[0])
     g_kv, g_read = g, None
     if overhead == ASYNC_SPLIT_OVERHEAD_S:  # the link's share read in place by the fused kernels: its own rate
-        g_read = measure_link_expert_cost(hosted[0])
+        try:
+            g_read = measure_link_expert_cost(hosted[0])
+        except (RuntimeError, ValueError) as err:  # a kernel that cannot run here: G from the KV copies, said
+            warnings.warn(f"could not measure the fused kernels' in-place read of host experts ({err}); "
+                          "the expert split takes G from the KV copies' rate", stacklevel=2)
         if g_read is not None and g_read > g:  # slower than the KV copies: the in-place read bounds it
             g = g_read
     work = ExpertWork(e, g, sum(len(b.host_experts) for b in blocks) / total, hosted[0].host_pack.expert_nbytes,
