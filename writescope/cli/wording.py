@@ -10,7 +10,7 @@ from writescope.errors import ArgError
 # what a memory plan's refusal tells each command's user to change (its own flags; the API's
 # argument names are the default of writescope.budget.plan.MemoryPlan.problem)
 PLAN_FLAGS = {
-    "generate": ("--vram-budget", "--batch or --max-model-len (it defaults to the model's limit unless the prompt's length is known)",
+    "generate": ("--vram-budget", "--batch or --max-model-len (without it the plan is for the prompt's tokens plus --max-new-tokens, or the model's limit where the prompt's length is not known before loading)",
                  "--policy"),
     "plan": ("--vram-budget", "--batch, --context or --max-new-tokens", "--policy"),
     "bench": ("--vram-budget", "--batch or --context (the plan is for the largest of each)", "--policies"),
