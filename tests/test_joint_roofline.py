@@ -581,6 +581,25 @@ def test_g_is_the_slower_of_the_kv_copies_and_the_in_place_read(monkeypatch):
     monkeypatch.setattr(SparseMoeBlock, "takes_async", lambda self, dtype, device, tokens=None: False)
     llm.set_policy("writescope", roofline=rf)
     assert not measured and llm.expert_work.g == pytest.approx(g_kv) and llm.expert_work.g_read is None
+    # where the blocks read their host experts in place (the fused kernels), the measured read decides that too: over
+    # the KV copies' rate reading in place wins (no split); over a read measured a million times slower the split does
+    monkeypatch.setattr(SparseMoeBlock, "takes_async", lambda self, dtype, device, tokens=None: True)
+    monkeypatch.setattr(SparseMoeBlock, "reads_host_experts_in_place", lambda self, tokens=None: True)
+    monkeypatch.setattr(expert_work, "measure_link_expert_cost", lambda block: None)
+    llm.set_policy("writescope", roofline=rf)
+    assert llm.expert_work is None
+    monkeypatch.setattr(expert_work, "measure_link_expert_cost", lambda block: 1e6 * g_kv)
+    llm.set_policy("writescope", roofline=rf)
+    assert llm.expert_work is not None and llm.expert_work.g == pytest.approx(1e6 * g_kv) and "read in place" in llm.expert_work.why
+
+    def broken(block):
+        raise Exception("a Triton error")  # not a RuntimeError
+
+    monkeypatch.setattr(expert_work, "measure_link_expert_cost", broken)
+    monkeypatch.setattr(SparseMoeBlock, "reads_host_experts_in_place", lambda self, tokens=None: False)
+    with pytest.warns(UserWarning, match="could not measure the fused kernels' in-place read"):
+        llm.set_policy("writescope", roofline=rf)
+    assert llm.expert_work.g == pytest.approx(g_kv) and llm.expert_work.g_read is None
     monkeypatch.undo()
     assert expert_work.measure_link_expert_cost(next(b for b in _blocks(llm) if b.host_experts)) is None  # no CUDA here
 

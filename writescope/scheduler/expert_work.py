@@ -296,7 +296,9 @@ def measure_link_expert_cost(block, experts: int = 8, reps: int = 3) -> float | 
     Why: G was taken from the KV copies' rate (B), but the link's experts are not copied on that
     path. On an H100 host (run 57, Mixtral-8x7B 4 x 32000) streaming 28 of 122 hit host experts a
     step took 2.6 ms a layer longer than the CPU computing them all, where G from B (51 GB/s)
-    expected it to save time: the in-place read came to about 28 GB/s."""
+    expected it to save time: the in-place read came to about 28 GB/s. Measured with the host's
+    CPUs idle, where in a step the expert worker reads host memory at the same time: an
+    optimistic figure, as the KV copies' rate is."""
     import torch
 
     from writescope.moe import fused_decode
@@ -468,7 +470,17 @@ def attach_expert_work(policy, decoder, blocks: list, kv_bytes_per_token: int, f
     why = ""
     first = 0
     w = hosted[0].gate.weight
-    overhead = ASYNC_SPLIT_OVERHEAD_S if all(b.takes_async(w.dtype, w.device, decode_tokens) for b in hosted) else SPLIT_OVERHEAD_S
+    on_worker = all(b.takes_async(w.dtype, w.device, decode_tokens) for b in hosted)
+    overhead = ASYNC_SPLIT_OVERHEAD_S if on_worker else SPLIT_OVERHEAD_S
+    g_kv, g_read = g, None
+    if on_worker:  # the link's share read in place by the fused kernels: its own rate, for the decision below too
+        try:
+            g_read = measure_link_expert_cost(hosted[0])
+        except Exception as err:  # noqa: BLE001 (Triton's errors are not RuntimeErrors): G from the KV copies, said
+            warnings.warn(f"could not measure the fused kernels' in-place read of host experts ({err}); "
+                          "the expert split takes G from the KV copies' rate", stacklevel=2)
+        if g_read is not None and g_read > g:  # slower than the KV copies: the in-place read bounds it
+            g = g_read
     if all(b.reads_host_experts_in_place(decode_tokens) for b in hosted):
         if decode_tokens is None:
             return None
@@ -486,15 +498,6 @@ def attach_expert_work(policy, decoder, blocks: list, kv_bytes_per_token: int, f
     total = sum(b.cfg.num_experts for b in blocks)
     if e is None:
         e, call = measure_cpu_expert_cost(hosted[0])
-    g_kv, g_read = g, None
-    if overhead == ASYNC_SPLIT_OVERHEAD_S:  # the link's share read in place by the fused kernels: its own rate
-        try:
-            g_read = measure_link_expert_cost(hosted[0])
-        except (RuntimeError, ValueError) as err:  # a kernel that cannot run here: G from the KV copies, said
-            warnings.warn(f"could not measure the fused kernels' in-place read of host experts ({err}); "
-                          "the expert split takes G from the KV copies' rate", stacklevel=2)
-        if g_read is not None and g_read > g:  # slower than the KV copies: the in-place read bounds it
-            g = g_read
     work = ExpertWork(e, g, sum(len(b.host_experts) for b in blocks) / total, hosted[0].host_pack.expert_nbytes,
                       cfg.num_experts, cfg.top_k, decoder, policy, call=call)
     work.g_kv, work.g_read = g_kv, g_read
