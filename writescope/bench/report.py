@@ -255,32 +255,42 @@ CPU_EXPERTS = "best static, CPU experts"  # the fixed shares run with @expert_st
 BASELINES = ("gpu", "cpu", "monolithic", "best static", CPU_EXPERTS, "best baseline")
 
 
+def _configurations(rows: list[BenchRow], min_context: int) -> dict[tuple[int, int], dict[str, list[BenchRow]]]:
+    """Rows that ran (fit, with a TPOT) at context >= ``min_context``, by (batch, context) and policy."""
+    out: dict[tuple[int, int], dict[str, list[BenchRow]]] = {}
+    for r in rows:
+        if r.context >= min_context and r.fits and r.step_tok_s > 0:
+            out.setdefault((r.batch, r.context), {}).setdefault(r.policy, []).append(r)
+    return out
+
+
+def _baselines(by_policy: dict[str, list[BenchRow]]) -> dict[str, list[BenchRow]]:
+    """A configuration's baselines (:data:`BASELINES`) from its rows by policy: ``gpu``, ``cpu``,
+    ``monolithic``, the best static share, the best with CPU experts and the best of all, each
+    chosen by its :func:`median_run`'s decode tok/s (the runs the table shows)."""
+    med = {p: median_run(v).step_tok_s for p, v in by_policy.items()}
+    base = {p: by_policy[p] for p in med if p in ("gpu", "cpu", "monolithic")}
+    statics = [p for p in med if static_share(p) is not None]
+    if statics:
+        base["best static"] = by_policy[max(statics, key=med.get)]
+    cpu_experts = [p for p in med if computes_host_experts_on_cpu(p)]
+    if cpu_experts:
+        base[CPU_EXPERTS] = by_policy[max(cpu_experts, key=med.get)]
+    if base:
+        base["best baseline"] = max(base.values(), key=lambda v: median_run(v).step_tok_s)
+    return base
+
+
 def _speedup_ratios(rows: list[BenchRow], min_context: int) -> tuple[dict[str, list[tuple[float, float, float]]], int]:
     """Per baseline, writescope's :func:`ratio` of decode tok/s over it in each (batch, context >=
     ``min_context``) configuration; and the configurations where writescope failed but a baseline ran."""
-    tok: dict[tuple[int, int], dict[str, list[BenchRow]]] = {}
-    failed: set[tuple[int, int]] = set()
-    for r in rows:
-        if r.context < min_context:
-            continue
-        if r.fits and r.step_tok_s > 0:
-            tok.setdefault((r.batch, r.context), {}).setdefault(r.policy, []).append(r)
-        elif r.policy == "writescope":
-            failed.add((r.batch, r.context))
+    failed = {(r.batch, r.context) for r in rows
+              if r.context >= min_context and r.policy == "writescope" and not (r.fits and r.step_tok_s > 0)}
     ratios: dict[str, list[tuple[float, float, float]]] = {}
     missed = 0
-    for key, by_policy in tok.items():
-        med = {p: median_run(v).step_tok_s for p, v in by_policy.items()}  # the runs the table shows
-        base = {p: by_policy[p] for p in med if p in ("gpu", "cpu", "monolithic")}
-        statics = [p for p in med if static_share(p) is not None]
-        if statics:
-            base["best static"] = by_policy[max(statics, key=med.get)]
-        cpu_experts = [p for p in med if computes_host_experts_on_cpu(p)]
-        if cpu_experts:
-            base[CPU_EXPERTS] = by_policy[max(cpu_experts, key=med.get)]
-        if base:
-            base["best baseline"] = max(base.values(), key=lambda v: median_run(v).step_tok_s)
-        if "writescope" not in med:
+    for key, by_policy in _configurations(rows, min_context).items():
+        base = _baselines(by_policy)
+        if "writescope" not in by_policy:
             missed += key in failed and bool(base)
             continue
         for name, v in base.items():
@@ -322,28 +332,18 @@ def speedup_spread(rows: list[BenchRow], min_context: int = 8192) -> dict[str, t
 def bound_ceiling(rows: list[BenchRow], min_context: int = 8192) -> tuple[float, int] | None:
     """The most ``writescope`` could gain over the best baseline if its step ran at the bound:
     the geometric mean, over the configurations (context >= ``min_context``) with a ``writescope``
-    row, a baseline and a bound, of the best baseline's TPOT (the :func:`median_run` of the most
-    decode tok/s, as :func:`speedups` chooses it) over the configuration's bound
-    (:attr:`BenchRow.tpot_bound_ms`: the joint bound where experts live in host memory, else the
-    step's KV bound with both paths at once). ``(ceiling, configurations)``, or None where no
-    configuration has all three. A target above it cannot be met on the machine measured."""
+    row, a baseline and a bound, of the best baseline's TPOT (its :func:`median_run`, as
+    :func:`speedups` chooses it) over the configuration's bound (:attr:`BenchRow.tpot_bound_ms`:
+    the joint bound where experts live in host memory, else the step's KV bound with both paths at
+    once). ``(ceiling, configurations)``, or None where no configuration has all three. A target
+    above it cannot be met on the machine measured."""
     ratios = []
-    for (b, c), group in _configurations(rows, min_context).items():
+    for group in _configurations(rows, min_context).values():
         ws = [r for r in group.get("writescope", []) if r.tpot_bound_ms > 0]
-        base = [median_run(v) for p, v in group.items() if p in ("gpu", "cpu", "monolithic") or static_share(p) is not None
-                or computes_host_experts_on_cpu(p)]
-        if ws and base:
-            ratios.append(min(r.tpot_ms for r in base) / median_run(ws).tpot_bound_ms)
+        best = _baselines(group).get("best baseline")
+        if ws and best:
+            ratios.append(median_run(best).tpot_ms / median_run(ws).tpot_bound_ms)
     return (_geomean(ratios), len(ratios)) if ratios else None
-
-
-def _configurations(rows: list[BenchRow], min_context: int) -> dict[tuple[int, int], dict[str, list[BenchRow]]]:
-    """Rows that ran (fit, with a TPOT) at context >= ``min_context``, by (batch, context) and policy."""
-    out: dict[tuple[int, int], dict[str, list[BenchRow]]] = {}
-    for r in rows:
-        if r.context >= min_context and r.fits and r.step_tok_s > 0:
-            out.setdefault((r.batch, r.context), {}).setdefault(r.policy, []).append(r)
-    return out
 
 
 def format_speedups(rows: list[BenchRow], min_context: int = 8192) -> str:

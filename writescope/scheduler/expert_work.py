@@ -288,9 +288,9 @@ def measure_link_expert_cost(block, experts: int = 8, reps: int = 3) -> float | 
     """Link seconds per weight byte of ``block``'s host experts read in place over PCIe by the fused
     decode kernels (moe/fused_decode.py), as the asynchronous expert path reads the link's share
     (moe/async_experts.py): calls with one random token on each of 1 and of up to ``experts`` host
-    experts (fewer where they weigh more than about 2 GB) (each the fastest of ``reps`` after one unmeasured call, timed by CUDA events with the
-    device otherwise idle), through :func:`expert_cost_line` (the slope; the fixed part, launches
-    and the slots not hit, is left out). None without CUDA, Triton or host experts: then G stays the
+    experts (fewer where they weigh more than about 2 GB), each the fastest of ``reps`` after one
+    unmeasured call, timed by CUDA events with the device otherwise idle, through
+    :func:`expert_cost_line` (the slope; the fixed part, launches and the slots not hit, is left out). None without CUDA, Triton or host experts: then G stays the
     KV copies' rate.
 
     Why: G was taken from the KV copies' rate (B), but the link's experts are not copied on that
@@ -398,7 +398,6 @@ def split_from(blocks: list, most_tokens: int, e: float, g: float, overhead: flo
         else:
             lo = mid + 1
     return lo
-
 
 
 def balance_from_env() -> str:
