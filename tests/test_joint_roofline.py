@@ -375,6 +375,10 @@ def test_a_bench_row_records_the_joint_expert_split():
     assert x["expected"] is False and "expected counts" not in text  # counted on the host (the old path, fp32 here)
     row.extra["expert_split"] = dict(x, expected=True)  # as the native expert worker's rows record it
     assert "; expected counts, uniform routing: the split is made on the device" in format_expert_split([row])
+    assert x["link_samples"] == 0 and "in-step" not in text  # no timings of the link (no CUDA): G from attach
+    row.extra["expert_split"] = dict(x, link_gbs=21.0, link_samples=12, link_attach_gbs=43.0, link_kv_gbs=55.6, link_read_gbs=43.0)
+    assert ("G 21.0 GB/s tracked over 12 in-step timings of the in-place read; at attach 43.0, the slower of the KV "
+            "copies' 55.6 and the fused kernels' in-place read 43.0)") in format_expert_split([row])
     assert format_expert_split([]) == ""
 
 

@@ -211,6 +211,18 @@ def format_split_parts(rows: list[BenchRow]) -> str:
                       + lines)
 
 
+def _link_sources(x: dict) -> str:
+    """Where an expert split's G came from, in words (the split's dict, :func:`format_expert_split`)."""
+    read = (f"the slower of the KV copies' {x['link_kv_gbs']:.1f} and the fused kernels' in-place read {x['link_read_gbs']:.1f}"
+            if x.get("link_read_gbs") and x.get("link_kv_gbs") else "")
+    n = x.get("link_samples") or 0
+    if not n:
+        return f": {read}" if read else ""
+    attach = x.get("link_attach_gbs")
+    at = f"{attach:.1f}" + (f", {read}" if read else "") if attach else read
+    return f" tracked over {n} in-step timing{'s' if n != 1 else ''} of the in-place read" + (f"; at attach {at}" if at else "")
+
+
 def format_expert_split(rows: list[BenchRow]) -> str:
     """Per (batch, context, policy) whose decode steps split hit host experts between the link and
     the CPU (``extra["expert_split"]``: :func:`writescope.bench.runner.expert_split`; with repeats,
@@ -223,8 +235,7 @@ def format_expert_split(rows: list[BenchRow]) -> str:
         if x:
             lines.append(f"  batch {b} context {c} {p}: {x['streamed_per_step']:.1f} streamed, {x['cpu_per_step']:.1f} on the CPU "
                          f"(E {x['cpu_gbs']:.1f} GB/s + {x.get('cpu_call_ms', 0.0):.2f} ms a call, G {x['link_gbs']:.1f} GB/s"
-                         + (f": the slower of the KV copies' {x['link_kv_gbs']:.1f} and the fused kernels' in-place read "
-                            f"{x['link_read_gbs']:.1f}" if x.get("link_read_gbs") and x.get("link_kv_gbs") else "") + ")"
+                         + _link_sources(x) + ")"
                          + ("; expected counts, uniform routing: the split is made on the device, the host counts nothing" if x.get("expected") else ""))
     if not lines:
         return ""

@@ -292,7 +292,8 @@ def expert_split(work, trace: list[dict] | None) -> dict | None:
     :class:`~writescope.scheduler.expert_work.ExpertWork`, or None) did over a run's decode steps,
     from its r(L) ``trace``: hit host experts streamed and computed on the CPU per decode step,
     and the rates it balanced them with at the end (E as the CPU's GB/s of expert weights, G as
-    the link's, and the CPU call's fixed ms; ``expected``: the counts are the split's expectation, as
+    the link's, tracked from the decode steps' timings where ``link_samples`` > 0, and at attach
+    ``link_attach_gbs``, and the CPU call's fixed ms; ``expected``: the counts are the split's expectation, as
     on the native expert worker, whose split is made on the device); None without a split or
     without decode steps."""
     points = [p for p in trace or () if "experts_streamed" in p]
@@ -300,7 +301,8 @@ def expert_split(work, trace: list[dict] | None) -> dict | None:
         return None
     return {"steps": len(points), "streamed_per_step": sum(p["experts_streamed"] for p in points) / len(points),
             "cpu_per_step": sum(p["experts_cpu"] for p in points) / len(points),
-            "cpu_gbs": 1e-9 / work.e.value, "link_gbs": 1e-9 / work.g, "cpu_call_ms": work.call * 1e3,
+            "cpu_gbs": 1e-9 / work.e.value, "link_gbs": 1e-9 / work.g_link.value, "cpu_call_ms": work.call * 1e3,
+            "link_attach_gbs": 1e-9 / work.g, "link_samples": getattr(work, "link_samples", 0),
             "expected": bool(getattr(work, "expected", False)),
             "link_kv_gbs": 1e-9 / work.g_kv if getattr(work, "g_kv", None) else None,
             "link_read_gbs": 1e-9 / work.g_read if getattr(work, "g_read", None) else None}

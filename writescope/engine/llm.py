@@ -248,8 +248,9 @@ class LLM:
             spb, below = self.policy.roofline.b / kv_token, getattr(self.expert_work, "in_place_below", 0)
             if self.expert_work is None:
                 self.other_work.link_seconds = in_place_link_seconds(self._moe_blocks, spb, self.config.num_layers, self.max_batch)
-            elif below > 1:  # passes below the split's threshold read host experts in place: their link time counts there
-                link = in_place_link_seconds(self._moe_blocks, spb, self.config.num_layers, below - 1)
+            elif below > 1:  # passes below the split's threshold read host experts in place: their link time counts there,
+                # at G as attach measured it (the slower of the KV copies and the fused kernels' in-place read)
+                link = in_place_link_seconds(self._moe_blocks, self.expert_work.g, self.config.num_layers, below - 1)
                 self.other_work.link_seconds = None if link is None else (lambda batch: link(batch) if batch < below else 0.0)
             else:
                 self.other_work.link_seconds = None

@@ -17,7 +17,9 @@ One layer, in stream order (nothing on the host waits):
    ``ExpertWork.share_for``), chosen before routing from the expected hits;
 2. x, the CPU's slots and the routing weights copied to pinned memory, the worker's ready flag
    set behind them; the worker groups the assignments and runs the C++ expert kernel;
-3. the device experts and the link's host experts in the fused kernels (two launches each);
+3. the device experts and the link's host experts in the fused kernels (two launches each); in
+   every fourth decode layer step that streams, CUDA events time the link's (moe/link_timing.py),
+   and a later layer hands the timing to the joint roofline's G once it has passed;
 4. the stream waits for the worker's done flag and adds its ``[T, D]`` fp32 sum into ``out``.
 
 Without CUDA (the tests) the "device" is the CPU: the host sets the ready flag, the link's share
@@ -36,6 +38,7 @@ import torch
 from writescope.engine import replay_hooks
 from writescope.env import env_choice
 from writescope.moe import fused_decode
+from writescope.moe.link_timing import link_expert_count
 from writescope.native.team import team_wanted
 
 ENV = "WRITESCOPE_EXPERT_WORKER"
@@ -167,10 +170,27 @@ def _reference_into(block, x: torch.Tensor, weights: torch.Tensor, ids: torch.Te
 
 def observe_done(block, worker) -> None:
     """The worker's jobs finished since the last call into the block's joint roofline's E (they
-    finish after their layer was issued); nothing without one."""
-    if block.expert_work is not None:
+    finish after their layer was issued), and a finished in-step timing of the link's host experts
+    into its G (moe/link_timing.py); nothing without one."""
+    work = block.expert_work
+    if work is not None:
         for secs, nbytes, _ in worker.take_done():
-            block.expert_work.observe(secs, nbytes)
+            work.observe(secs, nbytes)
+        timer = getattr(work, "link_timer", None)
+        timed = timer.collect() if timer is not None else None
+        if timed is not None:
+            work.observe_link(*timed)
+
+
+def _link_timer(block, share):
+    """The joint roofline's link timer if this decode layer step's link share is timed (a float
+    share above 0, and the timer's turn: moe/link_timing.py), else None."""
+    work = block.expert_work
+    timer = getattr(work, "link_timer", None)
+    if timer is None or not isinstance(share, float) or not share > 0 or not work.decoding():
+        return None
+    probe, work.probing = work.probing, False
+    return timer if timer.wants(force=probe) else None
 
 
 def _split_into(block, x: torch.Tensor, weights: torch.Tensor, ids: torch.Tensor, share, bufs: tuple) -> tuple:
@@ -190,13 +210,17 @@ def _split_into(block, x: torch.Tensor, weights: torch.Tensor, ids: torch.Tensor
     return slot_of, link_slot_of, views
 
 
-def _rest_into(block, x, weights, ids, slot_of, link_slot_of, views, out) -> None:
+def _rest_into(block, x, weights, ids, slot_of, link_slot_of, views, out, timer=None) -> None:
     """The device experts and the link's host experts into ``out``: the fused kernels with CUDA
-    (host experts read in place), torch's GEMMs without (the reference)."""
+    (host experts read in place; ``timer``, a LinkTimer or None, times the link's), torch's GEMMs
+    without (the reference)."""
     if views is not None:
         if block.packed is not None:
             block.packed(x, weights, ids, out)
+        start = None if timer is None else timer.start(link_expert_count(ids, link_slot_of, len(block.host_pack.ids)))
         fused_decode.fused_experts_into(x, weights, ids, link_slot_of, views[0], views[1], block.cfg.intermediate_size, out)
+        if start is not None:
+            timer.finish(start, block.host_pack.expert_nbytes)
     else:
         hosted = len(block.host_pack.ids)
         _reference_into(block, x, weights, ids, (link_slot_of < hosted) | (slot_of >= hosted), out)
@@ -212,9 +236,12 @@ def forward_into(block, worker, x: torch.Tensor, weights: torch.Tensor, ids: tor
     bufs = worker.buffers(x.shape[0], ids.shape[1], x.shape[1], x.dtype)
     slot_of, link_slot_of, views = _split_into(block, x, weights, ids, share, bufs)
     seq = worker.submit_buffers(bufs, block.host_pack.w13, block.host_pack.w2)
+    timer = _link_timer(block, share) if views is not None else None
     try:
-        _rest_into(block, x, weights, ids, slot_of, link_slot_of, views, out)
+        _rest_into(block, x, weights, ids, slot_of, link_slot_of, views, out, timer)
     except BaseException:  # the job still runs: its buffers are free for the next copies only after its done flag
+        if timer is not None:
+            timer.drop()
         if not worker.wait_host(seq):
             worker.close()  # it did not finish: no later job may reuse its buffers
         raise

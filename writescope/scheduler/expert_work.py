@@ -50,6 +50,9 @@ BALANCES = ("phase", "alone", "joint")  # the models of the expert phase (module
 # high (a loaded host, a slow first call) would keep the CPU idle for good. About one expert in
 # 64 layer steps: a small share of a step's expert work. (It corrects the split's choices once the
 # split is attached; whether to attach it, and from how many tokens, rest on the E measured at attach.)
+# Where decode steps time the link's in-place reads (ExpertWork.link_timer), the converse too:
+# after this many that streamed none of 2 or more, the next streams one, so that a G measured too
+# slow comes back up when the link gets faster.
 PROBE_EVERY = 64
 
 
@@ -75,7 +78,9 @@ class ExpertWork:
 
     Args:
         e: initial CPU seconds per expert weight byte (a measurement: :func:`measure_cpu_expert_cost`).
-        g: link seconds per byte (the calibrated streaming rate: B / KV bytes per token).
+        g: link seconds per byte at attach (the slower of B / KV bytes per token and the fused
+            kernels' in-place read): the seed of ``g_link``, which decode steps track where
+            ``link_timer`` is set (:meth:`observe_link`).
         host_fraction: routed experts in host memory / all routed experts (over the hosted blocks).
         expert_bytes: weight bytes of one routed expert.
         num_experts, top_k: the routing.
@@ -85,7 +90,7 @@ class ExpertWork:
             choice counts it once when the CPU takes any expert, and a call's time less it
             updates E.
 
-    Counters ``n_streamed`` and ``n_computed`` add up the experts of every layer step (the trace reads
+    ``link_samples``: the in-step timings ``g_link`` has taken. Counters ``n_streamed`` and ``n_computed`` add up the experts of every layer step (the trace reads
     and resets them).
     """
 
@@ -112,6 +117,13 @@ class ExpertWork:
         # G's sources (seconds per byte): the KV copies' rate, and the fused kernels' in-place read where it was
         # measured (measure_link_expert_cost; None: not measured); g is the slower of the two
         self.g_kv, self.g_read = g, None
+        # G tracked from decode steps (observe_link), seeded with g, the value at attach; the timer of the
+        # link's in-place reads (moe/link_timing.LinkTimer) where the blocks take the worker path on CUDA
+        self.g_link = OnlineEstimate(g, alpha, window)
+        self.link_samples = 0
+        self.link_timer = None
+        self.unstreamed = 0  # layer steps in a row that streamed none of 2 or more (see PROBE_EVERY)
+        self.probing = False  # the last choice streamed one to measure the link: time it
         # decode passes of fewer tokens read their host experts in place instead (the blocks ask:
         # SparseMoeBlock._host_in_place_configured); 0: the split takes every pass
         self.in_place_below = 0
@@ -146,7 +158,7 @@ class ExpertWork:
     def costs(self) -> JointCosts:
         """The joint costs with the current estimates (A from the policy, E tracked)."""
         rf, a = self.policy.roofline, self.policy.a.value
-        return JointCosts(a=a, b=rf.b, e=self.e.value, g=self.g, c_cpu=rf.c_cpu, c_gpu=rf.c_gpu)
+        return JointCosts(a=a, b=rf.b, e=self.e.value, g=self.g_link.value, c_cpu=rf.c_cpu, c_gpu=rf.c_gpu)
 
     def decoding(self) -> bool:
         """Whether the layer being run is a decode step (the split decoder ran for it)."""
@@ -174,6 +186,14 @@ class ExpertWork:
                 self.unmeasured = 0
         elif k < len(sizes):
             self.unmeasured = 0
+        if k == 0 and len(sizes) >= 2 and self.link_timer is not None:  # the same for G where steps time the link
+            self.unstreamed += 1
+            if self.unstreamed >= PROBE_EVERY:
+                k = 1
+                self.unstreamed = 0
+                self.probing = True  # the block times this one (moe/async_experts._link_timer)
+        elif k > 0:
+            self.unstreamed = 0
         self.n_streamed += k
         self.n_computed += len(sizes) - k
         return k
@@ -216,6 +236,14 @@ class ExpertWork:
         fixed part measured too large does not drive E to 0)."""
         if nbytes > 0 and seconds > 0 and self.decoding():  # a prefill's experts have many tokens: not E
             self.e.update(max(seconds - self.call, 0.1 * seconds) / nbytes)
+
+    def observe_link(self, seconds: float, nbytes: int) -> None:
+        """One timed read of the link's host experts in a decode step (moe/link_timing.py):
+        ``seconds`` for ``nbytes`` of expert weights, all counted per byte (the launches too: the
+        step pays them). G follows it as E follows the CPU's calls."""
+        if nbytes > 0 and seconds > 0 and math.isfinite(seconds):
+            self.g_link.update(seconds / nbytes)
+            self.link_samples += 1
 
     def take_counts(self) -> tuple[int, int]:
         """``(streamed, computed)`` experts since the last call."""
@@ -500,6 +528,10 @@ def attach_expert_work(policy, decoder, blocks: list, kv_bytes_per_token: int, f
     work = ExpertWork(e, g, sum(len(b.host_experts) for b in blocks) / total, hosted[0].host_pack.expert_nbytes,
                       cfg.num_experts, cfg.top_k, decoder, policy, call=call)
     work.g_kv, work.g_read = g_kv, g_read
+    if on_worker and w.device.type == "cuda":  # G tracked from decode steps too (moe/link_timing.py)
+        from writescope.moe.link_timing import LinkTimer
+
+        work.link_timer = LinkTimer()
     work.why, work.in_place_below = why, first
     work.balance = balance_from_env()
     policy.experts = work
