@@ -21,6 +21,8 @@
 #   bash benchmarks/h200_session.sh cpu-attention  # CPU attention at full scale: the kernel's paths, the flash op, a plain read; under a H2D copy
 #     (CPU_ATT_FLAGS: more benchmarks/cpu_attention.py flags, e.g. "--tunings 2,12 --copy-tunings 2,12 --no-flash")
 #   bash benchmarks/h200_session.sh cpu-experts    # the host-expert kernel (CPU_EXP_FLAGS: more benchmarks/cpu_experts.py flags)
+#   bash benchmarks/h200_session.sh link-read  # the fused kernels' in-place read of host experts, alone and beside the CPU's
+#     expert kernel and KV copies (LINK_READ_FLAGS: more benchmarks/link_read.py flags; about a minute)
 #   bash benchmarks/h200_session.sh calibrate MODEL  # writescope calibrate for MODEL's KV shape (A, B, C, r(L) at 2K-128K, batch 16)
 #   bash benchmarks/h200_session.sh tpot MODEL # full-size MODEL under 32 GiB, machine text, TPOT of each policy one after another
 #     (TPOT_BATCH 16, TPOT_CONTEXT 32k, TPOT_NEW 24 new tokens, TPOT_POLICIES gpu,writescope, TPOT_TAG a file-name suffix,
@@ -73,6 +75,8 @@ part() {
       timeout "$(tmo 200)" python3 -m pytest -m amx -v -p no:cacheprovider tests 2>&1 | tee "$out/amx_tests_h200.log" | tail -30 ;;
     cpu-attention)
       timeout "$(tmo 300)" python3 benchmarks/cpu_attention.py --out "$out/cpu_attention_h200" ${CPU_ATT_FLAGS:-} 2>&1 | tee "$out/cpu_attention_h200.log" | tail -24 ;;
+    link-read)  # the in-place read of host experts under a decode step's other loads (issue 16)
+      timeout "$(tmo 240)" python3 benchmarks/link_read.py --out "$out/link_read_h200" ${LINK_READ_FLAGS:-} 2>&1 | tee "$out/link_read_h200.log" | tail -14 ;;
     cpu-experts)  # the host-expert kernel's paths against torch's GEMMs (CPU_EXP_FLAGS: more benchmarks/cpu_experts.py flags, e.g. "--busy 0,1,2")
       timeout "$(tmo 300)" python3 benchmarks/cpu_experts.py --out "$out/cpu_experts_h200" ${CPU_EXP_FLAGS:-} 2>&1 | tee "$out/cpu_experts_h200.log" | tail -24 ;;
     tpot)
