@@ -29,8 +29,16 @@ class FakeEvent:
         return end.at - self.at
 
 
+def _passed(timer, count=4):
+    """One timing of ``count`` experts, its end passed (to use up the timer's first)."""
+    timer.finish(timer.start(torch.tensor(count)), 1000)
+    timer._pending[1].done = True
+    return timer.collect()
+
+
 def test_the_timer_times_one_layer_step_in_every_and_collects_without_waiting():
     timer = LinkTimer(every=3, event=FakeEvent)
+    assert _passed(timer) is None  # the first timing is not used (a first call may compile)
     assert [timer.wants() for _ in range(3)] == [False, False, True]
     FakeEvent.clock = 10.0
     start = timer.start(torch.tensor(4))
@@ -44,13 +52,16 @@ def test_the_timer_times_one_layer_step_in_every_and_collects_without_waiting():
     assert [timer.wants() for _ in range(3)] == [False, False, True]
 
 
-def test_a_timing_that_read_nothing_or_was_dropped_gives_nothing():
+def test_a_timing_that_read_nothing_or_one_expert_or_was_dropped_gives_nothing():
     timer = LinkTimer(every=1, event=FakeEvent)
+    _passed(timer)
     assert timer.wants()
-    start = timer.start(torch.tensor(0))
-    timer.finish(start, 1000)
-    timer._pending[1].done = True
-    assert timer.collect() is None
+    assert _passed(timer, 0) is None and _passed(timer, 1) is None  # nothing read; one: the launches weigh too much
+    assert _passed(timer, 2) is not None
+    assert LinkTimer(every=1, event=FakeEvent, min_experts=1)._first
+    one = LinkTimer(every=1, event=FakeEvent, min_experts=1)
+    _passed(one)
+    assert _passed(one, 1) is not None
     assert timer.wants()
     timer.finish(timer.start(torch.tensor(3)), 1000)
     timer.drop()
@@ -108,12 +119,17 @@ def test_a_split_that_streams_none_probes_the_link_where_steps_time_it():
     m = round(expected_hit_experts(16, 64, 6) * 0.5)
     timed, untimed = _work(1e-12, 1e-6, timer=object()), _work(1e-12, 1e-6)
     got = [timed.share_for(16, BLOCK) for _ in range(PROBE_EVERY)]
-    assert got[:-1] == [0.0] * (PROBE_EVERY - 1) and got[-1] == pytest.approx(1 / m)
+    assert got[:-1] == [0.0] * (PROBE_EVERY - 1) and got[-1] == pytest.approx(2 / m)  # two: one is not timed
     assert timed.probing  # the block times the probe whatever the timer's turn
     timer = LinkTimer(every=1000, event=FakeEvent)
     timed.link_timer = timer
     assert async_experts._link_timer(SimpleNamespace(expert_work=timed), got[-1]) is timer and not timed.probing
     assert timed.share_for(16, BLOCK) == 0.0  # and then none again
+    for _ in range(PROBE_EVERY - 1):  # with the one above, PROBE_EVERY in a row that streamed none
+        timed.share_for(16, BLOCK)
+    assert timed.probing
+    timed.share_for(16, BLOCK)
+    assert not timed.probing  # a probe not timed where it ran does not force a timing on a later choice
     assert all(untimed.share_for(16, BLOCK) == 0.0 for _ in range(2 * PROBE_EVERY))  # nothing would measure it
 
 
@@ -130,8 +146,9 @@ def test_only_a_decode_steps_positive_float_share_is_timed():
     assert async_experts._link_timer(SimpleNamespace(expert_work=None), 0.5) is None
 
 
-def test_a_finished_timing_reaches_g_when_the_next_layer_starts():
+def test_a_finished_timing_reaches_g_when_the_next_layer_starts(monkeypatch):
     timer = LinkTimer(every=1, event=FakeEvent)
+    _passed(timer)
     work = _work(1e-9, 1e-9, timer)
     block = SimpleNamespace(expert_work=work)
     worker = SimpleNamespace(take_done=lambda: [])
@@ -143,6 +160,10 @@ def test_a_finished_timing_reaches_g_when_the_next_layer_starts():
     async_experts.observe_done(block, worker)
     assert work.link_samples == 0  # not passed yet
     timer._pending[1].done = True
+    monkeypatch.setattr(async_experts.replay_hooks, "capturing", lambda: True)
+    async_experts.observe_done(block, worker)
+    assert work.link_samples == 0 and timer._pending is not None  # no event queried inside a capture
+    monkeypatch.setattr(async_experts.replay_hooks, "capturing", lambda: False)
     async_experts.observe_done(block, worker)
     assert work.link_samples == 1 and work.g_link.value == pytest.approx(1e-9 + 0.3 * (1e-3 / 2000 - 1e-9))
 
@@ -160,7 +181,7 @@ def test_decode_steps_time_the_in_place_read_on_cuda():
     llm.set_policy("writescope", roofline=Roofline(a=1e-9, b=1e-3, c_cpu=0.0, c_gpu=0.0))  # a slow link: the split attaches
     work = llm.expert_work
     assert work is not None and work.link_timer is not None
-    work.link_timer.every = 1
+    work.link_timer.every, work.link_timer.min_experts = 1, 1  # a tiny batch hits few host experts
     work.e.value = 1.0  # a CPU so slow that every host expert is streamed, and timed
     llm.generate(prompt_token_ids=[[5, 6, 7] * 12, [8, 9] * 10], sampling_params=SamplingParams(max_tokens=8, ignore_eos=True))
     assert work.link_samples > 0 and 0 < work.g_link.value < 1e-6

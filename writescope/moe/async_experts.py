@@ -17,9 +17,9 @@ One layer, in stream order (nothing on the host waits):
    ``ExpertWork.share_for``), chosen before routing from the expected hits;
 2. x, the CPU's slots and the routing weights copied to pinned memory, the worker's ready flag
    set behind them; the worker groups the assignments and runs the C++ expert kernel;
-3. the device experts and the link's host experts in the fused kernels (two launches each); in
-   every fourth decode layer step that streams, CUDA events time the link's (moe/link_timing.py),
-   and a later layer hands the timing to the joint roofline's G once it has passed;
+3. the device experts and the link's host experts in the fused kernels (two launches each); now
+   and then (moe/link_timing.py) CUDA events time the link's, and a later layer hands the timing
+   to the joint roofline's G once it has passed;
 4. the stream waits for the worker's done flag and adds its ``[T, D]`` fp32 sum into ``out``.
 
 Without CUDA (the tests) the "device" is the CPU: the host sets the ready flag, the link's share
@@ -177,7 +177,8 @@ def observe_done(block, worker) -> None:
         for secs, nbytes, _ in worker.take_done():
             work.observe(secs, nbytes)
         timer = getattr(work, "link_timer", None)
-        timed = timer.collect() if timer is not None else None
+        # not inside a capture: querying an event there invalidates it (each replay's hand-over calls this again)
+        timed = timer.collect() if timer is not None and not replay_hooks.capturing() else None
         if timed is not None:
             work.observe_link(*timed)
 

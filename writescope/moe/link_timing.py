@@ -14,18 +14,25 @@ which grows while the CPU reads at 80-100 GB/s.
 :class:`LinkTimer` times one layer step at a time, at most one in flight, every ``every``-th
 layer step that streams: the number of host experts the link reads is counted on the device and
 copied to pinned memory, then CUDA events bracket the fused kernels. A later layer's call
-collects it once the end event has passed (``query``, no wait). The time counts what the step
-pays for those experts: the kernels' launches included, and any time the stream waited for the
-issuing thread between the two events.
+collects it once the end event has passed (``query``, no wait; never while a CUDA graph is
+captured, where querying an event is not allowed). The time counts what the step pays for those
+experts: the kernels' launches included, and any time the stream waited for the issuing thread
+between the two events. The first timing (the kernels' first call at a shape may compile) and
+timings of fewer than :data:`MIN_EXPERTS` experts are not used.
 """
 
 from __future__ import annotations
 
 import torch
 
-# Every how many layer steps that stream host experts one is timed (about a dozen a Qwen3-30B-A3B
-# step of 48 layers; each costs about six launches and two events on the issuing thread).
+# Every how many layer steps that stream host experts one is timed, when none is in flight (each
+# costs about six launches and two events on the issuing thread). A timing stays in flight until a
+# later layer finds its end passed, and the issuing thread runs ahead of the device, so a step
+# gets a few: fewer than its layers / SAMPLE_EVERY.
 SAMPLE_EVERY = 4
+# Timings of fewer experts are not used: a one-expert read is a few hundred microseconds, where the
+# dozen small launches inside the window are a visible share (G is per byte, with no fixed part).
+MIN_EXPERTS = 2
 
 
 def link_expert_count(ids: torch.Tensor, link_slot_of: torch.Tensor, hosted: int) -> torch.Tensor:
@@ -42,6 +49,7 @@ class LinkTimer:
 
     Args:
         every: time one of this many layer steps that stream (>= 1).
+        min_experts: timings of fewer host experts are not used (:data:`MIN_EXPERTS`).
         event: makes a timing event with ``record()``, ``query()`` and ``elapsed_time(end)`` in ms
             (default: ``torch.cuda.Event(enable_timing=True)``; tests pass stand-ins).
 
@@ -49,10 +57,11 @@ class LinkTimer:
         ValueError: ``every`` < 1.
     """
 
-    def __init__(self, every: int = SAMPLE_EVERY, event=None):
+    def __init__(self, every: int = SAMPLE_EVERY, event=None, min_experts: int = MIN_EXPERTS):
         if not every >= 1:
             raise ValueError(f"every must be >= 1, got {every}")
-        self.every = every
+        self.every, self.min_experts = every, min_experts
+        self._first = True  # the first timing is not used (a first call may compile)
         self._event = event or (lambda: torch.cuda.Event(enable_timing=True))
         self._seen = 0
         self._pending = None  # (start, end, bytes per expert) of the timing in flight
@@ -84,7 +93,9 @@ class LinkTimer:
 
     def collect(self) -> tuple[float, int] | None:
         """``(seconds, weight bytes read)`` of the timing in flight once its end event has passed
-        (no wait), else None; a timing whose count is 0 gives None (nothing was read)."""
+        (no wait), else None; None too for the first timing and one of fewer than
+        ``min_experts`` experts (module docstring). Not while a CUDA graph is captured (the
+        caller checks: querying an event is not allowed then)."""
         if self._pending is None:
             return None
         start, end, nbytes = self._pending
@@ -92,7 +103,8 @@ class LinkTimer:
             return None
         self._pending = None
         n = int(self._count)
-        if n <= 0:
+        first, self._first = self._first, False
+        if first or n < max(1, self.min_experts):
             return None
         return start.elapsed_time(end) * 1e-3, n * nbytes
 

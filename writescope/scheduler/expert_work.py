@@ -51,8 +51,8 @@ BALANCES = ("phase", "alone", "joint")  # the models of the expert phase (module
 # 64 layer steps: a small share of a step's expert work. (It corrects the split's choices once the
 # split is attached; whether to attach it, and from how many tokens, rest on the E measured at attach.)
 # Where decode steps time the link's in-place reads (ExpertWork.link_timer), the converse too:
-# after this many that streamed none of 2 or more, the next streams one, so that a G measured too
-# slow comes back up when the link gets faster.
+# after this many that streamed none of 2 or more, the next streams two (a timing of one is not
+# used), so that a G measured too slow comes back up when the link gets faster.
 PROBE_EVERY = 64
 
 
@@ -123,7 +123,7 @@ class ExpertWork:
         self.link_samples = 0
         self.link_timer = None
         self.unstreamed = 0  # layer steps in a row that streamed none of 2 or more (see PROBE_EVERY)
-        self.probing = False  # the last choice streamed one to measure the link: time it
+        self.probing = False  # the last choice streamed two to measure the link: time them
         # decode passes of fewer tokens read their host experts in place instead (the blocks ask:
         # SparseMoeBlock._host_in_place_configured); 0: the split takes every pass
         self.in_place_below = 0
@@ -186,12 +186,13 @@ class ExpertWork:
                 self.unmeasured = 0
         elif k < len(sizes):
             self.unmeasured = 0
+        self.probing = False
         if k == 0 and len(sizes) >= 2 and self.link_timer is not None:  # the same for G where steps time the link
             self.unstreamed += 1
             if self.unstreamed >= PROBE_EVERY:
-                k = 1
+                k = 2  # two: a timing of one is not used (moe/link_timing.MIN_EXPERTS)
                 self.unstreamed = 0
-                self.probing = True  # the block times this one (moe/async_experts._link_timer)
+                self.probing = True  # the block times this choice (moe/async_experts._link_timer)
         elif k > 0:
             self.unstreamed = 0
         self.n_streamed += k
@@ -211,6 +212,8 @@ class ExpertWork:
         if self.balance == "joint":
             return cpu_tokens * c.a + (c.c_cpu if cpu_tokens else 0.0), load_tokens * c.b + c.c_gpu
         early = getattr(self.decoder, "last_early_tokens", 0)
+        # G tracked from decode steps was timed beside these copies, so they are counted twice once it
+        # is: kept so, on purpose, while streamed experts lose more often than the model expects (run 58)
         if early or not on_device:
             return 0.0, early * c.b
         ahead = getattr(self.policy, "prefetch_tokens", None)
