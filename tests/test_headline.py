@@ -4,6 +4,8 @@ from __future__ import annotations
 
 import math
 
+import dataclasses
+
 import pytest
 
 from writescope.bench.headline import TARGET, format_headline, headline, plot_headline
@@ -76,6 +78,18 @@ def test_the_headline_plot_is_written(tmp_path):
     out = tmp_path / "h.png"
     plot_headline([headline("m", _grid())], out)
     assert out.read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
+
+
+def test_a_models_grids_are_told_apart_by_their_batches():
+    from writescope.bench.headline import _grid_label
+
+    h = headline("m", _grid(), source="gpu_decode_h200_run58_grid_m_b4.json")
+    assert h.batches == [4]  # the 4K cells are below the floor, and batch 4 too
+    assert _grid_label("m", h) == "batch 4"
+    h.batches = [4, 16]
+    assert _grid_label("m", h) == "batch 4, 16"
+    h.batches = []  # no configuration at >= 8K: the file names it
+    assert _grid_label("m", dataclasses.replace(h, source="grid_m_h200_run40_b16.json")) == "h200_run40_b16"
 
 
 def test_a_grid_without_every_baseline_cannot_show_the_target_met():

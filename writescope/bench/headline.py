@@ -44,6 +44,7 @@ class Headline:
     source: str = ""  # the grid it comes from (a file name)
     below: list[str] = field(default_factory=list)  # "BxCK: ratio vs baseline [lo-hi]" where writescope loses beyond the noise
     missing: list[str] = field(default_factory=list)  # baselines the grid lacks ("monolithic", "static sweep", ...)
+    batches: list[int] = field(default_factory=list)  # the batch sizes of its configurations at >= the context floor
 
 
 CPU_EXPERTS = "fixed share with CPU experts"  # the missing-baseline name of a fixed policy whose CPU computes the host experts
@@ -111,7 +112,7 @@ def headline(model: str, rows: list[BenchRow], min_context: int = 8192, source: 
             ratios.append(shown.tpot_ms / shown.tpot_bound_ms)
     return Headline(model, best[1] if best else 0, best[0] if best else None, spread.get("best baseline"),
                     s["gpu"][0] if "gpu" in s else None, max(counts, key=counts.get) if counts else "-",
-                    statistics.median(ratios) if ratios else None, source, below, missing)
+                    statistics.median(ratios) if ratios else None, source, below, missing, sorted({b for b, _ in cells}))
 
 
 def format_headline(lines: list[Headline], min_context: int = 8192) -> str:
@@ -139,6 +140,14 @@ def format_headline(lines: list[Headline], min_context: int = 8192) -> str:
     return "\n".join(out)
 
 
+def _grid_label(model: str, h: Headline) -> str:
+    """What tells one of a model's grids from its others under its bar: ``batch 4`` (or ``batch
+    4, 16``), else its file name less ``grid_MODEL_``."""
+    if h.batches:
+        return "batch " + ", ".join(map(str, h.batches))
+    return Path(h.source).stem.removeprefix(f"grid_{model}_")
+
+
 def plot_headline(lines: list[Headline], path: Path) -> None:
     """One bar per model: writescope over the best baseline and over ``gpu``, the target marked.
 
@@ -156,9 +165,8 @@ def plot_headline(lines: list[Headline], path: Path) -> None:
     ax.bar([x + 0.18 for x in xs], [h.over_gpu or 0 for h in lines], 0.36, label="over gpu")
     ax.axhline(1.0, color="grey", lw=0.8)
     ax.axhline(TARGET, color="tab:red", ls="--", lw=0.8, label=f"target {TARGET}x")
-    models = [h.model for h in lines]  # a model with several grids (batches): each bar named by its grid too
-    ax.set_xticks(list(xs), [m if models.count(m) == 1 else f"{m}\n{Path(h.source).stem.removeprefix(f'grid_{m}_')}"
-                             for m, h in zip(models, lines)], fontsize=8)
+    models = [h.model for h in lines]  # a model with several grids: each bar named by its batches, else its grid
+    ax.set_xticks(list(xs), [m if models.count(m) == 1 else f"{m}\n{_grid_label(m, h)}" for m, h in zip(models, lines)], fontsize=8)
     for x, h in zip(xs, lines):  # a grid short of a baseline: its "over the best baseline" is an upper bound
         if h.missing and h.over_best:
             ax.annotate("no " + ", ".join(h.missing), (x - 0.18, h.over_best), textcoords="offset points", xytext=(0, 3),
