@@ -9,6 +9,7 @@ import torch
 from writescope.moe import async_experts
 from writescope.moe.link_timing import LinkTimer, link_expert_count
 from writescope.scheduler.expert_work import PROBE_EVERY, ExpertWork, expected_hit_experts
+from writescope.scheduler.roofline import OnlineEstimate
 
 
 class FakeEvent:
@@ -182,6 +183,6 @@ def test_decode_steps_time_the_in_place_read_on_cuda():
     work = llm.expert_work
     assert work is not None and work.link_timer is not None
     work.link_timer.every, work.link_timer.min_experts = 1, 1  # a tiny batch hits few host experts
-    work.e.value = 1.0  # a CPU so slow that every host expert is streamed, and timed
+    work.e = OnlineEstimate(1.0, alpha=0.0)  # a CPU so slow that every host expert is streamed, and timed (E never moves)
     llm.generate(prompt_token_ids=[[5, 6, 7] * 12, [8, 9] * 10], sampling_params=SamplingParams(max_tokens=8, ignore_eos=True))
     assert work.link_samples > 0 and 0 < work.g_link.value < 1e-6
