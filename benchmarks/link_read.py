@@ -32,11 +32,12 @@ import argparse
 import json
 import statistics
 import sys
-import threading
 import time
 from pathlib import Path
 
 import torch
+
+from interference import Loop  # benchmarks/ (the script's folder)
 
 DTYPE = torch.bfloat16
 LOADS = ("idle", "cpu", "copy", "cpu+copy")
@@ -48,42 +49,6 @@ def rate_line(nbytes: int, seconds: list[float]) -> tuple[float, float, float]:
         raise ValueError(f"need >= 1 positive time and >= 1 byte, got {seconds} for {nbytes} bytes")
     rates = [nbytes / s / 1e9 for s in seconds]
     return statistics.median(rates), min(rates), max(rates)
-
-
-class Loop:
-    """``fn`` called again and again on a thread for a ``with`` block; ``gbs`` its rate over the
-    block (``nbytes`` a call), counted from the first call that starts inside it."""
-
-    def __init__(self, fn, nbytes: int):
-        self.fn, self.nbytes, self.calls, self.seconds = fn, nbytes, 0, 0.0
-        self._stop = threading.Event()
-        self._thread = threading.Thread(target=self._run, daemon=True)
-        self.error: BaseException | None = None
-
-    def _run(self):
-        t0 = time.perf_counter()
-        try:
-            while not self._stop.is_set():
-                self.fn()
-                self.calls += 1
-        except BaseException as e:  # noqa: BLE001 (reported by __exit__)
-            self.error = e
-        self.seconds = time.perf_counter() - t0
-
-    def __enter__(self):
-        self._thread.start()
-        time.sleep(0.2)
-        return self
-
-    def __exit__(self, *exc):
-        self._stop.set()
-        self._thread.join()
-        if self.error is not None and exc[0] is None:
-            raise RuntimeError(f"the background load failed: {self.error}") from self.error
-
-    @property
-    def gbs(self) -> float:
-        return self.calls * self.nbytes / self.seconds / 1e9 if self.seconds > 0 else 0.0
 
 
 def host_pack(experts: int, D: int, I: int) -> tuple[torch.Tensor, torch.Tensor]:

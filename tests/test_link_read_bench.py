@@ -1,15 +1,18 @@
 """benchmarks/link_read.py without a GPU: its arguments, rates and table, and a clear refusal."""
 
 import importlib.util
+import sys
 import threading
 from pathlib import Path
 
 import pytest
 import torch
 
+sys.path.append(str(Path(__file__).parents[1] / "benchmarks"))  # as when run: its folder's modules (interference), last
 _spec = importlib.util.spec_from_file_location("link_read", Path(__file__).parents[1] / "benchmarks" / "link_read.py")
 link_read = importlib.util.module_from_spec(_spec)
 _spec.loader.exec_module(link_read)
+import interference  # noqa: E402 (benchmarks/, on the path above)
 
 
 def test_rates_are_bytes_over_each_time():
@@ -43,7 +46,7 @@ def test_without_cuda_it_says_what_it_needs(monkeypatch, tmp_path):
 
 def test_the_background_loop_counts_its_calls_and_reports_its_failure():
     n = []
-    with link_read.Loop(lambda: n.append(1), nbytes=10) as lp:
+    with interference.Loop(lambda: n.append(1), nbytes=10) as lp:
         pass
     assert lp.calls == len(n) >= 1 and lp.gbs > 0
     started = threading.Event()
@@ -53,7 +56,7 @@ def test_the_background_loop_counts_its_calls_and_reports_its_failure():
         raise OSError("disk gone")
 
     with pytest.raises(RuntimeError, match="the background load failed: disk gone"):
-        with link_read.Loop(fails, nbytes=10):
+        with interference.Loop(fails, nbytes=10):
             started.wait(5)
 
 
