@@ -45,9 +45,14 @@ def test_without_cuda_it_says_what_it_needs(monkeypatch, tmp_path):
 
 
 def test_the_background_loop_counts_its_calls_and_reports_its_failure():
-    n = []
-    with interference.Loop(lambda: n.append(1), nbytes=10) as lp:
-        pass
+    n, called = [], threading.Event()
+
+    def call():
+        n.append(1)
+        called.set()
+
+    with interference.Loop(call, nbytes=10) as lp:
+        assert called.wait(60)  # however loaded the machine, the block ends only after a call
     assert lp.calls == len(n) >= 1 and lp.gbs > 0
     started = threading.Event()
 
