@@ -379,6 +379,8 @@ def test_a_bench_row_records_the_joint_expert_split():
     row.extra["expert_split"] = dict(x, link_gbs=21.0, link_samples=12, link_attach_gbs=43.0, link_kv_gbs=55.6, link_read_gbs=43.0)
     assert ("G 21.0 GB/s tracked over 12 in-step timings of the in-place read; at attach 43.0, the slower of the KV "
             "copies' 55.6 and the fused kernels' in-place read 43.0)") in format_expert_split([row])
+    row.extra["expert_split"] = dict(x, link_samples=0, link_issue_bound=5)
+    assert "; 5 in-step timings left out: the device waited for the issuing thread)" in format_expert_split([row])
     assert format_expert_split([]) == ""
 
 

@@ -215,12 +215,15 @@ def _link_sources(x: dict) -> str:
     """Where an expert split's G came from, in words (the split's dict, :func:`format_expert_split`)."""
     read = (f"the slower of the KV copies' {x['link_kv_gbs']:.1f} and the fused kernels' in-place read {x['link_read_gbs']:.1f}"
             if x.get("link_read_gbs") and x.get("link_kv_gbs") else "")
-    n = x.get("link_samples") or 0
+    n, waited = x.get("link_samples") or 0, x.get("link_issue_bound") or 0
+    left = (f"; {waited} in-step timing{'s' if waited != 1 else ''} left out: the device waited for the issuing thread"
+            if waited else "")
     if not n:
-        return f": {read}" if read else ""
+        return (f": {read}" if read else "") + left
     attach = x.get("link_attach_gbs")
     at = f"{attach:.1f}" + (f", {read}" if read else "") if attach else read
-    return f" tracked over {n} in-step timing{'s' if n != 1 else ''} of the in-place read" + (f"; at attach {at}" if at else "")
+    return (f" tracked over {n} in-step timing{'s' if n != 1 else ''} of the in-place read" + (f"; at attach {at}" if at else "")
+            + left)
 
 
 def format_expert_split(rows: list[BenchRow]) -> str:

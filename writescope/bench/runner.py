@@ -293,7 +293,8 @@ def expert_split(work, trace: list[dict] | None) -> dict | None:
     from its r(L) ``trace``: hit host experts streamed and computed on the CPU per decode step,
     and the rates it balanced them with at the end (E as the CPU's GB/s of expert weights, G as
     the link's, tracked from the decode steps' timings where ``link_samples`` > 0, and at attach
-    ``link_attach_gbs``, and the CPU call's fixed ms; ``expected``: the counts are the split's expectation, as
+    ``link_attach_gbs``; ``link_issue_bound``, timings left out since the device waited for the
+    issuing thread: moe/link_timing.py), and the CPU call's fixed ms; ``expected``: the counts are the split's expectation, as
     on the native expert worker, whose split is made on the device); None without a split or
     without decode steps."""
     points = [p for p in trace or () if "experts_streamed" in p]
@@ -303,6 +304,7 @@ def expert_split(work, trace: list[dict] | None) -> dict | None:
             "cpu_per_step": sum(p["experts_cpu"] for p in points) / len(points),
             "cpu_gbs": 1e-9 / work.e.value, "link_gbs": 1e-9 / work.g_link.value, "cpu_call_ms": work.call * 1e3,
             "link_attach_gbs": 1e-9 / work.g, "link_samples": getattr(work, "link_samples", 0),
+            "link_issue_bound": getattr(getattr(work, "link_timer", None), "issue_bound", 0),
             "expected": bool(getattr(work, "expected", False)),
             "link_kv_gbs": 1e-9 / work.g_kv if getattr(work, "g_kv", None) else None,
             "link_read_gbs": 1e-9 / work.g_read if getattr(work, "g_read", None) else None}

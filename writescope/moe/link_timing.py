@@ -15,10 +15,15 @@ which grows while the CPU reads at 80-100 GB/s.
 layer step that streams: the number of host experts the link reads is counted on the device and
 copied to pinned memory, then CUDA events bracket the fused kernels. A later layer's call
 collects it once the end event has passed (``query``, no wait; never while a CUDA graph is
-captured, where querying an event is not allowed). The time counts what the step pays for those
-experts: the kernels' launches included, and any time the stream waited for the issuing thread
-between the two events. The first timing (the kernels' first call at a shape may compile) and
-timings of fewer than :data:`MIN_EXPERTS` experts are not used.
+captured, where querying an event is not allowed). The first timing (the kernels' first call at a
+shape may compile) and timings of fewer than :data:`MIN_EXPERTS` experts are not used.
+
+A timing is also not used when its start event had already passed once the issuing thread had
+issued the kernels (one ``query`` then, no wait): the device then ran the window while the thread
+was still issuing it, and the time would count the thread's issue time as the read's (run 58: at
+Qwen3 batch 4 the step is issue-bound). When the device runs behind the thread, as in steps the
+link or the GPU bound, the start has not passed and the window is the device's own time.
+:attr:`LinkTimer.issue_bound` counts the timings left out this way.
 """
 
 from __future__ import annotations
@@ -64,8 +69,9 @@ class LinkTimer:
         self._first = True  # the first timing is not used (a first call may compile)
         self._event = event or (lambda: torch.cuda.Event(enable_timing=True))
         self._seen = 0
-        self._pending = None  # (start, end, bytes per expert) of the timing in flight
+        self._pending = None  # (start, end, bytes per expert, issue-bound) of the timing in flight
         self._count = None  # pinned int64 scalar the count is copied into
+        self.issue_bound = 0  # timings not used: the device waited for the issuing thread (module docstring)
 
     def wants(self, force: bool = False) -> bool:
         """Whether to time this layer step: none in flight, and the ``every``-th that asks, or
@@ -86,25 +92,31 @@ class LinkTimer:
         return start
 
     def finish(self, start, expert_nbytes: int) -> None:
-        """After the kernels: the end event; the timing is collected by :meth:`collect`."""
+        """After the kernels were issued: whether the start has passed already (the device waited
+        for this thread: module docstring), then the end event; collected by :meth:`collect`."""
+        waited = bool(start.query())
         end = self._event()
         end.record()
-        self._pending = (start, end, expert_nbytes)
+        self._pending = (start, end, expert_nbytes, waited)
 
     def collect(self) -> tuple[float, int] | None:
         """``(seconds, weight bytes read)`` of the timing in flight once its end event has passed
         (no wait), else None; None too for the first timing and one of fewer than
-        ``min_experts`` experts (module docstring). Not while a CUDA graph is captured (the
-        caller checks: querying an event is not allowed then)."""
+        ``min_experts`` experts, and one whose window the device ran while this thread issued it
+        (counted in :attr:`issue_bound`; module docstring). Not while a CUDA graph is captured
+        (the caller checks: querying an event is not allowed then)."""
         if self._pending is None:
             return None
-        start, end, nbytes = self._pending
+        start, end, nbytes, waited = self._pending
         if not end.query():
             return None
         self._pending = None
         n = int(self._count)
         first, self._first = self._first, False
         if first or n < max(1, self.min_experts):
+            return None
+        if waited:
+            self.issue_bound += 1
             return None
         return start.elapsed_time(end) * 1e-3, n * nbytes
 
