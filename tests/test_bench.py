@@ -268,6 +268,22 @@ def test_the_pinning_line_sums_the_rows():
                                     "by the pinned pool; freeing a batch after its last token: median 0.15 s (not in TPOT)")
 
 
+def test_the_slow_steps_line_names_steps_far_over_the_median():
+    from writescope.bench.report import format_slow_steps
+    from writescope.bench.runner import BenchRow
+
+    rows = [BenchRow(4, 1024, p) for p in ("gpu", "writescope", "static:0.5", "cpu")]
+    assert format_slow_steps(rows) == ""  # no steps recorded
+    rows[0].extra["step_ms"] = [10.0, 10.5, 12.5, 9.5]  # 12.5 is not over 1.25 x 10.25
+    rows[1].extra["step_ms"] = [60.0, 10.0, 11.0, 10.0, 30.0]
+    rows[2].extra["step_ms"] = [50.0, 10.0]  # too few steps for a median to mean much
+    rows[3].fits = False
+    rows[3].extra["step_ms"] = [50.0, 10.0, 10.0]
+    assert format_slow_steps(rows) == ("decode steps over 1.25x their row's median (ms, the main thread's issue + wait; TPOT follows "
+                                       "the mean):\n  batch 4 context 1024 writescope: median 11.0, mean 24.2 over 5 steps; "
+                                       "step 1 60.0, step 5 30.0")
+
+
 def test_rows_run_under_their_own_switches(monkeypatch):
     """POLICY@NAME=VALUE+...: the row's cache and forwards see its switches (two micro-batches,
     the in-place load read), the environment is restored after it, and the tokens are those of
@@ -300,6 +316,7 @@ def test_rows_run_under_their_own_switches(monkeypatch):
     row = run_one(llm, cfg, 2, 64, "static:0.5@WRITESCOPE_MICRO_BATCHES=2+WRITESCOPE_LOAD_READ=in-place")
     assert row.fits and seen == {"mb": 2, "in_place": True}
     assert row.extra["issue_ms"] > 0 and row.extra["wait_ms"] >= 0  # the main thread's issue and wait per step, in the JSON
+    assert len(row.extra["step_ms"]) == len(llm.decode_host) > 0 and min(row.extra["step_ms"]) > 0  # and each step's sum, in order
     assert row.extra["switches"] == {"WRITESCOPE_MICRO_BATCHES": "2", "WRITESCOPE_LOAD_READ": "in-place"}
     assert "WRITESCOPE_MICRO_BATCHES" not in os.environ and "WRITESCOPE_LOAD_READ" not in os.environ
     plain = run_one(llm, cfg, 2, 64, "static:0.5")

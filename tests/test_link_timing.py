@@ -214,8 +214,13 @@ def test_cuda_events_tell_a_window_the_device_ran_behind_the_thread_from_one_it_
     timer = LinkTimer(every=1, min_experts=1)
     timer._first = False
     x = torch.randn(256, 256, device="cuda")
+    count = torch.tensor(3, device="cuda")
+    y = x @ x  # cuBLAS set up before the stream is held
+    torch.cuda.synchronize()
+    # Nothing between the wait and the host's store may wait for the stream: a copy from pageable
+    # memory (torch.tensor(..., device="cuda")) would block this thread until the wait gave up.
     wait_flag(flags_dev, 0, 1, 1)  # the stream waits here until the host sets flags[0]
-    start = timer.start(torch.tensor(3, device="cuda"))
+    start = timer.start(count)
     y = x @ x
     timer.finish(start, 1000)
     flags[0] = 1
@@ -223,7 +228,7 @@ def test_cuda_events_tell_a_window_the_device_ran_behind_the_thread_from_one_it_
     assert int(flags[1]) == 0  # the wait did not give up
     got = timer.collect()
     assert got is not None and got[1] == 3000 and got[0] > 0 and timer.issue_bound == 0
-    start = timer.start(torch.tensor(3, device="cuda"))
+    start = timer.start(count)
     torch.cuda.synchronize()  # the device has passed the start: as if it waited for this thread
     y = x @ y
     timer.finish(start, 1000)

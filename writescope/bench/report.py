@@ -246,6 +246,33 @@ def format_expert_split(rows: list[BenchRow]) -> str:
                        "the CPU's and the link's rates of expert weights it balanced them with):"] + lines)
 
 
+SLOW_STEP = 1.25  # a step this many times its row's median step is named (format_slow_steps)
+
+
+def format_slow_steps(rows: list[BenchRow]) -> str:
+    """Per (batch, context, policy) whose decode steps (``extra["step_ms"]``: the main thread's
+    issue + wait per step, in order; with repeats, the :func:`median_run`'s) include one over
+    ``SLOW_STEP`` times their median: the median, the mean (what TPOT follows: a request's TPOT is
+    its time from the first token to the last over its decode steps) and the slow steps by number
+    (1: the first decode step); empty when no row has one."""
+    lines = []
+    for (b, c, p), group in runs(rows).items():
+        ok = [r for r in group if r.fits]
+        steps = median_run(ok).extra.get("step_ms") if ok else None
+        if not steps or len(steps) < 3:
+            continue
+        mid = statistics.median(steps)
+        slow = [(k + 1, s) for k, s in enumerate(steps) if s > SLOW_STEP * mid]
+        if not slow or mid <= 0:
+            continue
+        lines.append(f"  batch {b} context {c} {p}: median {mid:.1f}, mean {statistics.fmean(steps):.1f} over {len(steps)} steps; "
+                     + ", ".join(f"step {k} {s:.1f}" for k, s in slow))
+    if not lines:
+        return ""
+    return "\n".join([f"decode steps over {SLOW_STEP}x their row's median (ms, the main thread's issue + wait; TPOT follows the mean):"]
+                      + lines)
+
+
 def format_pinning(rows: list[BenchRow]) -> str:
     """One line for the grid: what page-locking host memory cost before the rows' timed steps
     (``extra["pinned"]``: registered GB and seconds, GB the pinned pool lent again instead) and

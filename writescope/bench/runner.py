@@ -371,6 +371,8 @@ def run_one(llm: LLM, cfg: BenchConfig, batch: int, context: int, policy: str, r
     if llm.decode_host:  # the main thread's issue and wait per decode step (a wait near 0: issue-bound)
         row.extra["issue_ms"] = statistics.median(i for i, _ in llm.decode_host) * 1e3
         row.extra["wait_ms"] = statistics.median(w for _, w in llm.decode_host) * 1e3
+        # each step's issue + wait in order: TPOT is a mean over the steps, so one slow step moves it (format_slow_steps)
+        row.extra["step_ms"] = [round((i + w) * 1e3, 3) for i, w in llm.decode_host]
     row.extra["release_ms"] = llm.release_s * 1e3  # freeing the batch's KV after its last token (not in TPOT)
     # page-locking and unlocking host memory from this row's set_policy (which closes the last row's cache)
     # to its end: the wall seconds of the CUDA calls and their bytes (all 0 without CUDA)

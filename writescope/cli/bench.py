@@ -125,7 +125,7 @@ def saved_rows(args: argparse.Namespace) -> list:
 
 
 def run(args: argparse.Namespace) -> int:
-    from writescope.bench.report import format_best, format_expert_split, format_pinning, format_speedups, format_split_parts, format_table, plot, speedup_spread, speedups
+    from writescope.bench.report import format_best, format_expert_split, format_pinning, format_slow_steps, format_speedups, format_split_parts, format_table, plot, speedup_spread, speedups
     from writescope.bench.runner import BenchConfig, complete_cells, run_grid
     from writescope.engine.llm import LLM
     from writescope.engine.model_loader import capped_model_len
@@ -273,6 +273,9 @@ def run(args: argparse.Namespace) -> int:
     expert_parts = format_expert_split(rows)
     if expert_parts:
         print(expert_parts)
+    slow = format_slow_steps(rows)
+    if slow:
+        print(slow)
     pinning = format_pinning(rows)
     if pinning:
         print(pinning)
