@@ -276,12 +276,18 @@ def test_the_slow_steps_line_names_steps_far_over_the_median():
     assert format_slow_steps(rows) == ""  # no steps recorded
     rows[0].extra["step_ms"] = [10.0, 10.5, 12.5, 9.5]  # 12.5 is not over 1.25 x 10.25
     rows[1].extra["step_ms"] = [60.0, 10.0, 11.0, 10.0, 30.0]
+    rows[1].extra["between_ms"] = [45.0, 0.5, 0.5, 0.5, 0.5]
+    rows[1].extra["expert_split"] = {"streamed_steps": [12, 0, 0, 0, 2.5]}
     rows[2].extra["step_ms"] = [50.0, 10.0]  # too few steps for a median to mean much
     rows[3].fits = False
     rows[3].extra["step_ms"] = [50.0, 10.0, 10.0]
-    assert format_slow_steps(rows) == ("decode steps over 1.25x their row's median (ms, the main thread's issue + wait; TPOT follows "
-                                       "the mean):\n  batch 4 context 1024 writescope: median 11.0, mean 24.2 over 5 steps; "
-                                       "step 1 60.0, step 5 30.0")
+    assert format_slow_steps(rows) == ("decode steps over 1.25x their row's median (ms on the main thread: the time since the last "
+                                       "tokens were sampled, then the step's issue and wait; TPOT follows the mean):\n"
+                                       "  batch 4 context 1024 writescope: median 11.0, mean 24.2 over 5 steps; "
+                                       "step 1 60.0 (45.0 before its issue) [12 host experts streamed], "
+                                       "step 5 30.0 (0.5 before its issue) [2.5 host experts streamed]")
+    del rows[1].extra["between_ms"], rows[1].extra["expert_split"]  # rows of an older JSON: the steps alone
+    assert format_slow_steps(rows).endswith("median 11.0, mean 24.2 over 5 steps; step 1 60.0, step 5 30.0")
 
 
 def test_rows_run_under_their_own_switches(monkeypatch):
@@ -316,7 +322,10 @@ def test_rows_run_under_their_own_switches(monkeypatch):
     row = run_one(llm, cfg, 2, 64, "static:0.5@WRITESCOPE_MICRO_BATCHES=2+WRITESCOPE_LOAD_READ=in-place")
     assert row.fits and seen == {"mb": 2, "in_place": True}
     assert row.extra["issue_ms"] > 0 and row.extra["wait_ms"] >= 0  # the main thread's issue and wait per step, in the JSON
-    assert len(row.extra["step_ms"]) == len(llm.decode_host) > 0 and min(row.extra["step_ms"]) > 0  # and each step's sum, in order
+    # and each step, in order: the time before its issue since the last tokens were sampled, then that with its issue + wait
+    n = len(llm.decode_host)
+    assert n > 0 and len(row.extra["step_ms"]) == len(row.extra["between_ms"]) == len(llm.decode_between) == n
+    assert all(s >= b + 1e3 * i - 0.01 and s > 0 and b >= 0 for s, b, (i, _) in zip(row.extra["step_ms"], row.extra["between_ms"], llm.decode_host))
     assert row.extra["switches"] == {"WRITESCOPE_MICRO_BATCHES": "2", "WRITESCOPE_LOAD_READ": "in-place"}
     assert "WRITESCOPE_MICRO_BATCHES" not in os.environ and "WRITESCOPE_LOAD_READ" not in os.environ
     plain = run_one(llm, cfg, 2, 64, "static:0.5")

@@ -21,6 +21,8 @@ def test_generate_prints_text_and_timings_and_writes_json(tmp_path, capsys):
     assert len(r["token_ids"]) == 5 and isinstance(r["text"], str)
     assert r["metrics"]["ttft_s"] > 0 and r["metrics"]["prompt_tokens"] == len(r["prompt_token_ids"])
     assert doc["requests"][1]["token_ids"] == r["token_ids"], "greedy decoding of equal prompts must agree"
+    # the main thread per decode step (4: the first token comes from the prefill): issue, wait, and the time before it
+    assert len(doc["decode_host_s"]) == len(doc["decode_between_s"]) == 4 and min(doc["decode_between_s"]) >= 0
 
 
 def test_generate_with_prompt_ids_and_sampling_is_seeded(tmp_path, capsys):

@@ -368,6 +368,7 @@ def test_a_bench_row_records_the_joint_expert_split():
     row = run_one(llm, cfg, 2, 40, "writescope", roofline=Roofline(a=1e-9, b=1e-3, c_cpu=0.0, c_gpu=0.0))
     x = row.extra["expert_split"]
     assert x["steps"] == 3 and x["streamed_per_step"] == 0 and x["cpu_per_step"] > 0
+    assert x["streamed_steps"] == [0] * 3  # each decode step's, in order
     assert x["cpu_gbs"] > 0 and x["link_gbs"] == pytest.approx(1e-9 / (1e-3 / llm.config.kv_layout.bytes_per_token(4)))
     text = format_expert_split([row])
     assert text.startswith("the joint roofline's expert split") and "batch 2 context 40 writescope: 0.0 streamed" in text

@@ -250,27 +250,34 @@ SLOW_STEP = 1.25  # a step this many times its row's median step is named (forma
 
 
 def format_slow_steps(rows: list[BenchRow]) -> str:
-    """Per (batch, context, policy) whose decode steps (``extra["step_ms"]``: the main thread's
-    issue + wait per step, in order; with repeats, the :func:`median_run`'s) include one over
-    ``SLOW_STEP`` times their median: the median, the mean (what TPOT follows: a request's TPOT is
-    its time from the first token to the last over its decode steps) and the slow steps by number
-    (1: the first decode step); empty when no row has one."""
+    """Per (batch, context, policy) whose decode steps (``extra["step_ms"]``, in order: the main
+    thread's time since the last tokens were sampled, ``extra["between_ms"]``, then its issue +
+    wait; with repeats, the :func:`median_run`'s) include one over ``SLOW_STEP`` times their
+    median: the median, the mean (what TPOT follows: a request's TPOT is its time from the first
+    token to the last over its decode steps) and the slow steps by number (1: the first decode
+    step), each with the part before its issue and, with the joint roofline's expert split, the
+    host experts it streamed (``extra["expert_split"]["streamed_steps"]``); empty when no row has one."""
     lines = []
     for (b, c, p), group in runs(rows).items():
         ok = [r for r in group if r.fits]
-        steps = median_run(ok).extra.get("step_ms") if ok else None
+        x = median_run(ok).extra if ok else {}
+        steps, between = x.get("step_ms"), x.get("between_ms")
+        streamed = (x.get("expert_split") or {}).get("streamed_steps")
         if not steps or len(steps) < 3:
             continue
         mid = statistics.median(steps)
-        slow = [(k + 1, s) for k, s in enumerate(steps) if s > SLOW_STEP * mid]
+        slow = [k for k, s in enumerate(steps) if s > SLOW_STEP * mid]
         if not slow or mid <= 0:
             continue
         lines.append(f"  batch {b} context {c} {p}: median {mid:.1f}, mean {statistics.fmean(steps):.1f} over {len(steps)} steps; "
-                     + ", ".join(f"step {k} {s:.1f}" for k, s in slow))
+                     + ", ".join(f"step {k + 1} {steps[k]:.1f}"
+                                 + (f" ({between[k]:.1f} before its issue)" if between and len(between) == len(steps) else "")
+                                 + (f" [{streamed[k]:g} host experts streamed]" if streamed and len(streamed) == len(steps) else "")
+                                 for k in slow))
     if not lines:
         return ""
-    return "\n".join([f"decode steps over {SLOW_STEP}x their row's median (ms, the main thread's issue + wait; TPOT follows the mean):"]
-                      + lines)
+    return "\n".join([f"decode steps over {SLOW_STEP}x their row's median (ms on the main thread: the time since the last "
+                       "tokens were sampled, then the step's issue and wait; TPOT follows the mean):"] + lines)
 
 
 def format_pinning(rows: list[BenchRow]) -> str:

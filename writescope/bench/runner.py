@@ -302,6 +302,7 @@ def expert_split(work, trace: list[dict] | None) -> dict | None:
         return None
     return {"steps": len(points), "streamed_per_step": sum(p["experts_streamed"] for p in points) / len(points),
             "cpu_per_step": sum(p["experts_cpu"] for p in points) / len(points),
+            "streamed_steps": [p["experts_streamed"] for p in points],  # each decode step's, in order
             "cpu_gbs": 1e-9 / work.e.value, "link_gbs": 1e-9 / work.g_link.value, "cpu_call_ms": work.call * 1e3,
             "link_attach_gbs": 1e-9 / work.g, "link_samples": getattr(work, "link_samples", 0),
             "link_issue_bound": getattr(getattr(work, "link_timer", None), "issue_bound", 0),
@@ -371,8 +372,11 @@ def run_one(llm: LLM, cfg: BenchConfig, batch: int, context: int, policy: str, r
     if llm.decode_host:  # the main thread's issue and wait per decode step (a wait near 0: issue-bound)
         row.extra["issue_ms"] = statistics.median(i for i, _ in llm.decode_host) * 1e3
         row.extra["wait_ms"] = statistics.median(w for _, w in llm.decode_host) * 1e3
-        # each step's issue + wait in order: TPOT is a mean over the steps, so one slow step moves it (format_slow_steps)
-        row.extra["step_ms"] = [round((i + w) * 1e3, 3) for i, w in llm.decode_host]
+        # each step in order: the seconds before it since the last tokens were sampled, and its issue + wait with them
+        # (TPOT is a mean over the steps, so one slow step moves it: format_slow_steps)
+        between = list(getattr(llm, "decode_between", [])) or [0.0] * len(llm.decode_host)
+        row.extra["between_ms"] = [round(b * 1e3, 3) for b in between]
+        row.extra["step_ms"] = [round((b + i + w) * 1e3, 3) for b, (i, w) in zip(between, llm.decode_host)]
     row.extra["release_ms"] = llm.release_s * 1e3  # freeing the batch's KV after its last token (not in TPOT)
     # page-locking and unlocking host memory from this row's set_policy (which closes the last row's cache)
     # to its end: the wall seconds of the CUDA calls and their bytes (all 0 without CUDA)

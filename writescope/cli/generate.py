@@ -227,7 +227,8 @@ def run(args: argparse.Namespace) -> int:
         print(format_r_trace(llm.r_trace))
     if args.output_json:
         doc = {"model": args.model, "device": str(llm.device), "dtype": str(llm.dtype), "policy": llm.policy_name,
-               "r_trace": llm.r_trace, "decode_host_s": [list(x) for x in llm.decode_host], "requests": [o.to_dict() for o in outs]}
+               "r_trace": llm.r_trace, "decode_host_s": [list(x) for x in llm.decode_host],
+               "decode_between_s": list(llm.decode_between), "requests": [o.to_dict() for o in outs]}
         args.output_json.write_text(json.dumps(doc, indent=2))
         print(f"wrote {args.output_json}")
     return 0

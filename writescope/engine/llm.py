@@ -180,6 +180,7 @@ class LLM:
         self.step_hook = None  # called after every decode step (profilers; see writescope.bench.breakdown)
         self.r_trace: list[dict] | None = None  # the last generate's r(L) trace (partitioned policies)
         self.decode_host: list[tuple[float, float]] = []  # the last generate's (issue, wait) seconds per decode step
+        self.decode_between: list[float] = []  # and the seconds before each, since the last tokens were sampled
         self.release_s = 0.0  # the last generate's seconds from its last token to its return (freeing the finished requests' KV)
         self.prefill_chunk_tokens = prefill_chunk_tokens
         self.pinned_budget = pinned_budget if pinned_budget is not None else (host_memory_total() or 0) // 2 or None
@@ -491,6 +492,7 @@ class LLM:
             t_end = time.perf_counter()
         finally:
             self.decode_host = list(core.decode_host)
+            self.decode_between = list(core.decode_between)
             failed = [o.error for o in core.abort_all() if o.error]  # after an exception: free every slot
             if isinstance(self.policy, WriteScopePolicy):  # A as this batch's decode steps saw it, for the next policy's prefill
                 self.other_work.keep_in_step_a(self.attention_threads, self.policy.in_step_a)

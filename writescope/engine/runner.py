@@ -78,6 +78,10 @@ class EngineCore:
         # per decode step, the main thread's (seconds issuing the step, seconds then waiting for its logits);
         # the last DECODE_HOST_STEPS only (a server's engine lives as long as the server)
         self.decode_host: deque[tuple[float, float]] = deque(maxlen=DECODE_HOST_STEPS)
+        # per decode step, the seconds before it was issued since the last tokens were sampled (a prefill's or the
+        # last decode step's): the engine's and its caller's work between steps, which TPOT counts and decode_host does not
+        self.decode_between: deque[float] = deque(maxlen=DECODE_HOST_STEPS)
+        self._sampled_at: float | None = None  # when the last tokens were sampled
         planned = llm.max_batch if llm.vram_plan is not None else None  # sequences the budget plan was sized for
         if max_num_seqs is None:
             max_num_seqs = planned or 32
@@ -235,6 +239,7 @@ class EngineCore:
         reqs = list(self.scheduler.prefilling)
         logits = self.llm._prefill([r.prompt_ids for r in reqs], [r.slot for r in reqs])
         toks, lps = self._sample(logits, reqs)
+        self._sampled_at = time.perf_counter()
         for r, t, lp in zip(reqs, toks, lps):
             r.num_prefilled = len(r.prompt_ids)
             self._append(r, t, lp)
@@ -257,7 +262,10 @@ class EngineCore:
         logits = llm.model(inp, batch, llm.cache)
         t1 = time.perf_counter()  # the step is issued; sampling reads the logits back (waits for the device)
         toks, lps = self._sample(logits, running)
-        self.decode_host.append((t1 - t0, time.perf_counter() - t1))
+        t2 = time.perf_counter()
+        self.decode_host.append((t1 - t0, t2 - t1))
+        self.decode_between.append(t0 - self._sampled_at if self._sampled_at is not None else 0.0)
+        self._sampled_at = t2
         for r, t, lp in zip(running, toks, lps):
             self._append(r, t, lp)
         if self.r_trace is not None:
