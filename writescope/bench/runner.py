@@ -4,7 +4,10 @@ and collect what the table and plots show (docs/DESIGN.md section 7 compares the
 Per configuration (one row):
 - ``prefill_tok_s``, ``decode_tok_s``, ``tpot_ms`` (median over requests) from the engine; the
   report compares ``step_tok_s`` = batch / TPOT; ``extra["release_ms"]``: freeing the batch's KV
-  after its last token (``LLM.release_s``);
+  after its last token (``LLM.release_s``); ``extra["issue_ms"]``, ``extra["wait_ms"]``: the
+  main thread's median issue and wait per decode step, and ``extra["step_ms"]`` each step in order
+  (the time before it since the last tokens were sampled, ``extra["between_ms"]``, plus its issue
+  and wait: TPOT is about their mean);
 - ``attn_ms_per_layer``: median time of one layer's decode attention (the cache's ``attend``;
   on CUDA between timing events on the stream, no synchronisation added, so the step runs as in
   ``generate``; without CUDA the wall time);
