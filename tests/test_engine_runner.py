@@ -276,3 +276,36 @@ def test_n_choices_must_fit_together():
     count = len(seen)
     s3.check_group(10, 5, 1)  # one choice: checked by check() alone
     assert len(seen) == count
+
+
+def test_the_time_before_each_decode_step_counts_the_work_between_steps(llm):
+    """``decode_between``: a decode step's time since the last tokens were sampled holds what runs
+    between steps (here a 2 ms step hook after each step: a lower bound, not a timing limit)."""
+    import time
+
+    llm.step_hook = lambda: time.sleep(0.002)
+    try:
+        llm.generate(prompt_token_ids=[PROMPTS[0], PROMPTS[2]], sampling_params=SamplingParams(max_tokens=5, ignore_eos=True))
+    finally:
+        llm.step_hook = None
+    assert len(llm.decode_between) == len(llm.decode_host) == 4  # the first token comes from the prefill
+    assert llm.decode_between[0] >= 0 and all(b >= 0.002 for b in llm.decode_between[1:])
+
+
+def test_the_time_before_a_decode_step_leaves_out_an_idle_engine(llm, monkeypatch):
+    """Online, the first decode step of a request that arrives after the engine idled counts from
+    its prefill's token, not from the last request's (a clock that jumps 1000 s while idle)."""
+    import time
+    from types import SimpleNamespace
+
+    from writescope.engine import runner
+
+    offset = [0.0]
+    real = time.perf_counter
+    monkeypatch.setattr(runner, "time", SimpleNamespace(perf_counter=lambda: real() + offset[0]))
+    core = EngineCore(llm)
+    for p in PROMPTS[:2]:
+        core.add(core.make_request(p, SamplingParams(max_tokens=4, ignore_eos=True)))
+        drain(core)
+        offset[0] += 1000.0  # idle before the next request
+    assert len(core.decode_between) == 6 and 0 <= max(core.decode_between) < 1000

@@ -216,6 +216,7 @@ def test_cuda_events_tell_a_window_the_device_ran_behind_the_thread_from_one_it_
     x = torch.randn(256, 256, device="cuda")
     count = torch.tensor(3, device="cuda")
     y = x @ x  # cuBLAS set up before the stream is held
+    timer._count = torch.zeros((), dtype=torch.int64, pin_memory=True)  # and the timer's pinned count (a page-locked allocation)
     torch.cuda.synchronize()
     # Nothing between the wait and the host's store may wait for the stream: a copy from pageable
     # memory (torch.tensor(..., device="cuda")) would block this thread until the wait gave up.

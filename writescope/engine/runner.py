@@ -79,7 +79,8 @@ class EngineCore:
         # the last DECODE_HOST_STEPS only (a server's engine lives as long as the server)
         self.decode_host: deque[tuple[float, float]] = deque(maxlen=DECODE_HOST_STEPS)
         # per decode step, the seconds before it was issued since the last tokens were sampled (a prefill's or the
-        # last decode step's): the engine's and its caller's work between steps, which TPOT counts and decode_host does not
+        # last decode step's, while requests ran: not across an idle engine): the engine's and its caller's work
+        # between steps, which TPOT counts and decode_host does not
         self.decode_between: deque[float] = deque(maxlen=DECODE_HOST_STEPS)
         self._sampled_at: float | None = None  # when the last tokens were sampled
         planned = llm.max_batch if llm.vram_plan is not None else None  # sequences the budget plan was sized for
@@ -209,6 +210,8 @@ class EngineCore:
                     reason = self.scheduler.stop_reason(r)
                     if reason is not None:
                         finished[r] = self._finish(r, reason, new.pop(r))
+        if not self.scheduler.running:  # idle until the next request: not counted as time between steps
+            self._sampled_at = None
         outs = list(finished.values())
         outs += [self._output(r, toks) for r, toks in new.items()]
         return outs
@@ -229,6 +232,8 @@ class EngineCore:
         if req.num_prefilled < len(req.prompt_ids):
             return None
         toks, lps = self._sample(logits, [req])
+        if self._sampled_at is None:  # the first tokens since the engine was idle: decode steps count from here
+            self._sampled_at = time.perf_counter()
         self._append(req, toks[0], lps[0])
         return toks[0]
 
