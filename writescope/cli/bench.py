@@ -267,24 +267,11 @@ def run(args: argparse.Namespace) -> int:
               + (f"in-step {per_token(kept)}, kept from decode steps: a writescope row placed its prompts with the one kept "
                  "before it (the first row: one kept earlier, by an earlier run or the warm-up, else the calibration's)" if kept is not None
                  else "no in-step A kept: writescope placed its prompts with the calibration's"))
-    parts = format_split_parts(rows)
-    if parts:
-        print(parts)
-    expert_parts = format_expert_split(rows)
-    if expert_parts:
-        print(expert_parts)
-    slow = format_slow_steps(rows)
-    if slow:
-        print(slow)
-    pinning = format_pinning(rows)
-    if pinning:
-        print(pinning)
-    best = format_best(rows)
-    if best:
-        print("\n" + best)
-    gains = format_speedups(rows)
-    if gains:
-        print(gains)
+    for fmt, lead in ((format_split_parts, ""), (format_expert_split, ""), (format_slow_steps, ""), (format_pinning, ""),
+                      (format_best, "\n"), (format_speedups, "")):
+        text = fmt(rows)  # each empty where no row has what it reports
+        if text:
+            print(lead + text)
     if args.output_json:
         print(f"wrote {args.output_json}")
     if args.plot:
