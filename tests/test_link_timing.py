@@ -60,6 +60,12 @@ def test_a_timing_that_read_nothing_or_one_expert_or_was_dropped_gives_nothing()
     assert timer.wants()
     assert _passed(timer, 0) is None and _passed(timer, 1) is None  # nothing read; one: the launches weigh too much
     assert _passed(timer, 2) is not None
+    big = LinkTimer(every=1, event=FakeEvent, min_bytes=4000)  # one expert of at least min_bytes is used
+    _passed(big)
+    for n, nbytes, used in ((1, 4000, True), (1, 3999, False), (0, 10**9, False), (2, 1, True)):
+        big.finish(big.start(torch.tensor(n)), nbytes)
+        big._pending[1].done = True
+        assert (big.collect() is not None) == used, (n, nbytes)
     assert LinkTimer(every=1, event=FakeEvent, min_experts=1)._first
     one = LinkTimer(every=1, event=FakeEvent, min_experts=1)
     _passed(one)

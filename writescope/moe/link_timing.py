@@ -16,7 +16,8 @@ layer step that streams: the number of host experts the link reads is counted on
 copied to pinned memory, then CUDA events bracket the fused kernels. A later layer's call
 collects it once the end event has passed (``query``, no wait; never while a CUDA graph is
 captured, where querying an event is not allowed). The first timing (the kernels' first call at a
-shape may compile) and timings of fewer than :data:`MIN_EXPERTS` experts are not used.
+shape may compile) and timings of fewer than :data:`MIN_EXPERTS` experts that read under
+:data:`MIN_BYTES` are not used.
 
 A timing is also not used when its start event had already passed once the issuing thread had
 issued the kernels (one ``query`` then, no wait): the device then ran the window while the thread
@@ -38,6 +39,11 @@ SAMPLE_EVERY = 4
 # Timings of fewer experts are not used: a one-expert read is a few hundred microseconds, where the
 # dozen small launches inside the window are a visible share (G is per byte, with no fixed part).
 MIN_EXPERTS = 2
+# ... unless they read this many bytes: about 0.7 ms at 50 GB/s, where the launches (tens of
+# microseconds) weigh a few percent. One Mixtral-8x7B expert is 352 MB: its layer steps stream about
+# one each at batch 4, so with the count alone run 59 kept 0-2 timings a grid row (Qwen3's, 9.4 MB
+# an expert, still need two).
+MIN_BYTES = 32 << 20
 
 
 def link_expert_count(ids: torch.Tensor, link_slot_of: torch.Tensor, hosted: int) -> torch.Tensor:
@@ -54,7 +60,8 @@ class LinkTimer:
 
     Args:
         every: time one of this many layer steps that stream (>= 1).
-        min_experts: timings of fewer host experts are not used (:data:`MIN_EXPERTS`).
+        min_experts: timings of fewer host experts are not used (:data:`MIN_EXPERTS`) unless they
+            read at least ``min_bytes`` (:data:`MIN_BYTES`).
         event: makes a timing event with ``record()``, ``query()`` and ``elapsed_time(end)`` in ms
             (default: ``torch.cuda.Event(enable_timing=True)``; tests pass stand-ins).
 
@@ -62,10 +69,10 @@ class LinkTimer:
         ValueError: ``every`` < 1.
     """
 
-    def __init__(self, every: int = SAMPLE_EVERY, event=None, min_experts: int = MIN_EXPERTS):
+    def __init__(self, every: int = SAMPLE_EVERY, event=None, min_experts: int = MIN_EXPERTS, min_bytes: int = MIN_BYTES):
         if not every >= 1:
             raise ValueError(f"every must be >= 1, got {every}")
-        self.every, self.min_experts = every, min_experts
+        self.every, self.min_experts, self.min_bytes = every, min_experts, min_bytes
         self._first = True  # the first timing is not used (a first call may compile)
         self._event = event or (lambda: torch.cuda.Event(enable_timing=True))
         self._seen = 0
@@ -101,8 +108,8 @@ class LinkTimer:
 
     def collect(self) -> tuple[float, int] | None:
         """``(seconds, weight bytes read)`` of the timing in flight once its end event has passed
-        (no wait), else None; None too for the first timing and one of fewer than
-        ``min_experts`` experts, and one whose window the device ran while this thread issued it
+        (no wait), else None; None too for the first timing, one that read no expert or fewer
+        than ``min_experts`` under ``min_bytes``, and one whose window the device ran while this thread issued it
         (counted in :attr:`issue_bound`; module docstring). Not while a CUDA graph is captured
         (the caller checks: querying an event is not allowed then)."""
         if self._pending is None:
@@ -113,7 +120,7 @@ class LinkTimer:
         self._pending = None
         n = int(self._count)
         first, self._first = self._first, False
-        if first or n < max(1, self.min_experts):
+        if first or n < 1 or (n < self.min_experts and n * nbytes < self.min_bytes):
             return None
         if waited:
             self.issue_bound += 1

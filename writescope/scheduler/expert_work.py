@@ -190,7 +190,9 @@ class ExpertWork:
         if k == 0 and len(sizes) >= 2 and self.link_timer is not None:  # the same for G where steps time the link
             self.unstreamed += 1
             if self.unstreamed >= PROBE_EVERY:
-                k = 2  # two: a timing of one is not used (moe/link_timing.MIN_EXPERTS)
+                # two: a timing of one small expert is not used (moe/link_timing.MIN_EXPERTS, MIN_BYTES), and on the
+                # device the share 1/m of fewer hits than expected can round to none
+                k = 2
                 self.unstreamed = 0
                 self.probing = True  # the block times this choice (moe/async_experts._link_timer)
         elif k > 0:
