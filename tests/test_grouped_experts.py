@@ -84,6 +84,36 @@ def test_packing_frees_the_original_weights():
     assert not [r for r in olds if r() is not None]
 
 
+def test_packing_frees_each_experts_weights_before_the_next_is_copied(monkeypatch):
+    """Memory grows by about one expert while a block packs, not by its experts twice over (a
+    list of concatenations and their stack: 3 GiB above Qwen3-30B-A3B's float32 weights, past what
+    the memory check before a build counts): when an expert's weights are copied into the pack,
+    the earlier experts' originals are gone."""
+    import weakref
+
+    from writescope.engine.model_loader import load_model
+
+    _, net, _, _ = load_model("tiny-qwen3-moe", True, torch.float32, torch.device("cpu"), progress=False)
+    block = [m for m in net.modules() if isinstance(m, SparseMoeBlock)][0]
+    names, E = block.cfg.expert_names, block.cfg.num_experts
+    olds = [weakref.ref(getattr(block.experts[e], n).weight) for e in range(E) for n in names]
+    want = {getattr(block.experts[e], n).weight.detach().clone(): (e, n) for e in range(E) for n in names}
+    alive_at_copy = []
+    real_copy = torch.Tensor.copy_
+
+    def spy(self, src, *a, **k):
+        alive_at_copy.append(sum(r() is not None for r in olds))
+        return real_copy(self, src, *a, **k)
+
+    monkeypatch.setattr(torch.Tensor, "copy_", spy)
+    assert block.pack()
+    monkeypatch.undo()
+    assert len(alive_at_copy) == 3 * E  # each expert's three weights copied in, one by one
+    assert all(alive <= 3 * E - 3 * (c // 3) for c, alive in enumerate(alive_at_copy))  # expert c // 3's and later ones only
+    for w, (e, n) in want.items():  # the same values, now views of the pack
+        torch.testing.assert_close(getattr(block.experts[e], n).weight, w, rtol=0, atol=0)
+
+
 def test_row_chunks_equal_one_pass(llms, monkeypatch):
     block = _blocks(llms["tiny-qwen3-moe"])[0]
     x = torch.randn(29, block.gate.weight.shape[1], generator=torch.Generator().manual_seed(3))
