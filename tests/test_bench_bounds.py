@@ -115,8 +115,8 @@ def test_a_grid_no_row_of_which_fits_the_model_is_refused_before_it_loads(capsys
     monkeypatch.setattr(engine.LLM, "__init__", no_model)
     assert main(["bench", "--model", "tiny-qwen3-moe", "--context", "8k", "--steps", "4"]) != 0
     err = capsys.readouterr().err
-    assert "--context 8192: with --steps 4 a request reaches 8197 tokens, beyond the 8192 positions" in err
-    assert "use a --context of at most 8187" in err
+    assert "--context 8,192: with --steps 4 a request reaches 8,197 tokens, beyond the 8,192 positions" in err
+    assert "use a --context of at most 8,187" in err
 
 
 def test_rows_of_a_model_with_host_experts_carry_the_joint_bound():

@@ -161,10 +161,10 @@ def run(args: argparse.Namespace) -> int:
     done = saved_rows(args) if args.resume else []
     limit = capped_model_len(args.model, 2**62, args.num_layers, args.synthetic)  # the model's positions (its config only)
     if min(contexts) + args.steps + 1 > limit:  # no row could fit: say so before the weights load
-        fix = (f"use a --context of at most {limit - args.steps - 1}" if limit - args.steps - 1 >= 1 else
-               f"use --steps of at most {limit - 2}")
-        raise ValueError(f"--context {min(contexts)}: with --steps {args.steps} a request reaches {min(contexts) + args.steps + 1} "
-                         f"tokens, beyond the {limit} positions of {args.model}: {fix}")
+        fix = (f"use a --context of at most {limit - args.steps - 1:,}" if limit - args.steps - 1 >= 1 else
+               f"use --steps of at most {limit - 2:,}")
+        raise ValueError(f"--context {min(contexts):,}: with --steps {args.steps:,} a request reaches {min(contexts) + args.steps + 1:,} "
+                         f"tokens, beyond the {limit:,} positions of {args.model}: {fix}")
     check_output_file(args.plot, "--plot")
     if args.steps < 1:
         raise ValueError(f"--steps must be >= 1, got {args.steps}")
