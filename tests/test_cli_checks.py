@@ -276,3 +276,13 @@ def test_plan_checks_the_switches_as_generate_does(capsys, monkeypatch):
     monkeypatch.setenv("WRITESCOPE_LOAD_COPIE", "early")
     with pytest.warns(UserWarning, match="did you mean WRITESCOPE_LOAD_COPIES"):
         assert main(args) == 0
+
+
+def test_an_unknown_flag_is_named_by_its_subcommand(capsys, no_work):
+    """A flag the subcommand does not take: its own usage and name, and where its flags are listed."""
+    with pytest.raises(SystemExit) as e:
+        main(["plan", "--model", "deepseek-v2-lite", "--vram-budget", "32GiB", "--batch", "4", "--context", "8k", "--quiet"])
+    assert e.value.code == 2
+    err = capsys.readouterr().err
+    assert err.startswith("usage: writescope plan ")
+    assert "writescope plan: error: unrecognized arguments: --quiet (see writescope plan --help)" in err

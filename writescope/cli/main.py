@@ -44,7 +44,9 @@ def main(argv: list[str] | None = None) -> int:
     expert_profile.add_parser(sub)
     serve.add_parser(sub)
     # "--vram-budget -1GiB" reaches the budget's own check instead of argparse's "expected one argument"
-    args = parser.parse_args(attach_negative_values(sys.argv[1:] if argv is None else list(argv)))
+    args, extra = parser.parse_known_args(attach_negative_values(sys.argv[1:] if argv is None else list(argv)))
+    if extra:  # said by the subcommand's parser: its usage and name ("writescope plan: error: ..."), not the top level's
+        sub.choices[args.command].error(f"unrecognized arguments: {' '.join(extra)} (see writescope {args.command} --help)")
     shown, started = warnings.formatwarning, time.time()
     warnings.formatwarning = _warning_format(shown, args.command)
     try:
