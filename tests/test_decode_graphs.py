@@ -209,6 +209,42 @@ def test_cut_stages_around_the_expert_worker_on_cuda(monkeypatch):
 
 @pytest.mark.gpu
 @pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")
+def test_switching_the_expert_path_back_and_forth_keeps_both_graph_forms_on_cuda(monkeypatch):
+    """On CUDA, blocks switched between the in-place read (stages captured whole) and the native
+    expert worker (stages cut around the block) between decodes: switching back captures nothing
+    (both forms kept, the cut parts in a pool of their own), and each form's logits are those of
+    its first decode, within 2% of their scale (the eager path is not bit-reproducible: atomics)."""
+    from writescope.moe import async_experts
+
+    monkeypatch.setenv(async_experts.ENV, "on")
+    monkeypatch.setenv(async_experts.GRAPH_ENV, "off")
+    prompts = _prompts(4096)
+    llm = LLM("tiny-mixtral", device="cuda", dtype="bf16", progress=False, policy="static:0.5", window=D)
+    g = torch.Generator().manual_seed(2)
+    blocks = [layer.mlp_module for layer in llm.model.model.layers]
+    for b in blocks:
+        b.offload_experts(torch.randperm(b.cfg.num_experts, generator=g)[: b.cfg.num_experts // 2].tolist())
+        b.pack()
+
+    def decode(share):
+        for b in blocks:
+            b.stream_share = share  # 1: read in place (whole stages); 0.5: half on the worker (cut stages)
+        return _decode_logits(llm, prompts, 6, device="cuda")
+
+    first = {share: decode(share) for share in (1.0, 0.5)}
+    graphs = llm.model.decode.graphs
+    captured, stages = graphs.captured, {k[0] for v in graphs._shapes.values() for k in v}
+    assert 1 in stages and (1, "before") in stages and (1, "after") in stages
+    again = {share: decode(share) for share in (1.0, 0.5)}
+    assert graphs.captured == captured and graphs.replayed > 2 * captured
+    for share in first:
+        scale = first[share].abs().max().item()
+        torch.testing.assert_close(again[share], first[share], atol=0.02 * scale, rtol=0)
+    llm.expert_worker.close()
+
+
+@pytest.mark.gpu
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")
 @pytest.mark.parametrize("preset", ["tiny-qwen3-moe", "tiny-deepseek-v2"])
 @pytest.mark.parametrize("policy", ["static:0.5", "gpu"])
 def test_cuda_graphs_give_the_eager_logits_on_cuda(preset, policy, monkeypatch):
@@ -302,14 +338,35 @@ def test_every_capture_warms_up_on_one_stream():
         torch.testing.assert_close(c.replay((x,)), x @ w)
 
 
-def test_a_stage_cut_and_whole_replace_each_other():
-    """A stage whole and cut around its MLP are two forms of it: capturing one drops the other,
-    while the cut's two parts stay side by side."""
+def test_a_stage_whole_and_cut_are_both_kept_in_pools_of_their_own():
+    """A stage whole and cut around its MLP are two forms of it, both kept (a policy switch back
+    and forth captures nothing again); the cut parts share a pool apart from the whole stages'."""
     g = StageGraphs(EagerCapture)
+    pools = []
+
+    def capture(fn, inputs, pool):
+        c = EagerCapture(fn, inputs, pool)
+        c.pool = object() if pool is None else pool  # a new pool where none was passed, as torch's graphs
+        pools.append((pool, c.pool))
+        return c
+
+    g.capture = capture
     x = (torch.ones(2),)
+    g.run(2, 0, 2, (), lambda t: t - 1, x)
     g.run(3, 0, 2, (), lambda t: t + 1, x)
     g.run((3, "before"), 0, 2, (), lambda t: t * 2, x)
     g.run((3, "after"), 0, 2, (), lambda t: t * 3, x)
-    assert sorted(map(str, (k[0] for k in g._shapes[(0, 2)]))) == ["(3, 'after')", "(3, 'before')"]
-    g.run(3, 0, 2, (), lambda t: t + 1, x)
-    assert [k[0] for k in g._shapes[(0, 2)]] == [3]
+    assert g.captured == 4
+    assert sorted(map(str, (k[0] for k in g._shapes[(0, 2)]))) == ["(3, 'after')", "(3, 'before')", "2", "3"]
+    for _ in range(2):  # back and forth: replays only
+        assert torch.equal(g.run(3, 0, 2, (), lambda t: t + 1, x)[0], torch.tensor(2.0))
+        assert torch.equal(g.run((3, "after"), 0, 2, (), lambda t: t * 3, x)[0], torch.tensor(3.0))
+    assert g.captured == 4 and g.replayed == 8
+    whole, cut = pools[1][1], pools[3][1]
+    assert pools[1][0] is pools[0][1] and pools[2][0] is None and pools[3][0] is pools[2][1]  # one pool per form
+    assert whole is not cut
+    g.run(3, 0, 2, ("new",), lambda t: t + 1, x)  # a new key of the whole stage replaces its older key only
+    assert sorted(map(str, (k[0] for k in g._shapes[(0, 2)]))) == ["(3, 'after')", "(3, 'before')", "2", "3"]
+    assert g.captured == 5
+
+

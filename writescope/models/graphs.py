@@ -14,11 +14,19 @@ and replayed; later uses copy their inputs in and replay. Its outputs are static
 next replay of the same graph overwrites (and, in one pool, a later-captured graph's scratch may
 too, see below), which is why each micro-batch has graphs of its own and outputs are read before
 their micro-batch's next stage.
-The graphs of one micro-batch share one memory pool, a pool per micro-batch: graphs that share a
-pool must replay in the order they were captured (a later capture may put its outputs where an
-earlier graph keeps its scratch), and one micro-batch's stages always run in stage order, while
+The graphs of one micro-batch share one memory pool, a pool per micro-batch and form: graphs that
+share a pool must replay in the order they were captured (a later capture may put its outputs where
+an earlier graph keeps its scratch), and one micro-batch's stages always run in stage order, while
 two micro-batches' shapes may be captured at different steps (a batch that shrinks), so across
-micro-batches the order can change. Captures use torch's ``thread_local`` error mode: the prefill
+micro-batches the order can change. A stage has two forms, whole (``l``) and cut around its MLP
+(``(l, "before")``, ``(l, "after")``, models/decode_step.py), and both are kept: the expert path
+decides the form (the in-place read whole, the native expert worker cut), and a policy or expert
+share set on a loaded model may switch it back and forth. Recapturing the other form cost the
+first decode step after each switch 0.2-0.5 s, which run 59's grids (8 steps a row, policies
+taking turns) counted as 30-67 ms a step against every `writescope` row
+(benchmarks/results/gpu_decode_h200.md). Cut parts are captured into a pool of their own, so a
+step of cut stages replays the whole ones it still has (stage 0, dense layers) and the cut ones
+each in their pool's capture order. Captures use torch's ``thread_local`` error mode: the prefill
 writer's and the CPU worker's threads may touch CUDA meanwhile. A stage whose capture fails runs
 eagerly from then on, exactly
 as before (one warning names the first such stage and where it failed; on the H200, torch's
@@ -135,14 +143,6 @@ def _copy(dst, src):
             _copy(d, s)
 
 
-def _same_stage(old, new) -> bool:
-    """``old`` is ``new`` or its other form: a stage whole (``l``) and cut around its MLP
-    (``(l, part)``, models/decode_step.py) replace each other; the two parts of a cut stage do not."""
-    if isinstance(old, tuple) != isinstance(new, tuple):
-        return (old[0] if isinstance(old, tuple) else old) == (new[0] if isinstance(new, tuple) else new)
-    return old == new
-
-
 class StageGraphs:
     """The decode stages' graphs of one model (see module doc).
 
@@ -160,14 +160,14 @@ class StageGraphs:
         self.capture, self.enabled, self.captured, self.replayed = capture, True, 0, 0
         self.failed: set[tuple] = set()  # (stage, tokens, key) whose capture failed: eager from then on
         self._shapes: OrderedDict[tuple, dict] = OrderedDict()  # (group, tokens) -> {(stage, key): captured}
-        self._pools: dict[int, object] = {}  # micro-batch -> its graphs' memory pool
+        self._pools: dict[tuple[int, bool], object] = {}  # (micro-batch, cut part?) -> its graphs' memory pool
 
     def run(self, stage: int, group: int, tokens: int, key, fn: Callable, inputs: tuple):
         """``fn(*inputs)``, through the graph of ``(stage, group, tokens, key)``; ``key`` None:
         eagerly (the stage cannot be captured)."""
         if key is None or not self.enabled:
             return fn(*inputs)
-        shape = (group, tokens)
+        shape, pool = (group, tokens), (group, isinstance(stage, tuple))
         graphs = self._shapes.pop(shape, None)
         if graphs is None:
             graphs = {}
@@ -179,7 +179,7 @@ class StageGraphs:
             if (stage, tokens, key) in self.failed:
                 return fn(*inputs)
             try:
-                g = self.capture(fn, inputs, self._pools.get(group))
+                g = self.capture(fn, inputs, self._pools.get(pool))
             except WorkerError:  # a worker's job failed (checked inside the stage): the caller's error, not the capture's
                 raise
             except Exception as e:  # noqa: BLE001 - any capture failure: this stage runs eagerly from now on
@@ -190,8 +190,8 @@ class StageGraphs:
                     warnings.warn(f"CUDA graph capture of decode stage {stage} failed ({str(e)[:200]}; at {' < '.join(reversed(where))}); "
                                   "such stages run without graphs", stacklevel=3)
                 return fn(*inputs)
-            self._pools[group] = g.pool
-            graphs = {k: v for k, v in graphs.items() if not _same_stage(k[0], stage)}  # an older key, or the other form, of this stage
+            self._pools[pool] = g.pool
+            graphs = {k: v for k, v in graphs.items() if k[0] != stage}  # an older key of this stage (the other form stays)
             graphs[(stage, key)] = g
             self._shapes[shape] = graphs
             self.captured += 1
