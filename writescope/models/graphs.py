@@ -14,22 +14,26 @@ and replayed; later uses copy their inputs in and replay. Its outputs are static
 next replay of the same graph overwrites (and, in one pool, a later-captured graph's scratch may
 too, see below), which is why each micro-batch has graphs of its own and outputs are read before
 their micro-batch's next stage.
-The graphs of one micro-batch share one memory pool, a pool per micro-batch and form: graphs that
-share a pool must replay in the order they were captured (a later capture may put its outputs where
-an earlier graph keeps its scratch), and one micro-batch's stages always run in stage order, while
-two micro-batches' shapes may be captured at different steps (a batch that shrinks), so across
-micro-batches the order can change. A stage has two forms, whole (``l``) and cut around its MLP
-(``(l, "before")``, ``(l, "after")``, models/decode_step.py), and both are kept: the expert path
-decides the form (the in-place read whole, the native expert worker cut), and a policy or expert
-share set on a loaded model may switch it back and forth. Recapturing the other form cost the
-first decode step after each switch 0.2-0.5 s, which run 59's grids (8 steps a row, policies
-taking turns) counted as 30-67 ms a step against every `writescope` row
-(benchmarks/results/gpu_decode_h200.md). Cut parts are captured into a pool of their own, so a
-step of cut stages replays the whole ones it still has (stage 0, dense layers) and the cut ones
-each in their pool's capture order. Captures use torch's ``thread_local`` error mode: the prefill
-writer's and the CPU worker's threads may touch CUDA meanwhile. A stage whose capture fails runs
-eagerly from then on, exactly
-as before (one warning names the first such stage and where it failed; on the H200, torch's
+Each micro-batch's graphs have memory pools of their own (a batch that shrinks captures one
+micro-batch's shapes at another step than the other's). Graphs that share a pool are safe to
+replay in stage order whatever the order of their captures (a new key, say after a repack,
+captures one stage after later ones; a later capture may put its outputs where an earlier graph
+keeps its scratch) because every stage's outputs are used up on the compute stream, copied into
+the next stage's static inputs or read by the attention (which other streams wait for before it
+returns), before its micro-batch's next graph replays: nothing reads a stage's outputs later.
+
+A stage has two forms, whole (``l``) and cut around its MLP (``(l, "before")``, ``(l, "after")``,
+models/decode_step.py), and both are kept: the expert path decides the form (the in-place read
+whole, the native expert worker cut), and a policy or expert share set on a loaded model may switch
+it back and forth. Recapturing the other form cost the first decode step after each switch
+0.2-0.5 s, which run 59's grids (8 steps a row, policies taking turns) counted as 30-67 ms a step
+against every `writescope` row (benchmarks/results/gpu_decode_h200.md). The cut parts are captured
+into a pool of their own (two pools a micro-batch), so the two forms never share memory. Memory
+kept: each form's static outputs per shape (the last stage's float32 logits, [tokens, vocab],
+included) and both pools.
+
+Captures use torch's ``thread_local`` error mode: the prefill writer's and the CPU worker's threads
+may touch CUDA meanwhile. A stage whose capture fails runs eagerly from then on, exactly as before (one warning names the first such stage and where it failed; on the H200, torch's
 ``_grouped_mm`` copied from pageable host memory inside fp32 captures).
 
 ``WRITESCOPE_CUDA_GRAPHS``: ``on`` (the default, on CUDA devices) or ``off``.
