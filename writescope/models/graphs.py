@@ -33,8 +33,9 @@ kept: each form's static outputs per shape (the last stage's float32 logits, [to
 included) and both pools.
 
 Captures use torch's ``thread_local`` error mode: the prefill writer's and the CPU worker's threads
-may touch CUDA meanwhile. A stage whose capture fails runs eagerly from then on, exactly as before (one warning names the first such stage and where it failed; on the H200, torch's
-``_grouped_mm`` copied from pageable host memory inside fp32 captures).
+may touch CUDA meanwhile. A stage whose capture fails runs eagerly from then on, exactly as before
+(one warning names the first such stage and where it failed; on the H200, torch's ``_grouped_mm``
+copied from pageable host memory inside fp32 captures).
 
 ``WRITESCOPE_CUDA_GRAPHS``: ``on`` (the default, on CUDA devices) or ``off``.
 """
