@@ -278,34 +278,47 @@ def test_n_choices_must_fit_together():
     assert len(seen) == count
 
 
-def test_the_time_before_each_decode_step_counts_the_work_between_steps(llm):
-    """``decode_between``: a decode step's time since the last tokens were sampled holds what runs
-    between steps (here a 2 ms step hook after each step: a lower bound, not a timing limit)."""
-    import time
+class _Clock:
+    """A stand-in for the engine's ``time`` (its ``perf_counter``): each reading 1 ms after the
+    last, and ``jump`` seconds more where a test says, so nothing depends on the real clock or load."""
 
-    llm.step_hook = lambda: time.sleep(0.002)
+    def __init__(self):
+        self.now = 0.0
+
+    def perf_counter(self):
+        self.now += 1e-3
+        return self.now
+
+    def jump(self, seconds: float) -> None:
+        self.now += seconds
+
+
+def test_the_time_before_each_decode_step_counts_the_work_between_steps(llm, monkeypatch):
+    """``decode_between``: a decode step's time since the last tokens were sampled holds what runs
+    between steps (here a step hook after each step that moves the clock 5 s)."""
+    from writescope.engine import runner
+
+    clock = _Clock()
+    monkeypatch.setattr(runner, "time", clock)
+    llm.step_hook = lambda: clock.jump(5.0)
     try:
         llm.generate(prompt_token_ids=[PROMPTS[0], PROMPTS[2]], sampling_params=SamplingParams(max_tokens=5, ignore_eos=True))
     finally:
         llm.step_hook = None
     assert len(llm.decode_between) == len(llm.decode_host) == 4  # the first token comes from the prefill
-    assert llm.decode_between[0] >= 0 and all(b >= 0.002 for b in llm.decode_between[1:])
+    assert llm.decode_between[0] < 5.0 and all(b >= 5.0 for b in llm.decode_between[1:])
 
 
 def test_the_time_before_a_decode_step_leaves_out_an_idle_engine(llm, monkeypatch):
     """Online, the first decode step of a request that arrives after the engine idled counts from
     its prefill's token, not from the last request's (a clock that jumps 1000 s while idle)."""
-    import time
-    from types import SimpleNamespace
-
     from writescope.engine import runner
 
-    offset = [0.0]
-    real = time.perf_counter
-    monkeypatch.setattr(runner, "time", SimpleNamespace(perf_counter=lambda: real() + offset[0]))
+    clock = _Clock()
+    monkeypatch.setattr(runner, "time", clock)
     core = EngineCore(llm)
     for p in PROMPTS[:2]:
         core.add(core.make_request(p, SamplingParams(max_tokens=4, ignore_eos=True)))
         drain(core)
-        offset[0] += 1000.0  # idle before the next request
+        clock.jump(1000.0)  # idle before the next request
     assert len(core.decode_between) == 6 and 0 <= max(core.decode_between) < 1000

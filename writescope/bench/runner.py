@@ -378,12 +378,8 @@ def run_one(llm: LLM, cfg: BenchConfig, batch: int, context: int, policy: str, r
         # each step in order: the seconds before it since the last tokens were sampled, and its issue + wait with them
         # (TPOT is a mean over the steps, so one slow step moves it: format_slow_steps)
         # (decode_host and decode_between keep the last DECODE_HOST_STEPS steps: past that, step_ms is the last ones)
-        between = list(getattr(llm, "decode_between", []))
-        if len(between) == len(llm.decode_host):
-            row.extra["between_ms"] = [round(b * 1e3, 3) for b in between]
-        else:  # an engine that does not keep it: the steps' issue and wait alone
-            between = [0.0] * len(llm.decode_host)
-        row.extra["step_ms"] = [round((b + i + w) * 1e3, 3) for b, (i, w) in zip(between, llm.decode_host)]
+        row.extra["between_ms"] = [round(b * 1e3, 3) for b in llm.decode_between]
+        row.extra["step_ms"] = [round((b + i + w) * 1e3, 3) for b, (i, w) in zip(llm.decode_between, llm.decode_host)]
     row.extra["release_ms"] = llm.release_s * 1e3  # freeing the batch's KV after its last token (not in TPOT)
     # page-locking and unlocking host memory from this row's set_policy (which closes the last row's cache)
     # to its end: the wall seconds of the CUDA calls and their bytes (all 0 without CUDA)
