@@ -377,9 +377,17 @@ def measure_link_expert_cost(block, experts: int = 8, reps: int = 3) -> float | 
 SPLIT_OVERHEAD_S = 4.0e-3
 # The same with the CPU's share on the native expert worker and the split made on the device
 # (moe/async_experts.py): no read-back and nothing computed on the issuing thread; what is left is
-# the split's dozen small launches, three copies to pinned memory, the flag hand-over both ways and
-# the worker's grouping. An estimate (about 0.3 ms a layer step), to be replaced by the H200's figure.
-ASYNC_SPLIT_OVERHEAD_S = 0.3e-3
+# the split's dozen small launches, three copies to pinned memory, the flag hand-over both ways, the
+# worker's grouping and the graphs cut around the block. Measured in run 60 (an H100 host,
+# benchmarks/results/gpu_decode_h200.md): DeepSeek-V2-Lite 16 x 8K holds one host expert in each of
+# its 26 MoE layers (17 MB, hit in about 79% of layer steps); with the CPU computing them the step
+# took 105.8 / 113.7 ms against 74.7 / 73.2 read in place, at the same r, where the balance expected
+# the CPU about 0.1 ms a layer step faster: 1.3-1.7 ms a layer step unmodelled. Qwen3-30B-A3B 4 x 8K
+# (run 60's grid: `cpu@expert_stream_share=0` 147-161 ms against `cpu` 201-203, 138 MB a layer step,
+# E 85 and G 38 GB/s, the model expecting 2.0 ms a layer step saved and 0.8-1.2 measured) gives
+# 0.8-1.2 ms. 1.2 ms is where the two meet (the estimate before was 0.3 ms, with which the split
+# took DeepSeek-V2-Lite's few host experts and cost up to half its speed).
+ASYNC_SPLIT_OVERHEAD_S = 1.2e-3
 
 
 def expert_phase_seconds(layer_bytes: list[float], e: float, g: float,
