@@ -478,6 +478,24 @@ def test_the_expert_phase_model_of_the_in_place_read_and_the_split():
         expert_phase_seconds([1.0], e, g, overhead=-1.0)
 
 
+def test_the_worker_path_overhead_reads_one_small_host_expert_a_layer_in_place():
+    """The split on the native expert worker (ASYNC_SPLIT_OVERHEAD_S), at run 60's rates: the CPU
+    computing DeepSeek-V2-Lite's one host expert a MoE layer (26 layers, 17.3 MB each, hit in about
+    79% of layer steps at 16 tokens; E 40.9, G 30.4 GB/s) cost 31-40 ms a step against reading it in
+    place, so the model must read it in place at 16 and 32 tokens; Qwen3-30B-A3B 4 x 8K (138 MB of
+    hit host experts a layer step, E 85, G 38 GB/s), where the CPU computing them was 40-56 ms a
+    step faster, must still split; and the estimate it replaced (0.3 ms) picked the split for DSV2."""
+    from writescope.scheduler.expert_work import ASYNC_SPLIT_OVERHEAD_S, expert_phase_seconds, split_from
+
+    dsv2 = _fake_blocks(26, 64, 6, 1, 3 * 2048 * 1408 * 2)
+    e, g = 1 / 40.9e9, 1 / 30.4e9
+    assert split_from(dsv2, 32, e, g, ASYNC_SPLIT_OVERHEAD_S) is None
+    assert split_from(dsv2, 32, e, g, 0.3e-3) is not None  # the old estimate: split (and lost)
+    qwen3 = [138e6] * 48
+    in_place, split = expert_phase_seconds(qwen3, 1 / 85e9, 1 / 38e9, ASYNC_SPLIT_OVERHEAD_S)
+    assert split < in_place
+
+
 def _fake_blocks(layers, num_experts, top_k, on_host, expert_bytes):
     from types import SimpleNamespace
 
