@@ -122,12 +122,16 @@ def test_bad_sampling_params(kwargs, pattern):
     [
         ("no-such-model", {}, "'no-such-model' is neither a checkpoint directory nor a preset"),
         ("tiny-qwen3-moes", {}, "'tiny-qwen3-moes' is neither a checkpoint directory nor a preset; did you mean 'tiny-qwen3-moe'\\?"),
+        ("deepseek-ai/DeepSeek-V2-Lite", {}, "'deepseek-ai/DeepSeek-V2-Lite' looks like a Hugging Face hub id, and WriteScope "
+         "downloads nothing: .*hf download deepseek-ai/DeepSeek-V2-Lite --local-dir DIR.*the preset 'deepseek-v2-lite'"),
+        ("/no/such/dir", {}, "'/no/such/dir': no checkpoint directory there: pass a checkpoint directory or a preset"),
+        (__file__, {}, re.escape(repr(__file__)) + " is a file: pass the checkpoint directory"),
         (PRESET, dict(dtype="int8"), "unknown dtype 'int8'"),
         (PRESET, dict(dtype=torch.int8), "dtype torch.int8 is not supported"),
         (PRESET, dict(max_model_len=0), r"max_model_len 0 must be in \[1, 8192\]"),
         (PRESET, dict(max_model_len=8193), r"max_model_len 8193 must be in \[1, 8192\]"),
     ],
-    ids=["unknown-preset", "misspelled-preset", "dtype-int8-str", "dtype-int8-torch", "max_model_len-0", "max_model_len-too-big"],
+    ids=["unknown-preset", "misspelled-preset", "hub-id", "missing-dir", "a-file", "dtype-int8-str", "dtype-int8-torch", "max_model_len-0", "max_model_len-too-big"],
 )
 def test_bad_llm_arguments(model, kwargs, pattern):
     with pytest.raises(ValueError, match=pattern):
@@ -149,9 +153,14 @@ def test_cli_error_exits_2(capsys, tmp_path, argv, named):
     assert err.startswith(f"writescope {argv[0]}: error:") and named in err
 
 
-def test_unsupported_model_type():
+def test_unsupported_model_type(tmp_path):
     with pytest.raises(ValueError, match="unsupported model_type 'llama'"):
         ModelConfig.from_hf({**preset_hf_dict(PRESET), "model_type": "llama"})
+    d = preset_hf_dict(PRESET)
+    del d["model_type"]
+    (tmp_path / "config.json").write_text(json.dumps(d))
+    with pytest.raises(ValueError, match=re.escape(f"{tmp_path / 'config.json'}: unsupported model_type None")):  # the file named
+        ModelConfig.from_file(tmp_path)
 
 
 @pytest.mark.parametrize("preset, field", [("tiny-deepseek-v2", "num_experts_per_tok")])

@@ -83,6 +83,35 @@ def test_budget_below_the_minimum_is_refused_with_the_minimum():
         resident.check()
 
 
+def test_a_budget_too_small_for_the_prefill_pass_advises_a_smaller_chunk(capsys):
+    """Qwen3-30B-A3B at 4 GiB: the minimum at 8,192-token prefill passes is above the budget, but at
+    1,024 it fits, so the refusal names the prefill chunk (a new user's trial found no working advice:
+    smaller batches and contexts leave the activations' 8,192 tokens). Where host memory is short
+    too, both are said."""
+    cfg = preset_config("qwen3-30b-a3b")
+    big = make_plan(cfg, torch.bfloat16, 4 * GiB, 1, 32768, 256, StaticPolicy(0.5))
+    assert big.prefill_tokens == 8192 and big.budget < big.gpu_min
+    with pytest.raises(ValueError, match=r"or prefill_chunk_tokens \(the activations are sized for a prefill pass of 8,192 tokens"):
+        big.check()
+    small = make_plan(cfg, torch.bfloat16, 4 * GiB, 1, 32768, 256, StaticPolicy(0.5), prefill_chunk_tokens=1024)
+    small.check()  # the advice works
+    short = make_plan(cfg, torch.bfloat16, 1024, 1, 1024, 0, StaticPolicy(0.5), prefill_chunk_tokens=1024)
+    assert short.prefill_tokens == 1024
+    with pytest.raises(ValueError) as e:
+        short.check()
+    assert "below the minimum" in str(e.value) and "prefill" not in str(e.value)  # 1,024 is not advised smaller
+    both = make_plan(cfg, torch.bfloat16, 4 * GiB, 4, 32768, 256, StaticPolicy(0.5), host_free=20 * GiB)
+    with pytest.raises(ValueError, match=r"below the minimum .*; and the plan needs .* GiB of host memory"):
+        both.check()
+    args = ["plan", "--model", "qwen3-30b-a3b", "--vram-budget", "4GiB", "--batch", "1", "--context", "32k", "--host-memory", "200GiB"]
+    assert main(args) == 2
+    assert "or --prefill-chunk-tokens (the activations" in capsys.readouterr().err  # the command's flag
+    assert main(args + ["--prefill-chunk-tokens", "1024"]) == 0
+    assert "the plan fits" in capsys.readouterr().out
+    assert main(args + ["--prefill-chunk-tokens", "0"]) == 2
+    assert "--prefill-chunk-tokens must be >= 1, got 0" in capsys.readouterr().err
+
+
 def test_the_plan_counts_the_gemm_workspaces():
     """Four cuBLAS workspaces (the loading and issuing threads' streams, the graphs' warm-up and capture streams) are in
     the minimum and the working set, in the refusal's sum and in the table (run 35's out-of-memory

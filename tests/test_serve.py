@@ -394,7 +394,7 @@ def no_listening(monkeypatch):
 REFUSED = [  # what LLM would refuse once the server listens, refused before: (flags, environment, words)
     (["--policy", "bogus"], {}, "unknown policy 'bogus'"),
     (["--model", "no-such-model"], {}, "--model 'no-such-model' is neither a checkpoint directory nor a preset"),
-    (["--model", "/no/such/dir"], {}, "--model '/no/such/dir' is neither a checkpoint directory nor a preset"),
+    (["--model", "/no/such/dir"], {}, "--model '/no/such/dir': no checkpoint directory there"),
     (["--device", "tpu"], {}, "unknown device 'tpu'"),
     (["--dtype", "int3"], {}, "int3"),
     (["--vram-budget", "lots"], {}, "--vram-budget: 'lots' is not a size"),

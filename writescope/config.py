@@ -209,7 +209,10 @@ class ModelConfig:
             d = json.loads(p.read_text())
         except json.JSONDecodeError as e:
             raise ValueError(f"{p} is not valid JSON ({e})") from e
-        return ModelConfig.from_hf(d)
+        try:
+            return ModelConfig.from_hf(d)
+        except ValueError as e:
+            raise ValueError(f"{p}: {e}") from None
 
     @staticmethod
     def from_hf(d: Mapping[str, Any]) -> "ModelConfig":

@@ -70,6 +70,7 @@ class MemoryPlan:
     host_free: int | None
     stream_slots: int = 0  # device weight slots for streaming host experts in long prefills (0: not streamed)
     workspaces: int = GEMM_WORKSPACES  # cuBLAS workspaces of the streams that run GEMMs (module doc)
+    prefill_tokens: int = 0  # T, the tokens of the largest prefill pass the activations are sized for (0: not known)
 
     @property
     def experts_gpu(self) -> int:
@@ -110,20 +111,26 @@ class MemoryPlan:
 
     def problem(self, flags: PlanFlags | None = None) -> str | None:
         """Why the plan cannot run, naming the minimum and what to change in the words of
-        ``flags`` (default: the Python API's argument names); None when it can run."""
+        ``flags`` (default: the Python API's argument names); None when it can run. Where both
+        the GPU budget and host memory fall short, both are said."""
         f = flags or API_FLAGS
+        why = []
         if self.budget < self.gpu_min:
-            return (
+            chunk = ""
+            if f.chunk and self.prefill_tokens > MIN_ADVISED_CHUNK:
+                chunk = (f", or {f.chunk} (the activations are sized for a prefill pass of {self.prefill_tokens:,} tokens "
+                         f"and shrink with it, e.g. {MIN_ADVISED_CHUNK:,})")
+            why.append(
                 f"a GPU budget of {self.budget / GiB:.3f} GiB is below the minimum of {self.gpu_min / GiB:.3f} GiB "
                 f"(non-expert weights {self.non_expert_weights / GiB:.2f} + KV on the GPU {self.kv_gpu / GiB:.2f} + ping-pong "
                 f"{self.pingpong / GiB:.2f} + activations {self.activations / GiB:.2f} + GEMM workspaces {self.workspaces / GiB:.2f} "
                 f"+ reserve {self.reserve / GiB:.2f}): "
-                f"raise {f.budget}, lower {f.sizes}"
+                f"raise {f.budget}, lower {f.sizes}" + chunk
                 + (f", or use a partitioned {f.policy} (KV in host memory)" if self.kv_host == 0 else "")
             )
         if self.host_free is not None and self.host_total > 0.9 * self.host_free:
             short = self.host_total - 0.9 * self.host_free  # a larger budget frees at most the host experts' bytes
-            return (
+            why.append(
                 f"the plan needs {self.host_total / GiB:.2f} GiB of host memory (experts {self.expert_weights_host / GiB:.2f} + "
                 f"KV {self.kv_host / GiB:.2f} + staging {self.pinned_staging / GiB:.2f}) but "
                 f"{self.host_free / GiB:.2f} GiB is free, of which at most 90% ({0.9 * self.host_free / GiB:.2f} GiB) is planned "
@@ -131,7 +138,7 @@ class MemoryPlan:
                 + (f"raise {f.budget} (fewer experts on the host), " if self.expert_weights_host >= short else "")
                 + f"lower {f.sizes}"
             )
-        return None
+        return "; and ".join(why) if why else None
 
     def check(self, flags: PlanFlags | None = None) -> None:
         """Raise :class:`PlanDoesNotFit` (a ValueError), naming the minimum and what to change
@@ -149,9 +156,13 @@ class PlanFlags:
     budget: str  # the GPU budget
     sizes: str  # what sets the batch and the tokens per sequence, with "or"
     policy: str  # the KV placement policy
+    chunk: str = ""  # what sets the prefill pass's tokens ("": the interface has no such setting)
 
 
-API_FLAGS = PlanFlags("vram_budget", "max_batch or max_model_len (it defaults to the model's limit)", "policy")
+# Below this many tokens a prefill pass is not advised smaller (its GEMMs get inefficient).
+MIN_ADVISED_CHUNK = 1024
+
+API_FLAGS = PlanFlags("vram_budget", "max_batch or max_model_len (it defaults to the model's limit)", "policy", "prefill_chunk_tokens")
 
 
 class PlanDoesNotFit(ValueError):
@@ -211,7 +222,7 @@ def make_plan(
         act += SCORE_BYTES + cap * (2 * cfg.kv_layout.k_dim + cfg.kv_layout.v_dim) * 4
     expert_bytes = w.expert * item
     plan = MemoryPlan(budget, w.non_expert * item, expert_bytes, (), w.num_experts * w.moe_layers, kv_gpu, pingpong, act, RESERVE,
-                      host, pinned, staging, host_free, workspaces=gemm_workspaces)
+                      host, pinned, staging, host_free, workspaces=gemm_workspaces, prefill_tokens=T)
     room = max(0, budget - plan.gpu_min)
     n = min(plan.experts_total, room // expert_bytes) if expert_bytes else 0
     slots = stream_plan_bytes(H, m.intermediate_size, item) if expert_bytes else 0

@@ -14,6 +14,8 @@ def add_parser(sub) -> None:
     p.add_argument("--max-new-tokens", type=int, default=256, help="new tokens per sequence (default 256)")
     p.add_argument("--policy", default="writescope", help="KV placement policy: resident, gpu, cpu, static:R, writescope, monolithic[:R] (default writescope, the policy of long-context runs, as in profile; generate defaults to resident: pass the policy the run will use)")
     p.add_argument("--window", type=int, default=256, help="D (default 256)")
+    p.add_argument("--prefill-chunk-tokens", type=int, default=8192,
+                   help="prompt tokens per prefill pass, as generate's flag: sizes the activations (default 8192)")
     p.add_argument("--dtype", default="bf16", help="bf16 (default), fp16, fp32, or auto (as on cuda: bf16)")
     p.add_argument("--host-memory", default=None,
                    help="host memory free on the machine that will run it, e.g. 125GiB (default: what this machine has free)")
@@ -58,7 +60,8 @@ def run(args: argparse.Namespace) -> int:
     except ValueError as e:
         raise ValueError(f"--vram-budget: {e}") from None
     (context,) = parse_tokens(args.context, "--context", one=True)
-    for flag, value in (("--batch", args.batch), ("--window", args.window), ("--max-new-tokens", args.max_new_tokens)):
+    for flag, value in (("--batch", args.batch), ("--window", args.window), ("--max-new-tokens", args.max_new_tokens),
+                        ("--prefill-chunk-tokens", args.prefill_chunk_tokens)):
         if value < 1:
             raise ValueError(f"{flag} must be >= 1, got {value}")
     policy = parse_policy(args.policy, roofline=Roofline(1.0, 1.0))  # the share does not change the worst-case sizes
@@ -69,7 +72,8 @@ def run(args: argparse.Namespace) -> int:
     check_model_limit(args.model, cfg.max_position_embeddings, context, args.max_new_tokens)
     dtype = parse_dtype(args.dtype, torch.device("cuda"))
     host = parse_size(args.host_memory) if args.host_memory else available_memory(torch.device("cpu"))
-    plan = make_plan(cfg, dtype, budget, args.batch, context, args.max_new_tokens, policy, args.window, host_free=host)
+    plan = make_plan(cfg, dtype, budget, args.batch, context, args.max_new_tokens, policy, args.window,
+                     prefill_chunk_tokens=args.prefill_chunk_tokens, host_free=host)
     print(f"{args.model}: batch {args.batch} x ({context} + {args.max_new_tokens}) tokens, policy {args.policy}, {dtype}, D = {args.window}")
     print(format_plan(plan, cfg))
     if args.expert_profile:

@@ -11,11 +11,11 @@ from writescope.errors import ArgError
 # argument names are the default of writescope.budget.plan.MemoryPlan.problem)
 PLAN_FLAGS = {
     "generate": ("--vram-budget", "--batch or --max-model-len (without it the plan is for the prompt's tokens plus --max-new-tokens, or the model's limit where the prompt's length is not known before loading)",
-                 "--policy"),
-    "plan": ("--vram-budget", "--batch, --context or --max-new-tokens", "--policy"),
+                 "--policy", "--prefill-chunk-tokens"),
+    "plan": ("--vram-budget", "--batch, --context or --max-new-tokens", "--policy", "--prefill-chunk-tokens"),
     "bench": ("--vram-budget", "--batch or --context (the plan is for the largest of each)", "--policies"),
     "profile": ("--vram-budget", "--batch or --context", "--policy"),
-    "serve": ("--vram-budget", "--max-num-seqs or --max-model-len", "--policy"),
+    "serve": ("--vram-budget", "--max-num-seqs or --max-model-len", "--policy", "--prefill-chunk-tokens"),
 }
 
 

@@ -61,6 +61,26 @@ def resolve_device(name: str) -> torch.device:
     return dev
 
 
+def _unknown_model(model: str, p: Path) -> str:
+    """Why ``model`` names neither a checkpoint directory nor a preset, and what to pass instead:
+    a file, a path with no directory there, a Hugging Face hub id (nothing is downloaded), or a
+    misspelt preset."""
+    presets = f"presets: {', '.join(PRESETS)}"
+    if p.is_file():
+        return f"model {model!r} is a file: pass the checkpoint directory (config.json and *.safetensors) or a preset; {presets}"
+    owner, _, name = model.partition("/")
+    if owner and name and "/" not in name and not model.startswith((".", "~")):
+        close = did_you_mean(name)
+        preset = f"or, for its config with seeded synthetic weights, {close.replace('did you mean ', 'the preset ')[:-2]}; " if close else ""
+        return (f"model {model!r} looks like a Hugging Face hub id, and WriteScope downloads nothing: download it first "
+                f"(e.g. `hf download {model} --local-dir DIR`) and pass DIR; {preset}{presets}")
+    if "/" in model or model.startswith(("~", ".")):
+        full = str(p.expanduser().resolve())
+        where = "" if full == model else f" ({full})"
+        return f"model {model!r}: no checkpoint directory there{where}: pass a checkpoint directory or a preset; {presets}"
+    return f"model {model!r} is neither a checkpoint directory nor a preset; {did_you_mean(model)}{presets}"
+
+
 def resolve_config(model: str, num_layers: int | None = None, synthetic: bool = False) -> tuple[ModelConfig, Path | None]:
     """(config, checkpoint dir or None for a preset). ``num_layers`` keeps the model's shape
     but only its first ``num_layers`` decoder layers (benchmarks of one model's layer shape).
@@ -76,8 +96,7 @@ def resolve_config(model: str, num_layers: int | None = None, synthetic: bool = 
     elif model in PRESETS:
         cfg, ckpt = preset_config(model), None
     else:
-        raise ArgError(f"model {model!r} is neither a checkpoint directory nor a preset; {did_you_mean(model)}presets: {', '.join(PRESETS)}",
-                       "model")
+        raise ArgError(_unknown_model(model, p), "model")
     if num_layers is not None:
         if not 1 <= num_layers <= cfg.num_layers:
             raise ArgError(f"num_layers {num_layers} must be in [1, {cfg.num_layers}] (the layers of {model})", "num_layers")
