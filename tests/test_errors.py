@@ -161,6 +161,28 @@ def test_unsupported_model_type(tmp_path):
     (tmp_path / "config.json").write_text(json.dumps(d))
     with pytest.raises(ValueError, match=re.escape(f"{tmp_path / 'config.json'}: unsupported model_type None")):  # the file named
         ModelConfig.from_file(tmp_path)
+    (tmp_path / "config.json").write_text("[1, 2]")
+    with pytest.raises(ValueError, match=re.escape(f"{tmp_path / 'config.json'} holds a JSON list, not an object")):
+        ModelConfig.from_file(tmp_path)
+
+
+def test_a_model_path_is_told_from_a_hub_id(tmp_path, monkeypatch):
+    """``~`` is expanded (a checkpoint there loads); ``owner/name`` is a hub id only where no local
+    folder ``owner`` exists, else a missing checkpoint directory."""
+    from writescope.engine.model_loader import resolve_config
+
+    monkeypatch.setenv("HOME", str(tmp_path))
+    (tmp_path / "ckpt").mkdir()
+    (tmp_path / "ckpt" / "config.json").write_text(json.dumps(preset_hf_dict(PRESET)))
+    cfg, ckpt = resolve_config("~/ckpt")
+    assert ckpt == tmp_path / "ckpt" and cfg.num_layers == resolve_config(PRESET)[0].num_layers
+    monkeypatch.chdir(tmp_path)
+    with pytest.raises(ValueError, match="'ckpt/qwen3': no checkpoint directory there"):  # ckpt/ is a local folder
+        resolve_config("ckpt/qwen3")
+    with pytest.raises(ValueError, match="'elsewhere/qwen3' looks like a Hugging Face hub id"):
+        resolve_config("elsewhere/qwen3")
+    with pytest.raises(ValueError, match="'a/b/c': no checkpoint directory there"):
+        resolve_config("a/b/c")
 
 
 @pytest.mark.parametrize("preset, field", [("tiny-deepseek-v2", "num_experts_per_tok")])

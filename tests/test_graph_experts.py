@@ -17,7 +17,7 @@ from helpers import teacher_forced_decode_logits
 
 from writescope import LLM
 from writescope.engine import replay_hooks
-from writescope.models.graphs import StageGraphs, _clone, _copy
+from writescope.models.graphs import StageGraphs, _clone, _copy, expert_path
 from writescope.moe import async_experts, cpu_experts
 from writescope.native import flag_worker
 
@@ -112,6 +112,7 @@ def test_the_switch_off_or_no_worker_yet_leaves_the_stage_uncaptured(monkeypatch
         b(x)
     key = b.graph_key(4)
     assert key is not None and key[0] == "async" and key[2] == llm.expert_worker.running.flags.data_ptr()
+    assert expert_path(key) == "worker" and expert_path(()) == "device"  # the stage keeps one graph per path
     monkeypatch.setenv(async_experts.GRAPH_ENV, "off")
     assert b.graph_key(4) is None
     monkeypatch.setenv(async_experts.GRAPH_ENV, "sometimes")

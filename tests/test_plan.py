@@ -91,10 +91,15 @@ def test_a_budget_too_small_for_the_prefill_pass_advises_a_smaller_chunk(capsys)
     cfg = preset_config("qwen3-30b-a3b")
     big = make_plan(cfg, torch.bfloat16, 4 * GiB, 1, 32768, 256, StaticPolicy(0.5))
     assert big.prefill_tokens == 8192 and big.budget < big.gpu_min
-    with pytest.raises(ValueError, match=r"or prefill_chunk_tokens \(the activations are sized for a prefill pass of 8,192 tokens"):
+    with pytest.raises(ValueError, match=r"or prefill_chunk_tokens=1024 \(the activations are sized for prefill passes of 8,192 "
+                                         r"tokens; at 1,024 they take 0\.\d\d GiB and the minimum is 3\.\d{3} GiB\)") as e:
         big.check()
     small = make_plan(cfg, torch.bfloat16, 4 * GiB, 1, 32768, 256, StaticPolicy(0.5), prefill_chunk_tokens=1024)
     small.check()  # the advice works
+    assert f"the minimum is {small.gpu_min / GiB:.3f} GiB" in str(e.value)  # the minimum said is the smaller chunk's
+    with pytest.raises(ValueError) as e:  # where even 1,024-token passes would not fit, no such advice
+        make_plan(cfg, torch.bfloat16, 3 * GiB, 1, 32768, 256, StaticPolicy(0.5)).check()
+    assert "below the minimum" in str(e.value) and "prefill" not in str(e.value)
     short = make_plan(cfg, torch.bfloat16, 1024, 1, 1024, 0, StaticPolicy(0.5), prefill_chunk_tokens=1024)
     assert short.prefill_tokens == 1024
     with pytest.raises(ValueError) as e:
@@ -105,7 +110,7 @@ def test_a_budget_too_small_for_the_prefill_pass_advises_a_smaller_chunk(capsys)
         both.check()
     args = ["plan", "--model", "qwen3-30b-a3b", "--vram-budget", "4GiB", "--batch", "1", "--context", "32k", "--host-memory", "200GiB"]
     assert main(args) == 2
-    assert "or --prefill-chunk-tokens (the activations" in capsys.readouterr().err  # the command's flag
+    assert "or --prefill-chunk-tokens 1024 (the activations" in capsys.readouterr().err  # the command's flag
     assert main(args + ["--prefill-chunk-tokens", "1024"]) == 0
     assert "the plan fits" in capsys.readouterr().out
     assert main(args + ["--prefill-chunk-tokens", "0"]) == 2

@@ -209,10 +209,12 @@ class ModelConfig:
             d = json.loads(p.read_text())
         except json.JSONDecodeError as e:
             raise ValueError(f"{p} is not valid JSON ({e})") from e
+        if not isinstance(d, dict):
+            raise ValueError(f"{p} holds a JSON {type(d).__name__}, not an object: pass a Hugging Face checkpoint's config.json")
         try:
             return ModelConfig.from_hf(d)
         except ValueError as e:
-            raise ValueError(f"{p}: {e}") from None
+            raise ValueError(f"{p}: {e}") from e
 
     @staticmethod
     def from_hf(d: Mapping[str, Any]) -> "ModelConfig":

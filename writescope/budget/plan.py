@@ -71,6 +71,7 @@ class MemoryPlan:
     stream_slots: int = 0  # device weight slots for streaming host experts in long prefills (0: not streamed)
     workspaces: int = GEMM_WORKSPACES  # cuBLAS workspaces of the streams that run GEMMs (module doc)
     prefill_tokens: int = 0  # T, the tokens of the largest prefill pass the activations are sized for (0: not known)
+    activations_small_chunk: int = 0  # the activations at MIN_ADVISED_CHUNK-token prefill passes (0: not known)
 
     @property
     def experts_gpu(self) -> int:
@@ -117,9 +118,11 @@ class MemoryPlan:
         why = []
         if self.budget < self.gpu_min:
             chunk = ""
-            if f.chunk and self.prefill_tokens > MIN_ADVISED_CHUNK:
-                chunk = (f", or {f.chunk} (the activations are sized for a prefill pass of {self.prefill_tokens:,} tokens "
-                         f"and shrink with it, e.g. {MIN_ADVISED_CHUNK:,})")
+            smaller = self.gpu_min - self.activations + self.activations_small_chunk
+            if f.chunk and self.prefill_tokens > MIN_ADVISED_CHUNK and 0 < self.activations_small_chunk and smaller <= self.budget:
+                chunk = (f", or {f.chunk}{' ' if f.chunk.startswith('--') else '='}{MIN_ADVISED_CHUNK} (the activations are sized for prefill passes of {self.prefill_tokens:,} "
+                         f"tokens; at {MIN_ADVISED_CHUNK:,} they take {self.activations_small_chunk / GiB:.2f} GiB and the minimum "
+                         f"is {smaller / GiB:.3f} GiB)")
             why.append(
                 f"a GPU budget of {self.budget / GiB:.3f} GiB is below the minimum of {self.gpu_min / GiB:.3f} GiB "
                 f"(non-expert weights {self.non_expert_weights / GiB:.2f} + KV on the GPU {self.kv_gpu / GiB:.2f} + ping-pong "
@@ -212,8 +215,9 @@ def make_plan(
         pinned = int(host * policy.max_load_share)
         staging = pinned_staging_bytes(spec, policy, batch, host)
     T = min(prefill_chunk_tokens, batch * context)
-    act = T * (8 * H + 2 * (a.q_heads + 2 * a.kv_heads) * a.head_dim + m.top_k * (3 * m.intermediate_size + 2 * H)) * item
-    act += 4096 * cap + batch * cfg.vocab_size * 4
+    per_token = (8 * H + 2 * (a.q_heads + 2 * a.kv_heads) * a.head_dim + m.top_k * (3 * m.intermediate_size + 2 * H)) * item
+    act = T * per_token + 4096 * cap + batch * cfg.vocab_size * 4
+    act_small = act - (T - min(T, MIN_ADVISED_CHUNK)) * per_token  # the same at MIN_ADVISED_CHUNK-token passes
     if cfg.kv_layout.k_dim > FUSED_MAX_DIM and mla_prefill_mode() == "expanded":
         # one sequence's latents expanded to per-head keys and values, and the bound on scores
         # should SDPA take its math path for them
@@ -222,7 +226,8 @@ def make_plan(
         act += SCORE_BYTES + cap * (2 * cfg.kv_layout.k_dim + cfg.kv_layout.v_dim) * 4
     expert_bytes = w.expert * item
     plan = MemoryPlan(budget, w.non_expert * item, expert_bytes, (), w.num_experts * w.moe_layers, kv_gpu, pingpong, act, RESERVE,
-                      host, pinned, staging, host_free, workspaces=gemm_workspaces, prefill_tokens=T)
+                      host, pinned, staging, host_free, workspaces=gemm_workspaces, prefill_tokens=T,
+                      activations_small_chunk=act_small)
     room = max(0, budget - plan.gpu_min)
     n = min(plan.experts_total, room // expert_bytes) if expert_bytes else 0
     slots = stream_plan_bytes(H, m.intermediate_size, item) if expert_bytes else 0

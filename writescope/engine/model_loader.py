@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import re
 import time
 import warnings
 from pathlib import Path
@@ -69,13 +70,13 @@ def _unknown_model(model: str, p: Path) -> str:
     if p.is_file():
         return f"model {model!r} is a file: pass the checkpoint directory (config.json and *.safetensors) or a preset; {presets}"
     owner, _, name = model.partition("/")
-    if owner and name and "/" not in name and not model.startswith((".", "~")):
+    if re.fullmatch(r"[A-Za-z0-9][\w.-]*/[\w.-]+", model) and not Path(owner).is_dir():  # owner/name, and no local folder owner
         close = did_you_mean(name)
         preset = f"or, for its config with seeded synthetic weights, {close.replace('did you mean ', 'the preset ')[:-2]}; " if close else ""
         return (f"model {model!r} looks like a Hugging Face hub id, and WriteScope downloads nothing: download it first "
                 f"(e.g. `hf download {model} --local-dir DIR`) and pass DIR; {preset}{presets}")
     if "/" in model or model.startswith(("~", ".")):
-        full = str(p.expanduser().resolve())
+        full = str(p.resolve())
         where = "" if full == model else f" ({full})"
         return f"model {model!r}: no checkpoint directory there{where}: pass a checkpoint directory or a preset; {presets}"
     return f"model {model!r} is neither a checkpoint directory nor a preset; {did_you_mean(model)}{presets}"
@@ -90,7 +91,7 @@ def resolve_config(model: str, num_layers: int | None = None, synthetic: bool = 
             [1, the model's num_hidden_layers], or given for a checkpoint's own weights
             (``synthetic`` False: a truncated model is for synthetic weights only).
     """
-    p = Path(model)
+    p = Path(model).expanduser()
     if p.is_dir():
         cfg, ckpt = ModelConfig.from_file(p), p
     elif model in PRESETS:

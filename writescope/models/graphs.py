@@ -28,7 +28,7 @@ whole, the native expert worker cut), and a policy or expert share set on a load
 it back and forth. Recapturing the other form cost the first decode step after each switch
 0.2-0.5 s, which run 59's grids (8 steps a row, policies taking turns) counted as 30-67 ms a step
 against every `writescope` row (benchmarks/results/gpu_decode_h200.md). For the same reason a stage
-keeps its two newest keys (``KEYS_PER_STAGE``): with ``WRITESCOPE_GRAPH_EXPERTS=on`` the worker's
+keeps one key per expert path (:func:`expert_path`): with ``WRITESCOPE_GRAPH_EXPERTS=on`` the worker's
 path captures whole too, under a key other than the in-place read's. The cut parts are captured
 into a pool of their own (two pools a micro-batch), so the two forms never share memory. Memory
 kept: each form's static outputs per shape (the last stage's float32 logits, [tokens, vocab],
@@ -58,11 +58,15 @@ from writescope.native.flag_worker import WorkerError
 from writescope.env import env_choice
 
 MAX_SHAPES = 32  # distinct (micro-batch, tokens) shapes kept (a server's batch sizes); the oldest shape's graphs go first
-# Keys kept per stage and shape, the newest: a whole stage has two keys where its MoE block's host
-# experts go by two paths that both capture whole (read in place, or the native expert worker's
-# hand-over with WRITESCOPE_GRAPH_EXPERTS=on), and the expert path may switch between them; a third
-# key (a repack: new addresses) drops the oldest.
-KEYS_PER_STAGE = 2
+
+
+def expert_path(key) -> str:
+    """``"worker"`` for a stage key whose MoE block hands its CPU share to the native expert worker
+    (moe/block.py ``_async_graph_key``: a tuple opening with ``"async"``), else ``"device"`` (the
+    in-place read, device experts only, or no MoE). A stage keeps one graph per path and shape: the
+    expert path may switch between the two on a loaded model, while a new key on the same path (a
+    repack, a new worker: new addresses) replaces the old one, whose tensors may be gone."""
+    return "worker" if isinstance(key, tuple) and key[:1] == ("async",) else "device"
 
 
 def graphs_wanted(device: torch.device) -> bool:
@@ -203,9 +207,8 @@ class StageGraphs:
                                   "such stages run without graphs", stacklevel=3)
                 return fn(*inputs)
             self._pools[pool] = g.pool
-            older = [k for k in graphs if k[0] == stage]  # this stage's keys, oldest first (the other form's are other stages)
-            drop = set(older[:max(0, len(older) - KEYS_PER_STAGE + 1)])
-            graphs = {k: v for k, v in graphs.items() if k not in drop}
+            # this stage's older key of the same expert path goes (a repack, a new worker); the other path's stays
+            graphs = {k: v for k, v in graphs.items() if k[0] != stage or expert_path(k[1]) != expert_path(key)}
             graphs[(stage, key)] = g
             self._shapes[shape] = graphs
             self.captured += 1
