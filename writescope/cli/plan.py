@@ -15,7 +15,7 @@ def add_parser(sub) -> None:
     p.add_argument("--policy", default="writescope", help="KV placement policy: resident, gpu, cpu, static:R, writescope, monolithic[:R] (default writescope, the policy of long-context runs, as in profile; generate defaults to resident: pass the policy the run will use)")
     p.add_argument("--window", type=int, default=256, help="D (default 256)")
     p.add_argument("--prefill-chunk-tokens", type=int, default=8192,
-                   help="prompt tokens per prefill pass, as generate's flag: sizes the activations (default 8192)")
+                   help="prompt tokens per prefill pass: sizes the activations (default 8192, generate's; serve's is 2048)")
     p.add_argument("--dtype", default="bf16", help="bf16 (default), fp16, fp32, or auto (as on cuda: bf16)")
     p.add_argument("--host-memory", default=None,
                    help="host memory free on the machine that will run it, e.g. 125GiB (default: what this machine has free)")
