@@ -113,6 +113,8 @@ def test_the_switch_off_or_no_worker_yet_leaves_the_stage_uncaptured(monkeypatch
     key = b.graph_key(4)
     assert key is not None and key[0] == "async" and key[2] == llm.expert_worker.running.flags.data_ptr()
     assert expert_path(key) == "worker" and expert_path(()) == "device"  # the stage keeps one graph per path
+    monkeypatch.delenv(async_experts.GRAPH_ENV)
+    assert async_experts.graph_wanted() and b.graph_key(4) == key  # on by default (run 61)
     monkeypatch.setenv(async_experts.GRAPH_ENV, "off")
     assert b.graph_key(4) is None
     monkeypatch.setenv(async_experts.GRAPH_ENV, "sometimes")
