@@ -53,8 +53,9 @@ def graph_wanted() -> bool:
     (:func:`captured_into`); ``off``: such a stage is cut around the block, the block issued eagerly
     (models/decode_step.py). On the H200 (run 61, benchmarks/results/gpu_decode_h200.md) ``on`` took
     Qwen3-30B-A3B's decode step from 138-149 to 104-106 ms at 4 x 8K, 164-167 to 121-126 at 4 x 16K,
-    202 to 178-186 at 4 x 32K and 272-292 to 261 at 16 x 8K: the issuing thread's time per step
-    fell by about half (157 to 70 ms at 4 x 8K), where the cut form kept the step issue-bound.
+    202 to 178-186 at 4 x 32K and 272-292 to 261-262 at 16 x 8K: the issuing thread's time per
+    step fell to 0.45-0.69 of the cut form's (157 to 70 ms at 4 x 8K), where the cut form kept the
+    step issue-bound.
 
     Raises:
         ValueError: a value other than on/off (names it).
