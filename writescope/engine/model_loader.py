@@ -17,7 +17,7 @@ from writescope.errors import ArgError
 from writescope.engine.timing import synchronize
 from writescope.models import build_model
 from writescope.models.causal_lm import CausalLM
-from writescope.presets import PRESETS, did_you_mean, preset_config
+from writescope.presets import PRESETS, closest_preset, did_you_mean, preset_config
 
 DTYPES = {
     "bf16": torch.bfloat16, "bfloat16": torch.bfloat16,
@@ -71,8 +71,8 @@ def _unknown_model(model: str, p: Path) -> str:
         return f"model {model!r} is a file: pass the checkpoint directory (config.json and *.safetensors) or a preset; {presets}"
     owner, _, name = model.partition("/")
     if re.fullmatch(r"[A-Za-z0-9][\w.-]*/[\w.-]+", model) and not Path(owner).is_dir():  # owner/name, and no local folder owner
-        close = did_you_mean(name)
-        preset = f"or, for its config with seeded synthetic weights, {close.replace('did you mean ', 'the preset ')[:-2]}; " if close else ""
+        close = closest_preset(name)
+        preset = f"or, for its config with seeded synthetic weights, the preset {close!r}; " if close else ""
         return (f"model {model!r} looks like a Hugging Face hub id, and WriteScope downloads nothing: download it first "
                 f"(e.g. `hf download {model} --local-dir DIR`) and pass DIR; {preset}{presets}")
     if "/" in model or model.startswith(("~", ".")):

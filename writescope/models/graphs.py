@@ -54,6 +54,7 @@ import torch
 
 from writescope.engine.ranges import named
 from writescope.engine.replay_hooks import collecting
+from writescope.moe.async_experts import GRAPH_KEY_MARK
 from writescope.native.flag_worker import WorkerError
 from writescope.env import env_choice
 
@@ -62,11 +63,11 @@ MAX_SHAPES = 32  # distinct (micro-batch, tokens) shapes kept (a server's batch 
 
 def expert_path(key) -> str:
     """``"worker"`` for a stage key whose MoE block hands its CPU share to the native expert worker
-    (moe/block.py ``_async_graph_key``: a tuple opening with ``"async"``), else ``"device"`` (the
-    in-place read, device experts only, or no MoE). A stage keeps one graph per path and shape: the
+    (moe/block.py ``_async_graph_key``: a tuple opening with ``GRAPH_KEY_MARK``), else
+    ``"device"`` (the in-place read, device experts only, or no MoE). A stage keeps one graph per path and shape: the
     expert path may switch between the two on a loaded model, while a new key on the same path (a
     repack, a new worker: new addresses) replaces the old one, whose tensors may be gone."""
-    return "worker" if isinstance(key, tuple) and key[:1] == ("async",) else "device"
+    return "worker" if isinstance(key, tuple) and key[:1] == (GRAPH_KEY_MARK,) else "device"
 
 
 def graphs_wanted(device: torch.device) -> bool:

@@ -45,6 +45,9 @@ ENV = "WRITESCOPE_EXPERT_WORKER"
 
 
 GRAPH_ENV = "WRITESCOPE_GRAPH_EXPERTS"
+# The first item of a stage's graph key whose MoE block takes this path (moe/block.py
+# ``_async_graph_key``; models/graphs.py ``expert_path`` keeps one graph per path).
+GRAPH_KEY_MARK = "async"
 
 
 def graph_wanted() -> bool:

@@ -96,7 +96,7 @@ class SparseMoeBlock(nn.Module):
         p, h = self.packed, self.host_pack
         slot_of = self._host_device_views(w.device)[2] if w.device.type == "cuda" else h.slot_of
         self.share_tensor(w.device)  # made here, before a capture: made inside one, each replay would zero it
-        return (("async", fused_decode.env_fused(), worker.flags.data_ptr(), self.stream_min_tokens, h.w13.data_ptr(),
+        return ((async_experts.GRAPH_KEY_MARK, fused_decode.env_fused(), worker.flags.data_ptr(), self.stream_min_tokens, h.w13.data_ptr(),
                  h.w2.data_ptr(), slot_of.data_ptr(), tuple(h.ids))
                 + (() if p is None else (p.w13.data_ptr(), p.w2.data_ptr(), p.slot_of.data_ptr(), tuple(p.ids))))
 

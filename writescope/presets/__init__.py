@@ -26,13 +26,19 @@ def preset_hf_dict(name: str) -> dict:
     return json.loads(resources.files(__package__).joinpath(f"{name}.json").read_text())
 
 
-def did_you_mean(name: str) -> str:
-    """``"did you mean 'tiny-qwen3-moe'? "`` for the preset closest to ``name`` (case and ``_``
-    for ``-`` aside), or ``""`` when none is close."""
+def closest_preset(name: str) -> str | None:
+    """The preset closest to ``name`` (case and ``_`` for ``-`` aside), or None when none is close."""
     norm = {p.replace("-", ""): p for p in PRESETS}
     key = name.lower().replace("_", "-")
     close = difflib.get_close_matches(key, list(PRESETS), n=1) or [norm[k] for k in difflib.get_close_matches(key.replace("-", ""), list(norm), n=1)]
-    return f"did you mean {close[0]!r}? " if close else ""
+    return close[0] if close else None
+
+
+def did_you_mean(name: str) -> str:
+    """``"did you mean 'tiny-qwen3-moe'? "`` for the preset closest to ``name``
+    (:func:`closest_preset`), or ``""`` when none is close."""
+    close = closest_preset(name)
+    return f"did you mean {close!r}? " if close else ""
 
 
 def preset_config(name: str) -> ModelConfig:
