@@ -455,27 +455,51 @@ def test_writescope_reads_host_experts_in_place_where_the_fused_kernels_can(monk
 
 
 def test_the_expert_phase_model_of_the_in_place_read_and_the_split():
-    """In place: every byte at the link's rate; split: balanced (X e g / (e + g)) plus the overhead
-    per layer with host experts; the figures of run 34's Mixtral and run 18's Qwen3 pick as measured."""
-    from writescope.scheduler.expert_work import SPLIT_OVERHEAD_S, expert_phase_seconds
+    """In place: every hit expert's bytes at the link's rate; split: whole experts balanced
+    between the CPU and the link, averaged over the binomial count of hits, plus the overhead per
+    layer with host experts; the figures of run 34's Mixtral and run 18's Qwen3 pick as measured."""
+    from writescope.scheduler.expert_work import SPLIT_OVERHEAD_S, LayerHits, expert_phase_seconds
 
     e, g = 1 / 75e9, 1 / 55e9
-    in_place, split = expert_phase_seconds([1e9, 0.0, 2e9], e, g, overhead=1e-3)
-    assert in_place == pytest.approx(3e9 * g)
-    assert split == pytest.approx(3e9 * e * g / (e + g) + 2e-3)  # the empty layer pays no overhead
+    s = 1e9
+    # every host expert always hit (p 1): the split is the whole-expert balance of that many, exactly
+    in_place, split = expert_phase_seconds([LayerHits(1, 1.0, s), LayerHits(0, 0.5, s), LayerHits(2, 1.0, s)], e, g, overhead=1e-3)
+    assert in_place == pytest.approx(3 * s * g)
+    # one expert: the faster side alone (the CPU here); two: one on each side, the link the slower
+    assert split == pytest.approx(s * e + s * g + 2e-3)  # the empty layer pays no overhead
     assert expert_phase_seconds([], e, g) == (0.0, 0.0)
-    mixtral = [3.95 * 352e6] * 32  # about 3.95 hit host experts of 352 MB a layer at 4 tokens (185 of 256 on the host)
-    qwen3 = [14.6 * 9.4e6] * 48  # about 14.6 of 9.4 MB at 4 tokens (half on the host)
+    # p < 1: averaged over the binomial count of hits (0, 1 or 2 of 2)
+    p = 0.3
+    in_place, split = expert_phase_seconds([LayerHits(2, p, s)], e, g, overhead=0.0)
+    assert in_place == pytest.approx(2 * p * s * g)
+    assert split == pytest.approx(2 * p * (1 - p) * s * e + p * p * s * g)
+    mixtral = [LayerHits(6, 1 - (1 - 2 / 8) ** 4, 352_321_536)] * 32  # 185 of 256 on the host, 4 tokens
+    qwen3 = [LayerHits(64, 1 - (1 - 8 / 128) ** 4, 9_437_184)] * 48  # half on the host, 4 tokens
     assert expert_phase_seconds(mixtral, e, g)[1] < expert_phase_seconds(mixtral, e, g)[0]  # split (433 vs 961 ms measured)
     assert expert_phase_seconds(qwen3, e, g)[0] < expert_phase_seconds(qwen3, e, g)[1]  # in place (304 vs 428 ms measured)
-    assert expert_phase_seconds([1e9], e, g)[1] == pytest.approx(1e9 * e * g / (e + g) + SPLIT_OVERHEAD_S)  # the default overhead
+    assert expert_phase_seconds([LayerHits(1, 1.0, s)], e, g)[1] == pytest.approx(s * e + SPLIT_OVERHEAD_S)  # the default overhead
     for bad in ((0.0, g), (e, float("inf")), (float("nan"), g)):
         with pytest.raises(ValueError, match="positive and finite"):
-            expert_phase_seconds([1.0], *bad)
+            expert_phase_seconds([LayerHits(1, 1.0, 1)], *bad)
+    for layer in (LayerHits(1, float("nan"), 1), LayerHits(1, 1.5, 1), LayerHits(-1, 0.5, 1), LayerHits(1, 0.5, -1)):
+        with pytest.raises(ValueError, match="p in \\[0, 1\\]"):
+            expert_phase_seconds([layer], e, g)
     with pytest.raises(ValueError, match=">= 0"):
-        expert_phase_seconds([float("nan")], e, g)
+        expert_phase_seconds([LayerHits(1, 1.0, 1)], e, g, overhead=-1.0)
     with pytest.raises(ValueError, match=">= 0"):
-        expert_phase_seconds([1.0], e, g, overhead=-1.0)
+        expert_phase_seconds([LayerHits(1, 1.0, 1)], e, g, call=float("nan"))
+
+
+@pytest.mark.parametrize("n", [0, 1, 2, 3, 7, 16, 17, 64])
+@pytest.mark.parametrize("e, g, call", [(1 / 75e9, 1 / 55e9, 0.0), (1 / 30e9, 1 / 55e9, 0.0), (1 / 75e9, 1 / 20e9, 2e-4),
+                                        (1 / 90e9, 1 / 45e9, 5e-3)])
+def test_the_whole_expert_split_is_the_best_of_every_count_on_the_cpu(n, e, g, call):
+    """whole_split_seconds's few candidates against a scan of every j on the CPU."""
+    from writescope.scheduler.expert_work import whole_split_seconds
+
+    s = 9_437_184
+    scan = min(max(j * s * e + (call if j else 0.0), (n - j) * s * g) for j in range(n + 1))
+    assert whole_split_seconds(n, s, e, g, call) == pytest.approx(scan, rel=1e-12, abs=0.0)
 
 
 def test_the_worker_path_overhead_reads_one_small_host_expert_a_layer_in_place():
@@ -484,14 +508,17 @@ def test_the_worker_path_overhead_reads_one_small_host_expert_a_layer_in_place()
     79% of layer steps at 16 tokens; E 40.9, G 30.4 GB/s) cost 31-40 ms a step against reading it in
     place, so the model must read it in place at 16 and 32 tokens; Qwen3-30B-A3B 4 x 8K (138 MB of
     hit host experts a layer step, E 85, G 38 GB/s), where the CPU computing them was 40-56 ms a
-    step faster, must still split; and the estimate it replaced (0.3 ms) picked the split for DSV2."""
-    from writescope.scheduler.expert_work import ASYNC_SPLIT_OVERHEAD_S, expert_phase_seconds, split_from
+    step faster, must still split. In whole experts even the estimate it replaced (0.3 ms) reads
+    DSV2's in place: one expert goes to one side, so the split gains at most the gap between the
+    two rates, not the divisible balance that picked the split (and lost) in run 60."""
+    from writescope.scheduler.expert_work import ASYNC_SPLIT_OVERHEAD_S, LayerHits, expert_phase_seconds, split_from
 
     dsv2 = _fake_blocks(26, 64, 6, 1, 3 * 2048 * 1408 * 2)
     e, g = 1 / 40.9e9, 1 / 30.4e9
     assert split_from(dsv2, 32, e, g, ASYNC_SPLIT_OVERHEAD_S) is None
-    assert split_from(dsv2, 32, e, g, 0.3e-3) is not None  # the old estimate: split (and lost)
-    qwen3 = [138e6] * 48
+    assert split_from(dsv2, 32, e, g, 0.3e-3) is None
+    assert split_from(dsv2, 32, e, g, 0.05e-3) is not None  # a smaller overhead would take the faster CPU
+    qwen3 = [LayerHits(64, 1 - (1 - 8 / 128) ** 4, 9_437_184)] * 48  # about 138 MB hit a layer step
     in_place, split = expert_phase_seconds(qwen3, 1 / 85e9, 1 / 38e9, ASYNC_SPLIT_OVERHEAD_S)
     assert split < in_place
 
@@ -510,14 +537,14 @@ def test_the_split_starts_at_the_fewest_tokens_where_it_wins():
     (185 of 256 on the host): the split from the first token; a budget of tokens below the first
     win: None. The answer is the first count at which the split wins (bisection checked against
     a scan)."""
-    from writescope.scheduler.expert_work import expected_host_expert_bytes, expert_phase_seconds, split_from
+    from writescope.scheduler.expert_work import expert_phase_seconds, layer_hits, split_from
 
     e, g = 1 / 75e9, 1 / 55e9
     qwen3 = _fake_blocks(48, 128, 8, 64, 3 * 2048 * 768 * 2)
     first = split_from(qwen3, 64, e, g)
     assert first is not None and 4 < first <= 64
     scan = next(t for t in range(1, 65) if (lambda p: p[1] < p[0])(
-        expert_phase_seconds([expected_host_expert_bytes([b], t) for b in qwen3], e, g)))
+        expert_phase_seconds([layer_hits(b, t) for b in qwen3], e, g)))
     assert first == scan
     assert split_from(qwen3, first - 1, e, g) is None and split_from(qwen3, 0, e, g) is None
     mixtral = _fake_blocks(32, 8, 2, 6, 3 * 4096 * 14336 * 2)

@@ -38,6 +38,7 @@ from __future__ import annotations
 
 import math
 import warnings
+from typing import NamedTuple
 
 from writescope.scheduler.joint import JointCosts, streamed_count
 from writescope.scheduler.roofline import OnlineEstimate, WriteScopePolicy
@@ -391,52 +392,103 @@ SPLIT_OVERHEAD_S = 4.0e-3
 # static:0.333333. Those rows were issue-bound in the cut form (the MoE block issued eagerly); run 61
 # also made the whole capture the default (WRITESCOPE_GRAPH_EXPERTS), which halves the issue time,
 # so this figure, fitted on the cut form, may now be too high: fit it again from grids in that form.
+# (These fits took the experts as divisible; since the twenty-fourth session the attach decision
+# counts whole experts (expert_phase_seconds), which alone reads DeepSeek-V2-Lite's one host expert a
+# layer in place at 0.3 ms too.)
 ASYNC_SPLIT_OVERHEAD_S = 1.2e-3
 
 
-def expert_phase_seconds(layer_bytes: list[float], e: float, g: float,
-                         overhead: float = SPLIT_OVERHEAD_S) -> tuple[float, float]:
+class LayerHits(NamedTuple):
+    """One MoE layer's host experts in a decode step of some tokens, under uniform routing: ``experts``
+    routed experts in host memory, each hit with probability ``p`` (:func:`layer_hits`), each of
+    ``nbytes`` weight bytes."""
+
+    experts: int
+    p: float
+    nbytes: int
+
+
+def layer_hits(block, tokens: int) -> LayerHits:
+    """:class:`LayerHits` of ``block`` (a MoE block with a host pack, or without host experts) at
+    ``tokens`` decode tokens: each routed expert is hit with probability 1 - (1 - k/E)^T
+    (:func:`expected_hit_experts` over E)."""
+    hosted = len(block.host_experts) if block.host_experts and block.host_pack is not None else 0
+    if hosted == 0:
+        return LayerHits(0, 0.0, 0)
+    p = expected_hit_experts(tokens, block.cfg.num_experts, block.cfg.top_k) / block.cfg.num_experts
+    return LayerHits(hosted, p, block.host_pack.expert_nbytes)
+
+
+def whole_split_seconds(n: int, nbytes: float, e: float, g: float, call: float = 0.0) -> float:
+    """Seconds of ``n`` hit host experts of ``nbytes`` each split in whole experts between the CPU
+    (``e`` s/byte, ``call`` s when it takes any) and the link (``g`` s/byte), both at once: the
+    best j on the CPU of max(j nbytes e + call, (n - j) nbytes g). The balance point (n g nbytes -
+    call) / (nbytes (e + g)) and its neighbours are the only candidates besides 0 and n, since the
+    CPU's side grows and the link's falls with j."""
+    if n <= 0:
+        return 0.0
+    per = nbytes * (e + g)
+    mid = (n * nbytes * g - call) / per if per > 0 else 0.0
+    best = n * nbytes * g  # all on the link
+    for j in {n, max(1, min(n, math.floor(mid))), max(1, min(n, math.ceil(mid)))}:
+        best = min(best, max(j * nbytes * e + call, (n - j) * nbytes * g))
+    return best
+
+
+def expert_phase_seconds(layers: list[LayerHits], e: float, g: float, overhead: float = SPLIT_OVERHEAD_S,
+                         call: float = 0.0) -> tuple[float, float]:
     """``(in_place, split)``: expected seconds of a decode step's host-expert phases, summed over
-    its layers, read in place over PCIe (every byte at the link's ``g``) or split each layer step
-    between the link and the CPU (``e``) so both finish together, plus ``overhead`` per layer
-    step that has host experts.
+    its layers, read in place over PCIe (every hit expert's bytes at the link's ``g``) or split
+    each layer step between the link and the CPU in whole experts (:func:`whole_split_seconds`),
+    plus ``overhead`` per layer step that has host experts.
 
     Args:
-        layer_bytes: expected hit host expert bytes of each layer step (:func:`expected_host_expert_bytes`).
+        layers: each MoE layer's host experts (:func:`layer_hits`).
         e: CPU seconds per expert weight byte; g: link seconds per byte (both > 0).
         overhead: the split's cost per layer step beyond the balance (:data:`SPLIT_OVERHEAD_S`).
+        call: the CPU's fixed seconds of a call with any experts (:func:`measure_cpu_expert_cost`).
 
-    The balanced split of X bytes takes X e g / (e + g): the CPU computes v bytes and the link
-    carries X - v with v e = (X - v) g (scheduler/joint.py's expert split, whole experts taken
-    as divisible).
+    The split is averaged over the number of hit host experts, binomial (experts, p) under uniform
+    routing. Whole experts matter where a layer has few: DeepSeek-V2-Lite at batch 16 under 32 GiB
+    has one host expert a layer, which the CPU computes or the link reads, never both; taken as
+    divisible (X e g / (e + g), the model until the twenty-fourth session) the split was expected to
+    gain about twice what any split of one expert can.
 
     Raises:
-        ValueError: e or g not positive and finite, a negative or NaN layer_bytes or overhead.
+        ValueError: e or g not positive and finite; a negative or NaN overhead, call, count, p
+            outside [0, 1] or negative bytes.
     """
     if not (e > 0 and g > 0 and math.isfinite(e) and math.isfinite(g)):
         raise ValueError(f"expert costs must be positive and finite, got E={e}, G={g} s/byte")
-    if not overhead >= 0 or any(not x >= 0 for x in layer_bytes):
-        raise ValueError(f"expert bytes and the overhead must be >= 0, got {layer_bytes}, {overhead}")
-    in_place = sum(x * g for x in layer_bytes)
-    split = sum(x * e * g / (e + g) + overhead for x in layer_bytes if x > 0)
+    if not overhead >= 0 or not call >= 0 or any(not (h >= 0 and 0 <= p <= 1 and s >= 0) for h, p, s in layers):
+        raise ValueError(f"expert counts, bytes, the overhead and the call must be >= 0 and p in [0, 1], got "
+                         f"{layers[:3]}{'...' if len(layers) > 3 else ''}, overhead {overhead}, call {call}")
+    in_place = split = 0.0
+    for h, p, s in layers:
+        if h == 0 or p == 0 or s == 0:
+            continue
+        in_place += h * p * s * g
+        split += overhead + sum(math.comb(h, n) * p ** n * (1 - p) ** (h - n) * whole_split_seconds(n, s, e, g, call)
+                                for n in range(1, h + 1))
     return in_place, split
 
 
-def split_from(blocks: list, most_tokens: int, e: float, g: float, overhead: float = SPLIT_OVERHEAD_S) -> int | None:
+def split_from(blocks: list, most_tokens: int, e: float, g: float, overhead: float = SPLIT_OVERHEAD_S,
+               call: float = 0.0) -> int | None:
     """The fewest decode tokens, up to ``most_tokens``, at which the per-step split of ``blocks``'
-    hit host experts is expected to beat reading them in place (:func:`expert_phase_seconds` at
-    the uniform routing's expected bytes, which grow with the tokens), or None when it never is."""
+    hit host experts is expected to beat reading them in place (:func:`expert_phase_seconds` under
+    uniform routing, whose hits grow with the tokens), or None when it never is."""
     lo, hi = 1, most_tokens
     if hi < 1:
         return None
 
     def wins(tokens: int) -> bool:
-        in_place, split = expert_phase_seconds([expected_host_expert_bytes([b], tokens) for b in blocks], e, g, overhead)
+        in_place, split = expert_phase_seconds([layer_hits(b, tokens) for b in blocks], e, g, overhead, call)
         return split < in_place
 
     if not wins(hi):
         return None
-    while lo < hi:  # the split's gain grows with the bytes, so the first win is found by bisection
+    while lo < hi:  # the split's gain grows with the hits, so the first win is found by bisection
         mid = (lo + hi) // 2
         if wins(mid):
             hi = mid
@@ -528,14 +580,14 @@ def attach_expert_work(policy, decoder, blocks: list, kv_bytes_per_token: int, f
     if all(b.reads_host_experts_in_place(decode_tokens) for b in hosted):
         if decode_tokens is None:
             return None
-        most = [expected_host_expert_bytes([b], decode_tokens) for b in hosted]
-        if sum(most) * g <= len(most) * overhead:  # read in place faster than the split's overhead alone
+        most = [layer_hits(b, decode_tokens) for b in hosted]
+        if sum(h * p * s for h, p, s in most) * g <= len(most) * overhead:  # read in place faster than the split's overhead alone
             return None
         e, call = measure_cpu_expert_cost(hosted[0])
-        first = split_from(hosted, decode_tokens, e, g, overhead)
+        first = split_from(hosted, decode_tokens, e, g, overhead, call)
         if first is None:
             return None
-        in_place_s, split_s = expert_phase_seconds(most, e, g, overhead)
+        in_place_s, split_s = expert_phase_seconds(most, e, g, overhead, call)
         why = (f"split from {first} tokens a decode step, read in place over PCIe below; at {decode_tokens} tokens the"
                f" expert phase would take about {in_place_s * 1e3:.0f} ms read in place, {split_s * 1e3:.0f} ms split")
     cfg = hosted[0].cfg
