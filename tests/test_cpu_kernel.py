@@ -412,7 +412,7 @@ def test_the_build_message_comes_only_when_a_build_is_needed(monkeypatch, capsys
     ext = build.Extension("writescope_test_ext", Path("/nonexistent"), ("x.cpp",), "nothing")
     monkeypatch.setattr(build, "is_cached", lambda *a: False)
     assert ext.build(True, "CPU attention", "about a minute")
-    assert "CPU attention: building the C++ kernel (once per machine, about a minute)" in capsys.readouterr().err
+    assert "CPU attention: building the C++ kernel (once per machine and environment, about a minute)" in capsys.readouterr().err
 
 
 def test_a_cached_build_is_recognised():

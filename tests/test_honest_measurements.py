@@ -94,12 +94,28 @@ def test_a_first_use_calibration_with_a_clamped_fit_says_what_to_do(tmp_path, mo
     monkeypatch.setattr(cal, "_measure", _fake(["flat"], []))
     real = cal.calibrate
     monkeypatch.setattr(cal, "calibrate", lambda *a, **k: real(*a, **dict(k, contexts=(1000, 2000, 4000))))
+    monkeypatch.setattr(cal, "actionable", lambda bad, device: bad)  # as on a GPU machine: the B fit is a GPU's
     with pytest.warns(UserWarning) as got:
         cal.load_or_calibrate(LAYOUT, 4, torch.float32, "cpu", progress=False)
     text = str(got[0].message)
     assert text.startswith("calibration: 1 fit(s) CLAMPED to this machine's limits")
     assert "The run goes on" in text and "`writescope calibrate` on a quieter machine" in text
     assert "Details: B alone and C_gpu alone" in text
+
+
+def test_a_clamped_gpu_side_fit_without_a_gpu_is_not_a_warning(tmp_path, monkeypatch, fake_limits, recwarn):
+    """On the CPU the "GPU" side is CPU tensors: its clamped fits (B, B alone) are expected and give
+    no warning a user cannot act on (a new user saw one); a clamped A still does, and on a GPU
+    machine every one does."""
+    monkeypatch.setattr(cal, "store_path", lambda: tmp_path / "calibration.json")
+    monkeypatch.setattr(cal, "_measure", _fake(["flat"], []))
+    real = cal.calibrate
+    monkeypatch.setattr(cal, "calibrate", lambda *a, **k: real(*a, **dict(k, contexts=(1000, 2000, 4000))))
+    cal.load_or_calibrate(LAYOUT, 4, torch.float32, "cpu", progress=False)
+    assert not [w for w in recwarn if "CLAMPED" in str(w.message)]
+    found = ["A and C_cpu (CPU, compute region): x", "B and C_gpu (GPU, load region): y", "B alone and C_gpu alone: z"]
+    assert cal.actionable(found, "cpu") == found[:1]
+    assert cal.actionable(found, torch.device("cuda")) == found
 
 
 def test_calibrate_cli_flags_a_clamped_fit(tmp_path, monkeypatch, capsys, fake_limits):
@@ -111,6 +127,11 @@ def test_calibrate_cli_flags_a_clamped_fit(tmp_path, monkeypatch, capsys, fake_l
     out = capsys.readouterr().out
     alone = next(ln for ln in out.splitlines() if ln.strip().startswith("B alone"))
     assert "CLAMPED" in alone and "GB/s" in alone
+    # on the CPU a clamped "GPU" side is expected: a note, no warning (on a GPU machine: the warning)
+    assert "WARNING" not in out and "note: the 'GPU' side's fits above are CPU tensors' and were clamped" in out
+    monkeypatch.setattr(cal, "actionable", lambda bad, device: bad)
+    assert main(["calibrate", "--model", "tiny-qwen3-moe", "--device", "cpu", "--quiet"]) == 0
+    out = capsys.readouterr().out
     assert "WARNING: 1 fit(s) stayed outside this machine's physical limits" in out
     assert "does not grow with the tokens" in out and "limits here: host read 10.0 GB/s" in out
     # the limit it was held to is printed with its margin (2 x 10 GB/s), not only the measured 10

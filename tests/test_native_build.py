@@ -127,7 +127,7 @@ def test_a_cached_build_has_no_notice_and_a_stale_one_has(fake_build, capsys):
     assert "building" not in capsys.readouterr().err
     _newer_than_the_build(src / "x.h", _build_dir(src))
     ext.build(True, "CPU attention", "about a minute")
-    assert "CPU attention: building the C++ kernel (once per machine, about a minute)" in capsys.readouterr().err
+    assert "CPU attention: building the C++ kernel (once per machine and environment, about a minute)" in capsys.readouterr().err
 
 
 def test_the_build_notices_come_with_quiet_too(monkeypatch, capsys):
@@ -139,10 +139,26 @@ def test_the_build_notices_come_with_quiet_too(monkeypatch, capsys):
     ext = build.Extension("writescope_test_ext", Path("/nonexistent"), ("x.cpp",), "nothing")
     assert ext.build(False, "host experts", "about half a minute")
     err = capsys.readouterr().err
-    assert "host experts: building the C++ kernel (once per machine, about half a minute) ..." in err
+    assert "host experts: building the C++ kernel (once per machine and environment, about half a minute) ..." in err
     assert "host experts: C++ kernel ready in" in err
     monkeypatch.setattr(build, "is_cached", lambda *a: True)
     ext = build.Extension("writescope_test_ext", Path("/nonexistent"), ("x.cpp",), "nothing")
     monkeypatch.setattr(time, "perf_counter", lambda: 0.0)
     assert ext.build(False, "host experts", "about half a minute")
     assert capsys.readouterr().err == ""  # loaded from the cache at once: nothing to say
+
+
+def test_the_build_name_differs_by_torch_installation(monkeypatch, tmp_path):
+    """Two virtual environments on one checkout get builds of their own: torch rebuilds a name whose
+    build.ninja (the torch installation's include and library paths) changed, so one name shared
+    by two environments rebuilt on every switch between them (about 50 s each, a new user found)."""
+    import torch
+
+    src = tmp_path / "src"
+    src.mkdir()
+    (src / "x.cpp").write_text("int f() { return 1; }\n")
+    (src / "x.h").write_text("\n")
+    first, _ = build._named_source("writescope_fake", src, ("x.cpp", "x.h"))
+    assert build._named_source("writescope_fake", src, ("x.cpp", "x.h"))[0] == first  # stable
+    monkeypatch.setattr(torch, "__file__", str(tmp_path / "other-venv" / "torch" / "__init__.py"))
+    assert build._named_source("writescope_fake", src, ("x.cpp", "x.h"))[0] != first

@@ -21,13 +21,13 @@ def load(name: str, directory: Path, sources: tuple[str, ...], failure: str):
     which includes the other sources and this folder's shared headers through the include path.
     The source text carries a digest of all of them, so a change to any header rebuilds.
     Compiled with -O3 -march=native -fopenmp, under a name that carries a digest of this CPU's
-    flags (a torch extension cache shared by different CPUs keeps one build for each) and of this
-    checkout's path (one build per checkout). Returns the module, or None with a warning naming
+    flags (a torch extension cache shared by different CPUs keeps one build for each), of this
+    checkout's path and of the torch installation (one build per checkout and environment). Returns the module, or None with a warning naming
     ``failure`` (what is used instead) where it does not build (no compiler, say)."""
     # -march=native: one build per kind of CPU, also where torch's cache is shared; and one per
-    # checkout: torch rebuilds a name whose include paths changed, so two checkouts on one machine
-    # (git worktrees) under one name rebuilt each other's extension, and a build killed midway left
-    # its lock for every later process to wait on
+    # checkout and torch installation: torch rebuilds a name whose include paths changed, so two
+    # checkouts on one machine (git worktrees), or two virtual environments, under one name rebuilt
+    # each other's extension, and a build killed midway left its lock for every later process to wait on
     name, source = _named_source(name, directory, sources)
     try:
         from torch.utils.cpp_extension import load_inline
@@ -87,10 +87,24 @@ def _flags(directory: Path) -> dict:
 
 def _named_source(name: str, directory: Path, sources: tuple[str, ...]) -> tuple[str, str]:
     """The build's name (with the CPU and checkout tags) and its source text (with the digest)."""
-    name = f"{name}_{_cpu_tag()}_{hashlib.sha1(str(NATIVE_DIR.resolve()).encode()).hexdigest()[:6]}"
+    name = f"{name}_{_cpu_tag()}_{_install_tag()}"
     files = [directory / s for s in sources] + [NATIVE_DIR / s for s in SHARED]
     digest = hashlib.sha256(b"".join(f.read_bytes() for f in files)).hexdigest()
     return name, (directory / sources[0]).read_text() + f"\n// sources digest {digest}\n"
+
+
+def _install_tag() -> str:
+    """Six hex digits of this checkout's path and of the torch installation the build links
+    against: torch rebuilds a name whose build.ninja changed (its include and library paths are
+    the torch installation's), so two virtual environments on one checkout under one name rebuilt
+    each other's extension (about 50 s each time a user switched between them)."""
+    try:
+        import torch
+
+        torch_dir = str(Path(torch.__file__).resolve().parent)
+    except ImportError:  # the build fails later, with torch's own error
+        torch_dir = ""
+    return hashlib.sha1(f"{NATIVE_DIR.resolve()}|{torch_dir}".encode()).hexdigest()[:6]
 
 
 def is_cached(name: str, directory: Path, sources: tuple[str, ...]) -> bool:
@@ -189,7 +203,7 @@ class Extension:
         del progress  # the notices are printed with or without progress output
         t0 = time.perf_counter()
         if not self.tried and not self.cached():
-            print(f"{what}: building the C++ kernel (once per machine, {takes}) ...", file=sys.stderr, flush=True)
+            print(f"{what}: building the C++ kernel (once per machine and environment, {takes}) ...", file=sys.stderr, flush=True)
         ok = self.get() is not None
         if ok and time.perf_counter() - t0 > 1.0:
             print(f"{what}: C++ kernel ready in {time.perf_counter() - t0:.1f} s", file=sys.stderr, flush=True)

@@ -308,6 +308,14 @@ def save(device: torch.device, shape: str, roofline: Roofline, detail: dict) -> 
     return path
 
 
+def actionable(implausible: list[str], device) -> list[str]:
+    """The clamped fits of ``implausible`` (``detail["implausible"]``) worth a warning on
+    ``device``: all of them, except on the CPU those of the "GPU" side (B and B alone: CPU tensors
+    standing in for a GPU, whose fits are often clamped and say nothing of a GPU machine)."""
+    cpu = torch.device(device).type == "cpu"
+    return [p for p in implausible if not (cpu and p.startswith("B"))]
+
+
 def load_or_calibrate(layout, q_heads, dtype, device, window=256, cpu_threads=None, progress=True) -> Roofline:
     """The stored calibration, or a fresh one (stored) when there is none."""
     device = torch.device(device)
@@ -317,9 +325,10 @@ def load_or_calibrate(layout, q_heads, dtype, device, window=256, cpu_threads=No
         return found
     roofline, detail = calibrate(layout, q_heads, dtype, device, window, cpu_threads=cpu_threads, progress=progress)
     save(device, shape, roofline, detail)
-    if detail["implausible"]:
-        warnings.warn(f"calibration: {len(detail['implausible'])} fit(s) CLAMPED to this machine's limits (measured twice, still "
+    bad = actionable(detail["implausible"], device)
+    if bad:
+        warnings.warn(f"calibration: {len(bad)} fit(s) CLAMPED to this machine's limits (measured twice, still "
                       "impossible; a busy or noisy machine does this). The run goes on; only the CPU share writescope picks "
                       "may be off. To measure again: `writescope calibrate` on a quieter machine. "
-                      f"Details: {'; '.join(detail['implausible'])}", stacklevel=2)
+                      f"Details: {'; '.join(bad)}", stacklevel=2)
     return roofline
