@@ -166,6 +166,7 @@ def test_the_readme_s_first_command_runs(capsys):
     (["profile", "--model", "tiny-qwen3-moe", "--context", "1", "--steps", "9000"], "use --skip and --steps that add up to at most 8,189"),
     (["bench", "--model", "tiny-qwen3-moe", "--context", "infk"], "--context 'infk' is not a token count"),
     (["calibrate", "--model", "tiny-qwen3-moe", "--cpu-threads", "999"], "--cpu-threads must be 1 to"),
+    (["generate", "--model", "tiny-qwen3-moe", "--prompt-ids", "1,,2"], "--prompt-ids '1,,2' has an empty entry"),
 ])
 def test_a_flag_a_run_cannot_use_is_refused_before_the_model_loads(no_work, capsys, argv, says):
     """One token count where a list was given, profile's context past the model's positions with
@@ -300,3 +301,17 @@ def test_the_readme_names_every_per_row_switch():
     listed = readme.split("(switches: ", 1)[1].split(";", 1)[0]
     names = {n if n.startswith("WRITESCOPE") else "WRITESCOPE" + n for n in re.findall(r"(?:WRITESCOPE)?_[A-Z_]+", listed.replace("#", " "))}
     assert names == set(PER_ROW)
+
+
+@pytest.mark.parametrize("budget, noted", [([], "without --vram-budget"), (["--vram-budget", "10gib"], "the budget holds every"),
+                                           (["--vram-budget", "0.72gib"], None)])
+def test_a_stream_share_that_changes_nothing_is_noted(capsys, budget, noted):
+    """--expert-stream-share with every routed expert on the device says it changes nothing; with
+    experts in host memory it says nothing of the kind."""
+    argv = ["generate", "--model", "tiny-qwen3-moe", "--prompt", "hi", "--max-new-tokens", "1", "--quiet", "--expert-stream-share", "0.5"]
+    assert main(argv + budget) == 0
+    out = capsys.readouterr().out
+    if noted is None:
+        assert "changes nothing" not in out and "13 in host memory" in out
+    else:
+        assert f"note: --expert-stream-share 0.5 changes nothing here: {noted}" in out

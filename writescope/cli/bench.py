@@ -7,7 +7,7 @@ import json
 import time
 from pathlib import Path
 
-from writescope.cli.experts import add_expert_profile_flag, add_stream_share_flag, check_stream_share
+from writescope.cli.experts import add_expert_profile_flag, add_stream_share_flag, check_stream_share, stream_share_note
 from writescope.cli.outputs import check_output_file
 
 DEFAULT_POLICIES = "gpu,cpu,static:0.5,monolithic,writescope"
@@ -186,6 +186,8 @@ def run(args: argparse.Namespace) -> int:
     if args.num_layers is not None and not llm.config.moe.moe_layers:
         print(f"note: the first {args.num_layers} layer(s) of {args.model} hold no MoE block (dense layers first): "
               "raise --num-layers for the expert phase", flush=True)
+    if (note := stream_share_note(args.expert_stream_share, llm)) is not None:
+        print(note, flush=True)
     roofline = llm.roofline(args.window) if needs_roofline else None
     calibration = None if roofline is None else llm.stored_calibration(args.window)
     if llm.vram_plan is not None:

@@ -29,3 +29,13 @@ def add_expert_profile_flag(p: argparse.ArgumentParser) -> None:
     p.add_argument("--expert-profile", default=None, metavar="PATH",
                    help="with --vram-budget: keep each layer's most chosen routed experts on the GPU, from a routing profile "
                         "(JSON; `writescope expert-profile` writes one) instead of the lowest expert ids")
+
+
+def stream_share_note(given: float | None, llm) -> str | None:
+    """The note a run prints where ``--expert-stream-share`` was given (``given``, parsed) but no
+    routed expert lives in host memory, so the share changes nothing; None otherwise."""
+    if given is None or llm.expert_stream_share is not None:
+        return None
+    why = ("without --vram-budget every routed expert is on the device" if llm.vram_plan is None
+           else "the budget holds every routed expert on the device")
+    return f"note: --expert-stream-share {given:g} changes nothing here: {why}"

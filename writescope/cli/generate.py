@@ -7,7 +7,7 @@ import os
 import json
 from pathlib import Path
 
-from writescope.cli.experts import add_expert_profile_flag, add_stream_share_flag, check_stream_share
+from writescope.cli.experts import add_expert_profile_flag, add_stream_share_flag, check_stream_share, stream_share_note
 from writescope.cli.outputs import check_output_file
 from writescope.errors import plural
 
@@ -75,7 +75,7 @@ def add_parser(sub) -> None:
     p.add_argument("--window", type=int, default=256, help="D: tokens of the D-window and of one KV block (default 256)")
     p.add_argument("--cpu-threads", type=int, default=None, help="threads for CPU attention, 1 to the CPUs this process may use (default: WRITESCOPE_CPU_THREADS when set, else all torch threads, less one with CUDA)")
     p.add_argument("--expert-threads", type=int, default=None, help="threads for routed experts in host memory, 1 to the CPUs this process may use (default: all torch threads)")
-    p.add_argument("--vram-budget", default=None, help="device memory the run may use, e.g. 32GiB (routed experts beyond it go to the CPU)")
+    p.add_argument("--vram-budget", default=None, help="device memory the run may use, e.g. 32GiB or 32G (2^30 bytes a GiB; 32GB is 32 x 10^9 bytes); routed experts beyond it go to the CPU")
     add_stream_share_flag(p)
     add_expert_profile_flag(p)
     p.add_argument("--output-json", type=Path, help="write token ids, text and metrics per request here")
@@ -92,8 +92,11 @@ def _prompt(args) -> tuple[list[str] | None, list[list[int]] | None]:
     if args.machine_text is not None:
         return None, None  # built once the tokenizer is loaded
     if args.prompt_ids is not None:
+        items = [t.strip() for t in args.prompt_ids.split(",")] if args.prompt_ids.strip() else []
+        if "" in items:
+            raise ValueError(f"--prompt-ids {args.prompt_ids!r} has an empty entry: give comma-separated integers, e.g. 1,2,3")
         try:
-            ids = [int(t) for t in args.prompt_ids.split(",") if t.strip()]
+            ids = [int(t) for t in items]
         except ValueError as e:
             raise ValueError(f"--prompt-ids must be comma-separated integers, got {args.prompt_ids!r}") from e
         return None, [ids] * args.batch
@@ -191,6 +194,8 @@ def run(args: argparse.Namespace) -> int:
     print(f"model: {cfg.architecture} ({plural(cfg.num_layers, 'layer')}, {cfg.moe.num_experts} experts, top-{cfg.moe.top_k}), "
           f"{llm.load_info['source']}, {llm.dtype} on {llm.device}, loaded in {llm.load_info['load_s']:.1f} s; "
           f"experts: {'grouped GEMMs' if llm.load_info.get('grouped_experts') else 'one GEMM chain per expert (no grouped GEMM here)'}")
+    if (note := stream_share_note(args.expert_stream_share, llm)) is not None:
+        print(note, flush=True)
     print(core_plan(llm))
     if llm.policy is not None and llm.device.type == "cpu":
         print(f"note: policy {llm.policy_name} on the CPU: the 'GPU' side runs as CPU tensors (exact, but no device split)")

@@ -8,7 +8,7 @@ import argparse
 def add_parser(sub) -> None:
     p = sub.add_parser("plan", help="print the GPU and host memory plan of a run under a VRAM budget")
     p.add_argument("--model", required=True, help="checkpoint directory or preset name (only its config is read)")
-    p.add_argument("--vram-budget", required=True, help="GPU memory the run may use, e.g. 32GiB")
+    p.add_argument("--vram-budget", required=True, help="GPU memory the run may use, e.g. 32GiB or 32G (2^30 bytes a GiB; 32GB is 32 x 10^9 bytes)")
     p.add_argument("--batch", type=int, required=True, help="sequences")
     p.add_argument("--context", required=True, help="prompt tokens per sequence, e.g. 32k")
     p.add_argument("--max-new-tokens", type=int, default=256, help="new tokens per sequence (default 256)")

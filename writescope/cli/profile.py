@@ -7,7 +7,7 @@ import dataclasses
 import json
 from pathlib import Path
 
-from writescope.cli.experts import add_expert_profile_flag, add_stream_share_flag, check_stream_share
+from writescope.cli.experts import add_expert_profile_flag, add_stream_share_flag, check_stream_share, stream_share_note
 from writescope.cli.outputs import check_output_file
 
 
@@ -119,6 +119,8 @@ def run(args: argparse.Namespace) -> int:
                   max_model_len=capped_model_len(args.model, context + 2 + args.skip + args.steps, args.num_layers, args.synthetic))
     if llm.vram_plan is not None:
         print(f"{llm.vram_plan.placement_line()} ({llm.host_experts_in_decode()})", flush=True)
+    if (note := stream_share_note(args.expert_stream_share, llm)) is not None:
+        print(note, flush=True)
     g = torch.Generator().manual_seed(0)
     prompts = torch.randint(3, llm.config.vocab_size, (args.batch, context), generator=g).tolist()
     if args.kv_fill == "random":
