@@ -212,6 +212,9 @@ def test_one_team_on_cuda_gives_the_tokens_of_a_thread_per_worker(monkeypatch):
     tokens = {}
     for mode in ("own", "one"):
         monkeypatch.setenv(team_mod.ENV, mode)
+        # a team of its own: a live one left by an earlier test's engine would count that engine's jobs too
+        # (it did when the whole gpu-marked suite ran in one process, run 62)
+        monkeypatch.setattr(team_mod, "_team", None)
         llm = LLM("tiny-mixtral", device="cuda", dtype="bfloat16", progress=False, policy="static:0.5", window=16)
         g = torch.Generator().manual_seed(1)
         for b in (m for m in llm.model.modules() if isinstance(m, SparseMoeBlock)):

@@ -446,7 +446,7 @@ def test_writescope_reads_host_experts_in_place_where_the_fused_kernels_can(monk
     words = llm.host_experts_in_decode()
     assert "joint roofline" in words and "read in place over PCIe below" in words and "at 2 tokens the expert phase" in words
     below = llm.expert_work.in_place_below
-    assert 1 <= below <= 2 and f"split from {below} tokens" in words
+    assert 1 <= below <= 2 and f"split from {below} token{'s' if below > 1 else ''} a decode step" in words
     first = next(b for b in _blocks(llm) if b.host_experts)
     monkeypatch.setattr(SparseMoeBlock, "reads_host_experts_in_place", lambda self, tokens=None: self is not first)
     llm.set_policy("writescope", roofline=rf)

@@ -40,6 +40,7 @@ import math
 import warnings
 from typing import NamedTuple
 
+from writescope.errors import plural
 from writescope.scheduler.joint import JointCosts, streamed_count
 from writescope.scheduler.roofline import OnlineEstimate, WriteScopePolicy
 
@@ -588,7 +589,7 @@ def attach_expert_work(policy, decoder, blocks: list, kv_bytes_per_token: int, f
         if first is None:
             return None
         in_place_s, split_s = expert_phase_seconds(most, e, g, overhead, call)
-        why = (f"split from {first} tokens a decode step, read in place over PCIe below; at {decode_tokens} tokens the"
+        why = (f"split from {plural(first, 'token')} a decode step, read in place over PCIe below; at {decode_tokens} tokens the"
                f" expert phase would take about {in_place_s * 1e3:.0f} ms read in place, {split_s * 1e3:.0f} ms split")
     cfg = hosted[0].cfg
     total = sum(b.cfg.num_experts for b in blocks)
