@@ -311,10 +311,13 @@ def test_metrics_count_what_was_served(server):
     usages = []
     for i, stream in enumerate([False, True, False]):
         body = {"model": MODEL, "prompt": TEXTS[i], "max_tokens": 4 + i, "ignore_eos": True, "stream": stream,
-                "stream_options": {"include_usage": True}}
+                **({"stream_options": {"include_usage": True}} if stream else {})}
         r = httpx.post(server.url + "/v1/completions", json=body, timeout=WAIT_S)
         assert r.status_code == 200
         usages.append(r.json()["usage"] if not stream else sse(r.text.splitlines())[-1]["usage"])
+    refused = [httpx.post(server.url + "/v1/completions", json=body, timeout=WAIT_S).status_code
+               for body in ({"model": "nope", "prompt": "hi"}, {"model": MODEL, "prompt": 5})]
+    assert refused == [404, 400]
     wait_until(lambda: server.engine.snapshot()["running"] == 0, "the requests to finish")
     after = metrics(server.url)
 
@@ -324,6 +327,7 @@ def test_metrics_count_what_was_served(server):
     assert delta("writescope:prompt_tokens_total") == sum(u["prompt_tokens"] for u in usages)
     assert delta("writescope:generation_tokens_total") == sum(u["completion_tokens"] for u in usages) == 4 + 5 + 6
     assert delta("writescope:request_success_total", (("finished_reason", "length"),)) == 3
+    assert [delta("writescope:request_refused_total", (("status", c),)) for c in ("404", "400")] == [1, 1]
     assert delta("writescope:time_to_first_token_seconds_count") == 3
     assert delta("writescope:e2e_request_latency_seconds_count") == 3
     assert delta("writescope:inter_token_latency_seconds_count") == 3 + 4 + 5

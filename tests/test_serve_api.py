@@ -381,6 +381,70 @@ def test_bad_values_get_400_naming_the_field(server, case):
     assert msg.split(":")[0].split(".")[0] == field or f" {field} " in f" {msg} ", msg
 
 
+WORDED = [  # (what, path, body beside model, the 400's message, param)
+    ("a prompt id below 0", "/v1/completions", {"prompt": [-1]}, "prompt.0: Input should be greater than or equal to 0 (got -1)",
+     "prompt"),
+    ("a number as the prompt", "/v1/completions", {"prompt": 5},
+     "prompt: must be a string or a list of token ids (integers >= 0), got 5", "prompt"),
+    ("a null prompt", "/v1/completions", {"prompt": None},
+     "prompt: must be a string or a list of token ids (integers >= 0), got null", "prompt"),
+    ("a number as stop", "/v1/completions", {"prompt": "hi", "stop": 5}, "stop: must be a string or a list of up to 4 strings, got 5",
+     "stop"),
+    ("a word as the temperature", "/v1/completions", {"prompt": "hi", "temperature": "hot"},
+     'temperature: must be a number from 0 to 2, got "hot"', "temperature"),
+    ("an image part", "/v1/chat/completions", {"messages": [{"role": "user", "content": [{"type": "image_url", "image_url": {}}]}]},
+     'messages.0.content.0: a content part of type "image_url" is not supported: this server reads text only, as a string or '
+     'parts {"type": "text", "text": ...} (got {"type": "image_url", "image_url": {}})', "messages"),
+    ("stream_options without stream", "/v1/completions", {"prompt": "hi", "stream_options": {"include_usage": True}},
+     "stream_options: stream_options is only allowed with stream: true (as OpenAI's API says): send stream: true or leave "
+     "stream_options out", "stream_options"),
+    ("a stop token id past the vocabulary", "/v1/completions", {"prompt": "hi", "stop_token_ids": [99999]},
+     "stop_token_ids has token id 99999, outside the model's vocabulary of 4,096 ids [0, 4096): use ids below 4096 (it could "
+     "never be generated)", "stop_token_ids"),
+    ("a prompt id past the vocabulary", "/v1/completions", {"prompt": [5, 99999]},
+     "prompt has token id 99999 at position 1, outside the model's vocabulary of 4,096 ids [0, 4096): use ids below 4096",
+     "prompt"),
+]
+
+
+@pytest.mark.parametrize("case", WORDED, ids=[c[0] for c in WORDED])
+def test_bad_values_are_worded_plainly(server, case):
+    """A field of several types says what it takes, once (not each type's own error); a content
+    part other than text, stream_options without stream and an id past the vocabulary name the
+    value and what to send."""
+    _, path, body, message, param = case
+    r = post(server, path, **body)
+    assert r.status_code == 400, r.text
+    assert (r.json()["error"]["message"], r.json()["error"]["param"]) == (message, param)
+
+
+def test_null_sampling_fields_take_their_defaults(server):
+    """null for temperature, top_p and n is the default, as OpenAI reads it (its client sends
+    null for an argument passed as None): the greedy-free defaults temperature 1, top_p 1, n 1."""
+    r = post(server, "/v1/completions", prompt="hi", max_tokens=2, temperature=None, top_p=None, n=None, seed=3)
+    assert r.status_code == 200, r.text
+    again = post(server, "/v1/completions", prompt="hi", max_tokens=2, seed=3)
+    assert [c["text"] for c in r.json()["choices"]] == [c["text"] for c in again.json()["choices"]]
+
+
+def test_a_prompt_past_the_limit_is_worded_by_what_was_sent(server):
+    """A prompt that leaves no room is refused for its length, naming no max_tokens the body did
+    not send; completions' max_tokens, when left out, is said to be the default."""
+    long_ids = [5] * MAX_LEN
+    r = post(server, "/v1/completions", prompt=long_ids)
+    assert r.status_code == 400 and r.json()["error"]["param"] == "prompt", r.text
+    assert r.json()["error"]["message"] == (f"the prompt has {MAX_LEN:,} tokens, and this server's max_model_len is {MAX_LEN:,} "
+                                            f"tokens: nothing is left to generate; shorten the prompt to at most {MAX_LEN - 1:,} tokens")
+    r = post(server, "/v1/completions", prompt=long_ids[:MAX_LEN - 10])
+    assert r.status_code == 400 and r.json()["error"]["param"] == "max_tokens", r.text
+    assert r.json()["error"]["message"].startswith(f"the prompt has {MAX_LEN - 10:,} tokens + max_tokens 16 (the default, "
+                                                   f"max_tokens not sent) = {MAX_LEN + 6:,}, beyond this server's max_model_len")
+    r = post(server, "/v1/chat/completions", messages=[{"role": "user", "content": "word " * MAX_LEN}])
+    assert r.status_code == 400 and r.json()["error"]["param"] == "messages", r.text
+    assert "with the chat template, and this server's max_model_len is" in r.json()["error"]["message"]
+    assert "max_tokens" not in r.json()["error"]["message"]
+
+
 def test_n_above_the_places_of_the_server_is_refused(llm, server):
     """A request's n choices may take up to --max-num-seqs + --max-queue places (2 + 3 here): n=5
     is served (above --max-queue alone), n=6 could never be taken: 400 naming n, the limit and the
@@ -535,6 +599,10 @@ def test_one_info_line_per_finished_request(server, caplog, monkeypatch):
     r = post(server, "/v1/chat/completions", messages=CHAT, max_tokens=4, ignore_eos=True)
     assert r.status_code == 200, r.text
     chat = r.json()
+    assert post(server, "/v1/completions", prompt=PROMPT, temperature="hot").status_code == 400  # refused: a line too
+    refused = [rec.getMessage() for rec in caplog.records if " refused" in rec.getMessage()]
+    assert refused == ['POST /v1/completions status=400 refused param=temperature: temperature: must be a number from 0 to 2, '
+                       'got "hot"'], refused
     lines = {}
     for rec in caplog.records:
         m = LOG_LINE.match(rec.getMessage())

@@ -24,12 +24,13 @@ class ArgError(ValueError):
         super().__init__(message)
         self.message, self.names = message, names
 
-    def worded(self, flags: Mapping[str, str]) -> str:
-        """The message with each name replaced by ``flags[name]``, else by ``--name-with-dashes``."""
+    def worded(self, flags: Mapping[str, str], requests: bool = True) -> str:
+        """The message with each name replaced by ``flags[name]``, else by ``--name-with-dashes``;
+        ``requests`` False: an index dropped, not said as a request (a server's request has one prompt)."""
         out = self.message
         for name in self.names:
             flag = flags.get(name, "--" + name.replace("_", "-"))
             # a standalone word only: not inside a path, a quoted value or a hyphenated name
             out = re.sub(rf"(?<![\w\-/.'\"]){re.escape(name)}(?![\w\-/.'\"])(\[(\d+)\])?",
-                         lambda m: flag if m.group(2) is None else f"{flag} (request {m.group(2)})", out)
+                         lambda m: flag if m.group(2) is None or not requests else f"{flag} (request {m.group(2)})", out)
         return out

@@ -54,7 +54,7 @@ class Scheduler:
             raise ArgError("the prompt is empty (0 tokens): give at least one token", "prompt")
         if prompt_len + max_tokens > self.max_model_len:
             raise ArgError(
-                f"the prompt has {plural(prompt_len, 'token')} + max_tokens {max_tokens} = {prompt_len + max_tokens}, "
+                f"the prompt has {plural(prompt_len, 'token')} + max_tokens {max_tokens:,} = {prompt_len + max_tokens:,}, "
                 f"beyond this server's max_model_len of {plural(self.max_model_len, 'token')}: shorten the prompt or lower max_tokens",
                 "max_tokens", "max_model_len",
             )

@@ -47,13 +47,13 @@ from fastapi.routing import APIRoute
 from starlette.exceptions import HTTPException
 
 from writescope.engine.sampling import SamplingParams
-from writescope.errors import ArgError
+from writescope.errors import ArgError, plural
 from writescope.serve.async_engine import AsyncEngine, EngineDead, QueueFull
 from writescope.serve.chat_template import ChatTemplate
 from writescope.serve.choices import Choice, ResponseFormat, usage
 from writescope.serve.echo import prompt_only, prompt_text
 from writescope.serve.metrics import ServeMetrics
-from writescope.serve.protocol import VALUE_WORDED, ChatCompletionRequest, CompletionRequest
+from writescope.serve.protocol import VALUE_WORDED, ChatCompletionRequest, CompletionRequest, json_value, plain_errors
 
 RETRY_AFTER_S = 1  # what a 503 tells the client to wait (seconds)
 log = logging.getLogger("uvicorn.error")  # the server's logger (its level is --log-level): a line per request at INFO
@@ -107,7 +107,14 @@ class APIError(Exception):
         self.status, self.message, self.type, self.param, self.headers = status, message, type_, param, headers
 
 
-def _error(status: int, message: str, type_: str, param: str | None = None, headers: dict | None = None) -> JSONResponse:
+def _error(status: int, message: str, type_: str, param: str | None = None, headers: dict | None = None, *,
+           route: str | None = None, metrics: ServeMetrics | None = None) -> JSONResponse:
+    """The error in OpenAI's shape. ``route`` (``"POST /v1/completions"``): a refused request,
+    logged at INFO as a finished one is and counted in ``metrics`` (``request_refused_total``)."""
+    if route is not None:
+        log.info("%s status=%d refused%s: %s", route, status, f" param={param}" if param else "", message)
+        if metrics is not None:
+            metrics.refused.labels(str(status)).inc()
     return JSONResponse({"error": {"message": message, "type": type_, "param": param, "code": status}}, status, headers=headers)
 
 
@@ -116,7 +123,7 @@ def _validation_message(exc: RequestValidationError, content_type: str | None = 
     field. ``content_type``: the request's header, named where the body was not read as JSON
     (FastAPI reads it as JSON only under a JSON content type: ``curl -d`` sends a form's)."""
     parts, param = [], None
-    for e in exc.errors()[:5]:
+    for e in plain_errors(exc.errors())[:5]:
         loc = [str(x) for x in e.get("loc", ()) if x != "body"]
         if e.get("type") == "json_invalid":
             return f"the body is not valid JSON: {e.get('ctx', {}).get('error', e.get('msg'))}", None
@@ -124,7 +131,7 @@ def _validation_message(exc: RequestValidationError, content_type: str | None = 
         param = param or (loc[0] if loc else None)
         msg = e.get("msg", "invalid").removeprefix("Value error, ")
         worded = e.get("type") in ("missing", *VALUE_WORDED)  # the message says the value (or there is none)
-        got = f" (got {e['input']!r:.60})" if "input" in e and not worded and loc else ""
+        got = f" (got {json_value(e['input'])})" if "input" in e and not worded and loc else ""  # as the body had it
         if not loc and isinstance(e.get("input"), bytes):  # the body as bytes: not read as JSON
             sent = f"it came as Content-Type {content_type}" if content_type else "it came without a Content-Type"
             msg += (f" (the body was not read as JSON: {sent}): send the header 'Content-Type: application/json' "
@@ -133,7 +140,11 @@ def _validation_message(exc: RequestValidationError, content_type: str | None = 
     return "; ".join(parts), param
 
 
-def _no_route(app: FastAPI, request: Request, exc: HTTPException) -> JSONResponse:
+def _route(request: Request) -> str:
+    return f"{request.method} {request.url.path}"
+
+
+def _no_route(app: FastAPI, request: Request, exc: HTTPException, metrics: ServeMetrics | None = None) -> JSONResponse:
     """Starlette's own errors (404: no such path, 405: not that method) in OpenAI's shape, naming
     what exists; any other keeps its detail."""
     method, path = request.method, request.url.path
@@ -146,7 +157,7 @@ def _no_route(app: FastAPI, request: Request, exc: HTTPException) -> JSONRespons
         msg = f"unknown path {path}; the API: {named}"
     else:
         msg = str(exc.detail)
-    return _error(exc.status_code, msg, "invalid_request_error", headers=exc.headers)
+    return _error(exc.status_code, msg, "invalid_request_error", headers=exc.headers, route=_route(request), metrics=metrics)
 
 
 def build_app(state: ServerState, on_shutdown=None) -> FastAPI:
@@ -167,15 +178,15 @@ def build_app(state: ServerState, on_shutdown=None) -> FastAPI:
     @app.exception_handler(RequestValidationError)
     async def _bad_body(request, exc: RequestValidationError):
         msg, param = _validation_message(exc, request.headers.get("content-type"))
-        return _error(400, msg, "invalid_request_error", param)
+        return _error(400, msg, "invalid_request_error", param, route=_route(request), metrics=state.metrics)
 
     @app.exception_handler(HTTPException)
     async def _http_error(request, exc: HTTPException):
-        return _no_route(app, request, exc)
+        return _no_route(app, request, exc, state.metrics)
 
     @app.exception_handler(APIError)
     async def _api_error(request, exc: APIError):
-        return _error(exc.status, exc.message, exc.type, exc.param, exc.headers)
+        return _error(exc.status, exc.message, exc.type, exc.param, exc.headers, route=_route(request), metrics=state.metrics)
 
     app.add_middleware(_Guard, state=state)
 
@@ -226,7 +237,7 @@ def build_app(state: ServerState, on_shutdown=None) -> FastAPI:
             param = e.names[0] if e.names else None
             if param == "max_tokens" and len(ids) >= engine.max_model_len:  # no room left by the prompt alone
                 param = prompt_field
-            raise APIError(400, e.worded({name: name for name in e.names}), "invalid_request_error", param) from None
+            raise APIError(400, e.worded({name: name for name in e.names}, requests=False), "invalid_request_error", param) from None
         except ValueError as e:
             raise APIError(400, str(e)) from None
         except QueueFull as e:
@@ -238,8 +249,17 @@ def build_app(state: ServerState, on_shutdown=None) -> FastAPI:
         """The request's sampling parameters, the request checked as the engine would check it
         (in a worker thread: a long prompt's check takes time); None for ``echo`` alone
         (``max_tokens`` 0: nothing for the engine to do)."""
+        limit, what = engine.max_model_len, ("the messages come to {} with the chat template" if prompt_field == "messages"
+                                             else "the prompt has {}").format(plural(len(ids), "token"))
+        if max_tokens != 0 and len(ids) >= limit:  # no room to generate: said without a max_tokens the body may not have sent
+            raise APIError(400, f"{what}, and this server's max_model_len is {plural(limit, 'token')}: nothing is left to "
+                                f"generate; shorten the prompt to at most {limit - 1:,} tokens", "invalid_request_error", prompt_field)
         if max_tokens is None:  # chat without a limit: the rest of the context
-            max_tokens = max(1, engine.max_model_len - len(ids))
+            max_tokens = limit - len(ids)
+        elif prompt_field == "prompt" and "max_tokens" not in body.model_fields_set and len(ids) + max_tokens > limit:  # the default
+            raise APIError(400, f"{what} + max_tokens {max_tokens} (the default, max_tokens not sent) = {len(ids) + max_tokens:,}, "
+                                f"beyond this server's max_model_len of {plural(limit, 'token')}: shorten the prompt or send "
+                                f"a max_tokens of at most {limit - len(ids):,}", "invalid_request_error", "max_tokens")
         with _api_errors(engine, ids, prompt_field):
             if max_tokens == 0:  # echo alone (the protocol allows 0 with echo only)
                 engine.core.check(ids, 0)
@@ -428,20 +448,23 @@ class _Guard:
     async def __call__(self, scope, receive, send):
         if scope["type"] == "http" and scope["path"].startswith("/v1"):
             headers = {k.decode("latin-1").lower(): v.decode("latin-1") for k, v in scope["headers"]}
-            refusal = None
+            refusal, route = None, f"{scope.get('method', '-')} {scope['path']}"
             if self.state.api_key is not None:
                 scheme, _, key = headers.get("authorization", "").partition(" ")
                 if scheme.lower() != "bearer" or not hmac.compare_digest(key.strip().encode(), self.state.api_key.encode()):
                     refusal = _error(401, "missing or wrong API key: send the header 'Authorization: Bearer <key>'",
-                                     "authentication_error")
+                                     "authentication_error", route=route, metrics=self.state.metrics)
             size = headers.get("content-length", "")
             if refusal is None and size.isdigit() and int(size) > MAX_BODY_BYTES:
-                refusal = _error(413, f"the body has {int(size):,} bytes, above the limit of {MAX_BODY_BYTES:,}",
-                                 "invalid_request_error")
+                refusal = _error(413, f"the body has {int(size):,} bytes, above this server's limit of {MAX_BODY_BYTES:,} "
+                                      f"({MAX_BODY_BYTES / 2**20:g} MiB): send a shorter prompt",
+                                 "invalid_request_error", route=route, metrics=self.state.metrics)
             if refusal is None and not size.isdigit():  # a chunked body: counted as it arrives, never buffered past the limit
                 receive, too_big = await _read_capped(receive)
                 if too_big:
-                    refusal = _error(413, f"the body has more than {MAX_BODY_BYTES:,} bytes, the limit", "invalid_request_error")
+                    refusal = _error(413, f"the body has more than {MAX_BODY_BYTES:,} bytes ({MAX_BODY_BYTES / 2**20:g} MiB), "
+                                          "this server's limit: send a shorter prompt", "invalid_request_error", route=route,
+                                     metrics=self.state.metrics)
             if refusal is not None:
                 return await refusal(scope, receive, send)
         return await self.app(scope, receive, send)

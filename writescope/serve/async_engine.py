@@ -133,7 +133,7 @@ class AsyncEngine:
         Raises:
             EngineDead: the engine stopped.
             ArgError: ``n`` above ``max_num_seqs + max_queue`` (the places a request may take: its
-                choices could never all be taken), a request that could never run (see
+                choices could never all be taken), a stop token id outside the vocabulary, a request that could never run (see
                 :meth:`EngineCore.check`), or ``n`` choices whose KV could never be held at once
                 (:meth:`Scheduler.check_group`).
         """
@@ -144,6 +144,11 @@ class AsyncEngine:
         if n > limit:
             raise ArgError(f"n must be in [1, {limit}], got {n}: each choice takes one of the {limit} places of this server "
                            f"(--max-num-seqs {self.max_num_seqs} + --max-queue {self.max_queue})", "n")
+        vocab = self.core.llm.config.vocab_size
+        bad = next((t for t in params.stop_token_ids if not 0 <= t < vocab), None)
+        if bad is not None:
+            raise ArgError(f"stop_token_ids has token id {bad}, outside the model's vocabulary of {vocab:,} ids [0, {vocab}): "
+                           f"use ids below {vocab} (it could never be generated)", "stop_token_ids")
         self.core.check(prompt_ids, params.max_tokens)
         if n > 1:
             self.core.scheduler.check_group(len(prompt_ids), params.max_tokens, n)

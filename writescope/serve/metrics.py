@@ -8,6 +8,7 @@ prefix. One registry per server, so several servers (tests) in one process do no
 | ``writescope:prompt_tokens_total`` | counter | prompt tokens prefilled |
 | ``writescope:generation_tokens_total`` | counter | tokens generated |
 | ``writescope:request_success_total{finished_reason}`` | counter | finished requests (stop, length, abort, error) |
+| ``writescope:request_refused_total{status}`` | counter | requests answered with an error before reaching the engine (400, 401, 404, 413, 503, ...) |
 | ``writescope:time_to_first_token_seconds`` | histogram | arrival to first token |
 | ``writescope:inter_token_latency_seconds`` | histogram | between consecutive tokens of a request |
 | ``writescope:e2e_request_latency_seconds`` | histogram | arrival to the last token |
@@ -48,6 +49,8 @@ class ServeMetrics:
         self.generation_tokens = Counter(PREFIX + "generation_tokens", "Tokens generated.", registry=r)
         self.request_success = Counter(PREFIX + "request_success", "Finished requests by finish reason.", ["finished_reason"],
                                        registry=r)
+        self.refused = Counter(PREFIX + "request_refused", "Requests answered with an error before reaching the engine, by HTTP status.",
+                               ["status"], registry=r)
         self.ttft = Histogram(PREFIX + "time_to_first_token_seconds", "Seconds from arrival to the first token.",
                               buckets=_LATENCY, registry=r)
         self.itl = Histogram(PREFIX + "inter_token_latency_seconds", "Seconds between consecutive tokens of a request.",

@@ -103,7 +103,7 @@ class _Body(BaseModel):
             if field is None:
                 errors.append(("unknown_field", f"unknown field ({self.API} has no such field{also}): remove it", name, value))
             elif not field.harmless(value, self):
-                words = f"{_json(value)} is not supported by this server ({field.why}): leave it out or send {field.instead}"
+                words = f"{json_value(value)} is not supported by this server ({field.why}): leave it out or send {field.instead}"
                 errors.append(("unsupported_field", words, name, value))
         if errors:
             raise _field_errors(self, errors)
@@ -119,9 +119,9 @@ def _field_errors(body: BaseModel, errors: list[tuple[str, str, str, object]]) -
         for kind, msg, name, value in errors])
 
 
-def _json(value) -> str:
+def json_value(value) -> str:
     """``value`` as the body had it (JSON), shortened."""
-    text = json.dumps(value, ensure_ascii=False)
+    text = json.dumps(value, ensure_ascii=False, default=repr)
     return text if len(text) <= 60 else text[:57] + "..."
 
 
@@ -150,6 +150,20 @@ class _Common(_Body):
     stop_token_ids: list[Annotated[StrictInt, Field(ge=0)]] = Field(default_factory=list, max_length=1024)
     return_token_ids: StrictBool = False  # each choice also carries its token ids (``token_ids``)
     include_stop_str_in_output: StrictBool = False  # the stop string that ended the text stays in it
+
+    @model_validator(mode="after")
+    def _stream_options_with_stream(self):
+        if self.stream_options is not None and not self.stream:
+            raise _field_errors(self, [("field_value", "stream_options is only allowed with stream: true (as OpenAI's API "
+                                        "says): send stream: true or leave stream_options out", "stream_options",
+                                        self.stream_options.model_dump())])
+        return self
+
+    @field_validator("temperature", "top_p", "n", mode="before")
+    @classmethod
+    def _null_is_the_default(cls, v, info: ValidationInfo):
+        """null is the field's default, as OpenAI reads it (clients send null for a None argument)."""
+        return cls.model_fields[info.field_name].default if v is None else v
 
     @field_validator("stop")
     @classmethod
@@ -216,6 +230,16 @@ class TextPart(BaseModel):
     model_config = ConfigDict(extra="ignore")
     type: Literal["text"]
     text: StrictStr
+
+    @model_validator(mode="before")
+    @classmethod
+    def _text_only(cls, v):
+        """A part of another type (an image, audio, a file) is refused by its type, before its
+        missing ``text`` would be."""
+        if isinstance(v, dict) and v.get("type") != "text":
+            raise ValueError(f"a content part of type {json_value(v.get('type'))} is not supported: this server reads text "
+                             'only, as a string or parts {"type": "text", "text": ...}')
+        return v
 
 
 class ChatMessage(_Body):
@@ -300,3 +324,69 @@ class ChatCompletionRequest(_Common):
     @property
     def max_new(self) -> int | None:
         return self.max_completion_tokens if self.max_completion_tokens is not None else self.max_tokens
+
+
+# ---------------------------------------------------------------- union errors in plain words
+#: what a field of several types takes, in the 400's words (the union's branches otherwise each say their own)
+EXPECTED = {
+    "prompt": "a string or a list of token ids (integers >= 0)",
+    "temperature": "a number from 0 to 2",
+    "top_p": "a number above 0, at most 1",
+    "stop": f"a string or a list of up to {MAX_STOP} strings",
+    "content": 'a string or a list of text parts {"type": "text", "text": ...}',
+}
+
+
+def _branch_kind(tag: str) -> str | None:
+    """The JSON kind of a union branch as pydantic tags it in an error's ``loc``
+    (``"constrained-str"``, ``"list[constrained-int]"``, ``"float"``), or None where the element
+    is no such tag (a field name, or a model's)."""
+    if tag.startswith("list["):
+        return "list"
+    base = tag.removeprefix("constrained-")
+    return {"str": "string", "int": "number", "float": "number", "bool": "boolean"}.get(base)
+
+
+def _json_kind(value) -> str:
+    if isinstance(value, bool):
+        return "boolean"
+    if isinstance(value, (int, float)):
+        return "number"
+    return {str: "string", list: "list", dict: "object", type(None): "null"}.get(type(value), "other")
+
+
+def plain_errors(errors: list[dict]) -> list[dict]:
+    """pydantic's errors (``ValidationError.errors()``) with each field of several types (a
+    union) said once: where one branch is of the value's JSON kind, that branch's errors alone,
+    its tag left out of ``loc`` (``prompt: [-1]`` -> ``prompt.0``: ">= 0"); else one error that
+    says what the field takes (:data:`EXPECTED`) and what came (``prompt: 5`` -> "must be a
+    string or a list of token ids"), of type ``field_value`` (its message names the value).
+    Other errors pass unchanged, in order."""
+    out, groups = [], {}
+    for e in errors:
+        loc = tuple(e.get("loc", ()))
+        at = next((i for i, x in enumerate(loc) if isinstance(x, str) and _branch_kind(x)), None)
+        if at is None:
+            out.append(e)
+            continue
+        prefix = loc[:at]
+        if prefix not in groups:
+            groups[prefix] = []
+            out.append(prefix)  # the group's place in the order
+        groups[prefix].append((loc[at], loc[at + 1:], e))
+    result = []
+    for item in out:
+        if isinstance(item, dict):
+            result.append(item)
+            continue
+        branches = groups[item]
+        value = next((e["input"] for _, rest, e in branches if not rest and "input" in e), None)
+        kind = _json_kind(value)
+        same = [(rest, e) for tag, rest, e in branches if _branch_kind(tag) == kind]
+        if same and len({tag for tag, _, _ in branches if _branch_kind(tag) == kind}) == 1:
+            result.extend({**e, "loc": item + rest} for rest, e in same)
+            continue
+        name = next((x for x in reversed(item) if isinstance(x, str)), "")
+        takes = EXPECTED.get(name) or " or ".join(sorted({_branch_kind(t) for t, _, _ in branches}))
+        result.append({"type": "field_value", "loc": item, "msg": f"must be {takes}, got {json_value(value)}", "input": value})
+    return result
