@@ -443,6 +443,16 @@ def test_a_prompt_past_the_limit_is_worded_by_what_was_sent(server):
     assert r.status_code == 400 and r.json()["error"]["param"] == "messages", r.text
     assert "with the chat template, and this server's max_model_len is" in r.json()["error"]["message"]
     assert "max_tokens" not in r.json()["error"]["message"]
+    r = post(server, "/v1/chat/completions", messages=CHAT, max_completion_tokens=MAX_LEN)
+    assert r.status_code == 400 and r.json()["error"]["param"] == "max_completion_tokens", r.text
+    assert re.fullmatch(rf"the messages come to [\d,]+ tokens with the chat template \+ max_completion_tokens {MAX_LEN:,} = [\d,]+, "
+                        rf"beyond this server's max_model_len of {MAX_LEN:,} tokens: shorten the prompt or lower "
+                        rf"max_completion_tokens to at most [\d,]+", r.json()["error"]["message"]), r.text
+    r = post(server, "/v1/completions", prompt=[5] * (MAX_LEN + 1), max_tokens=0, echo=True)  # the prompt back: it may fill the context
+    assert r.status_code == 400 and r.json()["error"]["param"] == "prompt", r.text
+    assert r.json()["error"]["message"] == (f"the prompt has {MAX_LEN + 1:,} tokens, beyond this server's max_model_len of "
+                                            f"{MAX_LEN:,} tokens: shorten the prompt to at most {MAX_LEN:,} tokens")
+    assert post(server, "/v1/completions", prompt=[5] * MAX_LEN, max_tokens=0, echo=True).status_code == 200
 
 
 def test_n_above_the_places_of_the_server_is_refused(llm, server):
@@ -510,8 +520,9 @@ def test_a_failing_choice_cancels_the_others(server, monkeypatch, streamed):
 
     monkeypatch.setattr(core, "_prefill_chunk", prefill)
     key = ("writescope:request_success_total", (("finished_reason", "abort"),))
+    refused = ("writescope:request_refused_total", (("status", "500"),))  # the engine took it: a failure, not a refusal
     wait_until(lambda: server.engine.snapshot()["running"] == 0, "the server to be idle")
-    before = metrics(server.url).get(key, 0)
+    before, refused_before = metrics(server.url).get(key, 0), metrics(server.url).get(refused, 0)
     r = post(server, "/v1/completions", prompt="boom boom", max_tokens=MAX_LEN - 10, ignore_eos=True, n=3, stream=streamed)
     if streamed:
         assert r.status_code == 200
@@ -522,6 +533,7 @@ def test_a_failing_choice_cancels_the_others(server, monkeypatch, streamed):
     wait_until(lambda: metrics(server.url).get(key, 0) == before + 2, "the two other choices to be aborted")
     wait_until(lambda: server.engine.snapshot()["kv_slots"] == 0, "their KV to be freed")
     assert complete(server, prompt="fine", max_tokens=3, n=2)["usage"]["completion_tokens"] == 6
+    assert metrics(server.url).get(refused, 0) == refused_before
 
 
 def test_disconnect_cancels_every_choice(server):
@@ -574,10 +586,10 @@ def test_prompts_are_tokenized_and_checked_off_the_event_loop(server, ref_llm, m
     assert complete(server, prompt=PROMPT, max_tokens=0, echo=True)["choices"][0]["text"] == PROMPT
     r = post(server, "/v1/chat/completions", messages=CHAT, max_tokens=2)
     assert r.status_code == 200, r.text
-    r = post(server, "/v1/completions", prompt=PROMPT, max_tokens=MAX_LEN)  # beyond max_model_len: found by the check
+    r = post(server, "/v1/completions", prompt=PROMPT, max_tokens=MAX_LEN)  # beyond max_model_len: the route's own check
     assert r.status_code == 400 and "beyond this server's max_model_len" in r.json()["error"]["message"], r.text
     assert r.json()["error"]["param"] == "max_tokens"
-    assert [w for w, _ in where] == ["encode", "check"] * 4
+    assert [w for w, _ in where] == ["encode", "check"] * 3 + ["encode"]  # (the length refused before the engine's check)
     assert all(t is not server.thread for _, t in where), where
 
 

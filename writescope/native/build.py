@@ -86,7 +86,7 @@ def _flags(directory: Path) -> dict:
 
 
 def _named_source(name: str, directory: Path, sources: tuple[str, ...]) -> tuple[str, str]:
-    """The build's name (with the CPU and checkout tags) and its source text (with the digest)."""
+    """The build's name (with the CPU tag and the tag of the checkout and torch installation) and its source text (with the digest)."""
     name = f"{name}_{_cpu_tag()}_{_install_tag()}"
     files = [directory / s for s in sources] + [NATIVE_DIR / s for s in SHARED]
     digest = hashlib.sha256(b"".join(f.read_bytes() for f in files)).hexdigest()

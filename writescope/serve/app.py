@@ -102,9 +102,13 @@ class ServerState:
 
 class APIError(Exception):
     def __init__(self, status: int, message: str, type_: str = "invalid_request_error", param: str | None = None,
-                 headers: dict | None = None):
+                 headers: dict | None = None, refused: bool = True):
         super().__init__(message)
         self.status, self.message, self.type, self.param, self.headers = status, message, type_, param, headers
+        self.refused = refused  # False: the engine took the request and it ended unfinished (logged by _RequestLog)
+
+
+MAX_LOGGED_CHARS = 300  # a refusal's message in the log is cut here (it may quote what the body sent)
 
 
 def _error(status: int, message: str, type_: str, param: str | None = None, headers: dict | None = None, *,
@@ -112,7 +116,8 @@ def _error(status: int, message: str, type_: str, param: str | None = None, head
     """The error in OpenAI's shape. ``route`` (``"POST /v1/completions"``): a refused request,
     logged at INFO as a finished one is and counted in ``metrics`` (``request_refused_total``)."""
     if route is not None:
-        log.info("%s status=%d refused%s: %s", route, status, f" param={param}" if param else "", message)
+        said = message if len(message) <= MAX_LOGGED_CHARS else message[:MAX_LOGGED_CHARS] + "..."
+        log.info("%s status=%d refused%s: %s", route, status, f" param={param}" if param else "", said)
         if metrics is not None:
             metrics.refused.labels(str(status)).inc()
     return JSONResponse({"error": {"message": message, "type": type_, "param": param, "code": status}}, status, headers=headers)
@@ -157,7 +162,9 @@ def _no_route(app: FastAPI, request: Request, exc: HTTPException, metrics: Serve
         msg = f"unknown path {path}; the API: {named}"
     else:
         msg = str(exc.detail)
-    return _error(exc.status_code, msg, "invalid_request_error", headers=exc.headers, route=_route(request), metrics=metrics)
+    api = request.url.path.startswith("/v1")  # a browser's /favicon.ico is no refused request
+    return _error(exc.status_code, msg, "invalid_request_error", headers=exc.headers, route=_route(request) if api else None,
+                  metrics=metrics)
 
 
 def build_app(state: ServerState, on_shutdown=None) -> FastAPI:
@@ -186,6 +193,8 @@ def build_app(state: ServerState, on_shutdown=None) -> FastAPI:
 
     @app.exception_handler(APIError)
     async def _api_error(request, exc: APIError):
+        if not exc.refused:
+            return _error(exc.status, exc.message, exc.type, exc.param, exc.headers)
         return _error(exc.status, exc.message, exc.type, exc.param, exc.headers, route=_route(request), metrics=state.metrics)
 
     app.add_middleware(_Guard, state=state)
@@ -235,8 +244,6 @@ def build_app(state: ServerState, on_shutdown=None) -> FastAPI:
             yield
         except ArgError as e:
             param = e.names[0] if e.names else None
-            if param == "max_tokens" and len(ids) >= engine.max_model_len:  # no room left by the prompt alone
-                param = prompt_field
             raise APIError(400, e.worded({name: name for name in e.names}, requests=False), "invalid_request_error", param) from None
         except ValueError as e:
             raise APIError(400, str(e)) from None
@@ -251,15 +258,22 @@ def build_app(state: ServerState, on_shutdown=None) -> FastAPI:
         (``max_tokens`` 0: nothing for the engine to do)."""
         limit, what = engine.max_model_len, ("the messages come to {} with the chat template" if prompt_field == "messages"
                                              else "the prompt has {}").format(plural(len(ids), "token"))
-        if max_tokens != 0 and len(ids) >= limit:  # no room to generate: said without a max_tokens the body may not have sent
+        if max_tokens == 0:  # echo alone: the prompt may take the whole context
+            if len(ids) > limit:
+                raise APIError(400, f"{what}, beyond this server's max_model_len of {plural(limit, 'token')}: shorten the prompt "
+                                    f"to at most {limit:,} tokens", "invalid_request_error", prompt_field)
+        elif len(ids) >= limit:  # no room to generate: said without a max_tokens the body may not have sent
             raise APIError(400, f"{what}, and this server's max_model_len is {plural(limit, 'token')}: nothing is left to "
                                 f"generate; shorten the prompt to at most {limit - 1:,} tokens", "invalid_request_error", prompt_field)
-        if max_tokens is None:  # chat without a limit: the rest of the context
+        elif max_tokens is None:  # chat without a limit: the rest of the context
             max_tokens = limit - len(ids)
-        elif prompt_field == "prompt" and "max_tokens" not in body.model_fields_set and len(ids) + max_tokens > limit:  # the default
-            raise APIError(400, f"{what} + max_tokens {max_tokens} (the default, max_tokens not sent) = {len(ids) + max_tokens:,}, "
-                                f"beyond this server's max_model_len of {plural(limit, 'token')}: shorten the prompt or send "
-                                f"a max_tokens of at most {limit - len(ids):,}", "invalid_request_error", "max_tokens")
+        elif len(ids) + max_tokens > limit:  # named as the body sent it (chat: max_completion_tokens or max_tokens)
+            sent = _limit_sent(body)
+            name = sent or "max_tokens"
+            default = "" if sent else " (the default, max_tokens not sent)"
+            raise APIError(400, f"{what} + {name} {max_tokens:,}{default} = {len(ids) + max_tokens:,}, beyond this server's "
+                                f"max_model_len of {plural(limit, 'token')}: shorten the prompt or {'lower' if sent else 'send'} "
+                                f"{name} to at most {limit - len(ids):,}", "invalid_request_error", name)
         with _api_errors(engine, ids, prompt_field):
             if max_tokens == 0:  # echo alone (the protocol allows 0 with echo only)
                 engine.core.check(ids, 0)
@@ -267,6 +281,13 @@ def build_app(state: ServerState, on_shutdown=None) -> FastAPI:
             params = _params(body, max_tokens)
             engine.check(ids, params)
             return params
+
+    def _limit_sent(body) -> str | None:
+        """The name of the token limit the body sent (chat's newer ``max_completion_tokens`` first), or None."""
+        for name in ("max_completion_tokens", "max_tokens"):
+            if getattr(body, name, None) is not None and name in body.model_fields_set:
+                return name
+        return None
 
     def _submit(engine: AsyncEngine, ids: list[int], params: SamplingParams | None, body, prompt_field: str):
         """On the event loop, after :func:`_checked` (in a worker thread) passed."""
@@ -340,11 +361,11 @@ def build_app(state: ServerState, on_shutdown=None) -> FastAPI:
         (503), or the engine thread failed (500)."""
         engine_error = state.engine.error if state.engine is not None else None
         if out.finish_reason == "error" or engine_error is not None:
-            return APIError(500, f"the request failed inside the engine: {out.error or engine_error}", "server_error")
+            return APIError(500, f"the request failed inside the engine: {out.error or engine_error}", "server_error", refused=False)
         state.failed_at_stop += 1
         why = state.stopped or "the engine was shut down"
         return APIError(503, f"the server is shutting down: the request was cancelled before it finished ({why}): "
-                             "send it again once the server is back", "service_unavailable")
+                             "send it again once the server is back", "service_unavailable", refused=False)
 
     async def _collect(request: Request, engine: AsyncEngine, stream, choices: list[Choice]):
         """Adds the outputs to ``choices`` until: all finished (returns None); one failed or was

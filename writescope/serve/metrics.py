@@ -8,7 +8,7 @@ prefix. One registry per server, so several servers (tests) in one process do no
 | ``writescope:prompt_tokens_total`` | counter | prompt tokens prefilled |
 | ``writescope:generation_tokens_total`` | counter | tokens generated |
 | ``writescope:request_success_total{finished_reason}`` | counter | finished requests (stop, length, abort, error) |
-| ``writescope:request_refused_total{status}`` | counter | requests answered with an error before reaching the engine (400, 401, 404, 413, 503, ...) |
+| ``writescope:request_refused_total{status}`` | counter | requests to `/v1/*` answered with an error before reaching the engine (400, 401, 404, 405, 413, 503) |
 | ``writescope:time_to_first_token_seconds`` | histogram | arrival to first token |
 | ``writescope:inter_token_latency_seconds`` | histogram | between consecutive tokens of a request |
 | ``writescope:e2e_request_latency_seconds`` | histogram | arrival to the last token |

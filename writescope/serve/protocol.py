@@ -236,7 +236,7 @@ class TextPart(BaseModel):
     def _text_only(cls, v):
         """A part of another type (an image, audio, a file) is refused by its type, before its
         missing ``text`` would be."""
-        if isinstance(v, dict) and v.get("type") != "text":
+        if isinstance(v, dict) and "type" in v and v["type"] != "text":
             raise ValueError(f"a content part of type {json_value(v.get('type'))} is not supported: this server reads text "
                              'only, as a string or parts {"type": "text", "text": ...}')
         return v
@@ -380,6 +380,9 @@ def plain_errors(errors: list[dict]) -> list[dict]:
             result.append(item)
             continue
         branches = groups[item]
+        if len({tag for tag, _, _ in branches}) < 2:  # a failed union reports every branch: this is a name, not a tag
+            result.extend(e for _, _, e in branches)
+            continue
         value = next((e["input"] for _, rest, e in branches if not rest and "input" in e), None)
         kind = _json_kind(value)
         same = [(rest, e) for tag, rest, e in branches if _branch_kind(tag) == kind]
