@@ -73,10 +73,11 @@ def run(args: argparse.Namespace) -> int:
         f"{L // 1024}K {roofline_share(L * args.batch, r.a, r.b, r.c_cpu, r.c_gpu):.3f}" for L in contexts))
     print("  deployed (0 where a split is predicted no faster than streaming alone):",
           "  ".join(f"{L // 1024}K {policy.cpu_share(L):.3f}" for L in contexts))
-    if len(cal.actionable(bad, device)) < len(bad):  # CPU tensors standing in for a GPU: nothing to act on
+    acted = cal.actionable(bad, device)
+    if len(acted) < len(bad):  # CPU tensors standing in for a GPU: nothing to act on
         print("note: the 'GPU' side's fits above are CPU tensors' and were clamped; without a GPU that is expected:\n"
-              + "\n".join(f"  {p}" for p in bad if p not in cal.actionable(bad, device)))
-        bad = cal.actionable(bad, device)
+              + "\n".join(f"  {p}" for p in bad if p not in acted))
+        bad = acted
     if bad:
         print(f"WARNING: {len(bad)} fit(s) stayed outside this machine's physical limits after measuring them again; they are "
               "clamped to the limits, and the shares above rest on them (run calibrate again on a quieter machine, or with a "

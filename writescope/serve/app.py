@@ -193,9 +193,8 @@ def build_app(state: ServerState, on_shutdown=None) -> FastAPI:
 
     @app.exception_handler(APIError)
     async def _api_error(request, exc: APIError):
-        if not exc.refused:
-            return _error(exc.status, exc.message, exc.type, exc.param, exc.headers)
-        return _error(exc.status, exc.message, exc.type, exc.param, exc.headers, route=_route(request), metrics=state.metrics)
+        route = _route(request) if exc.refused else None  # an engine failure is logged by _RequestLog, not as a refusal
+        return _error(exc.status, exc.message, exc.type, exc.param, exc.headers, route=route, metrics=state.metrics)
 
     app.add_middleware(_Guard, state=state)
 
