@@ -197,7 +197,7 @@ def test_steps_split_into_two_micro_batches_keep_the_balance_without_o(monkeypat
     L = 16 * PLACED
     assert _policy(Meter(), micro_batches=2).cpu_share(PLACED) == pytest.approx(
         roofline_share(L, DSV2.a, DSV2.b, DSV2.c_cpu, DSV2.c_gpu), rel=1e-12)
-    assert seen[-1] == (O, O_LINK, None)  # the gate as before
+    assert seen[-1] == (O, O_LINK, None, 0.0)  # the gate as before (no WRITESCOPE_LINK_FIXED)
     one = _policy(Meter(), micro_batches=2, batch=1).cpu_share(16 * PLACED)
     assert one == pytest.approx(roofline_share(L, DSV2.a, DSV2.b, DSV2.c_cpu + O, DSV2.c_gpu + O_LINK), rel=1e-12)
 

@@ -29,7 +29,7 @@ PER_ROW = ("WRITESCOPE_MICRO_BATCHES", "WRITESCOPE_MOE_KERNEL", "WRITESCOPE_LOAD
            "WRITESCOPE_PINGPONG_BUFFERS", "WRITESCOPE_GPU_ATTENTION", "WRITESCOPE_CPU_TUNING", "WRITESCOPE_CPU_PARTIAL", "WRITESCOPE_CPU_THREADS", "WRITESCOPE_CPU_PIN",
            "WRITESCOPE_HUGE_PAGES", "WRITESCOPE_CPU_PREREAD", "WRITESCOPE_EXPERT_WORKER",
            "WRITESCOPE_EXPERT_BALANCE", "WRITESCOPE_CPU_TEAM",
-           "WRITESCOPE_GRAPH_SPLIT", "WRITESCOPE_GRAPH_EXPERTS")  # read when a cache (its CPU worker) is made or on every forward
+           "WRITESCOPE_GRAPH_SPLIT", "WRITESCOPE_GRAPH_EXPERTS", "WRITESCOPE_LINK_FIXED")  # read when a cache (its CPU worker) is made or on every forward
 
 
 SETTINGS = ("expert_stream_share",)  # engine settings a row may set (not environment variables)

@@ -25,6 +25,7 @@ def readers() -> dict[str, Callable[[], object]]:
     from writescope.layers.attention import mla_prefill_mode
     from writescope.moe import async_experts, cpu_experts
     from writescope.scheduler.expert_work import balance_from_env
+    from writescope.scheduler.roofline import link_fixed_from_env
     from writescope.kvcache.inplace import _micro_batches, _prefill_load_on_evict_stream
     from writescope.kvcache.spec import load_read_from_env, pingpong_buffers_from_env
     from writescope.models.graphs import graphs_wanted
@@ -58,6 +59,7 @@ def readers() -> dict[str, Callable[[], object]]:
         "WRITESCOPE_CPU_TEAM": team_wanted,
         "WRITESCOPE_GRAPH_SPLIT": graph_split_wanted,
         "WRITESCOPE_GRAPH_EXPERTS": async_experts.graph_wanted,
+        "WRITESCOPE_LINK_FIXED": link_fixed_from_env,
     }
 
 
@@ -86,7 +88,8 @@ NAMES = ("WRITESCOPE_MICRO_BATCHES", "WRITESCOPE_MOE_KERNEL", "WRITESCOPE_LOAD_R
          "WRITESCOPE_GPU_TILES", "WRITESCOPE_MLA_PREFILL", "WRITESCOPE_EXPERT_ISA", "WRITESCOPE_CPU_ATTENTION", "WRITESCOPE_CPU_ISA",
          "WRITESCOPE_CPU_TUNING", "WRITESCOPE_PINNED_POOL", "WRITESCOPE_CPU_THREADS", "WRITESCOPE_CPU_PIN",
          "WRITESCOPE_HUGE_PAGES", "WRITESCOPE_CPU_PREREAD", "WRITESCOPE_EXPERT_WORKER",
-         "WRITESCOPE_EXPERT_BALANCE", "WRITESCOPE_CPU_TEAM", "WRITESCOPE_GRAPH_SPLIT", "WRITESCOPE_GRAPH_EXPERTS")
+         "WRITESCOPE_EXPERT_BALANCE", "WRITESCOPE_CPU_TEAM", "WRITESCOPE_GRAPH_SPLIT", "WRITESCOPE_GRAPH_EXPERTS",
+         "WRITESCOPE_LINK_FIXED")
 
 
 OTHER_NAMES = ("WRITESCOPE_API_KEY",)  # read elsewhere (writescope serve's --api-key default), not a switch

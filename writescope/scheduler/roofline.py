@@ -113,6 +113,32 @@ SPLIT_HANDOVER = 0.15e-3
 # measured optimum in every cell (4 x 32K 0.54 -> 0.46, static optimum about 1/3; 4 x 16K from 0 to
 # 0.25-0.32, where `static:1/3` ran 4-7% faster than streaming alone) and made none worse.
 LINK_FIXED = 0.15e-3
+LINK_FIXED_ENV = "WRITESCOPE_LINK_FIXED"
+
+
+def link_fixed_from_env() -> float | None:
+    """``WRITESCOPE_LINK_FIXED``: the link side's fixed cost per layer inside a whole-model decode
+    step, in milliseconds (a float >= 0), charged in the balance and on both sides of the gate
+    (streaming alone pays it too) instead of min(C_gpu, :data:`LINK_FIXED`) on the split side only.
+    Unset or empty: None (that default). An A/B switch for the rows that measure the link's idle
+    time at layer boundaries (benchmarks/results/gpu_decode_h200.md, run 63).
+
+    Raises:
+        ValueError: not a number, negative, NaN or infinite (names the value).
+    """
+    import os
+
+    raw = os.environ.get(LINK_FIXED_ENV, "").strip()
+    if not raw:
+        return None
+    try:
+        ms = float(raw)
+    except ValueError:
+        ms = math.nan
+    if not 0 <= ms < math.inf:
+        raise ValueError(f"{LINK_FIXED_ENV}={raw!r}: use milliseconds, a number >= 0 such as 0.4 (unset: min(C_gpu, "
+                         f"{LINK_FIXED * 1e3:g} ms) on the split side only)")
+    return ms * 1e-3
 
 
 def roofline_share(L: float, a: float, b: float, c_cpu: float = 0.0, c_gpu: float = 0.0) -> float:
@@ -153,7 +179,7 @@ def link_in_other(other: float, other_link: float, prefetch_tokens: float | None
 
 
 def split_pays(L: float, r: float, a: float, roofline: Roofline, other: float | None = None, other_link: float = 0.0,
-               prefetch_tokens: float | None = None) -> bool:
+               prefetch_tokens: float | None = None, alone_link_fixed: float = 0.0) -> bool:
     """Whether a step over ``L`` placed tokens with CPU share ``r`` in (0, 1] is predicted faster
     than streaming all of them with no CPU part (see the module docstring). True when the
     roofline has no stand-alone calibration (``b_alone`` None): the paper's r(L) then stands.
@@ -169,7 +195,9 @@ def split_pays(L: float, r: float, a: float, roofline: Roofline, other: float | 
     passes one whose C_gpu is capped at :data:`LINK_FIXED` where O is measured and the step is not
     micro-batched (the link side's fixed cost inside a whole-model step, runs 40-41).
     ``prefetch_tokens``: what the ping-pong buffers let the link stream ahead during O
-    (:func:`link_in_other`, each path at its own rate); None: no cap.
+    (:func:`link_in_other`, each path at its own rate); None: no cap. ``alone_link_fixed``: the
+    link's fixed seconds per layer that streaming alone pays too, on its link term (with O only;
+    ``WRITESCOPE_LINK_FIXED``).
     """
     rf = roofline
     if rf.b_alone is None or r <= 0:
@@ -179,7 +207,8 @@ def split_pays(L: float, r: float, a: float, roofline: Roofline, other: float | 
     if other is not None:
         split = (max(other + max(t_cpu, rf.c_gpu), t_gpu + link_in_other(other, other_link, prefetch_tokens, rf.b))
                  + max(rf.c_split, SPLIT_HANDOVER))
-        alone = max(other + c_alone, rf.b_alone * L + link_in_other(other, other_link, prefetch_tokens, rf.b_alone))
+        alone = max(other + c_alone, rf.b_alone * L + alone_link_fixed
+                    + link_in_other(other, other_link, prefetch_tokens, rf.b_alone))
     else:
         split, alone = max(t_cpu, t_gpu) + rf.c_split, rf.b_alone * L + c_alone
     return split < alone
@@ -283,8 +312,9 @@ class WriteScopePolicy(PlacementPolicy):
         o_link = self.other.link(self.batch) if o is not None else 0.0
         # O in the balance where the step is not split into micro-batches (as InplaceKVCache.decode_groups splits)
         balance_o = o is not None and not micro_batched(self.micro_batches, self.batch)
+        fixed = link_fixed_from_env() if balance_o else None
         if balance_o:  # the link side's fixed cost inside a whole-model step (LINK_FIXED), for the balance and the gate
-            rf = replace(rf, c_gpu=min(rf.c_gpu, LINK_FIXED))
+            rf = replace(rf, c_gpu=min(rf.c_gpu, LINK_FIXED) if fixed is None else fixed)
         if X > 0:
             r, _ = joint_split(L, X, self.experts.costs())
         elif balance_o:
@@ -293,7 +323,7 @@ class WriteScopePolicy(PlacementPolicy):
             r = roofline_share(L, a, rf.b, rf.c_cpu, rf.c_gpu)
         if o is None:
             return r if split_pays(L, r, a, rf) else 0.0
-        return r if split_pays(L, r, a, rf, o, o_link, self.prefetch_tokens) else 0.0
+        return r if split_pays(L, r, a, rf, o, o_link, self.prefetch_tokens, fixed or 0.0) else 0.0
 
     def expect_batch(self, batch: int) -> None:
         self.batch = max(1, batch)
