@@ -37,6 +37,9 @@ class Meter:
     def in_step_a(self, threads: int) -> float | None:
         return None
 
+    def in_step_c(self, threads: int) -> float | None:
+        return None
+
 
 def _policy(meter, micro_batches: int = 1, batch: int = 16, roofline: Roofline = DSV2, prefetch_tokens=None) -> WriteScopePolicy:
     p = WriteScopePolicy(roofline)

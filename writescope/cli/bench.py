@@ -269,6 +269,10 @@ def run(args: argparse.Namespace) -> int:
               + (f"in-step {per_token(kept)}, kept from decode steps: a writescope row placed its prompts with the one kept "
                  "before it (the first row: one kept earlier, by an earlier run or the warm-up, else the calibration's)" if kept is not None
                  else "no in-step A kept: writescope placed its prompts with the calibration's"))
+        kept_c = meter.in_step_c(llm.attention_threads)
+        print(f"C_cpu (the CPU part's fixed cost, learnt from parts too small to teach A): calibration {roofline.c_cpu * 1e3:.3g} ms; "
+              + (f"in-step {kept_c * 1e3:.3g} ms, kept from decode steps as A is" if kept_c is not None
+                 else "no in-step C_cpu kept: writescope placed its prompts with the calibration's"))
     for fmt, lead in ((format_split_parts, ""), (format_expert_split, ""), (format_slow_steps, ""), (format_pinning, ""),
                       (format_best, "\n"), (format_speedups, "")):
         text = fmt(rows)  # each empty where no row has what it reports

@@ -92,6 +92,11 @@ NAMES = ("WRITESCOPE_MICRO_BATCHES", "WRITESCOPE_MOE_KERNEL", "WRITESCOPE_LOAD_R
          "WRITESCOPE_LINK_FIXED")
 
 
+# switches that steer only the placement's model, not the kernels: O and the in-step A and C_cpu are
+# kept across them (scheduler/other_work.py, switch_signature)
+MODEL_ONLY = ("WRITESCOPE_LINK_FIXED",)
+
+
 OTHER_NAMES = ("WRITESCOPE_API_KEY",)  # read elsewhere (writescope serve's --api-key default), not a switch
 
 

@@ -258,6 +258,8 @@ class WriteScopePolicy(PlacementPolicy):
     def __init__(self, roofline: Roofline, alpha: float = 0.3, window: int = 3):
         self.roofline = roofline
         self.a = OnlineEstimate(roofline.a, alpha, window)
+        # C_cpu as decode steps see it, learnt from CPU parts too small to teach A (observe)
+        self.c = OnlineEstimate(roofline.c_cpu, alpha, window)
         self.batch = 1
         # O, the layer step's measured work outside attention (scheduler/other_work.py), given by the
         # engine (attach); None: the gate and the balance without it
@@ -285,6 +287,9 @@ class WriteScopePolicy(PlacementPolicy):
         kept = other.in_step_a(attention_threads)
         if kept is not None:
             self.a = OnlineEstimate(kept, self.a.alpha, self.a.window)
+        kept = other.in_step_c(attention_threads)
+        if kept is not None:
+            self.c = OnlineEstimate(kept, self.c.alpha, self.c.window)
 
     @property
     def in_step_a(self) -> float | None:
@@ -292,6 +297,12 @@ class WriteScopePolicy(PlacementPolicy):
         (:meth:`observe`); None before (the estimate is still where it started, not an in-step
         measurement)."""
         return self.a.value if self.a.samples else None
+
+    @property
+    def in_step_c(self) -> float | None:
+        """The tracked C_cpu (seconds per CPU part) once a decode step's CPU part too small to teach
+        A gave a sample (:meth:`observe`); None before."""
+        return self.c.value if self.c.samples else None
 
     def cpu_share(self, placed_tokens: int) -> float:
         """r(L) for L = ``placed_tokens`` per sequence: the paper's eq. 2, with O on the CPU side
@@ -303,8 +314,12 @@ class WriteScopePolicy(PlacementPolicy):
 
             r = roofline_share(L, A, B, C_cpu + O, min(C_gpu, LINK_FIXED) + link_in_other(O, O_link, W, B)).
 
-        ``self.roofline`` itself is not changed (calibration reports and :meth:`observe` read it)."""
+        C_cpu is the tracked one (:meth:`observe`: the calibration's until a small CPU part
+        teaches it). ``self.roofline`` itself is not changed (calibration reports and
+        :meth:`observe` read it)."""
         rf, L, a = self.roofline, placed_tokens * self.batch, self.a.value
+        if self.c.value != rf.c_cpu:  # the tracked C_cpu (the roofline itself is left as calibrated)
+            rf = replace(rf, c_cpu=self.c.value)
         X = self.experts.expected_bytes(self.batch) if self.experts is not None else 0.0
         # O where no per-step expert split runs (with one, the joint model sets r and O was measured
         # under other policies' expert path: attach_expert_work attaches the split for writescope only)
@@ -329,15 +344,27 @@ class WriteScopePolicy(PlacementPolicy):
         self.batch = max(1, batch)
 
     def observe(self, cpu_seconds: float, cpu_tokens: int, batch: int) -> None:
-        """One measured CPU step: the sample of A is ``(cpu_seconds - C_cpu) / cpu_tokens``,
-        floored at a tenth of the calibrated A (a step cheaper than the calibrated fixed cost
-        says little about the per-token cost). A part whose calibrated fixed cost is more than
-        :data:`MAX_FIXED_SHARE` of its calibrated time (C_cpu + A tokens, both from calibration,
-        not its measured time: a gate on the measured time would pass only the slow samples near
-        the threshold) gives no sample: there an error in the fixed part is a large error per
-        token (see :data:`MAX_FIXED_SHARE`)."""
+        """One measured CPU part of a decode step (``cpu_tokens`` > 0 and a finite time; else no
+        sample). It
+        teaches one of the two terms of T_cpu = C_cpu + A tokens, the one that dominates it:
+
+        - A part whose calibrated fixed cost is at most :data:`MAX_FIXED_SHARE` of its calibrated
+          time (C_cpu + A tokens, both from calibration, not its measured time: a gate on the
+          measured time would pass only the slow samples near the threshold) samples A as
+          ``(cpu_seconds - C_cpu) / cpu_tokens``, C_cpu the tracked one, floored at a tenth of the
+          calibrated A (a part cheaper than the fixed cost says little about the per-token cost).
+        - A smaller part, where an error in the fixed part is a large error per token, samples C_cpu
+          instead, as ``cpu_seconds - A cpu_tokens`` (A the tracked one), floored at 0. Calibration
+          measured C_cpu 1.26 ms for DeepSeek-V2-Lite at batch 16 on an H100 host, where that
+          batch's decode steps spent about 0.6 ms (run 62: parts of 20K-131K tokens took
+          0.98-2.6 ms, about 15 ns a token beyond it), and with it the balance placed r 0.16-0.19
+          at 16 x 8K, where a third ran 9% faster (benchmarks/results/gpu_decode_h200.md)."""
         self.batch = max(1, batch)
         rf = self.roofline
-        if cpu_tokens > 0 and rf.c_cpu <= MAX_FIXED_SHARE * (rf.c_cpu + rf.a * cpu_tokens):
-            sample = (cpu_seconds - self.roofline.c_cpu) / cpu_tokens
+        if cpu_tokens <= 0 or not math.isfinite(cpu_seconds):  # no part, or no measurement
+            return
+        if rf.c_cpu <= MAX_FIXED_SHARE * (rf.c_cpu + rf.a * cpu_tokens):
+            sample = (cpu_seconds - self.c.value) / cpu_tokens
             self.a.update(max(sample, A_FLOOR * self.roofline.a))
+        else:
+            self.c.update(max(cpu_seconds - self.a.value * cpu_tokens, 0.0))
