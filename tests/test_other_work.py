@@ -170,7 +170,7 @@ def test_o_is_not_used_where_a_per_step_expert_split_runs(monkeypatch):
     assert policy.cpu_share(32768) == pytest.approx(rl.roofline_share(4 * 32768, DSV2.a, DSV2.b, DSV2.c_cpu + 1e-3, DSV2.c_gpu))
     policy.experts = types.SimpleNamespace(expected_bytes=lambda b: 1e6, costs=lambda: None)
     assert policy.cpu_share(32768) == 0.3
-    assert seen == [(1e-3, 0.0, None), ()]  # O (no ring given: no cap) with the KV-only roofline; none with the joint one
+    assert seen == [(1e-3, 0.0, None, 0.0), ()]  # O (no ring given: no cap) with the KV-only roofline; none with the joint one
 
 
 def test_steps_split_into_two_micro_batches_are_not_measured(monkeypatch):
