@@ -37,7 +37,7 @@ class Meter:
     def in_step_a(self, threads: int) -> float | None:
         return None
 
-    def in_step_c(self, threads: int) -> float | None:
+    def in_step_c(self, threads: int, batch: int) -> float | None:
         return None
 
 

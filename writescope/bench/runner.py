@@ -222,6 +222,8 @@ def run_grid(llm: LLM, cfg: BenchConfig, roofline=None, on_row=None, done: list[
             for p in dict.fromkeys(cfg.policies):
                 run_one(llm, BenchConfig([b], [short], [p], steps=2, window=cfg.window, warmup=False, kv_fill=cfg.kv_fill),
                         b, short, p, roofline)
+        if getattr(llm, "other_work", None) is not None:  # its steps capture graphs: no fixed cost of theirs places a row
+            llm.other_work.forget_in_step_c()
     rows = list(kept)
     bar = tqdm(grid, desc="bench", unit="config", disable=not cfg.progress)
     for b, c, r, p in bar:

@@ -269,10 +269,12 @@ def run(args: argparse.Namespace) -> int:
               + (f"in-step {per_token(kept)}, kept from decode steps: a writescope row placed its prompts with the one kept "
                  "before it (the first row: one kept earlier, by an earlier run or the warm-up, else the calibration's)" if kept is not None
                  else "no in-step A kept: writescope placed its prompts with the calibration's"))
-        kept_c = meter.in_step_c(llm.attention_threads)
-        print(f"C_cpu (the CPU part's fixed cost, learnt from parts too small to teach A): calibration {roofline.c_cpu * 1e3:.3g} ms; "
-              + (f"in-step {kept_c * 1e3:.3g} ms, kept from decode steps as A is" if kept_c is not None
-                 else "no in-step C_cpu kept: writescope placed its prompts with the calibration's"))
+        kept_c = {b: meter.in_step_c(llm.attention_threads, b) for b in batches}
+        print(f"C_cpu (the CPU part's fixed cost a layer step, learnt from small parts, per batch size): calibration "
+              f"{roofline.c_cpu * 1e3:.3g} ms; "
+              + ("in-step, kept at the end from decode steps: " + ", ".join(f"batch {b} {c * 1e3:.3g} ms" for b, c in kept_c.items() if c is not None)
+                 + " (a writescope row placed its prompts with the one kept before it, else the calibration's)"
+                 if any(c is not None for c in kept_c.values()) else "none kept in-step: writescope placed its prompts with the calibration's"))
     for fmt, lead in ((format_split_parts, ""), (format_expert_split, ""), (format_slow_steps, ""), (format_pinning, ""),
                       (format_best, "\n"), (format_speedups, "")):
         text = fmt(rows)  # each empty where no row has what it reports

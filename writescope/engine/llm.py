@@ -494,9 +494,9 @@ class LLM:
             self.decode_host = list(core.decode_host)
             self.decode_between = list(core.decode_between)
             failed = [o.error for o in core.abort_all() if o.error]  # after an exception: free every slot
-            if isinstance(self.policy, WriteScopePolicy):  # A as this batch's decode steps saw it, for the next policy's prefill
+            if isinstance(self.policy, WriteScopePolicy):  # A and C_cpu as this batch's decode steps saw them, for the next policy's prefill
                 self.other_work.keep_in_step_a(self.attention_threads, self.policy.in_step_a)
-                self.other_work.keep_in_step_c(self.attention_threads, self.policy.in_step_c)
+                self.other_work.keep_in_step_c(self.attention_threads, self.policy.batch, self.policy.in_step_c)
             try:
                 self.other_work.save()  # O and A measured in this run, for the first batch of a later process
             except Exception as e:  # never the run's result or its own error: only the keeping is lost

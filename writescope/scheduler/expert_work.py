@@ -158,9 +158,9 @@ class ExpertWork:
         return expected_hit_experts(batch, self.num_experts, self.top_k) * self.host_fraction * self.expert_bytes
 
     def costs(self) -> JointCosts:
-        """The joint costs with the current estimates (A from the policy, E tracked)."""
+        """The joint costs with the current estimates (A and C_cpu from the policy, E tracked)."""
         rf, a = self.policy.roofline, self.policy.a.value
-        return JointCosts(a=a, b=rf.b, e=self.e.value, g=self.g_link.value, c_cpu=rf.c_cpu, c_gpu=rf.c_gpu)
+        return JointCosts(a=a, b=rf.b, e=self.e.value, g=self.g_link.value, c_cpu=self.policy.c.value, c_gpu=rf.c_gpu)
 
     def decoding(self) -> bool:
         """Whether the layer being run is a decode step (the split decoder ran for it)."""

@@ -36,13 +36,14 @@ CPU attention thread count (A depends on both). Calibration measures A faster th
 see it, since it reads a few layers' data again (DeepSeek-V2-Lite on the H200: 15.9 against 17-20
 ns/token), and each ``LLM.set_policy`` builds a fresh policy: one started from the kept in-step A
 places its batch's prompts as the decode steps will find them. It keeps the in-step C_cpu
-(:attr:`~writescope.scheduler.roofline.WriteScopePolicy.in_step_c`) the same way: the CPU part's
-fixed cost as decode steps see it, learnt from parts too small to teach A (run 62 on an H100 host,
-DeepSeek-V2-Lite batch 16: about 0.6 ms a part in the steps against 1.26 calibrated).
+(:attr:`~writescope.scheduler.roofline.WriteScopePolicy.in_step_c`) too, per batch size and in
+memory only: the CPU part's fixed cost as decode steps see it, learnt from parts whose calibrated
+per-token time is at most their fixed cost (run 62 on an H100 host, DeepSeek-V2-Lite batch 16:
+about 0.6 ms a part in the steps against 1.26 calibrated).
 
 A batch is placed when its prompts are written, before its first decode step, so the first
 ``generate`` of a process would place its prompts without O and with the calibration's A. With a
-``store_key`` (the engine gives one on CUDA: :func:`store_key`), O and the in-step A and C_cpu are kept in
+``store_key`` (the engine gives one on CUDA: :func:`store_key`), O and the in-step A are kept in
 ``$XDG_CACHE_HOME/writescope/other_work.json`` (:meth:`OtherWork.save`), and a later process of
 the same machine, model shape, expert placement and kernels starts from them.
 """
@@ -99,9 +100,8 @@ class OtherWork:
         # (switches, CPU attention threads) -> the in-step A, seconds per token
         self._a: dict[tuple[str, int], float] = stored(store_key, IN_STEP_A) if store_key else {}
         self._new_a: set[tuple[str, int]] = set()  # kept since the last save
-        # (switches, CPU attention threads) -> the in-step C_cpu, seconds per CPU part
-        self._c: dict[tuple[str, int], float] = stored(store_key, IN_STEP_C) if store_key else {}
-        self._new_c: set[tuple[str, int]] = set()
+        # (switches, CPU attention threads, batch) -> the in-step C_cpu, seconds per CPU part (this process only)
+        self._c: dict[tuple[str, int, int], float] = {}
         self._steps: dict[tuple[str, int], int] = {}  # decode steps begun per (switches, batch)
         self._marks: list | None = None  # this step's ("b" | "e", layer, stamp), None: not measured
         self._step_key: tuple[str, int] = ("", 0)
@@ -133,21 +133,25 @@ class OtherWork:
         self._a[key] = float(seconds_per_token)
         self._new_a.add(key)
 
-    def in_step_c(self, threads: int) -> float | None:
-        """The in-step C_cpu (seconds per CPU part) kept for ``threads`` CPU attention threads
-        under the switches set now, None where none was kept (then a policy starts from
-        calibration's)."""
-        return self._c.get((switch_signature(), threads))
+    def in_step_c(self, threads: int, batch: int) -> float | None:
+        """The in-step C_cpu (seconds per CPU part of a layer step) kept for ``threads`` CPU
+        attention threads at ``batch`` sequences under the switches set now, None where none was
+        kept (then a policy starts from the calibration's)."""
+        return self._c.get((switch_signature(), threads, batch))
 
-    def keep_in_step_c(self, threads: int, seconds: float | None) -> None:
-        """Keep C_cpu as a policy tracked it over real decode steps
-        (:attr:`~writescope.scheduler.roofline.WriteScopePolicy.in_step_c`), as
-        :meth:`keep_in_step_a` keeps A; a value that is not finite and >= 0 keeps nothing."""
+    def keep_in_step_c(self, threads: int, batch: int, seconds: float | None) -> None:
+        """Keep C_cpu as a policy tracked it over real decode steps at ``batch`` sequences
+        (:attr:`~writescope.scheduler.roofline.WriteScopePolicy.in_step_c`), for the policies made
+        after it in this process (not on disk: a fixed cost per part is kept per batch size, and
+        the store's sections are per thread count). None, a value that is not (finite and >= 0),
+        or anything inside :meth:`paused` keeps nothing."""
         if self._paused or seconds is None or not (math.isfinite(seconds) and seconds >= 0):
             return
-        key = (switch_signature(), threads)
-        self._c[key] = float(seconds)
-        self._new_c.add(key)
+        self._c[switch_signature(), threads, batch] = float(seconds)
+
+    def forget_in_step_c(self) -> None:
+        """Drop every kept C_cpu (bench does after its warm-up, whose first steps capture graphs)."""
+        self._c.clear()
 
     def save(self) -> Path | None:
         """Keep the estimates measured in this process (O and the in-step A) for later ones (with a
@@ -159,7 +163,7 @@ class OtherWork:
             self._waiting.append((self._step_key, self._marks))
         self._marks, self._last_layer = None, None
         self._resolve()
-        if not (self.store_key and (self._new or self._new_a or self._new_c)):
+        if not (self.store_key and (self._new or self._new_a)):
             return None
         path = store_path()
         try:
@@ -178,17 +182,15 @@ class OtherWork:
                     by_batch = by_batch if isinstance(by_batch, dict) else {}
                     by_batch[str(batch)] = self._estimates[sig, batch].value
                     entry[sig] = by_batch
-                for name, new, kept in ((IN_STEP_A, self._new_a, self._a), (IN_STEP_C, self._new_c, self._c)):
-                    if not new:
-                        continue
-                    section = entry.get(name)
+                if self._new_a:
+                    section = entry.get(IN_STEP_A)
                     section = section if isinstance(section, dict) else {}
-                    for sig, threads in sorted(new):
+                    for sig, threads in sorted(self._new_a):
                         by_threads = section.get(sig)
                         by_threads = by_threads if isinstance(by_threads, dict) else {}
-                        by_threads[str(threads)] = kept[sig, threads]
+                        by_threads[str(threads)] = self._a[sig, threads]
                         section[sig] = by_threads
-                    entry[name] = section
+                    entry[IN_STEP_A] = section
                 doc[self.store_key] = entry
                 fd, tmp = tempfile.mkstemp(dir=path.parent, prefix=path.name, suffix=".tmp")
                 try:
@@ -202,7 +204,6 @@ class OtherWork:
             return None
         self._new.clear()
         self._new_a.clear()
-        self._new_c.clear()
         return path
 
     def link(self, batch: int) -> float:
@@ -332,15 +333,13 @@ def store_path() -> Path:
 # the section of a store entry holding the in-step A: {switches: {CPU attention threads: seconds per token}},
 # beside O's {switches: {batch: seconds}} (never a switch signature, which is empty or NAME=VALUE pairs)
 IN_STEP_A = "in_step_a"
-IN_STEP_C = "in_step_c"  # the in-step C_cpu likewise: {switches: {CPU attention threads: seconds per CPU part}}
 
 
 def stored(key: str, section: str | None = None) -> dict[tuple[str, int], float]:
     """The kept estimates of ``key``: with ``section`` None, O as (switches, batch) -> seconds; with
-    :data:`IN_STEP_A`, the in-step A as (switches, CPU attention threads) -> seconds per token; with
-    :data:`IN_STEP_C`, the in-step C_cpu likewise, seconds per CPU part. Entries that are not a
-    positive count with a finite time (non-negative for O and C_cpu, positive for A) are left out
-    one by one; an unreadable file keeps nothing."""
+    :data:`IN_STEP_A`, the in-step A as (switches, CPU attention threads) -> seconds per token.
+    Entries that are not a positive count with a finite time (non-negative for O, positive for A)
+    are left out one by one; an unreadable file keeps nothing."""
     try:
         entry = json.loads(store_path().read_text()).get(key)
         entry = entry if section is None else entry.get(section)
@@ -348,14 +347,14 @@ def stored(key: str, section: str | None = None) -> dict[tuple[str, int], float]
         return {}
     out = {}
     for sig, by_count in (entry.items() if isinstance(entry, dict) else ()):
-        if section is None and sig in (IN_STEP_A, IN_STEP_C):
+        if section is None and sig == IN_STEP_A:
             continue
         for n, v in (by_count.items() if isinstance(by_count, dict) else ()):
             try:
                 count, secs = int(n), float(v)
             except (TypeError, ValueError):
                 continue
-            if count > 0 and math.isfinite(secs) and (secs > 0 if section == IN_STEP_A else secs >= 0):
+            if count > 0 and math.isfinite(secs) and (secs > 0 if section is not None else secs >= 0):
                 out[str(sig), count] = secs
     return out
 

@@ -98,6 +98,12 @@ A_FLOOR = 0.1  # A is never estimated below this fraction of its calibrated valu
 # benchmarks/results/gpu_decode_h200.md). At a quarter, an error of the fixed part costs the
 # sample at most a third of that error's share of C_cpu.
 MAX_FIXED_SHARE = 0.25
+# C_cpu is learnt only from parts whose calibrated per-token time is at most their calibrated fixed
+# cost (WriteScopePolicy.observe): each sample (time - A tokens) takes in A's error times the tokens,
+# so this bounds that error's share of C_cpu by A's relative error; parts between this and
+# MAX_FIXED_SHARE teach neither. And the learnt C_cpu stays within these multiples of the calibrated.
+C_BAND = 0.5
+C_RANGE = (0.25, 2.0)
 # The hand-over a split step pays beyond its slower side inside a whole-model decode step (q to the
 # CPU, its partial back, the merge), which the gate with O counts where the roofline's C_split is
 # smaller: run 40 on the H200 measured 0.15-0.21 ms per layer at DeepSeek-V2-Lite batch 4 (0.16-0.28
@@ -258,8 +264,11 @@ class WriteScopePolicy(PlacementPolicy):
     def __init__(self, roofline: Roofline, alpha: float = 0.3, window: int = 3):
         self.roofline = roofline
         self.a = OnlineEstimate(roofline.a, alpha, window)
-        # C_cpu as decode steps see it, learnt from CPU parts too small to teach A (observe)
+        # C_cpu as decode steps see it, learnt from small CPU parts (observe), per batch size: the one
+        # kept for it by the engine's meter, else the calibration's, until this policy's parts teach it
         self.c = OnlineEstimate(roofline.c_cpu, alpha, window)
+        self._c_batch = None  # the batch size self.c tracks
+        self._threads = None  # CPU attention threads (attach), the meter's key for the kept C_cpu
         self.batch = 1
         # O, the layer step's measured work outside attention (scheduler/other_work.py), given by the
         # engine (attach); None: the gate and the balance without it
@@ -287,9 +296,8 @@ class WriteScopePolicy(PlacementPolicy):
         kept = other.in_step_a(attention_threads)
         if kept is not None:
             self.a = OnlineEstimate(kept, self.a.alpha, self.a.window)
-        kept = other.in_step_c(attention_threads)
-        if kept is not None:
-            self.c = OnlineEstimate(kept, self.c.alpha, self.c.window)
+        self._threads, self._c_batch = attention_threads, None
+        self._track_c(self.batch)
 
     @property
     def in_step_a(self) -> float | None:
@@ -300,8 +308,8 @@ class WriteScopePolicy(PlacementPolicy):
 
     @property
     def in_step_c(self) -> float | None:
-        """The tracked C_cpu (seconds per CPU part) once a decode step's CPU part too small to teach
-        A gave a sample (:meth:`observe`); None before."""
+        """The tracked C_cpu (seconds per CPU part) at the batch size of the last observed step, once
+        one of its CPU parts small enough gave a sample (:meth:`observe`); None before."""
         return self.c.value if self.c.samples else None
 
     def cpu_share(self, placed_tokens: int) -> float:
@@ -340,31 +348,46 @@ class WriteScopePolicy(PlacementPolicy):
             return r if split_pays(L, r, a, rf) else 0.0
         return r if split_pays(L, r, a, rf, o, o_link, self.prefetch_tokens, fixed or 0.0) else 0.0
 
+    def _track_c(self, batch: int) -> None:
+        """Track C_cpu at ``batch``: a new batch size starts from the C_cpu the meter kept for it,
+        else from the calibration's."""
+        if batch == self._c_batch:
+            return
+        kept_c = getattr(self.other, "in_step_c", None)  # a meter of O without kept values (a stand-in) keeps none
+        kept = kept_c(self._threads, batch) if kept_c is not None else None
+        self.c = OnlineEstimate(self.roofline.c_cpu if kept is None else kept, self.c.alpha, self.c.window)
+        self._c_batch = batch
+
     def expect_batch(self, batch: int) -> None:
         self.batch = max(1, batch)
+        self._track_c(self.batch)
 
     def observe(self, cpu_seconds: float, cpu_tokens: int, batch: int) -> None:
         """One measured CPU part of a decode step (``cpu_tokens`` > 0 and a finite time; else no
-        sample). It
-        teaches one of the two terms of T_cpu = C_cpu + A tokens, the one that dominates it:
+        sample). It teaches one of the two terms of T_cpu = C_cpu + A tokens, the one that
+        dominates it by the calibration (C_cal, A_cal; the calibrated time, not the measured one,
+        decides: a gate on the measured time would pass only the slow samples near the threshold):
 
-        - A part whose calibrated fixed cost is at most :data:`MAX_FIXED_SHARE` of its calibrated
-          time (C_cpu + A tokens, both from calibration, not its measured time: a gate on the
-          measured time would pass only the slow samples near the threshold) samples A as
-          ``(cpu_seconds - C_cpu) / cpu_tokens``, C_cpu the tracked one, floored at a tenth of the
-          calibrated A (a part cheaper than the fixed cost says little about the per-token cost).
-        - A smaller part, where an error in the fixed part is a large error per token, samples C_cpu
-          instead, as ``cpu_seconds - A cpu_tokens`` (A the tracked one), floored at 0. Calibration
-          measured C_cpu 1.26 ms for DeepSeek-V2-Lite at batch 16 on an H100 host, where that
-          batch's decode steps spent about 0.6 ms (run 62: parts of 20K-131K tokens took
-          0.98-2.6 ms, about 15 ns a token beyond it), and with it the balance placed r 0.16-0.19
-          at 16 x 8K, where a third ran 9% faster (benchmarks/results/gpu_decode_h200.md)."""
+        - where C_cal is at most :data:`MAX_FIXED_SHARE` of C_cal + A_cal tokens, A, as
+          ``(cpu_seconds - C_cpu) / cpu_tokens`` (C_cpu the tracked one), floored at a tenth of
+          A_cal (a part cheaper than the fixed cost says little about the per-token cost);
+        - where A_cal tokens is at most :data:`C_BAND` of it, C_cpu, as ``cpu_seconds - A
+          cpu_tokens`` (A the tracked one), kept within :data:`C_RANGE` x C_cal;
+        - in between, neither: there an error in either term is a large error in the other.
+
+        Calibration measured C_cpu 1.26 ms for DeepSeek-V2-Lite at batch 16 on an H100 host, where
+        that batch's decode steps spent about 0.6 ms (run 62: parts of 20K-131K tokens took
+        0.98-2.6 ms, about 15 ns a token beyond it), and with it the balance placed r 0.16-0.19 at
+        16 x 8K, where a third ran 9% faster (benchmarks/results/gpu_decode_h200.md). C_cpu is
+        tracked per batch size (a new one starts from the meter's kept value: :meth:`_track_c`)."""
         self.batch = max(1, batch)
+        self._track_c(self.batch)
         rf = self.roofline
         if cpu_tokens <= 0 or not math.isfinite(cpu_seconds):  # no part, or no measurement
             return
         if rf.c_cpu <= MAX_FIXED_SHARE * (rf.c_cpu + rf.a * cpu_tokens):
             sample = (cpu_seconds - self.c.value) / cpu_tokens
             self.a.update(max(sample, A_FLOOR * self.roofline.a))
-        else:
-            self.c.update(max(cpu_seconds - self.a.value * cpu_tokens, 0.0))
+        elif rf.a * cpu_tokens <= C_BAND * (rf.c_cpu + rf.a * cpu_tokens):
+            lo, hi = C_RANGE
+            self.c.update(min(max(cpu_seconds - self.a.value * cpu_tokens, lo * rf.c_cpu), hi * rf.c_cpu))
