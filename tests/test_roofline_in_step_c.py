@@ -227,3 +227,18 @@ def test_link_fixed_does_not_part_the_kept_o(monkeypatch):
     assert ow.switch_signature() == ""
     monkeypatch.setenv("WRITESCOPE_CPU_TUNING", "12")
     assert ow.switch_signature() == "WRITESCOPE_CPU_TUNING=12"
+
+
+def test_link_fixed_has_no_effect_without_o_or_in_micro_batched_steps(monkeypatch):
+    class NoO(Meter):
+        def seconds(self, batch):
+            return None
+
+    for meter, micro in ((NoO(), 1), (Meter(), 2)):
+        p = WriteScopePolicy(RUN62)
+        p.attach(meter, attention_threads=15, micro_batches=micro)
+        p.expect_batch(16)
+        default = p.cpu_share(PLACED)
+        monkeypatch.setenv("WRITESCOPE_LINK_FIXED", "3")
+        assert p.cpu_share(PLACED) == default
+        monkeypatch.delenv("WRITESCOPE_LINK_FIXED")

@@ -265,7 +265,7 @@ def run(args: argparse.Namespace) -> int:
 
         kept = meter.in_step_a(llm.attention_threads)
         print(f"A (CPU attention per placed token, {llm.attention_threads} thread(s), every batch; rows without @switches, "
-              f"those with their own keep theirs apart): calibration {per_token(roofline.a)}; "
+              f"those with their own kernel switches keep theirs apart, @WRITESCOPE_LINK_FIXED rows share them): calibration {per_token(roofline.a)}; "
               + (f"in-step {per_token(kept)}, kept from decode steps: a writescope row placed its prompts with the one kept "
                  "before it (the first row: one kept earlier, by an earlier run or the warm-up, else the calibration's)" if kept is not None
                  else "no in-step A kept: writescope placed its prompts with the calibration's"))

@@ -9,8 +9,9 @@ and the two sides finish together at
 
     r(L) = clamp( B / (A + B) + (C_gpu - C_cpu) / ((A + B) L), 0, 1 )     (paper eq. 2).
 
-A is re-estimated from every measured CPU step (it drifts with concurrent requests and CPU
-experts); B and the C's come from calibration.
+A is re-estimated from the measured CPU parts of decode steps large enough for it (it drifts with
+concurrent requests and CPU experts), and C_cpu from the small ones, per batch size
+(:meth:`WriteScopePolicy.observe`); B and C_gpu come from calibration.
 
 Beyond the paper, a split must pay: streaming alone runs at its own, uncontended rate (B_alone,
 C_gpu_alone; host memory bandwidth is not shared with CPU reads then), and a split step may cost
@@ -248,7 +249,7 @@ class OnlineEstimate:
 
 
 class WriteScopePolicy(PlacementPolicy):
-    """``writescope``: r(L) from the roofline with A tracked online.
+    """``writescope``: r(L) from the roofline with A and C_cpu tracked online.
 
     Args:
         roofline: calibrated A, B, C_cpu, C_gpu (seconds per token, seconds per step).
@@ -289,7 +290,8 @@ class WriteScopePolicy(PlacementPolicy):
         ``WRITESCOPE_MICRO_BATCHES``), the link's side capped by ``prefetch_tokens`` (the cache's
         :attr:`~writescope.kvcache.inplace.InplaceKVCache.prefetch_tokens`; None: no cap). A
         starts from the in-step A the meter kept for ``attention_threads`` CPU attention threads
-        under the switches set now, where it kept one (else from the calibration's)."""
+        under the switches set now, where it kept one (else from the calibration's); C_cpu, at each
+        batch size, from the one it kept there (else the calibration's)."""
         if prefetch_tokens is not None and not prefetch_tokens >= 0:
             raise ValueError(f"prefetch_tokens must be >= 0 or None, got {prefetch_tokens}")
         self.other, self.micro_batches, self.prefetch_tokens = other, micro_batches, prefetch_tokens
@@ -321,6 +323,10 @@ class WriteScopePolicy(PlacementPolicy):
         is min(C_gpu, :data:`LINK_FIXED`) in both the balance and the gate:
 
             r = roofline_share(L, A, B, C_cpu + O, min(C_gpu, LINK_FIXED) + link_in_other(O, O_link, W, B)).
+
+        ``WRITESCOPE_LINK_FIXED`` (:func:`link_fixed_from_env`) replaces min(C_gpu, LINK_FIXED) there,
+        and the gate charges it to streaming alone as well; it has no effect without O or in
+        micro-batched steps.
 
         C_cpu is the tracked one (:meth:`observe`: the calibration's until a small CPU part
         teaches it). ``self.roofline`` itself is not changed (calibration reports and
