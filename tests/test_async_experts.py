@@ -252,7 +252,8 @@ def test_share_for_chooses_from_the_expected_hits_before_routing():
 
     from writescope.scheduler.expert_work import ExpertWork, expected_hit_experts
 
-    policy = SimpleNamespace(roofline=SimpleNamespace(b=1e-9, c_cpu=0.0, c_gpu=0.0), a=SimpleNamespace(value=1e-9))
+    policy = SimpleNamespace(roofline=SimpleNamespace(b=1e-9, c_cpu=0.0, c_gpu=0.0), a=SimpleNamespace(value=1e-9),
+                             c=SimpleNamespace(value=0.0))
     decoder = SimpleNamespace(last_split=(0, 0))  # a decode step
     block = SimpleNamespace(cfg=SimpleNamespace(num_experts=64, top_k=6), host_experts=frozenset(range(32)),
                             host_pack=SimpleNamespace(expert_nbytes=1000))

@@ -107,7 +107,8 @@ def test_the_count_is_the_hit_host_experts_the_link_reads(tokens):
 
 
 def _work(e, g, timer=None):
-    policy = SimpleNamespace(roofline=SimpleNamespace(b=1e-9, c_cpu=0.0, c_gpu=0.0), a=SimpleNamespace(value=1e-9))
+    policy = SimpleNamespace(roofline=SimpleNamespace(b=1e-9, c_cpu=0.0, c_gpu=0.0), a=SimpleNamespace(value=1e-9),
+                             c=SimpleNamespace(value=0.0))
     work = ExpertWork(e=e, g=g, host_fraction=0.5, expert_bytes=1000, num_experts=64, top_k=6,
                       decoder=SimpleNamespace(last_split=(0, 0)), policy=policy)
     work.link_timer = timer
