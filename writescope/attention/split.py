@@ -186,6 +186,9 @@ class SplitDecoder:
         self.last_early_tokens = 0
         self.time_gpu = False  # time the GPU part of each call (calibration; see last_gpu_seconds)
         self.gpu_timers: list | None = None  # with time_gpu: (GPU-part timer, had a CPU part) of every call (bench rows)
+        # a list: (start, end, bytes) of every ping-pong fill's copies, stamped on the copy stream after the fill's
+        # wait for its buffer (bench rows: the link's rate inside decode steps, under whatever else reads host memory)
+        self.copy_timers: list | None = None
         self._gpu_timer: object = 0.0
         self._gpu_timer_done = True
         # the Triton launches of the GPU side (gpu_decode.py); None: the plain-torch partials
@@ -646,10 +649,13 @@ class SplitDecoder:
         try:
             if self._free_events[b] is not None:
                 self.copy_stream.wait_event(self._free_events[b])
+            timed = stamp(self.device) if self.copy_timers is not None else None  # on the copy stream, after the wait
             off = 0
             for _, src in fill:
                 buf[off : off + src.shape[0]].copy_(src, non_blocking=True)
                 off += src.shape[0]
+            if timed is not None:
+                self.copy_timers.append((timed, stamp(self.device), sum(src.numel() * src.element_size() for _, src in fill)))
             ready = self._ready_events[b]  # re-recorded: every wait on it is enqueued before its next record
             ready.record(self.copy_stream)
         finally:

@@ -211,6 +211,24 @@ def format_split_parts(rows: list[BenchRow]) -> str:
                       + lines)
 
 
+def format_link_copies(rows: list[BenchRow]) -> str:
+    """Per (batch, context, policy) that streamed KV on CUDA: the link's rate inside its decode steps
+    (:func:`writescope.bench.runner.link_copies`; with repeats, each run's), beside the bound probe's
+    stand-alone copy rate where the row has one."""
+    lines = []
+    for (b, c, p), group in runs(rows).items():
+        rates = [r.extra["link_copies"]["link_copy_gbs"] for r in group if r.fits and "link_copies" in r.extra]
+        if not rates:
+            continue
+        alone = next((r.extra["bound_rates_gbs"]["stream"] for r in group if "bound_rates_gbs" in r.extra), None)
+        lines.append(f"  batch {b} context {c} {p}: " + ", ".join(f"{x:.1f}" for x in rates) + " GB/s"
+                     + (f" (stand-alone copies {alone:.1f} GB/s in this run)" if alone else ""))
+    if not lines:
+        return ""
+    return "\n".join(["the link inside decode steps (the ping-pong fills' copies alone, each after its buffer was free; "
+                       "per run):"] + lines)
+
+
 def _link_sources(x: dict) -> str:
     """Where an expert split's G came from, in words (the split's dict, :func:`format_expert_split`)."""
     read = (f"the slower of the KV copies' {x['link_kv_gbs']:.1f} and the fused kernels' in-place read {x['link_read_gbs']:.1f}"

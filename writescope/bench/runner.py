@@ -46,6 +46,7 @@ from writescope.bench.bounds import Rates
 from writescope.engine.llm import LLM
 from writescope.engine.prompts import TooLong
 from writescope.engine.sampling import SamplingParams
+from writescope.engine.timing import stamp_seconds
 from writescope.kvcache import pinned
 from writescope.kvcache.inplace import InplaceKVCache
 from writescope.scheduler.expert_work import expected_host_expert_bytes
@@ -261,6 +262,21 @@ def random_kv_prefill(llm: LLM, seed: int):
     return prefill
 
 
+def link_copies(copy_timers: list | None) -> dict | None:
+    """The link's rate inside decode steps from the decoder's ``copy_timers`` ((start, end, bytes)
+    of each ping-pong fill, stamped on the copy stream after the fill's wait for its buffer: the
+    copies alone, under whatever else reads host memory meanwhile, such as the CPU's attention and
+    experts): ``link_copy_gbs`` (bytes over the fills' summed seconds), ``link_copy_ms`` per fill
+    and ``fills``. None without a timed fill (nothing streamed, or no CUDA: the copies then are
+    plain ``torch.cat``)."""
+    done = [(a, b, n) for a, b, n in copy_timers or () if isinstance(b, float) or b.query()]  # CUDA: completed ones only
+    seconds = sum(stamp_seconds(a, b) for a, b, _ in done)
+    if not done or not seconds > 0:
+        return None
+    nbytes = sum(n for _, _, n in done)
+    return {"link_copy_gbs": nbytes / seconds / 1e9, "link_copy_ms": seconds / len(done) * 1e3, "fills": len(done)}
+
+
 def split_parts(decoder, timers: list | None, attention_s: list[float], bytes_per_token: int) -> dict | None:
     """Where a row's decode attention calls went, per call (a layer of the batch, or of one half
     in a micro-batched step), from ``timers`` (the decoder's ``gpu_timers`` of the row), in ms,
@@ -352,6 +368,7 @@ def run_one(llm: LLM, cfg: BenchConfig, batch: int, context: int, policy: str, r
             timer = _TimedAttend(llm.cache, llm.device)
             if isinstance(llm.cache, InplaceKVCache):  # each call's GPU part timed too (events, no synchronisation)
                 llm.cache.decoder.time_gpu, llm.cache.decoder.gpu_timers = True, []
+                llm.cache.decoder.copy_timers = []
             progress, llm.progress = llm.progress, False
             if cfg.kv_fill == "random":
                 llm._prefill = random_kv_prefill(llm, cfg.seed + batch + context)  # an instance attribute: removed below
@@ -372,8 +389,9 @@ def run_one(llm: LLM, cfg: BenchConfig, batch: int, context: int, policy: str, r
             timer.remove()
         decoder = getattr(llm.cache, "decoder", None) if isinstance(llm.cache, InplaceKVCache) else None
         timers = decoder.gpu_timers if decoder is not None else None
+        copy_timers = decoder.copy_timers if decoder is not None else None
         if decoder is not None:  # what comes after the row (another generate on this cache) is not timed
-            decoder.time_gpu, decoder.gpu_timers = False, None
+            decoder.time_gpu, decoder.gpu_timers, decoder.copy_timers = False, None, None
     if llm.decode_host:  # the main thread's issue and wait per decode step (a wait near 0: issue-bound)
         row.extra["issue_ms"] = statistics.median(i for i, _ in llm.decode_host) * 1e3
         row.extra["wait_ms"] = statistics.median(w for _, w in llm.decode_host) * 1e3
@@ -418,6 +436,9 @@ def run_one(llm: LLM, cfg: BenchConfig, batch: int, context: int, policy: str, r
             parts = split_parts(cache.decoder, timers, times, llm.config.kv_layout.bytes_per_token(itemsize))
             if parts:
                 row.extra["split_parts"] = parts
+            link = link_copies(copy_timers)
+            if link:
+                row.extra["link_copies"] = link
             row.prepare_ms_per_layer = st.prepare_seconds / max(1, st.layer_steps) * 1e3
             if st.prepare_seconds > 0:
                 row.prepare_gbs = st.prepared_bytes / st.prepare_seconds / 1e9

@@ -125,7 +125,7 @@ def saved_rows(args: argparse.Namespace) -> list:
 
 
 def run(args: argparse.Namespace) -> int:
-    from writescope.bench.report import format_best, format_expert_split, format_pinning, format_slow_steps, format_speedups, format_split_parts, format_table, plot, speedup_spread, speedups
+    from writescope.bench.report import format_best, format_expert_split, format_link_copies, format_pinning, format_slow_steps, format_speedups, format_split_parts, format_table, plot, speedup_spread, speedups
     from writescope.bench.runner import BenchConfig, complete_cells, run_grid
     from writescope.engine.llm import LLM
     from writescope.engine.model_loader import capped_model_len
@@ -275,7 +275,7 @@ def run(args: argparse.Namespace) -> int:
               + ("in-step, kept at the end from decode steps: " + ", ".join(f"batch {b} {c * 1e3:.3g} ms" for b, c in kept_c.items() if c is not None)
                  + " (a writescope row placed its prompts with the one kept before it, else the calibration's)"
                  if any(c is not None for c in kept_c.values()) else "none kept in-step: writescope placed its prompts with the calibration's"))
-    for fmt, lead in ((format_split_parts, ""), (format_expert_split, ""), (format_slow_steps, ""), (format_pinning, ""),
+    for fmt, lead in ((format_split_parts, ""), (format_link_copies, ""), (format_expert_split, ""), (format_slow_steps, ""), (format_pinning, ""),
                       (format_best, "\n"), (format_speedups, "")):
         text = fmt(rows)  # each empty where no row has what it reports
         if text:
