@@ -359,8 +359,7 @@ class WriteScopePolicy(PlacementPolicy):
         else from the calibration's."""
         if batch == self._c_batch:
             return
-        kept_c = getattr(self.other, "in_step_c", None)  # a meter of O without kept values (a stand-in) keeps none
-        kept = kept_c(self._threads, batch) if kept_c is not None else None
+        kept = self.other.in_step_c(self._threads, batch) if self.other is not None else None
         self.c = OnlineEstimate(self.roofline.c_cpu if kept is None else kept, self.c.alpha, self.c.window)
         self._c_batch = batch
 
