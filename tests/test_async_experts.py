@@ -181,6 +181,37 @@ def test_block_on_the_worker_equals_the_old_path_on_cuda(preset, share, monkeypa
     llm.expert_worker.close()
 
 
+def test_output_switch_is_checked(monkeypatch):
+    monkeypatch.setenv(async_experts.OUTPUT_ENV, "mapped")
+    with pytest.raises(ValueError, match="WRITESCOPE_EXPERT_OUTPUT"):
+        async_experts.output_in_place()
+    monkeypatch.setenv(async_experts.OUTPUT_ENV, "copy")
+    assert not async_experts.output_in_place()
+    monkeypatch.delenv(async_experts.OUTPUT_ENV)
+    assert async_experts.output_in_place()
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("graph", ["on", "off"])
+def test_the_expert_sum_read_in_place_equals_the_copy_on_cuda(graph, monkeypatch):
+    """``WRITESCOPE_EXPERT_OUTPUT`` in-place and copy give the same tokens, eagerly and with the
+    stage captured (each form its own graph: the key holds it)."""
+    monkeypatch.setenv(async_experts.ENV, "on")
+    monkeypatch.setenv(async_experts.GRAPH_ENV, graph)
+    prompts = [list(range(3, 3 + n)) for n in (40, 9, 23)]
+    params = SamplingParams(max_tokens=12, ignore_eos=True)
+    llm = LLM("tiny-qwen3-moe", device="cuda", dtype="bfloat16", progress=False)
+    for b in _offload_half(llm):
+        b.pack()
+        b.stream_share = 0.0
+    got = {}
+    for form in ("copy", "in-place", "copy"):
+        monkeypatch.setenv(async_experts.OUTPUT_ENV, form)
+        got.setdefault(form, []).append([o.token_ids for o in llm.generate(prompt_token_ids=prompts, sampling_params=params)])
+    assert got["copy"][0] == got["copy"][1] == got["in-place"][0]
+    llm.expert_worker.close()
+
+
 @pytest.mark.gpu
 def test_the_worker_path_does_not_wait_on_the_host(monkeypatch):
     monkeypatch.setenv(async_experts.ENV, "on")

@@ -375,6 +375,48 @@ def test_submit_buffers_takes_only_the_workers_own_sets(worker):
     assert torch.equal(again[3], bufs[3])
 
 
+def test_output_view_is_y_without_cuda_and_only_for_the_workers_own_sets(worker):
+    bufs = worker.buffers(3, 2, 64, torch.bfloat16)
+    assert worker.output_view(bufs, torch.device("cpu")) is bufs[3]
+    with pytest.raises(ValueError, match="still holds"):
+        worker.output_view(tuple(t.clone() for t in bufs), torch.device("cpu"))
+
+
+@pytest.mark.gpu
+def test_on_cuda_y_read_in_place_equals_y_copied_and_outlives_its_set():
+    """The add reading y in place through :meth:`output_view` (one view per set) gives what the
+    copy gives, behind queued device work; a set let go (past BUFFER_SETS shapes) while that add is
+    still queued stays alive until the stream passes it."""
+    from writescope.moe.expert_worker import BUFFER_SETS, ExpertWorker
+
+    D, I = 128, 64
+    w13, w2 = experts(D, I, torch.bfloat16)
+    w = ExpertWorker(4, torch.device("cuda"))
+    try:
+        for T, K in ((16, 8), (1, 2), (17, 6)):
+            x, slot, rw = job(T, K, D, torch.bfloat16, seed=T)
+            bufs = w.buffers(T, K, D, torch.bfloat16)
+            for b, t in zip(bufs, (x, slot, rw)):
+                b.copy_(t.cuda(), non_blocking=True)
+            w.consume(w.submit_buffers(bufs, w13, w2))
+            view = w.output_view(bufs, torch.device("cuda"))
+            assert view.is_cuda and view.data_ptr() == bufs[3].data_ptr() and w.output_view(bufs, torch.device("cuda")) is view
+            copied = torch.zeros(T, D, device="cuda").add_(bufs[3].to("cuda", non_blocking=True))
+            torch.cuda._sleep(50_000_000)  # the add below still queued when its set is let go
+            in_place = torch.zeros(T, D, device="cuda").add_(view)
+            del view
+            for extra in range(BUFFER_SETS):  # newer shapes: this set is let go, an event keeps it
+                w.buffers(100 + extra, K, D, torch.bfloat16)
+            assert any(old is bufs for _, old in w._retired)
+            del bufs
+            torch.cuda.synchronize()
+            assert torch.equal(in_place, copied)
+            assert torch.equal(in_place.cpu(), grouped_reference(x, slot, rw, w13, w2))
+        w.check()
+    finally:
+        w.close()
+
+
 @pytest.mark.gpu
 def test_on_cuda_the_stream_hands_the_inputs_over_and_waits_for_y():
     """x, slot and rw copied from device tensors into the pinned buffers on the current stream

@@ -111,7 +111,10 @@ def test_the_switch_off_or_no_worker_yet_leaves_the_stage_uncaptured(monkeypatch
     with torch.no_grad():
         b(x)
     key = b.graph_key(4)
-    assert key is not None and key[0] == "async" and key[2] == llm.expert_worker.running.flags.data_ptr()
+    assert key is not None and key[0] == "async" and key[3] == llm.expert_worker.running.flags.data_ptr()
+    monkeypatch.setenv(async_experts.OUTPUT_ENV, "copy")  # the sum copied, not read in place: another graph
+    assert b.graph_key(4) != key and b.graph_key(4)[2] is False
+    monkeypatch.delenv(async_experts.OUTPUT_ENV)
     assert expert_path(key) == "worker" and expert_path(()) == "device"  # the stage keeps one graph per path
     monkeypatch.delenv(async_experts.GRAPH_ENV)
     assert async_experts.graph_wanted() and b.graph_key(4) == key  # on by default (run 61)
@@ -126,7 +129,7 @@ def test_the_switch_off_or_no_worker_yet_leaves_the_stage_uncaptured(monkeypatch
     with torch.no_grad():
         b(x)  # a new worker: the graphs of the old one are not replayed
     new = llm.expert_worker.running
-    assert new is not old and b.graph_key(4)[2] == new.flags.data_ptr() != key[2]  # the old worker lives on in `old`
+    assert new is not old and b.graph_key(4)[3] == new.flags.data_ptr() != key[3]  # the old worker lives on in `old`
     llm.expert_worker.close()
 
 

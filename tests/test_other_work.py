@@ -165,7 +165,7 @@ def test_o_is_not_used_where_a_per_step_expert_split_runs(monkeypatch):
     monkeypatch.setattr(rl, "split_pays", lambda *a, **k: (seen.append(a[4:]), True)[1])
     monkeypatch.setattr(rl, "joint_split", lambda L, X, costs: (0.3, None))
     policy = WriteScopePolicy(DSV2)
-    policy.other = types.SimpleNamespace(seconds=lambda b: 1e-3, link=lambda b: 0.0, in_step_c=lambda threads, batch: None)
+    policy.other = types.SimpleNamespace(seconds=lambda b, path=None: 1e-3, link=lambda b: 0.0, in_step_c=lambda threads, batch: None)
     policy.expect_batch(4)
     assert policy.cpu_share(32768) == pytest.approx(rl.roofline_share(4 * 32768, DSV2.a, DSV2.b, DSV2.c_cpu + 1e-3, DSV2.c_gpu))
     policy.experts = types.SimpleNamespace(expected_bytes=lambda b: 1e6, costs=lambda: None)

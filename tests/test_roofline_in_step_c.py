@@ -27,7 +27,7 @@ class Meter:
     def __init__(self, a=None, c=None):
         self.a, self.c = a, c
 
-    def seconds(self, batch):
+    def seconds(self, batch, path=None):
         return O
 
     def link(self, batch):
@@ -231,7 +231,7 @@ def test_link_fixed_does_not_part_the_kept_o(monkeypatch):
 
 def test_link_fixed_has_no_effect_without_o_or_in_micro_batched_steps(monkeypatch):
     class NoO(Meter):
-        def seconds(self, batch):
+        def seconds(self, batch, path=None):
             return None
 
     for meter, micro in ((NoO(), 1), (Meter(), 2)):

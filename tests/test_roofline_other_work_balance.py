@@ -28,7 +28,7 @@ class Meter:
     def __init__(self, o: float | None = O, link: float = O_LINK):
         self.o, self.o_link = o, link
 
-    def seconds(self, batch: int) -> float | None:
+    def seconds(self, batch: int, path: str | None = None) -> float | None:
         return self.o
 
     def link(self, batch: int) -> float:

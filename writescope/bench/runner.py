@@ -405,8 +405,10 @@ def run_one(llm: LLM, cfg: BenchConfig, batch: int, context: int, policy: str, r
     # to its end: the wall seconds of the CUDA calls and their bytes (all 0 without CUDA)
     row.extra["pinned"] = {k: pinned.STATS[k] - pinned_before[k] for k in pinned.STATS}
     other = llm.other_work.seconds(batch) if getattr(llm, "other_work", None) is not None else None
-    if other is not None:  # O at this batch, as the split gate saw it after this row (scheduler/other_work.py)
-        row.extra["other_work_ms"] = other * 1e3
+    if other is not None:  # O at this batch under the path of the row's last step's host experts, after this row
+        row.extra["other_work_ms"] = other * 1e3  # (scheduler/other_work.py)
+        if llm.other_work.path(batch):
+            row.extra["other_work_path"] = llm.other_work.path(batch)
     split = expert_split(work, llm.r_trace)
     if split is not None:
         row.extra["expert_split"] = split

@@ -59,6 +59,7 @@ def readers() -> dict[str, Callable[[], object]]:
         "WRITESCOPE_CPU_TEAM": team_wanted,
         "WRITESCOPE_GRAPH_SPLIT": graph_split_wanted,
         "WRITESCOPE_GRAPH_EXPERTS": async_experts.graph_wanted,
+        "WRITESCOPE_EXPERT_OUTPUT": async_experts.output_in_place,
         "WRITESCOPE_LINK_FIXED": link_fixed_from_env,
     }
 
@@ -89,7 +90,7 @@ NAMES = ("WRITESCOPE_MICRO_BATCHES", "WRITESCOPE_MOE_KERNEL", "WRITESCOPE_LOAD_R
          "WRITESCOPE_CPU_TUNING", "WRITESCOPE_PINNED_POOL", "WRITESCOPE_CPU_THREADS", "WRITESCOPE_CPU_PIN",
          "WRITESCOPE_HUGE_PAGES", "WRITESCOPE_CPU_PREREAD", "WRITESCOPE_EXPERT_WORKER",
          "WRITESCOPE_EXPERT_BALANCE", "WRITESCOPE_CPU_TEAM", "WRITESCOPE_GRAPH_SPLIT", "WRITESCOPE_GRAPH_EXPERTS",
-         "WRITESCOPE_LINK_FIXED")
+         "WRITESCOPE_EXPERT_OUTPUT", "WRITESCOPE_LINK_FIXED")
 
 
 # switches that steer only the placement's model, not the kernels: O and the in-step A and C_cpu are

@@ -20,7 +20,8 @@ One layer, in stream order (nothing on the host waits):
 3. the device experts and the link's host experts in the fused kernels (two launches each); now
    and then (moe/link_timing.py) CUDA events time the link's, and a later layer hands the timing
    to the joint roofline's G once it has passed;
-4. the stream waits for the worker's done flag and adds its ``[T, D]`` fp32 sum into ``out``.
+4. the stream waits for the worker's done flag and adds its ``[T, D]`` fp32 sum into ``out``, read
+   where the worker wrote it in pinned memory (``WRITESCOPE_EXPERT_OUTPUT``: :func:`output_in_place`).
 
 Without CUDA (the tests) the "device" is the CPU: the host sets the ready flag, the link's share
 and the device experts run as torch GEMMs (the reference), and the host waits for the worker.
@@ -64,6 +65,36 @@ def graph_wanted() -> bool:
         ValueError: a value other than on/off (names it).
     """
     return env_choice(GRAPH_ENV, ("on", "off")) == "on"
+
+
+OUTPUT_ENV = "WRITESCOPE_EXPERT_OUTPUT"
+
+
+def output_in_place() -> bool:
+    """``WRITESCOPE_EXPERT_OUTPUT``: how the device gets the worker's sum y (``[T, D]`` fp32, pinned).
+    ``in-place`` (the default): the add kernel reads y where the worker wrote it, over PCIe through
+    its device address (unified addressing), with no copy. ``copy``: y is copied to the device first,
+    a host-to-device copy on the compute stream. That copy queues on the copy engine behind the
+    ping-pong fills already issued for the next layer: in run 63's timeline (an H100 host,
+    Qwen3-30B-A3B 4 x 16K, benchmarks/results/gpu_decode_h200.md) the 32 KiB copy ran 0.6 ms after
+    the done flag at a CPU share of 0.2 and 1.3 ms after it at 0, each layer, the device idle
+    meanwhile. The worker's CPU attention partial is read in place for the same reason
+    (``WRITESCOPE_CPU_PARTIAL``). A stage captured with one form is never replayed for the other
+    (the blocks' graph key holds it). Without CUDA y is added as it lies either way.
+
+    Raises:
+        ValueError: another value (names it).
+    """
+    return env_choice(OUTPUT_ENV, ("in-place", "copy")) == "in-place"
+
+
+def _add_output(worker, bufs: tuple, out: torch.Tensor, cuda: bool, in_place: bool) -> None:
+    """``out += y`` (``bufs[3]``, the worker's sum) on the current stream: read in place
+    (:func:`output_in_place`) or copied first; ``cuda`` False: y is in host memory, as ``out`` is."""
+    if cuda and in_place:
+        out.add_(worker.output_view(bufs, out.device))
+    else:
+        out.add_(bufs[3].to(out.device, non_blocking=cuda))
 
 
 def worker_wanted(device: torch.device) -> bool:
@@ -254,7 +285,7 @@ def forward_into(block, worker, x: torch.Tensor, weights: torch.Tensor, ids: tor
             worker.close()  # it did not finish: no later job may reuse its buffers
         raise
     worker.consume(seq)  # with CUDA the stream waits for the done flag, not this thread
-    out.add_(bufs[3].to(x.device, non_blocking=views is not None))
+    _add_output(worker, bufs, out, views is not None, output_in_place())
     return seq
 
 
@@ -280,7 +311,7 @@ def captured_into(block, worker, x: torch.Tensor, weights: torch.Tensor, ids: to
     worker.mark_ready(hand.slot)
     _rest_into(block, x, weights, ids, slot_of, link_slot_of, views, out)
     worker.consume_slot(hand.slot)
-    out.add_(hand.bufs[3].to(x.device, non_blocking=views is not None))
+    _add_output(worker, hand.bufs, out, views is not None, output_in_place())
 
 
 class _Handover:

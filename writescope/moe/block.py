@@ -58,6 +58,10 @@ class SparseMoeBlock(nn.Module):
         self.expert_worker: async_experts.WorkerHandle | None = None
         self._share_dev: torch.Tensor | None = None  # the share a captured pass reads (share_tensor)
         self._share_last = 0.0
+        # the share of the hit host experts the link read in the last pass issued (1 read in place, the worker
+        # path's share, the old path's streamed part), None before one: the meter of O keys its steps by it
+        # (scheduler/other_work.expert_path). A captured stage sets it when its replay hook hands the job over.
+        self.link_share_last: float | None = None
 
     def graph_key(self, tokens: int | None = None):
         """What a CUDA graph of this block at ``tokens`` tokens depends on beyond shapes: the kernel
@@ -96,7 +100,8 @@ class SparseMoeBlock(nn.Module):
         p, h = self.packed, self.host_pack
         slot_of = self._host_device_views(w.device)[2] if w.device.type == "cuda" else h.slot_of
         self.share_tensor(w.device)  # made here, before a capture: made inside one, each replay would zero it
-        return ((async_experts.GRAPH_KEY_MARK, fused_decode.env_fused(), worker.flags.data_ptr(), self.stream_min_tokens, h.w13.data_ptr(),
+        return ((async_experts.GRAPH_KEY_MARK, fused_decode.env_fused(), async_experts.output_in_place(), worker.flags.data_ptr(),
+                 self.stream_min_tokens, h.w13.data_ptr(),
                  h.w2.data_ptr(), slot_of.data_ptr(), tuple(h.ids))
                 + (() if p is None else (p.w13.data_ptr(), p.w2.data_ptr(), p.slot_of.data_ptr(), tuple(p.ids))))
 
@@ -222,6 +227,7 @@ class SparseMoeBlock(nn.Module):
                 self.packed(x, weights, ids, out)
             return self._shared(x, out)
         if self._in_place_for(x.dtype, x.device, x.shape[0]):
+            self.link_share_last = 1.0
             with named("moe.device_experts"):
                 if self.packed is not None:
                     self.packed(x, weights, ids, out)  # the same fused kernels (wanted above)
@@ -267,9 +273,12 @@ class SparseMoeBlock(nn.Module):
         attached, else the fixed ``stream_share``; 0 where no streaming slots fit the budget (the
         CPU computes them all, as on the old path)."""
         if self.stream_min_tokens is None:
+            self.link_share_last = 0.0
             return 0.0
         share = None if self.expert_work is None else self.expert_work.share_for(tokens, self)
-        return min(1.0, self.stream_share) if share is None else share
+        share = min(1.0, self.stream_share) if share is None else share
+        self.link_share_last = share
+        return share
 
     def share_tensor(self, device: torch.device, share: float | None = None) -> torch.Tensor:
         """A 0-dim float64 tensor on ``device`` that a captured pass reads its share from, set to
@@ -332,6 +341,8 @@ class SparseMoeBlock(nn.Module):
                 if k is None:  # a fixed share (or a prefill under the joint roofline)
                     k = round(min(1.0, self.stream_share) * len(by_tokens))
                 streamed, host = streamed + by_tokens[:k], sorted(by_tokens[k:])
+        if streamed or host:
+            self.link_share_last = len(streamed) / (len(streamed) + len(host))
         if host:  # the host experts' tokens and routing weights, copied once: [n_host, D], [n_host] on the CPU
             with named("moe.tokens_to_host"):
                 host_tok = torch.cat([token_of[starts[e] : starts[e + 1]] for e in host])

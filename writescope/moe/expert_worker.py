@@ -28,6 +28,7 @@ import time
 
 import torch
 
+from writescope.kvcache.pinned import device_view
 from writescope.moe import cpu_experts
 from writescope.native.flag_worker import FLAG_DONE, FLAG_READY, FlagWorker
 
@@ -90,6 +91,10 @@ class ExpertWorker(FlagWorker):
             raise RuntimeError("the host-expert kernel could not be built: no native expert worker")
         self.cpus = [int(c) for c in cpus] if cpus else []
         self._buffers: dict[tuple, tuple] = {}  # (T, K, D, dtype) -> (x, slot, rw, y) of buffers(), the newest last
+        self._views: dict[tuple, torch.Tensor] = {}  # the same key -> y's device view (output_view)
+        # (event, set) of sets buffers() let go on CUDA, kept until the stream has passed the work issued before:
+        # a kernel reading y in place may still be queued, and torch's pinned allocator knows only of copies
+        self._retired: list[tuple] = []
         super().__init__(ext, lambda ex, post: ext.ExpertWorker(threads, self.cpus, 0, ex, post), torch.device(device), "host-expert worker",
                          team=team)
 
@@ -99,7 +104,9 @@ class ExpertWorker(FlagWorker):
         tensors otherwise). The same tensors again for the same shape (one set per shape and
         worker: the jobs of one stream are consumed in order, so a job's buffers are free once the
         stream has waited for its done flag; on the host, once :meth:`consume` returned); the last
-        ``BUFFER_SETS`` shapes are kept (an older set stays alive while a job in flight uses it).
+        ``BUFFER_SETS`` shapes are kept (an older set stays alive while a job in flight uses it, and
+        on CUDA until the stream has passed the work issued before it was let go: an add reading y
+        in place, :meth:`output_view`).
 
         Raises:
             ValueError: a negative size, or ``dtype`` neither bf16 nor fp32.
@@ -115,10 +122,36 @@ class ExpertWorker(FlagWorker):
             pin = self.cuda
             bufs = (torch.empty(T, D, dtype=dtype, pin_memory=pin), torch.full((T, K), -1, dtype=torch.int32, pin_memory=pin),
                     torch.zeros(T, K, dtype=torch.float32, pin_memory=pin), torch.zeros(T, D, dtype=torch.float32, pin_memory=pin))
+            self._retired = [(ev, old) for ev, old in self._retired if not ev.query()]
             while len(self._buffers) >= BUFFER_SETS:
-                self._buffers.pop(next(iter(self._buffers)))  # the least recently used shape
+                lru = next(iter(self._buffers))  # the least recently used shape
+                old = self._buffers.pop(lru)
+                self._views.pop(lru, None)
+                if self.cuda:
+                    ev = torch.cuda.Event()
+                    ev.record(torch.cuda.current_stream(self.device))
+                    self._retired.append((ev, old))
         self._buffers[key] = bufs  # the newest last
         return bufs
+
+    def output_view(self, bufs: tuple, device: torch.device) -> torch.Tensor:
+        """y of a set :meth:`buffers` holds, as a tensor on ``device`` over its pinned bytes (read by
+        kernels in place, over PCIe: :func:`writescope.kvcache.pinned.device_view`), made once per
+        set; without CUDA y itself.
+
+        Raises:
+            ValueError: ``bufs`` is not a set this worker holds.
+        """
+        x, slot, _, y = bufs
+        key = (x.shape[0], slot.shape[1], x.shape[1], x.dtype)
+        if self._buffers.get(key) is not bufs:
+            raise ValueError("bufs must be a set this worker's buffers() gave (and still holds)")
+        if not self.cuda:
+            return y
+        view = self._views.get(key)
+        if view is None:
+            view = self._views[key] = device_view(y, torch.device(device))
+        return view
 
     def submit_buffers(self, bufs: tuple, w13: torch.Tensor, w2: torch.Tensor) -> int:
         """:meth:`submit` of a set from :meth:`buffers` (x, slot and rw written by the caller, on
@@ -185,4 +218,4 @@ class ExpertWorker(FlagWorker):
         return [(secs, nbytes, experts) for _, secs, nbytes, experts in self._take_done()]
 
     def _closed(self) -> None:
-        self._buffers = {}
+        self._buffers, self._views = {}, {}

@@ -237,6 +237,29 @@ class ExpertWork:
         k = self.choose([block.host_pack.expert_nbytes] * m, on_device=True)
         return k / m
 
+    def expected_link_share(self, batch: int, load_tokens: float) -> float:
+        """The share of a decode layer step's hit host experts the link is expected to read at
+        ``batch`` decode tokens with ``load_tokens`` tokens (all sequences') in the load region:
+        1 where such passes read their host experts in place (fewer than :attr:`in_place_below`
+        tokens), else :func:`~writescope.scheduler.joint.streamed_count` over the expected hits
+        (uniform routing, at least one) with each side's start as :meth:`phase_start` gives it
+        (``phase``: the link busy with min(``load_tokens``, the ping-pong buffers' tokens) x B;
+        ``joint``: the link with all of them and C_gpu, the CPU with nothing placed; ``alone``:
+        neither), as a fraction. Records nothing. The meter of O keys O by this path
+        (scheduler/other_work.py)."""
+        if batch < self.in_place_below:
+            return 1.0
+        m = max(1, round(expected_hit_experts(batch, self.num_experts, self.top_k) * self.host_fraction))
+        c = self.costs()
+        if self.balance == "alone":
+            link_s = 0.0
+        elif self.balance == "joint":
+            link_s = load_tokens * c.b + c.c_gpu
+        else:
+            ahead = getattr(self.policy, "prefetch_tokens", None)
+            link_s = (load_tokens if ahead is None else min(load_tokens, ahead)) * c.b
+        return streamed_count([self.expert_bytes] * m, 0.0, link_s, c, self.call) / m
+
     def observe(self, seconds: float, nbytes: int) -> None:
         """One measured CPU expert call: ``seconds`` for ``nbytes`` of expert weights; E is
         updated with the call's time less its fixed part (at least a tenth of the call's time: a

@@ -30,6 +30,17 @@ measured step's median gap is one sample for its batch size, tracked as A is: an
 :class:`~writescope.scheduler.roofline.OnlineEstimate`, whose median of the last three samples
 keeps one slow step from moving it. Steps split into two micro-batches are not measured, since their halves interleave.
 
+O depends on the path a layer's host experts take: computed by the CPU (the stage waits for the
+expert worker, about 1.1 ms a layer at Qwen3-30B-A3B batch 4) or read by the link (in place over
+PCIe inside the stage, 2.5-3 ms there). So each sample is kept under the path the step's host
+experts took (:func:`expert_path`: the share the link read in the step's last MoE pass issued,
+``expert_link_share``, given by the engine), and the balance asks for O under the path it expects
+its placement to take (:meth:`~writescope.scheduler.expert_work.ExpertWork.expected_link_share`),
+else the path of the last step at that batch. With one O per batch size, bench's warm-up at 512
+tokens, where ``writescope`` streamed its experts, set O at Qwen3 4 x 16K to 2.9-3.6 ms a layer
+where the steps computing them on the CPU spent about 1.5-1.8 (run 63 on an H100 host,
+benchmarks/results/gpu_decode_h200.md): the balance saw the CPU's side full and placed r 0.
+
 The meter also keeps the in-step A: A as the ``writescope`` policy tracked it over real decode
 steps (:attr:`writescope.scheduler.roofline.WriteScopePolicy.in_step_a`), per kernel switches and
 CPU attention thread count (A depends on both). Calibration measures A faster than decode steps
@@ -80,13 +91,16 @@ class OtherWork:
             in place over PCIe), or None (no such reads).
         store_key: the entry of the store file the estimates start from and are saved to
             (:func:`store_key`); None: kept in memory only.
+        expert_link_share: ``() -> share`` of the hit host experts the link read in the last MoE pass
+            issued (None: no host experts), read at each step's end to key its O by
+            :func:`expert_path`; None: one path for every step.
 
     Raises:
         ValueError: ``warm`` < 0 or ``every`` < 1.
     """
 
     def __init__(self, device: torch.device, warm: int = 4, every: int = 16, link_seconds: Callable[[int], float] | None = None,
-                 store_key: str | None = None):
+                 store_key: str | None = None, expert_link_share: Callable[[], float | None] | None = None):
         if warm < 0 or every < 1:
             raise ValueError(f"OtherWork needs warm >= 0 and every >= 1, got warm={warm}, every={every}")
         self.device = torch.device(device)
@@ -94,6 +108,8 @@ class OtherWork:
         self.warm, self.every = warm, every
         self.link_seconds = link_seconds
         self.store_key = store_key
+        self.expert_link_share = expert_link_share
+        self._last_path: dict[tuple[str, int], str] = {}  # (switches, batch) -> the expert path of its last step
         # (switches, batch) -> estimate: a bench row's own switches (POLICY@NAME=VALUE) run other kernels
         self._estimates: dict[tuple[str, int], OnlineEstimate] = {k: OnlineEstimate(v) for k, v in stored(store_key).items()} if store_key else {}
         self._new: set[tuple[str, int]] = set()  # measured since the last save
@@ -110,12 +126,20 @@ class OtherWork:
         self._paused = False  # inside paused(): nothing measured or kept
 
     # ------------------------------------------------------------------ reading
-    def seconds(self, batch: int) -> float | None:
-        """The tracked O of a layer step at ``batch`` sequences under the switches set now, None
-        before any step was measured there (then the gate keeps its form without O)."""
+    def seconds(self, batch: int, path: str | None = None) -> float | None:
+        """The tracked O of a layer step at ``batch`` sequences under the switches set now with the
+        host experts on ``path`` (:func:`expert_path`; None: the path of the last step at
+        ``batch``), None before any such step was measured (then the gate keeps its form without O)."""
         self._resolve()
-        est = self._estimates.get((switch_signature(), batch))
+        sig = switch_signature()
+        if path is None:
+            path = self._last_path.get((sig, batch), "")
+        est = self._estimates.get((path_signature(sig, path), batch))
         return est.value if est is not None else None
+
+    def path(self, batch: int) -> str:
+        """The expert path (:func:`expert_path`) of the last step at ``batch`` under the switches set now ("" before one)."""
+        return self._last_path.get((switch_signature(), batch), "")
 
     def in_step_a(self, threads: int) -> float | None:
         """The in-step A (seconds per token) kept for ``threads`` CPU attention threads under the
@@ -159,8 +183,7 @@ class OtherWork:
         replaces its entries. A file that cannot be read or written costs only the keeping. Call it
         between steps (the engine does after ``generate``): the step under way counts as finished.
         Returns the file written, or None."""
-        if self._marks:
-            self._waiting.append((self._step_key, self._marks))
+        self._end_step()
         self._marks, self._last_layer = None, None
         self._resolve()
         if not (self.store_key and (self._new or self._new_a)):
@@ -245,9 +268,19 @@ class OtherWork:
     def _stamp(self):
         return stamp(self.device)
 
-    def _new_step(self, key: tuple[str, int]) -> None:
+    def _end_step(self) -> None:
+        """The step under way has ended (a new one begins, or a save): its path noted, its marks
+        queued under it."""
+        if self._last_layer is None:  # none under way
+            return
+        path = expert_path(self.expert_link_share() if self.expert_link_share is not None else None)
+        sig, batch = self._step_key
+        self._last_path[sig, batch] = path
         if self._marks:
-            self._waiting.append((self._step_key, self._marks))
+            self._waiting.append(((path_signature(sig, path), batch), self._marks))
+
+    def _new_step(self, key: tuple[str, int]) -> None:
+        self._end_step()
         self._resolve()
         n = self._steps.get(key, 0)
         self._steps[key] = n + 1
@@ -282,6 +315,35 @@ class OtherWork:
 _SWITCH_NAMES: tuple[str, ...] | None = None
 
 
+def expert_path(link_share: float | None) -> str:
+    """The path of a step's host experts from the share the link read of them: ``"cpu"`` under
+    one half (the CPU computes most), ``"link"`` from one half, ``""`` with no host experts (None)."""
+    if link_share is None:
+        return ""
+    return "cpu" if link_share < 0.5 else "link"
+
+
+def path_signature(switches: str, path: str) -> str:
+    """The store's key for O of steps under ``switches`` (:func:`switch_signature`) whose host
+    experts took ``path`` (:func:`expert_path`): the switches alone where there are no host experts
+    (the key O had before it was kept per path), else with ``experts=PATH`` appended."""
+    if not path:
+        return switches
+    return f"{switches},experts={path}" if switches else f"experts={path}"
+
+
+def blocks_link_share(blocks: list) -> Callable[[], float | None]:
+    """``() ->`` the mean, over those of ``blocks`` (MoE blocks) that hold host experts now, of the
+    share the link read in each one's last pass (``SparseMoeBlock.link_share_last``); None where no
+    block holds host experts or none has run a pass with them."""
+
+    def share() -> float | None:
+        seen = [b.link_share_last for b in blocks if b.host_experts and b.link_share_last is not None]
+        return sum(seen) / len(seen) if seen else None
+
+    return share
+
+
 def switch_signature() -> str:
     """The kernels' switches set in the environment now (``writescope.engine.switches.NAMES``),
     ``NAME=VALUE`` joined by commas; empty with every default."""
@@ -311,9 +373,11 @@ def _locked(path: Path):
 
 def for_engine(device: torch.device, config, dtype: torch.dtype, moe_blocks: list) -> OtherWork:
     """The engine's meter: on CUDA with the :func:`engine_store_key` of this machine, model and
-    expert placement (estimates kept per kernel switches within it); without CUDA nothing is kept."""
+    expert placement (estimates kept per kernel switches and expert path within it); without CUDA
+    nothing is kept. Its steps' expert path is read from ``moe_blocks`` (:func:`blocks_link_share`)."""
     cuda = torch.device(device).type == "cuda"
-    return OtherWork(device, store_key=engine_store_key(device, config, dtype, moe_blocks) if cuda else None)
+    return OtherWork(device, store_key=engine_store_key(device, config, dtype, moe_blocks) if cuda else None,
+                     expert_link_share=blocks_link_share(moe_blocks))
 
 
 def engine_store_key(device: torch.device, config, dtype: torch.dtype, moe_blocks: list) -> str:

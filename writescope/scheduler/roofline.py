@@ -328,6 +328,12 @@ class WriteScopePolicy(PlacementPolicy):
         and the gate charges it to streaming alone as well; it has no effect without O or in
         micro-batched steps.
 
+        O is the meter's under the expert path this placement is expected to take, where a
+        per-step expert split is attached (:meth:`ExpertWork.expected_link_share
+        <writescope.scheduler.expert_work.ExpertWork.expected_link_share>` at r 0: the CPU computes
+        the host experts while the link is busy with the KV), else under the last step's path
+        (scheduler/other_work.py, ``expert_path``).
+
         C_cpu is the tracked one (:meth:`observe`: the calibration's until a small CPU part
         teaches it). ``self.roofline`` itself is not changed (calibration reports and
         :meth:`observe` read it)."""
@@ -336,8 +342,14 @@ class WriteScopePolicy(PlacementPolicy):
             rf = replace(rf, c_cpu=self.c.value)
         X = self.experts.expected_bytes(self.batch) if self.experts is not None else 0.0
         # O where no per-step expert split runs (with one, the joint model sets r and O was measured
-        # under other policies' expert path: attach_expert_work attaches the split for writescope only)
-        o = self.other.seconds(self.batch) if self.other is not None and X <= 0 else None
+        # under other policies' expert path: attach_expert_work attaches the split for writescope only),
+        # under the expert path this placement is expected to take (else the last step's at this batch)
+        path = None
+        if self.experts is not None and self.other is not None and X <= 0:
+            from writescope.scheduler.other_work import expert_path  # (it imports this module)
+
+            path = expert_path(self.experts.expected_link_share(self.batch, L))
+        o = self.other.seconds(self.batch, path) if self.other is not None and X <= 0 else None
         o_link = self.other.link(self.batch) if o is not None else 0.0
         # O in the balance where the step is not split into micro-batches (as InplaceKVCache.decode_groups splits)
         balance_o = o is not None and not micro_batched(self.micro_batches, self.batch)
