@@ -252,11 +252,13 @@ def run(args: argparse.Namespace) -> int:
     if args.kv_fill == "random":
         print("prefill tok/s is 0: --kv-fill random wrote the prompts' KV as random values without running the prompts")
     meter = getattr(llm, "other_work", None)
-    other = {b: meter.seconds(b) for b in batches} if meter is not None else {}
-    if any(o is not None for o in other.values()):  # what writescope's split gate and balance counted (scheduler/other_work.py)
-        print("work outside attention per decode layer step (O, measured in decode steps, on CUDA also kept from earlier runs; "
-              "writescope's split gate counts it, and its balance without micro-batches): "
-              + ", ".join(f"batch {b} {o * 1e3:.3g} ms" for b, o in other.items() if o is not None))
+    other = {b: {p: meter.seconds(b, p) for p in ("", "cpu", "link")} for b in batches} if meter is not None else {}
+    words = {"": "", "cpu": " host experts on the CPU", "link": " host experts over the link"}
+    parts = [f"batch {b}{words[p]} {o * 1e3:.3g} ms" for b, by in other.items() for p, o in by.items() if o is not None]
+    if parts:  # what writescope's split gate and balance counted (scheduler/other_work.py)
+        print("work outside attention per decode layer step (O, measured in decode steps, on CUDA also kept from earlier runs, "
+              "per path of the host experts; writescope's split gate counts it, and its balance without micro-batches): "
+              + ", ".join(parts))
     if roofline is not None and meter is not None:  # which A placed writescope's prompts (scheduler/other_work.py)
         token = llm.config.kv_layout.bytes_per_token(llm.dtype.itemsize)
 
