@@ -76,6 +76,7 @@ import torch
 
 from writescope.engine.timing import stamp, stamp_seconds
 from writescope.paths import cache_dir
+from writescope.scheduler.expert_path import expert_path, path_signature
 from writescope.scheduler.roofline import OnlineEstimate
 
 
@@ -313,23 +314,6 @@ class OtherWork:
 
 
 _SWITCH_NAMES: tuple[str, ...] | None = None
-
-
-def expert_path(link_share: float | None) -> str:
-    """The path of a step's host experts from the share the link read of them: ``"cpu"`` under
-    one half (the CPU computes most), ``"link"`` from one half, ``""`` with no host experts (None)."""
-    if link_share is None:
-        return ""
-    return "cpu" if link_share < 0.5 else "link"
-
-
-def path_signature(switches: str, path: str) -> str:
-    """The store's key for O of steps under ``switches`` (:func:`switch_signature`) whose host
-    experts took ``path`` (:func:`expert_path`): the switches alone where there are no host experts
-    (the key O had before it was kept per path), else with ``experts=PATH`` appended."""
-    if not path:
-        return switches
-    return f"{switches},experts={path}" if switches else f"experts={path}"
 
 
 def blocks_link_share(blocks: list) -> Callable[[], float | None]:

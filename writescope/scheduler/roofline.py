@@ -86,6 +86,7 @@ from collections import deque
 from dataclasses import dataclass, field, replace
 
 from writescope.kvcache.spec import Roofline
+from writescope.scheduler.expert_path import expert_path
 from writescope.scheduler.joint import joint_split
 from writescope.scheduler.placement import PlacementPolicy, micro_batched
 
@@ -346,8 +347,6 @@ class WriteScopePolicy(PlacementPolicy):
         # under the expert path this placement is expected to take (else the last step's at this batch)
         path = None
         if self.experts is not None and self.other is not None and X <= 0:
-            from writescope.scheduler.other_work import expert_path  # (it imports this module)
-
             path = expert_path(self.experts.expected_link_share(self.batch, L))
         o = self.other.seconds(self.batch, path) if self.other is not None and X <= 0 else None
         o_link = self.other.link(self.batch) if o is not None else 0.0
