@@ -201,3 +201,30 @@ def test_the_engine_s_steps_note_the_path_their_host_experts_took(worker, monkey
         assert llm.other_work.path(2) == path
     if llm.expert_worker is not None:
         llm.expert_worker.close()
+
+
+def test_a_step_that_captured_graphs_is_not_measured(monkeypatch):
+    """Later steps capture graphs too (a new policy's or expert path's stages): their gaps are not O."""
+    clock = FakeClock()
+    monkeypatch.setattr(timing.time, "perf_counter", clock)
+    count = {"n": 0}
+    m = ow.OtherWork(torch.device("cpu"), warm=100, every=1, captures=lambda: count["n"])
+    _step(m, clock, 9.0)  # the first step at a batch size: never measured
+    _step(m, clock, 0.2)
+    m.begin(0, 4)  # a step that captures: its gaps take in the captures
+    count["n"] += 3
+    clock.t += 1.0
+    m.end(0)
+    clock.t += 7.0
+    m.begin(1, 4)
+    m.end(1)
+    _step(m, clock, 0.2)
+    _step(m, clock, 0.2)
+    assert m.seconds(4) == pytest.approx(0.2)
+
+
+def test_the_engine_gives_the_meter_its_graph_count():
+    from writescope import LLM
+
+    llm = LLM("tiny-qwen3-moe", progress=False, policy="static:0.5", window=16)
+    assert llm.other_work.captures is not None and llm.other_work.captures() == 0  # no graphs without CUDA

@@ -177,6 +177,7 @@ class LLM:
             self.load_info["device_memory_at_cap"] = enforce_budget(self.device, p.budget, p.weights_gpu, p.working_gpu)
         self.seed = seed
         self.other_work = other_work_for(self.device, self.config, self.dtype, blocks)  # O, for the split gate (kept on CUDA)
+        self.other_work.captures = self._graph_captures  # a step that captured graphs measures no O
         self.step_hook = None  # called after every decode step (profilers; see writescope.bench.breakdown)
         self.r_trace: list[dict] | None = None  # the last generate's r(L) trace (partitioned policies)
         self.decode_host: list[tuple[float, float]] = []  # the last generate's (issue, wait) seconds per decode step
@@ -238,6 +239,11 @@ class LLM:
         if isinstance(parsed, WriteScopePolicy):  # O, and A from earlier decode steps where they were kept
             parsed.attach(self.other_work, self.attention_threads, cache.micro_batches, cache.prefetch_tokens)
         self._attach_expert_work()
+
+    def _graph_captures(self) -> int:
+        """CUDA graphs the decode step has captured so far (0 without graphs)."""
+        graphs = getattr(getattr(self.model, "decode", None), "graphs", None)
+        return graphs.captured if graphs is not None else 0
 
     def _attach_expert_work(self) -> None:
         """The joint roofline's per-step expert split for the policy and expert share set now

@@ -25,7 +25,12 @@ O is measured as the time from one layer's attention end to the next layer's att
 a decode step. On CUDA that is a pair of timing events on the current stream, read once they have
 completed, with no synchronisation added; without CUDA it is the wall clock. Only some steps are
 measured: after the first step at each batch size, the next ``warm``, then every ``every``-th. The
-first is left out because it captures that size's CUDA graphs (models/graphs.py) in its gaps. Each
+first is left out because it captures that size's CUDA graphs (models/graphs.py) in its gaps, and so
+is any later step that captured one (``captures``, given by the engine: a new policy or expert path
+may capture stages under new keys). In run 64 (benchmarks/results/gpu_decode_h200.md) O at Qwen3
+4 x 8K and 4 x 32K stood at 4.0 ms a layer after bench's warm-up, whose later policies' first steps
+may capture, and came down to 2.4 over the rows' own steps; which warm-up steps captured was not
+recorded. Each
 measured step's median gap is one sample for its batch size, tracked as A is: an
 :class:`~writescope.scheduler.roofline.OnlineEstimate`, whose median of the last three samples
 keeps one slow step from moving it. Steps split into two micro-batches are not measured, since their halves interleave.
@@ -95,13 +100,16 @@ class OtherWork:
         expert_link_share: ``() -> share`` of the hit host experts the link read in the last MoE pass
             issued (None: no host experts), read at each step's end to key its O by
             :func:`expert_path`; None: one path for every step.
+        captures: ``() ->`` CUDA graphs captured so far by the decode step: a step during which it
+            grew is not measured; None: only each batch size's first step is left out.
 
     Raises:
         ValueError: ``warm`` < 0 or ``every`` < 1.
     """
 
     def __init__(self, device: torch.device, warm: int = 4, every: int = 16, link_seconds: Callable[[int], float] | None = None,
-                 store_key: str | None = None, expert_link_share: Callable[[], float | None] | None = None):
+                 store_key: str | None = None, expert_link_share: Callable[[], float | None] | None = None,
+                 captures: Callable[[], int] | None = None):
         if warm < 0 or every < 1:
             raise ValueError(f"OtherWork needs warm >= 0 and every >= 1, got warm={warm}, every={every}")
         self.device = torch.device(device)
@@ -110,6 +118,8 @@ class OtherWork:
         self.link_seconds = link_seconds
         self.store_key = store_key
         self.expert_link_share = expert_link_share
+        self.captures = captures
+        self._captures_at_start = 0  # captures() when the step under way began
         self._last_path: dict[tuple[str, int], str] = {}  # (switches, batch) -> the expert path of its last step
         # (switches, batch) -> estimate: a bench row's own switches (POLICY@NAME=VALUE) run other kernels
         self._estimates: dict[tuple[str, int], OnlineEstimate] = {k: OnlineEstimate(v) for k, v in stored(store_key).items()} if store_key else {}
@@ -277,7 +287,7 @@ class OtherWork:
         path = expert_path(self.expert_link_share() if self.expert_link_share is not None else None)
         sig, batch = self._step_key
         self._last_path[sig, batch] = path
-        if self._marks:
+        if self._marks and not (self.captures is not None and self.captures() != self._captures_at_start):
             self._waiting.append(((path_signature(sig, path), batch), self._marks))
 
     def _new_step(self, key: tuple[str, int]) -> None:
@@ -288,6 +298,8 @@ class OtherWork:
         self._step_key = key
         first = n == 0  # this size's graphs are captured in it
         self._marks = None if first else [] if n <= self.warm or (n - 1 - self.warm) % self.every == self.every - 1 else None
+        if self._marks is not None and self.captures is not None:
+            self._captures_at_start = self.captures()
 
     def _resolve(self) -> None:
         """Fold in every waiting step whose last mark has completed (CUDA: ``query``, no wait)."""
