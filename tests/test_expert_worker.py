@@ -14,6 +14,8 @@ Nothing here depends on timing: a job that must not have run is one whose ready 
 
 from __future__ import annotations
 
+import time
+
 import pytest
 import torch
 import torch.nn.functional as F
@@ -409,7 +411,10 @@ def test_on_cuda_y_read_in_place_equals_y_copied_and_outlives_its_set():
                 w.buffers(100 + extra, K, D, torch.bfloat16)
             assert any(old is bufs for _, old in w._retired)
             del bufs
+            time.sleep(0.01)  # the copy of y has completed: without the retired set, torch may lend its bytes again
+            junk = [torch.full((T, D), 7.0, pin_memory=True) for _ in range(8)]  # written by the host at once
             torch.cuda.synchronize()
+            del junk
             assert torch.equal(in_place, copied)
             assert torch.equal(in_place.cpu(), grouped_reference(x, slot, rw, w13, w2))
         w.check()

@@ -228,3 +228,48 @@ def test_the_engine_gives_the_meter_its_graph_count():
 
     llm = LLM("tiny-qwen3-moe", progress=False, policy="static:0.5", window=16)
     assert llm.other_work.captures is not None and llm.other_work.captures() == 0  # no graphs without CUDA
+
+
+def test_the_path_is_read_within_its_step_not_after_a_prefill_that_follows(monkeypatch):
+    """The online engine issues a prefill chunk between two decode steps; its MoE passes (experts
+    with many tokens, streamed) must not decide the path of the decode step before it."""
+    clock = FakeClock()
+    monkeypatch.setattr(timing.time, "perf_counter", clock)
+    box = {"share": None}
+    m = ow.OtherWork(torch.device("cpu"), warm=100, every=1, expert_link_share=lambda: box["share"])
+    _step(m, clock, 9.0, box=box, share=0.0)  # the first step: not measured, sets the top layer
+    for _ in range(2):
+        _step(m, clock, 0.2, box=box, share=0.0)
+        box["share"] = 1.0  # a prefill chunk's passes, before the next decode step begins
+    _step(m, clock, 0.2, box=box, share=0.0)
+    m.save()
+    assert m.path(4) == "cpu" and m.seconds(4, "cpu") == pytest.approx(0.2) and m.seconds(4, "link") is None
+
+
+def test_a_later_process_reads_o_under_the_path_its_blocks_expect(monkeypatch, tmp_path):
+    """Before any step at a batch size in this process, O kept by an earlier one is read under the
+    path the blocks' configuration expects (the last step's path is not kept)."""
+    monkeypatch.setenv("XDG_CACHE_HOME", str(tmp_path))
+    clock = FakeClock()
+    monkeypatch.setattr(timing.time, "perf_counter", clock)
+    m = ow.OtherWork(torch.device("cpu"), warm=100, every=1, store_key="k", expert_link_share=lambda: 1.0)
+    for gap in (9.0, 0.7, 0.7):
+        _step(m, clock, gap, batch=4)
+    m.save()
+    again = ow.OtherWork(torch.device("cpu"), store_key="k")
+    assert again.seconds(4) is None  # no expectation given: the key of no host experts
+    again.expected_link_share = lambda batch: 1.0 if batch < 16 else 0.0
+    assert again.seconds(4) == pytest.approx(0.7)
+    again.expected_link_share = lambda batch: 0.0
+    assert again.seconds(4) is None
+
+
+def test_blocks_expected_share_follows_each_block_s_configuration():
+    def block(in_place, share, slots=True):
+        return types.SimpleNamespace(host_experts=frozenset({1}), reads_host_experts_in_place=lambda tokens: in_place,
+                                     stream_share=share, stream_min_tokens=1 if slots else None)
+
+    assert ow.blocks_expected_share([block(True, 0.0), block(False, 0.0)])(4) == pytest.approx(0.5)
+    assert ow.blocks_expected_share([block(False, 2.0)])(4) == 1.0
+    assert ow.blocks_expected_share([block(False, 1.0, slots=False)])(4) == 0.0
+    assert ow.blocks_expected_share([types.SimpleNamespace(host_experts=frozenset())])(4) is None

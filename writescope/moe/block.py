@@ -60,7 +60,8 @@ class SparseMoeBlock(nn.Module):
         self._share_last = 0.0
         # the share of the hit host experts the link read in the last pass issued (1 read in place, the worker
         # path's share, the old path's streamed part), None before one: the meter of O keys its steps by it
-        # (scheduler/other_work.expert_path). A captured stage sets it when its replay hook hands the job over.
+        # (scheduler/other_work.expert_path). A captured stage sets it from its replay hooks (the job's hand-over,
+        # or _note_in_place).
         self.link_share_last: float | None = None
 
     def graph_key(self, tokens: int | None = None):
@@ -228,6 +229,8 @@ class SparseMoeBlock(nn.Module):
             return self._shared(x, out)
         if self._in_place_for(x.dtype, x.device, x.shape[0]):
             self.link_share_last = 1.0
+            if replay_hooks.capturing():  # a replay runs no Python: it notes the path through a hook
+                replay_hooks.on_replay(self._note_in_place)
             with named("moe.device_experts"):
                 if self.packed is not None:
                     self.packed(x, weights, ids, out)  # the same fused kernels (wanted above)
@@ -241,6 +244,10 @@ class SparseMoeBlock(nn.Module):
                 self._async_forward(x, weights, ids, share, out)
             return self._shared(x, out)
         return self._split_forward(x, weights, ids, out)
+
+    def _note_in_place(self) -> None:
+        """A captured pass that reads every hit host expert in place is replayed: the link read them all."""
+        self.link_share_last = 1.0
 
     def takes_async(self, dtype: torch.dtype, device: torch.device, tokens: int | None = None) -> bool:
         """Whether a pass of ``tokens`` tokens (None: decode-sized, not checked) that splits its

@@ -246,7 +246,9 @@ class ExpertWork:
         (``phase``: the link busy with min(``load_tokens``, the ping-pong buffers' tokens) x B;
         ``joint``: the link with all of them and C_gpu, the CPU with nothing placed; ``alone``:
         neither), as a fraction. Records nothing. The meter of O keys O by this path
-        (scheduler/other_work.py)."""
+        (scheduler/other_work.py). An expectation: where a step copies fills early,
+        :meth:`choose` starts the link at the tokens it did copy early, at most the buffers' tokens,
+        and the expected hits stand for the routed ones."""
         if batch < self.in_place_below:
             return 1.0
         m = max(1, round(expected_hit_experts(batch, self.num_experts, self.top_k) * self.host_fraction))

@@ -38,10 +38,11 @@ keeps one slow step from moving it. Steps split into two micro-batches are not m
 O depends on the path a layer's host experts take: computed by the CPU (the stage waits for the
 expert worker, about 1.1 ms a layer at Qwen3-30B-A3B batch 4) or read by the link (in place over
 PCIe inside the stage, 2.5-3 ms there). So each sample is kept under the path the step's host
-experts took (:func:`expert_path`: the share the link read in the step's last MoE pass issued,
-``expert_link_share``, given by the engine), and the balance asks for O under the path it expects
-its placement to take (:meth:`~writescope.scheduler.expert_work.ExpertWork.expected_link_share`),
-else the path of the last step at that batch. With one O per batch size, bench's warm-up at 512
+experts took (:func:`expert_path`: the share the link read in its MoE passes, ``expert_link_share``,
+given by the engine, read when the step's last layer begins), and the balance asks for O under the
+path it expects its placement to take
+(:meth:`~writescope.scheduler.expert_work.ExpertWork.expected_link_share`), else the path of the
+last step at that batch, else the one the blocks' configuration expects (``expected_link_share``). With one O per batch size, bench's warm-up at 512
 tokens, where ``writescope`` streamed its experts, set O at Qwen3 4 x 16K to 2.9-3.6 ms a layer
 where the steps computing them on the CPU spent about 1.5-1.8 (run 63 on an H100 host,
 benchmarks/results/gpu_decode_h200.md): the balance saw the CPU's side full and placed r 0.
@@ -98,8 +99,8 @@ class OtherWork:
         store_key: the entry of the store file the estimates start from and are saved to
             (:func:`store_key`); None: kept in memory only.
         expert_link_share: ``() -> share`` of the hit host experts the link read in the last MoE pass
-            issued (None: no host experts), read at each step's end to key its O by
-            :func:`expert_path`; None: one path for every step.
+            issued (None: no host experts), read at the begin of each step's last layer to key its
+            O by :func:`expert_path`; None: one path for every step.
         captures: ``() ->`` CUDA graphs captured so far by the decode step: a step during which it
             grew is not measured; None: only each batch size's first step is left out.
 
@@ -121,6 +122,10 @@ class OtherWork:
         self.captures = captures
         self._captures_at_start = 0  # captures() when the step under way began
         self._last_path: dict[tuple[str, int], str] = {}  # (switches, batch) -> the expert path of its last step
+        self._top_layer = -1  # the highest layer a step has begun: the share is read at its begin (_note_share)
+        self._step_share: tuple[bool, float | None] = (False, None)  # (read in this step, the share read)
+        # batch -> the expected share of the link, for the path of a batch size no step has run at yet (the engine's)
+        self.expected_link_share: Callable[[int], float | None] | None = None
         # (switches, batch) -> estimate: a bench row's own switches (POLICY@NAME=VALUE) run other kernels
         self._estimates: dict[tuple[str, int], OnlineEstimate] = {k: OnlineEstimate(v) for k, v in stored(store_key).items()} if store_key else {}
         self._new: set[tuple[str, int]] = set()  # measured since the last save
@@ -140,11 +145,14 @@ class OtherWork:
     def seconds(self, batch: int, path: str | None = None) -> float | None:
         """The tracked O of a layer step at ``batch`` sequences under the switches set now with the
         host experts on ``path`` (:func:`expert_path`; None: the path of the last step at
-        ``batch``), None before any such step was measured (then the gate keeps its form without O)."""
+        ``batch``, else the one :attr:`expected_link_share` expects there), None before any such step
+        was measured (then the gate keeps its form without O)."""
         self._resolve()
         sig = switch_signature()
         if path is None:
-            path = self._last_path.get((sig, batch), "")
+            path = self._last_path.get((sig, batch))
+        if path is None:
+            path = expert_path(self.expected_link_share(batch)) if self.expected_link_share is not None else ""
         est = self._estimates.get((path_signature(sig, path), batch))
         return est.value if est is not None else None
 
@@ -267,6 +275,9 @@ class OtherWork:
         if self._last_layer is None or layer <= self._last_layer:
             self._new_step((switch_signature(), batch))
         self._last_layer = layer
+        if layer >= self._top_layer and layer > 0:  # the step's last layer: its other layers' MoE passes are issued
+            self._top_layer = layer
+            self._note_share()
         if self._marks is not None:
             self._marks.append(("b", layer, self._stamp()))
 
@@ -284,14 +295,26 @@ class OtherWork:
         queued under it."""
         if self._last_layer is None:  # none under way
             return
-        path = expert_path(self.expert_link_share() if self.expert_link_share is not None else None)
+        read, share = self._step_share
+        if not read:  # a step shorter than the longest seen (or the first): read now
+            self._note_share()
+            share = self._step_share[1]
+        path = expert_path(share)
+        self._step_share = (False, None)
         sig, batch = self._step_key
         self._last_path[sig, batch] = path
         if self._marks and not (self.captures is not None and self.captures() != self._captures_at_start):
             self._waiting.append(((path_signature(sig, path), batch), self._marks))
 
+    def _note_share(self) -> None:
+        """Read the link's share of the host experts for the step under way. Read at its last
+        layer's begin, not when the next step begins: a prefill chunk issued between two decode
+        steps (the online engine) would set the blocks' shares first."""
+        self._step_share = (True, self.expert_link_share() if self.expert_link_share is not None else None)
+
     def _new_step(self, key: tuple[str, int]) -> None:
         self._end_step()
+        self._step_share = (False, None)  # (also after a step dropped by paused())
         self._resolve()
         n = self._steps.get(key, 0)
         self._steps[key] = n + 1
@@ -326,6 +349,27 @@ class OtherWork:
 
 
 _SWITCH_NAMES: tuple[str, ...] | None = None
+
+
+def blocks_expected_share(blocks: list) -> Callable[[int], float | None]:
+    """``batch ->`` the mean, over those of ``blocks`` that hold host experts, of the share the link
+    is expected to read of them in a decode pass of ``batch`` tokens as each is configured: 1 read
+    in place, the fixed ``stream_share`` otherwise (0 with no streaming slots); a per-step split
+    attached (``expert_work``) chooses step by step, and is left to the policy's own expectation.
+    None without host experts."""
+
+    def share(batch: int) -> float | None:
+        shares = []
+        for b in blocks:
+            if not b.host_experts:
+                continue
+            if b.reads_host_experts_in_place(batch):
+                shares.append(1.0)
+            else:
+                shares.append(0.0 if b.stream_min_tokens is None else min(1.0, b.stream_share))
+        return sum(shares) / len(shares) if shares else None
+
+    return share
 
 
 def blocks_link_share(blocks: list) -> Callable[[], float | None]:
@@ -372,8 +416,10 @@ def for_engine(device: torch.device, config, dtype: torch.dtype, moe_blocks: lis
     expert placement (estimates kept per kernel switches and expert path within it); without CUDA
     nothing is kept. Its steps' expert path is read from ``moe_blocks`` (:func:`blocks_link_share`)."""
     cuda = torch.device(device).type == "cuda"
-    return OtherWork(device, store_key=engine_store_key(device, config, dtype, moe_blocks) if cuda else None,
-                     expert_link_share=blocks_link_share(moe_blocks))
+    meter = OtherWork(device, store_key=engine_store_key(device, config, dtype, moe_blocks) if cuda else None,
+                      expert_link_share=blocks_link_share(moe_blocks))
+    meter.expected_link_share = blocks_expected_share(moe_blocks)
+    return meter
 
 
 def engine_store_key(device: torch.device, config, dtype: torch.dtype, moe_blocks: list) -> str:
@@ -419,7 +465,9 @@ def stored(key: str, section: str | None = None) -> dict[tuple[str, int], float]
     return out
 
 
-STORE_VERSION = 1  # part of the key: a change in how O is measured starts afresh (the in-step A is an added section)
+# part of the key: a change in how O is measured starts afresh (the in-step A is an added section). 2: O kept
+# per expert path, the experts' sum read in place (the old entries mixed paths, measured with the sum copied)
+STORE_VERSION = 2
 
 
 def store_key(machine: str, config, dtype: torch.dtype, host_experts: int, routed_experts: int) -> str:
