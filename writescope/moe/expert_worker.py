@@ -134,6 +134,14 @@ class ExpertWorker(FlagWorker):
         self._buffers[key] = bufs  # the newest last
         return bufs
 
+    def _held(self, bufs: tuple) -> tuple:
+        """The key of ``bufs`` in :meth:`buffers`' sets (raises ValueError unless the worker holds it)."""
+        x, slot = bufs[0], bufs[1]
+        key = (x.shape[0], slot.shape[1], x.shape[1], x.dtype)
+        if self._buffers.get(key) is not bufs:
+            raise ValueError("bufs must be a set this worker's buffers() gave (and still holds)")
+        return key
+
     def output_view(self, bufs: tuple, device: torch.device) -> torch.Tensor:
         """y of a set :meth:`buffers` holds, as a tensor on ``device`` over its pinned bytes (read by
         kernels in place, over PCIe: :func:`writescope.kvcache.pinned.device_view`), made once per
@@ -142,10 +150,7 @@ class ExpertWorker(FlagWorker):
         Raises:
             ValueError: ``bufs`` is not a set this worker holds.
         """
-        x, slot, _, y = bufs
-        key = (x.shape[0], slot.shape[1], x.shape[1], x.dtype)
-        if self._buffers.get(key) is not bufs:
-            raise ValueError("bufs must be a set this worker's buffers() gave (and still holds)")
+        key, y = self._held(bufs), bufs[3]
         if not self.cuda:
             return y
         view = self._views.get(key)
@@ -163,9 +168,7 @@ class ExpertWorker(FlagWorker):
             ValueError: ``bufs`` is not a set :meth:`buffers` holds; RuntimeError: the weights do
                 not match (the native check's message), an earlier job failed, or the worker is closed.
         """
-        x, slot, _, _ = bufs
-        if self._buffers.get((x.shape[0], slot.shape[1], x.shape[1], x.dtype)) is not bufs:
-            raise ValueError("bufs must be a set this worker's buffers() gave (and still holds)")
+        self._held(bufs)
         return self._submit_set(bufs, w13, w2, ready=True)
 
     def post_buffers(self, bufs: tuple, w13: torch.Tensor, w2: torch.Tensor) -> int:
