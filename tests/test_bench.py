@@ -475,3 +475,70 @@ def test_the_bound_caps_the_speedup_the_report_can_show():
     assert n == 2 and ceiling == pytest.approx(((200.0 / 125.0) * (1000.0 / 100.0)) ** 0.5)
     assert f"at its bound writescope would be {ceiling:.2f}x the best baseline (2)" in format_speedups(rows)
     assert bound_ceiling(rows, min_context=10**6) is None
+
+
+def test_a_micro_batched_row_names_a_split_warm_up(monkeypatch):
+    """Run 65: a micro-batched row's first measured step captured its half-batch CUDA graphs (500
+    ms of a 170 ms step), since the warm-up's `writescope` placed no CPU share and so never split.
+    Its extra warm-up is `static:0.5` under the row's own switches and settings; rows that do not
+    split (no switch, batch 1) have none, and a bad value is refused by name."""
+    from writescope.bench.runner import split_warm_up
+
+    monkeypatch.delenv("WRITESCOPE_MICRO_BATCHES", raising=False)
+    assert split_warm_up("writescope@WRITESCOPE_MICRO_BATCHES=2+expert_stream_share=0", 16) == \
+        "static:0.5@WRITESCOPE_MICRO_BATCHES=2+expert_stream_share=0"
+    assert split_warm_up("writescope", 16) is None
+    assert split_warm_up("writescope@WRITESCOPE_MICRO_BATCHES=1", 16) is None
+    assert split_warm_up("gpu@WRITESCOPE_MICRO_BATCHES=2", 1) is None  # one sequence never splits
+    assert split_warm_up("writescope@WRITESCOPE_MICRO_BATCHES=auto", 4) == "static:0.5@WRITESCOPE_MICRO_BATCHES=auto"  # may split
+    monkeypatch.setenv("WRITESCOPE_MICRO_BATCHES", "2")  # the process's switch: every row splits
+    assert split_warm_up("writescope", 4) == "static:0.5"
+    assert split_warm_up("gpu@WRITESCOPE_LOAD_STREAM=own", 4) == "static:0.5@WRITESCOPE_LOAD_STREAM=own"
+    assert split_warm_up("writescope@WRITESCOPE_MICRO_BATCHES=1", 4) is None  # the row's own switch wins
+    with pytest.raises(ValueError, match="WRITESCOPE_MICRO_BATCHES"):
+        split_warm_up("writescope@WRITESCOPE_MICRO_BATCHES=3", 4)
+
+
+def test_the_warm_up_splits_micro_batched_rows(monkeypatch):
+    """The grid's warm-up runs a micro-batched row's split entry right after the row's own, at
+    four windows of context (or the grid's longest, if shorter), two steps, unmeasured."""
+    from writescope.bench import runner
+
+    monkeypatch.delenv("WRITESCOPE_MICRO_BATCHES", raising=False)
+    calls = []
+    monkeypatch.setattr(runner, "run_one", lambda llm, cfg, b, c, p, roofline=None: calls.append((b, c, p, cfg.steps)) or
+                        runner.BenchRow(batch=b, context=c, policy=p))
+    mb = "writescope@WRITESCOPE_MICRO_BATCHES=2"
+    cfg = runner.BenchConfig([1, 4], [1000], ["gpu", mb], steps=5, window=16, progress=False)
+    runner.run_grid(None, cfg)
+    warm = [(b, c, p) for b, c, p, steps in calls if steps == 2]
+    assert warm == [(1, 32, "gpu"), (1, 32, mb), (4, 32, "gpu"), (4, 32, mb), (4, 64, "static:0.5@WRITESCOPE_MICRO_BATCHES=2")]
+    calls.clear()
+    runner.run_grid(None, runner.BenchConfig([4], [40], [mb], steps=5, window=16, progress=False))
+    assert [(c, p) for _, c, p, steps in calls if steps == 2] == [(32, mb), (40, "static:0.5@WRITESCOPE_MICRO_BATCHES=2")]
+
+
+def test_the_split_warm_up_splits_its_steps(monkeypatch):
+    """The entry does what it is for: at the row's batch and four windows of context its decode
+    steps split into two micro-batches (the tiny preset on the CPU)."""
+    from writescope import LLM
+    from writescope.bench.runner import SPLIT_WARM_UP_WINDOWS, BenchConfig, run_one, split_warm_up
+
+    monkeypatch.delenv("WRITESCOPE_MICRO_BATCHES", raising=False)
+    D = 16
+    llm = LLM("tiny-qwen3-moe", progress=False, policy="gpu", window=D)
+    entry = split_warm_up("writescope@WRITESCOPE_MICRO_BATCHES=2", 4)
+    groups = []
+    real = type(llm.cache).decode_groups
+
+    def spy(cache, batch):
+        g = real(cache, batch)
+        groups.append(g)
+        return g
+
+    monkeypatch.setattr(type(llm.cache), "decode_groups", spy)
+    ctx = SPLIT_WARM_UP_WINDOWS * D
+    row = run_one(llm, BenchConfig([4], [ctx], [entry], steps=2, window=D, warmup=False, kv_fill="random"), 4, ctx, entry)
+    assert row.fits
+    split = [g for g in groups if g is not None]
+    assert split and all(g == [(0, 2), (2, 4)] for g in split)

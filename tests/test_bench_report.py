@@ -120,3 +120,25 @@ def test_help_shows_the_default_policies(capsys):
     text = " ".join(capsys.readouterr().out.split())  # argparse wraps the help at spaces
     assert ("e.g. static:0.5@WRITESCOPE_MICRO_BATCHES=2, or with its own expert split, writescope@expert_stream_share=0 "
             "(default gpu,cpu,static:0.5,monolithic,writescope)") in text
+
+
+def test_a_run_that_beats_its_bound_is_said_to():
+    """Run 65: the probe's CPU read (53-70 GB/s beside the link) was below what the attention
+    kernel read in the step (72-78), and the table showed x bound 0.87 and % bound 130 with no
+    word. A row above its bound gets one note naming the worst row; rows within it get none."""
+    from writescope.bench.report import above_bound_note, format_table
+    from writescope.bench.runner import BenchRow
+
+    within = BenchRow(16, 32768, "gpu", decode_tok_s=1.0, tpot_ms=600.0, attn_ms_per_layer=10.0, bound_ms=8.0,
+                      frac_of_bound=0.8, step_bound_ms=400.0)
+    assert above_bound_note([within]) == ""
+    assert "beat this run's bound" not in format_table([within])
+    fast = BenchRow(16, 32768, "writescope", decode_tok_s=1.0, tpot_ms=300.0, attn_ms_per_layer=6.0, bound_ms=7.8,
+                    frac_of_bound=1.3, step_bound_ms=400.0)
+    note = above_bound_note([within, fast])
+    assert note.startswith("note: 1 of 2 runs beat this run's bound") and "writescope: % bound 130, x bound 0.75" in note
+    assert note in format_table([within, fast])
+    no_step = BenchRow(2, 64, "cpu", decode_tok_s=1.0, tpot_ms=5.0, attn_ms_per_layer=1.0, bound_ms=1.2, frac_of_bound=1.2)
+    assert "cpu: % bound 120): " in above_bound_note([no_step])  # no step bound: no x bound named
+    unfit = BenchRow(2, 64, "cpu", fits=False, frac_of_bound=2.0)
+    assert above_bound_note([unfit]) == ""

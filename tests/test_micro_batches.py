@@ -410,3 +410,72 @@ def test_early_copies_change_no_logit_on_cuda(preset, share, monkeypatch):
             torch.cuda.empty_cache()
     for mb in ("1", "2"):
         assert torch.equal(logits[mb, "early"], logits[mb, "own-layer"]), mb
+
+
+def test_auto_splits_only_steps_whose_cpu_computes_no_host_experts():
+    """``WRITESCOPE_MICRO_BATCHES=auto`` (scheduler/placement.py ``micro_batched``): a step of two
+    or more sequences splits below the engine's ``cpu_experts_from`` threshold (or always, with
+    none); 1 never splits and 2 always does, whatever the threshold."""
+    from writescope.scheduler.placement import micro_batched
+
+    assert micro_batched("auto", 16, None) and micro_batched("auto", 2)
+    assert not micro_batched("auto", 1, None)  # one sequence: nothing to split
+    assert micro_batched("auto", 7, 8) and not micro_batched("auto", 8, 8) and not micro_batched("auto", 16, 1)
+    assert micro_batched(2, 16, 1) and not micro_batched(1, 16, None) and not micro_batched(2, 1, None)
+
+
+def test_auto_is_read_and_bad_values_name_it(monkeypatch):
+    from writescope.kvcache.inplace import _micro_batches
+
+    monkeypatch.setenv("WRITESCOPE_MICRO_BATCHES", "auto")
+    assert _micro_batches() == "auto"
+    monkeypatch.setenv("WRITESCOPE_MICRO_BATCHES", "halves")
+    with pytest.raises(ValueError, match="'halves'.*auto"):
+        _micro_batches()
+
+
+@pytest.mark.parametrize("host_experts_on_cpu", [False, True])
+def test_auto_follows_the_expert_path_the_engine_sets(host_experts_on_cpu, monkeypatch):
+    """The engine tells the cache (and writescope's balance) from how many tokens its CPU computes
+    host experts: with every expert on the device none does, and auto splits every decode step;
+    with half of them in host memory and the CPU computing all of their decode work
+    (``expert_stream_share=0``) every step does, and auto splits none. Tokens and logits match the
+    whole-batch steps either way (the split itself is checked above)."""
+    monkeypatch.setenv("WRITESCOPE_MICRO_BATCHES", "auto")
+    kw = dict(max_batch=4, vram_budget=half_experts_budget("tiny-qwen3-moe", torch.float32, 4), expert_stream_share=0.0) \
+        if host_experts_on_cpu else {}
+    llm = LLM("tiny-qwen3-moe", progress=False, policy="static:0.5", window=D, **kw)  # the budget is sized for the default chunk
+    assert llm.cache.micro_batches == "auto" and any(b.host_experts for b in llm._moe_blocks) == host_experts_on_cpu
+    assert llm.cache.cpu_experts_from == (1 if host_experts_on_cpu else None)
+    calls = []
+    real = llm.cache.decode_groups
+    monkeypatch.setattr(llm.cache, "decode_groups", lambda b: (lambda g: (calls.append(g), g)[1])(real(b)))
+    logits = _decode_logits(llm, _prompts(llm.config.vocab_size), 4)
+    decode_calls = calls[-4:]
+    assert len(decode_calls) == 4
+    if host_experts_on_cpu:
+        assert all(g is None for g in decode_calls)
+    else:
+        assert all(g is not None and len(g) == 2 for g in decode_calls)
+    monkeypatch.setenv("WRITESCOPE_MICRO_BATCHES", "1")
+    whole = LLM("tiny-qwen3-moe", progress=False, policy="static:0.5", window=D, **kw)
+    torch.testing.assert_close(logits, _decode_logits(whole, _prompts(whole.config.vocab_size), 4), atol=LOGIT_TOL, rtol=0)
+
+
+def test_writescope_balance_leaves_o_out_only_where_auto_splits(monkeypatch):
+    """The balance keeps O where the step runs whole: under auto, at and above the policy's
+    ``cpu_experts_from`` (the engine sets it with the cache's)."""
+    monkeypatch.setenv("WRITESCOPE_MICRO_BATCHES", "auto")
+    llm = LLM("tiny-qwen3-moe", progress=False, policy="writescope", window=D)
+    pol = llm.policy
+    assert pol.micro_batches == "auto" and pol.cpu_experts_from is None and llm.cache.cpu_experts_from is None
+    llm.other_work.seconds = lambda batch, path=None: 5e-3  # O large enough to move the share
+    pol.batch = 8
+    split = pol.cpu_share(4096)
+    pol.cpu_experts_from = 8  # steps of 8 tokens compute host experts on the CPU: whole, O in the balance
+    whole = pol.cpu_share(4096)
+    pol.micro_batches = 1
+    assert whole == pol.cpu_share(4096)
+    pol.micro_batches = 2
+    assert split == pol.cpu_share(4096)
+    assert whole != split

@@ -48,8 +48,9 @@ from writescope.engine.prompts import TooLong
 from writescope.engine.sampling import SamplingParams
 from writescope.engine.timing import stamp_seconds
 from writescope.kvcache import pinned
-from writescope.kvcache.inplace import InplaceKVCache
+from writescope.kvcache.inplace import InplaceKVCache, _micro_batches
 from writescope.scheduler.expert_work import expected_host_expert_bytes
+from writescope.scheduler.placement import micro_batched
 
 
 @dataclass
@@ -197,6 +198,35 @@ def policy_turn(policies: list[str], repeat: int) -> list[str]:
     return policies[k:] + policies[:k]
 
 
+SPLIT_WARM_UP_WINDOWS = 4  # context of a micro-batched row's extra warm-up, in windows (D): 3 D placed, some of it on the CPU
+
+
+def split_warm_up(entry: str, batch: int) -> str | None:
+    """The extra warm-up entry of a grid row whose decode steps split into two micro-batches
+    (``WRITESCOPE_MICRO_BATCHES=2``, its own switch or the process's), else None.
+
+    Under ``auto`` the engine decides per step (no split where the CPU computes host experts), so
+    an ``auto`` row of two or more sequences gets the entry too. A step splits only when it has a
+    CPU part (kvcache/inplace.py ``decode_groups``), and at the warm-up's short context
+    ``writescope`` places none, so the half-batch CUDA graphs were captured in the row's first
+    measured step (run 65: 500 ms of a 170 ms step at DSV2 16 x 32K, 1.5 s at
+    Qwen3 16 x 32K). This entry is ``static:0.5`` under the row's own switches and settings, which
+    places blocks on the CPU at :data:`SPLIT_WARM_UP_WINDOWS` windows of context: run at the row's
+    batch, its steps split the way the row's will (equal contexts: two equal halves).
+
+    Raises:
+        ValueError: a bad switch value (the reader's message), as :func:`switches.check` would.
+    """
+    _, row = switches.split(entry)
+    env, _ = switches.settings(row)
+    with switches.applied(env):
+        wanted = _micro_batches()
+    if not micro_batched(wanted, batch):
+        return None
+    own = "+".join(f"{k}={v}" for k, v in row.items())
+    return "static:0.5" + (f"@{own}" if own else "")
+
+
 def run_grid(llm: LLM, cfg: BenchConfig, roofline=None, on_row=None, done: list[BenchRow] | None = None) -> list[BenchRow]:
     """Every (batch, context, policy) of ``cfg`` on the loaded ``llm``, ``cfg.repeats`` times;
     one row each run, in the order batch, context, repeat, then the policies as
@@ -219,10 +249,15 @@ def run_grid(llm: LLM, cfg: BenchConfig, roofline=None, on_row=None, done: list[
         # since CUDA graphs are captured per decode token count (models/graphs.py): a warm-up at
         # batch 1 left the first row of every other batch size to capture them in its timed steps
         short = min(cfg.contexts + [2 * cfg.window])
+        split_ctx = max(short, min(max(cfg.contexts), SPLIT_WARM_UP_WINDOWS * cfg.window))
         for b in dict.fromkeys(b for b, _, _, _ in grid):
             for p in dict.fromkeys(cfg.policies):
                 run_one(llm, BenchConfig([b], [short], [p], steps=2, window=cfg.window, warmup=False, kv_fill=cfg.kv_fill),
                         b, short, p, roofline)
+                split = split_warm_up(p, b)
+                if split is not None:  # its half-batch graphs, captured here rather than in its first measured step
+                    run_one(llm, BenchConfig([b], [split_ctx], [split], steps=2, window=cfg.window, warmup=False, kv_fill=cfg.kv_fill),
+                            b, split_ctx, split, roofline)
         if getattr(llm, "other_work", None) is not None:  # its steps capture graphs: no fixed cost of theirs places a row
             llm.other_work.forget_in_step_c()
     rows = list(kept)

@@ -264,12 +264,16 @@ class LLM:
         self._refresh_early_from()
 
     def _refresh_early_from(self) -> None:
-        """``WRITESCOPE_LOAD_COPIES=auto``: tell the cache's split decoder from how many tokens a
-        decode step copies the next layer's first fills early (where the host computes experts
-        mid-layer), after anything that changed the expert path."""
+        """After anything that changed the expert path, tell the cache from how many tokens a decode
+        step has the host compute experts mid-layer (:meth:`_cpu_experts_from`): there
+        ``WRITESCOPE_LOAD_COPIES=auto`` copies the next layer's first fills early (the split
+        decoder's ``early_from``), and below it ``WRITESCOPE_MICRO_BATCHES=auto`` splits the step
+        (the cache's and the policy's ``cpu_experts_from``: the balance leaves O out there)."""
         decoder = getattr(self.cache, "decoder", None)
         if decoder is not None:
-            decoder.early_from = self._cpu_experts_from()
+            decoder.early_from = self.cache.cpu_experts_from = self._cpu_experts_from()
+            if isinstance(self.policy, WriteScopePolicy):
+                self.policy.cpu_experts_from = decoder.early_from
 
     def _cpu_experts_from(self) -> int | None:
         """The fewest tokens a decode step at which the CPU computes some of its host experts in

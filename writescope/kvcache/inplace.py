@@ -65,6 +65,9 @@ class InplaceKVCache(KVCache):
         self.evicted_blocks = 0
         self._writer: PrefillWriter | None = None  # prefill writes to the compute region (made on first use)
         self.micro_batches = _micro_batches()
+        # with micro_batches auto: the fewest tokens a decode step at which the CPU computes host experts
+        # (the engine sets it, engine/llm.py _cpu_experts_from; None: no step does), which auto does not split
+        self.cpu_experts_from: int | None = None
         self._step_batch = 0  # sequences of the decode pass under way (decode_groups), for the policy's feedback
         self._pending: list = []  # decode layers begun and not yet ended
         self.other_work = None  # scheduler/other_work.OtherWork, given by the engine: marks each decode layer's begin and end
@@ -217,11 +220,13 @@ class InplaceKVCache(KVCache):
 
     def decode_groups(self, batch: ForwardBatch) -> list[tuple[int, int]] | None:
         """Two micro-batches when this decode pass has a CPU part and at least two sequences and
-        ``micro_batches`` is 2 (``WRITESCOPE_MICRO_BATCHES``; the default 1: never), else None. The
-        split point balances the compute-region tokens the CPU attends in each half."""
+        ``micro_batches`` is 2 (``WRITESCOPE_MICRO_BATCHES``; the default 1: never), or ``auto`` and
+        the pass has fewer tokens than :attr:`cpu_experts_from` (scheduler/placement.py
+        :func:`micro_batched`), else None. The split point balances the compute-region tokens the
+        CPU attends in each half."""
         self._step_batch = 0
         self.decoder.grouped = False
-        if not micro_batched(self.micro_batches, len(batch.slots)) or any(n != 1 for n in batch.query_lens):
+        if not micro_batched(self.micro_batches, len(batch.slots), self.cpu_experts_from) or any(n != 1 for n in batch.query_lens):
             return None
         cpu = [self._seqs[s].n_comp[0] for s in batch.slots]  # every layer places block j in the same region
         total = sum(cpu)
@@ -478,17 +483,20 @@ class InplaceKVCache(KVCache):
         pinned_memory.POOL.make_room(host)
 
 
-def _micro_batches() -> int:
-    """``WRITESCOPE_MICRO_BATCHES``: ``1`` (the default: whole batches) or ``2`` (a decode step
-    with a CPU part runs as two interleaved micro-batches, models/decode_step.py). Not the default:
-    on the H200 it was slower, since the main thread issues each micro-batch's attention work
-    separately (DeepSeek-V2-Lite 16 x 32K with CUDA graphs: 261.9 against 237.7 ms per step,
-    benchmarks/results/gpu_decode_h200.md, run 8).
+def _micro_batches() -> int | str:
+    """``WRITESCOPE_MICRO_BATCHES``: ``1`` (the default: whole batches), ``2`` (a decode step
+    with a CPU part runs as two interleaved micro-batches, models/decode_step.py) or ``auto``
+    (returned as the string: two where the step's CPU computes no host experts,
+    scheduler/placement.py :func:`micro_batched`). Not the default: on the H200 in run 8 it was
+    slower, since the main thread issued each micro-batch's attention work separately
+    (DeepSeek-V2-Lite 16 x 32K: 261.9 against 237.7 ms per step); with CUDA graphs for the stages
+    run 65 measured two micro-batches 1.14-1.20x faster there (benchmarks/results/gpu_decode_h200.md).
 
     Raises:
         ValueError: another value (names it).
     """
-    return int(env_choice("WRITESCOPE_MICRO_BATCHES", ("1", "2")))
+    value = env_choice("WRITESCOPE_MICRO_BATCHES", ("1", "2", "auto"))
+    return value if value == "auto" else int(value)
 
 
 class _Decoding:

@@ -43,9 +43,21 @@ class PlacementPolicy:
         return self.name
 
 
-def micro_batched(micro_batches: int, batch: int) -> bool:
-    """Whether a decode step of ``batch`` sequences with a CPU part runs as two micro-batches when
-    ``micro_batches`` (``WRITESCOPE_MICRO_BATCHES``) are asked for: the one rule that
+def micro_batched(micro_batches: int | str, batch: int, cpu_experts_from: int | None = None) -> bool:
+    """Whether a decode step of ``batch`` sequences with a CPU part runs as two micro-batches under
+    ``micro_batches`` (``WRITESCOPE_MICRO_BATCHES``: 1, 2 or ``"auto"``): the one rule that
     :meth:`~writescope.kvcache.inplace.InplaceKVCache.decode_groups` splits by and that the
-    roofline's balance assumes (with micro-batches the layer's other work overlaps the CPU part)."""
-    return micro_batches >= 2 and batch >= 2
+    roofline's balance assumes (with micro-batches the layer's other work overlaps the CPU part).
+
+    ``auto`` splits the steps whose CPU computes no host experts: those of fewer tokens than
+    ``cpu_experts_from`` (the engine's threshold, engine/llm.py ``_cpu_experts_from``; None: no
+    step computes host experts on the CPU, so every step of two or more sequences splits). Where
+    the CPU computes experts, each half routes on its own and the expert worker reads the experts
+    both halves hit twice (run 65, Qwen3 16 x 32K: 2,909 expert reads a step against 1,777, median
+    642 against 577 ms); where it attends only, the halves hide the layer's other work behind
+    the CPU's (DSV2 16 x 32K: 160.8 against 184.4-192.6 ms, benchmarks/results/gpu_decode_h200.md)."""
+    if batch < 2:
+        return False
+    if micro_batches == "auto":
+        return cpu_experts_from is None or batch < cpu_experts_from
+    return micro_batches >= 2

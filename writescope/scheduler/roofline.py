@@ -277,6 +277,8 @@ class WriteScopePolicy(PlacementPolicy):
         self.other = None
         # micro-batches per decode step of the cache placed for (WRITESCOPE_MICRO_BATCHES), given with O
         self.micro_batches = 1
+        # with micro_batches auto: the cache's cpu_experts_from (the engine sets both; None: no step computes experts on the CPU)
+        self.cpu_experts_from = None
         # tokens of one layer the cache's ping-pong buffers hold: how far the link streams ahead
         # during O (link_in_other); None: not known, no cap
         self.prefetch_tokens = None
@@ -351,7 +353,7 @@ class WriteScopePolicy(PlacementPolicy):
         o = self.other.seconds(self.batch, path) if self.other is not None and X <= 0 else None
         o_link = self.other.link(self.batch) if o is not None else 0.0
         # O in the balance where the step is not split into micro-batches (as InplaceKVCache.decode_groups splits)
-        balance_o = o is not None and not micro_batched(self.micro_batches, self.batch)
+        balance_o = o is not None and not micro_batched(self.micro_batches, self.batch, self.cpu_experts_from)
         fixed = link_fixed_from_env() if balance_o else None
         if balance_o:  # the link side's fixed cost inside a whole-model step (LINK_FIXED), for the balance and the gate
             rf = replace(rf, c_gpu=min(rf.c_gpu, LINK_FIXED) if fixed is None else fixed)
