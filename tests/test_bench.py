@@ -477,31 +477,33 @@ def test_the_bound_caps_the_speedup_the_report_can_show():
     assert bound_ceiling(rows, min_context=10**6) is None
 
 
-def test_a_micro_batched_row_names_a_split_warm_up(monkeypatch):
+def test_which_rows_get_a_split_warm_up(monkeypatch):
     """Run 65: a micro-batched row's first measured step captured its half-batch CUDA graphs (500
     ms of a 170 ms step), since the warm-up's `writescope` placed no CPU share and so never split.
-    Its extra warm-up is `static:0.5` under the row's own switches and settings; rows that do not
-    split (no switch, batch 1) have none, and a bad value is refused by name."""
-    from writescope.bench.runner import split_warm_up
+    A row whose steps may split (its own switch or the process's, 2 or auto) and whose policy may
+    place KV on the CPU gets a second warm-up; one that never splits (one sequence, `gpu`,
+    `static:0`, `resident`, 1) gets none, and a bad value is refused by name."""
+    from writescope.bench.runner import needs_split_warm_up
 
     monkeypatch.delenv("WRITESCOPE_MICRO_BATCHES", raising=False)
-    assert split_warm_up("writescope@WRITESCOPE_MICRO_BATCHES=2+expert_stream_share=0", 16) == \
-        "static:0.5@WRITESCOPE_MICRO_BATCHES=2+expert_stream_share=0"
-    assert split_warm_up("writescope", 16) is None
-    assert split_warm_up("writescope@WRITESCOPE_MICRO_BATCHES=1", 16) is None
-    assert split_warm_up("gpu@WRITESCOPE_MICRO_BATCHES=2", 1) is None  # one sequence never splits
-    assert split_warm_up("writescope@WRITESCOPE_MICRO_BATCHES=auto", 4) == "static:0.5@WRITESCOPE_MICRO_BATCHES=auto"  # may split
-    monkeypatch.setenv("WRITESCOPE_MICRO_BATCHES", "2")  # the process's switch: every row splits
-    assert split_warm_up("writescope", 4) == "static:0.5"
-    assert split_warm_up("gpu@WRITESCOPE_LOAD_STREAM=own", 4) == "static:0.5@WRITESCOPE_LOAD_STREAM=own"
-    assert split_warm_up("writescope@WRITESCOPE_MICRO_BATCHES=1", 4) is None  # the row's own switch wins
+    assert needs_split_warm_up("writescope@WRITESCOPE_MICRO_BATCHES=2+expert_stream_share=0", 16)
+    assert needs_split_warm_up("static:0.5@WRITESCOPE_MICRO_BATCHES=auto", 4) and needs_split_warm_up("cpu@WRITESCOPE_MICRO_BATCHES=2", 2)
+    assert not needs_split_warm_up("writescope", 16)
+    assert not needs_split_warm_up("writescope@WRITESCOPE_MICRO_BATCHES=1", 16)
+    assert not needs_split_warm_up("writescope@WRITESCOPE_MICRO_BATCHES=2", 1)  # one sequence never splits
+    for never in ("gpu", "static:0", "resident"):  # no CPU part: decode_groups never splits
+        assert not needs_split_warm_up(f"{never}@WRITESCOPE_MICRO_BATCHES=2", 16)
+    monkeypatch.setenv("WRITESCOPE_MICRO_BATCHES", "2")  # the process's switch
+    assert needs_split_warm_up("writescope", 4) and needs_split_warm_up("monolithic", 4)
+    assert not needs_split_warm_up("writescope@WRITESCOPE_MICRO_BATCHES=1", 4)  # the row's own switch wins
     with pytest.raises(ValueError, match="WRITESCOPE_MICRO_BATCHES"):
-        split_warm_up("writescope@WRITESCOPE_MICRO_BATCHES=3", 4)
+        needs_split_warm_up("writescope@WRITESCOPE_MICRO_BATCHES=3", 4)
 
 
-def test_the_warm_up_splits_micro_batched_rows(monkeypatch):
-    """The grid's warm-up runs a micro-batched row's split entry right after the row's own, at
-    four windows of context (or the grid's longest, if shorter), two steps, unmeasured."""
+def test_the_warm_up_runs_micro_batched_rows_again_at_their_longest_context(monkeypatch):
+    """The grid's warm-up runs a micro-batched row's own entry a second time, at the grid's longest
+    context (two steps, unmeasured), once per batch size; rows that never split, or a grid whose
+    longest context is the warm-up's own, get no second run."""
     from writescope.bench import runner
 
     monkeypatch.delenv("WRITESCOPE_MICRO_BATCHES", raising=False)
@@ -509,25 +511,27 @@ def test_the_warm_up_splits_micro_batched_rows(monkeypatch):
     monkeypatch.setattr(runner, "run_one", lambda llm, cfg, b, c, p, roofline=None: calls.append((b, c, p, cfg.steps)) or
                         runner.BenchRow(batch=b, context=c, policy=p))
     mb = "writescope@WRITESCOPE_MICRO_BATCHES=2"
-    cfg = runner.BenchConfig([1, 4], [1000], ["gpu", mb], steps=5, window=16, progress=False)
+    cfg = runner.BenchConfig([1, 4, 4], [1000, 3000], ["gpu", mb, "gpu@WRITESCOPE_MICRO_BATCHES=2"], steps=5, window=16, progress=False)
     runner.run_grid(None, cfg)
     warm = [(b, c, p) for b, c, p, steps in calls if steps == 2]
-    assert warm == [(1, 32, "gpu"), (1, 32, mb), (4, 32, "gpu"), (4, 32, mb), (4, 64, "static:0.5@WRITESCOPE_MICRO_BATCHES=2")]
+    assert warm == [(1, 32, "gpu"), (1, 32, mb), (1, 32, "gpu@WRITESCOPE_MICRO_BATCHES=2"),
+                    (4, 32, "gpu"), (4, 32, mb), (4, 3000, mb), (4, 32, "gpu@WRITESCOPE_MICRO_BATCHES=2")]
     calls.clear()
-    runner.run_grid(None, runner.BenchConfig([4], [40], [mb], steps=5, window=16, progress=False))
-    assert [(c, p) for _, c, p, steps in calls if steps == 2] == [(32, mb), (40, "static:0.5@WRITESCOPE_MICRO_BATCHES=2")]
+    runner.run_grid(None, runner.BenchConfig([4], [20], [mb], steps=5, window=16, progress=False))
+    assert [(c, p) for _, c, p, steps in calls if steps == 2] == [(20, mb)]  # the first warm-up ran at the row's context
 
 
-def test_the_split_warm_up_splits_its_steps(monkeypatch):
-    """The entry does what it is for: at the row's batch and four windows of context its decode
-    steps split into two micro-batches (the tiny preset on the CPU)."""
+def test_the_second_warm_up_splits_its_steps(monkeypatch):
+    """What the second warm-up is for: at the row's batch and context a micro-batched row's
+    decode steps split into two halves (the tiny preset on the CPU, a fixed share)."""
     from writescope import LLM
-    from writescope.bench.runner import SPLIT_WARM_UP_WINDOWS, BenchConfig, run_one, split_warm_up
+    from writescope.bench.runner import BenchConfig, needs_split_warm_up, run_one
 
     monkeypatch.delenv("WRITESCOPE_MICRO_BATCHES", raising=False)
     D = 16
     llm = LLM("tiny-qwen3-moe", progress=False, policy="gpu", window=D)
-    entry = split_warm_up("writescope@WRITESCOPE_MICRO_BATCHES=2", 4)
+    entry = "static:0.5@WRITESCOPE_MICRO_BATCHES=2"
+    assert needs_split_warm_up(entry, 4)
     groups = []
     real = type(llm.cache).decode_groups
 
@@ -537,8 +541,7 @@ def test_the_split_warm_up_splits_its_steps(monkeypatch):
         return g
 
     monkeypatch.setattr(type(llm.cache), "decode_groups", spy)
-    ctx = SPLIT_WARM_UP_WINDOWS * D
-    row = run_one(llm, BenchConfig([4], [ctx], [entry], steps=2, window=D, warmup=False, kv_fill="random"), 4, ctx, entry)
+    row = run_one(llm, BenchConfig([4], [4 * D], [entry], steps=2, window=D, warmup=False, kv_fill="random"), 4, 4 * D, entry)
     assert row.fits
     split = [g for g in groups if g is not None]
     assert split and all(g == [(0, 2), (2, 4)] for g in split)

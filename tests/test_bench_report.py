@@ -142,3 +142,15 @@ def test_a_run_that_beats_its_bound_is_said_to():
     assert "cpu: % bound 120): " in above_bound_note([no_step])  # no step bound: no x bound named
     unfit = BenchRow(2, 64, "cpu", fits=False, frac_of_bound=2.0)
     assert above_bound_note([unfit]) == ""
+    # under the joint bound only (its attention within the KV bound): said, with both causes
+    joint = BenchRow(16, 32768, "writescope", decode_tok_s=1.0, tpot_ms=600.0, attn_ms_per_layer=9.0, bound_ms=8.0,
+                     frac_of_bound=8 / 9, step_bound_ms=500.0, joint_step_bound_ms=700.0)
+    note = above_bound_note([within, joint])
+    assert "writescope: % bound 89, x bound 0.86)" in note and "uniform routing" in note
+    # experts only (no host KV): no % bound is named
+    experts = BenchRow(4, 8192, "gpu", decode_tok_s=1.0, tpot_ms=90.0, joint_step_bound_ms=100.0)
+    assert "gpu: x bound 0.90)" in above_bound_note([experts])
+    # the worst run is the one furthest over either bound: here the TPOT one
+    slightly = BenchRow(2, 64, "cpu", decode_tok_s=1.0, tpot_ms=5.0, attn_ms_per_layer=1.0, bound_ms=1.1, frac_of_bound=1.1)
+    assert "e.g. batch 16 context 32768 writescope: % bound 89" in above_bound_note([slightly, joint])  # 1.17 over 1.10
+    assert "e.g. batch 2 context 64 cpu: % bound 120" in above_bound_note([no_step, joint])  # 1.20 over 1.17

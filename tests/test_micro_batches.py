@@ -460,22 +460,3 @@ def test_auto_follows_the_expert_path_the_engine_sets(host_experts_on_cpu, monke
     monkeypatch.setenv("WRITESCOPE_MICRO_BATCHES", "1")
     whole = LLM("tiny-qwen3-moe", progress=False, policy="static:0.5", window=D, **kw)
     torch.testing.assert_close(logits, _decode_logits(whole, _prompts(whole.config.vocab_size), 4), atol=LOGIT_TOL, rtol=0)
-
-
-def test_writescope_balance_leaves_o_out_only_where_auto_splits(monkeypatch):
-    """The balance keeps O where the step runs whole: under auto, at and above the policy's
-    ``cpu_experts_from`` (the engine sets it with the cache's)."""
-    monkeypatch.setenv("WRITESCOPE_MICRO_BATCHES", "auto")
-    llm = LLM("tiny-qwen3-moe", progress=False, policy="writescope", window=D)
-    pol = llm.policy
-    assert pol.micro_batches == "auto" and pol.cpu_experts_from is None and llm.cache.cpu_experts_from is None
-    llm.other_work.seconds = lambda batch, path=None: 5e-3  # O large enough to move the share
-    pol.batch = 8
-    split = pol.cpu_share(4096)
-    pol.cpu_experts_from = 8  # steps of 8 tokens compute host experts on the CPU: whole, O in the balance
-    whole = pol.cpu_share(4096)
-    pol.micro_batches = 1
-    assert whole == pol.cpu_share(4096)
-    pol.micro_batches = 2
-    assert split == pol.cpu_share(4096)
-    assert whole != split

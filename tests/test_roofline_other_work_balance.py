@@ -205,6 +205,46 @@ def test_steps_split_into_two_micro_batches_keep_the_balance_without_o(monkeypat
     assert one == pytest.approx(roofline_share(L, DSV2.a, DSV2.b, DSV2.c_cpu + O, DSV2.c_gpu + O_LINK), rel=1e-12)
 
 
+def test_auto_keeps_o_out_of_the_balance_only_where_its_steps_split():
+    """``WRITESCOPE_MICRO_BATCHES=auto``: the balance leaves O out in steps of fewer tokens than the
+    policy's ``cpu_experts_from`` (or every step of two or more, with none), as two micro-batches
+    do, and keeps it where the step runs whole, as one micro-batch does."""
+    L = 16 * PLACED
+    without_o = roofline_share(L, DSV2.a, DSV2.b, DSV2.c_cpu, DSV2.c_gpu)
+    with_o = roofline_share(L, DSV2.a, DSV2.b, DSV2.c_cpu + O, DSV2.c_gpu + O_LINK)
+    assert 0 < with_o < without_o < 1  # O moves the share: the cases below tell them apart
+    auto = _policy(Meter(), micro_batches="auto")
+    assert auto.cpu_experts_from is None and auto.cpu_share(PLACED) == pytest.approx(without_o, rel=1e-12)
+    auto.cpu_experts_from = 17  # a 16-token step computes no host experts on the CPU: split
+    assert auto.cpu_share(PLACED) == pytest.approx(without_o, rel=1e-12)
+    auto.cpu_experts_from = 16  # from 16 tokens the CPU computes host experts: whole, O in the balance
+    assert auto.cpu_share(PLACED) == pytest.approx(with_o, rel=1e-12)
+    assert _policy(Meter(), micro_batches="auto", batch=1).cpu_share(16 * PLACED) == pytest.approx(with_o, rel=1e-12)
+
+
+def test_the_engine_sets_where_auto_splits_on_the_cache_and_the_policy(monkeypatch):
+    """With about half of the experts in host memory and the CPU computing their decode work
+    (``expert_stream_share=0``), every step from one token computes host experts: the engine tells
+    the cache and ``writescope`` so (1), and follows a policy change; with every expert on the
+    device, none (None)."""
+    from helpers import half_experts_budget
+    from writescope import LLM
+
+    monkeypatch.setenv("WRITESCOPE_MICRO_BATCHES", "auto")
+    rf = Roofline(a=1e-3, b=1e-3)
+    llm = LLM("tiny-qwen3-moe", progress=False, policy="static:0.5", window=16, max_batch=4,
+              vram_budget=half_experts_budget("tiny-qwen3-moe", torch.float32, 4), expert_stream_share=0.0)
+    assert any(b.host_experts for b in llm._moe_blocks)
+    llm.set_policy("writescope", roofline=rf)
+    assert llm.policy.micro_batches == "auto" and llm.policy.cpu_experts_from == 1 == llm.cache.cpu_experts_from
+    llm.policy.cpu_experts_from = llm.cache.cpu_experts_from = 99
+    llm.set_expert_stream_share(0.0, attach=False)  # a changed expert path refreshes both
+    assert llm.policy.cpu_experts_from == 1 == llm.cache.cpu_experts_from
+    plain = LLM("tiny-qwen3-moe", progress=False, policy="static:0.5", window=16)
+    plain.set_policy("writescope", roofline=rf)
+    assert plain.policy.cpu_experts_from is None and plain.cache.cpu_experts_from is None
+
+
 def test_the_engine_passes_its_cache_s_micro_batches_to_the_policy(monkeypatch):
     from writescope import LLM
 

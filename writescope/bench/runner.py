@@ -51,6 +51,7 @@ from writescope.kvcache import pinned
 from writescope.kvcache.inplace import InplaceKVCache, _micro_batches
 from writescope.scheduler.expert_work import expected_host_expert_bytes
 from writescope.scheduler.placement import micro_batched
+from writescope.scheduler.policies import StaticPolicy, parse_policy
 
 
 @dataclass
@@ -198,33 +199,33 @@ def policy_turn(policies: list[str], repeat: int) -> list[str]:
     return policies[k:] + policies[:k]
 
 
-SPLIT_WARM_UP_WINDOWS = 4  # context of a micro-batched row's extra warm-up, in windows (D): 3 D placed, some of it on the CPU
+def needs_split_warm_up(entry: str, batch: int) -> bool:
+    """Whether the grid row ``entry`` at ``batch`` sequences gets a second warm-up at its longest
+    context: its decode steps may split into two micro-batches (``WRITESCOPE_MICRO_BATCHES`` 2 or
+    ``auto``, its own switch or the process's; scheduler/placement.py ``micro_batched``) and its
+    policy may place KV on the CPU (not ``resident``, ``gpu`` or ``static:0``).
 
-
-def split_warm_up(entry: str, batch: int) -> str | None:
-    """The extra warm-up entry of a grid row whose decode steps split into two micro-batches
-    (``WRITESCOPE_MICRO_BATCHES=2``, its own switch or the process's), else None.
-
-    Under ``auto`` the engine decides per step (no split where the CPU computes host experts), so
-    an ``auto`` row of two or more sequences gets the entry too. A step splits only when it has a
-    CPU part (kvcache/inplace.py ``decode_groups``), and at the warm-up's short context
-    ``writescope`` places none, so the half-batch CUDA graphs were captured in the row's first
-    measured step (run 65: 500 ms of a 170 ms step at DSV2 16 x 32K, 1.5 s at
-    Qwen3 16 x 32K). This entry is ``static:0.5`` under the row's own switches and settings, which
-    places blocks on the CPU at :data:`SPLIT_WARM_UP_WINDOWS` windows of context: run at the row's
-    batch, its steps split the way the row's will (equal contexts: two equal halves).
+    A step splits only when it has a CPU part (kvcache/inplace.py ``decode_groups``), and at the
+    warm-up's short context ``writescope`` places none, so the half-batch CUDA graphs were captured
+    in the row's first measured step (run 65: 500 ms of a 170 ms step at DSV2 16 x 32K, 1.5 s at
+    Qwen3 16 x 32K). The second warm-up runs the row's own entry (policy, switches, settings) at
+    its batch and the grid's longest context, so its steps place, route their experts and split as
+    the row's will (under ``auto``: or not), and capture the same graphs.
 
     Raises:
-        ValueError: a bad switch value (the reader's message), as :func:`switches.check` would.
+        ValueError: a bad switch or setting value (the reader's message, without the policy's name).
     """
-    _, row = switches.split(entry)
+    base, row = switches.split(entry)
     env, _ = switches.settings(row)
     with switches.applied(env):
         wanted = _micro_batches()
     if not micro_batched(wanted, batch):
-        return None
-    own = "+".join(f"{k}={v}" for k, v in row.items())
-    return "static:0.5" + (f"@{own}" if own else "")
+        return False
+    try:
+        parsed = parse_policy(base)
+    except ValueError:  # writescope or monolithic without a roofline here: they may place a CPU share
+        return True
+    return parsed is not None and not (isinstance(parsed, StaticPolicy) and parsed.share == 0)
 
 
 def run_grid(llm: LLM, cfg: BenchConfig, roofline=None, on_row=None, done: list[BenchRow] | None = None) -> list[BenchRow]:
@@ -248,16 +249,14 @@ def run_grid(llm: LLM, cfg: BenchConfig, roofline=None, on_row=None, done: list[
     if cfg.warmup:  # first uses cost extra: pay them unmeasured, at every batch size of the grid,
         # since CUDA graphs are captured per decode token count (models/graphs.py): a warm-up at
         # batch 1 left the first row of every other batch size to capture them in its timed steps
-        short = min(cfg.contexts + [2 * cfg.window])
-        split_ctx = max(short, min(max(cfg.contexts), SPLIT_WARM_UP_WINDOWS * cfg.window))
+        short, longest = min(cfg.contexts + [2 * cfg.window]), max(cfg.contexts)
         for b in dict.fromkeys(b for b, _, _, _ in grid):
             for p in dict.fromkeys(cfg.policies):
                 run_one(llm, BenchConfig([b], [short], [p], steps=2, window=cfg.window, warmup=False, kv_fill=cfg.kv_fill),
                         b, short, p, roofline)
-                split = split_warm_up(p, b)
-                if split is not None:  # its half-batch graphs, captured here rather than in its first measured step
-                    run_one(llm, BenchConfig([b], [split_ctx], [split], steps=2, window=cfg.window, warmup=False, kv_fill=cfg.kv_fill),
-                            b, split_ctx, split, roofline)
+                if longest > short and needs_split_warm_up(p, b):  # its half-batch graphs, captured unmeasured
+                    run_one(llm, BenchConfig([b], [longest], [p], steps=2, window=cfg.window, warmup=False, kv_fill=cfg.kv_fill),
+                            b, longest, p, roofline)
         if getattr(llm, "other_work", None) is not None:  # its steps capture graphs: no fixed cost of theirs places a row
             llm.other_work.forget_in_step_c()
     rows = list(kept)

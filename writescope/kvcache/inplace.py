@@ -221,7 +221,7 @@ class InplaceKVCache(KVCache):
     def decode_groups(self, batch: ForwardBatch) -> list[tuple[int, int]] | None:
         """Two micro-batches when this decode pass has a CPU part and at least two sequences and
         ``micro_batches`` is 2 (``WRITESCOPE_MICRO_BATCHES``; the default 1: never), or ``auto`` and
-        the pass has fewer tokens than :attr:`cpu_experts_from` (scheduler/placement.py
+        the pass has fewer tokens than :attr:`cpu_experts_from` (None: every pass; scheduler/placement.py
         :func:`micro_batched`), else None. The split point balances the compute-region tokens the
         CPU attends in each half."""
         self._step_batch = 0

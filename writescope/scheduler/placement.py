@@ -55,7 +55,13 @@ def micro_batched(micro_batches: int | str, batch: int, cpu_experts_from: int | 
     the CPU computes experts, each half routes on its own and the expert worker reads the experts
     both halves hit twice (run 65, Qwen3 16 x 32K: 2,909 expert reads a step against 1,777, median
     642 against 577 ms); where it attends only, the halves hide the layer's other work behind
-    the CPU's (DSV2 16 x 32K: 160.8 against 184.4-192.6 ms, benchmarks/results/gpu_decode_h200.md)."""
+    the CPU's (DSV2 16 x 32K: 160.8 against 184.4-192.6 ms, benchmarks/results/gpu_decode_h200.md).
+
+    The rule reads the whole step's tokens, while each half's expert path follows its own count: a
+    step at or above the threshold stays whole even where its halves alone would read their host
+    experts in place. And where host experts are streamed or read in place over the link (none on
+    the CPU), ``auto`` splits, so the experts both halves hit cross the link twice; run 65's DSV2
+    rows had few host experts (its budget kept most on the device), so that case is unmeasured."""
     if batch < 2:
         return False
     if micro_batches == "auto":

@@ -66,7 +66,8 @@ the host-expert split (O_link 0) deployed r = 0.35 and took 1,192 ms a step, whe
 Without O the CPU side was the step's critical path (DeepSeek-V2-Lite 16 x 32K on the H200: r =
 0.531 deployed, the CPU part 5.3-6.1 ms per layer against 3.0 ms for the GPU part; the balance
 with O = 1.0 ms and the A of those decode steps gives 0.43-0.45). Where O is not measured yet,
-eq. 2 stands alone. Steps split into two micro-batches (``WRITESCOPE_MICRO_BATCHES=2``) keep eq. 2
+eq. 2 stands alone. Steps split into two micro-batches (``WRITESCOPE_MICRO_BATCHES=2``, or ``auto``
+in steps whose CPU computes no host experts: scheduler/placement.py ``micro_batched``) keep eq. 2
 without O: there the CPU attends one half while the GPU runs the other half's O. With a per-step
 split of host experts (scheduler/joint.py) the joint roofline sets r and O is not used.
 
@@ -275,8 +276,8 @@ class WriteScopePolicy(PlacementPolicy):
         # O, the layer step's measured work outside attention (scheduler/other_work.py), given by the
         # engine (attach); None: the gate and the balance without it
         self.other = None
-        # micro-batches per decode step of the cache placed for (WRITESCOPE_MICRO_BATCHES), given with O
-        self.micro_batches = 1
+        # the cache's WRITESCOPE_MICRO_BATCHES (1, 2 or "auto"), given with O
+        self.micro_batches: int | str = 1
         # with micro_batches auto: the cache's cpu_experts_from (the engine sets both; None: no step computes experts on the CPU)
         self.cpu_experts_from = None
         # tokens of one layer the cache's ping-pong buffers hold: how far the link streams ahead
@@ -286,7 +287,7 @@ class WriteScopePolicy(PlacementPolicy):
         # when routed experts live in host memory and the step may split them; None: KV only
         self.experts = None
 
-    def attach(self, other, attention_threads: int, micro_batches: int, prefetch_tokens: int | None = None) -> None:
+    def attach(self, other, attention_threads: int, micro_batches: int | str, prefetch_tokens: int | None = None) -> None:
         """Give the policy the engine's meter of O (an
         :class:`~writescope.scheduler.other_work.OtherWork`): O enters the split gate, and the
         balance of decode steps not split into micro-batches (``micro_batches``: the cache's
