@@ -261,9 +261,9 @@ class LLM:
                 self.other_work.link_seconds = None if link is None else (lambda batch: link(batch) if batch < below else 0.0)
             else:
                 self.other_work.link_seconds = None
-        self._refresh_early_from()
+        self._refresh_cpu_experts_from()
 
-    def _refresh_early_from(self) -> None:
+    def _refresh_cpu_experts_from(self) -> None:
         """After anything that changed the expert path, tell the cache from how many tokens a decode
         step has the host compute experts mid-layer (:meth:`_cpu_experts_from`): there
         ``WRITESCOPE_LOAD_COPIES=auto`` copies the next layer's first fills early (the split
@@ -327,7 +327,7 @@ class LLM:
         if not attach:  # the old split chose under the old share: detached until set_policy attaches one
             detach_expert_work(self.policy, self._moe_blocks)
             self.expert_work = None
-            self._refresh_early_from()
+            self._refresh_cpu_experts_from()
             return
         try:
             self._attach_expert_work()
