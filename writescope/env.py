@@ -17,3 +17,45 @@ def env_choice(name: str, choices: tuple[str, ...]) -> str:
         rest = " or ".join(f"'{c}'" for c in choices[1:])
         raise ValueError(f"{name}={value!r}: use '{choices[0]}' (the default) or {rest}")
     return value
+
+
+def env_int(name: str, low: int, high: int, use: str) -> int | None:
+    """The integer value of the environment variable ``name`` (stripped), from ``low`` to ``high``;
+    None where it is unset or empty.
+
+    Raises:
+        ValueError: not such an integer, naming the variable and the value, then ``use`` (what to
+            write instead, e.g. "use an integer from 1 to 64 (default 2)").
+    """
+    raw = os.environ.get(name, "").strip()
+    if not raw:
+        return None
+    try:
+        value = int(raw)
+    except ValueError:
+        value = None
+    if value is None or not low <= value <= high:
+        raise ValueError(f"{name}={raw!r}: {use}")
+    return value
+
+
+def env_float(name: str, low: float, use: str) -> float | None:
+    """The finite number in the environment variable ``name`` (stripped), at least ``low``; None
+    where it is unset or empty.
+
+    Raises:
+        ValueError: not a number, below ``low``, NaN or infinite, naming the variable and the value,
+            then ``use``.
+    """
+    import math
+
+    raw = os.environ.get(name, "").strip()
+    if not raw:
+        return None
+    try:
+        value = float(raw)
+    except ValueError:
+        value = math.nan
+    if not low <= value < math.inf:
+        raise ValueError(f"{name}={raw!r}: {use}")
+    return value

@@ -16,7 +16,7 @@ import time
 import torch
 
 from writescope.attention import cpu_kernel
-from writescope.env import env_choice
+from writescope.env import env_choice, env_int
 from writescope.native.flag_worker import FLAG_DONE as _FLAG_DONE
 from writescope.native.flag_worker import FLAG_READY as _FLAG_READY
 from writescope.native.flag_worker import FLAG_TIMEOUT as _FLAG_TIMEOUT
@@ -60,16 +60,8 @@ def preread_from_env() -> int:
     Raises:
         ValueError: not an integer from 0 to 65536 (names the value).
     """
-    raw = os.environ.get(PREREAD_ENV, "").strip()
-    if not raw:
-        return 0
-    try:
-        mib = int(raw)
-    except ValueError:
-        mib = -1
-    if not 0 <= mib <= 65536:
-        raise ValueError(f"{PREREAD_ENV}={raw!r}: use MiB from 0 (none, the default) to 65536")
-    return mib << 20
+    mib = env_int(PREREAD_ENV, 0, 65536, "use MiB from 0 (none, the default) to 65536")
+    return (mib or 0) << 20
 
 
 class NativeWorker(FlagWorker):

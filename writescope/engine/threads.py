@@ -16,6 +16,8 @@ from contextlib import contextmanager
 
 import torch
 
+from writescope.env import env_int
+
 THREADS_ENV = "WRITESCOPE_CPU_THREADS"
 
 
@@ -105,17 +107,8 @@ def attention_threads_from_env() -> int | None:
     Raises:
         ValueError: not such an integer (names the value and the range).
     """
-    raw = os.environ.get(THREADS_ENV, "").strip()
-    if not raw:
-        return None
     cpus = usable_cpus()
-    try:
-        n = int(raw)
-    except ValueError:
-        n = 0
-    if not 1 <= n <= cpus:
-        raise ValueError(f"{THREADS_ENV}={raw!r}: use an integer from 1 to {cpus} (the CPUs this process may use), or leave it unset")
-    return n
+    return env_int(THREADS_ENV, 1, cpus, f"use an integer from 1 to {cpus} (the CPUs this process may use), or leave it unset")
 
 
 def default_attention_threads(device: torch.device) -> int:

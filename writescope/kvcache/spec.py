@@ -15,7 +15,7 @@ from dataclasses import dataclass, field
 import torch
 
 from writescope.config import KVLayout
-from writescope.env import env_choice
+from writescope.env import env_choice, env_int
 
 DEFAULT_WINDOW = 256  # D, tokens (docs/DESIGN.md section 3)
 DEFAULT_PINGPONG_BYTES = 64 * 2**20  # bytes per ping-pong buffer
@@ -49,16 +49,8 @@ def pingpong_buffers_from_env() -> int:
     Raises:
         ValueError: not an integer from 1 to 64 (names the value).
     """
-    raw = os.environ.get(PINGPONG_ENV, "").strip()
-    if not raw:
-        return DEFAULT_PINGPONG_BUFFERS
-    try:
-        n = int(raw)
-    except ValueError:
-        n = 0
-    if not 1 <= n <= 64:
-        raise ValueError(f"{PINGPONG_ENV}={raw!r}: use an integer from 1 to 64 (default {DEFAULT_PINGPONG_BUFFERS})")
-    return n
+    n = env_int(PINGPONG_ENV, 1, 64, f"use an integer from 1 to 64 (default {DEFAULT_PINGPONG_BUFFERS})")
+    return DEFAULT_PINGPONG_BUFFERS if n is None else n
 
 
 @dataclass(frozen=True)

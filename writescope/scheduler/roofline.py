@@ -86,6 +86,7 @@ import math
 from collections import deque
 from dataclasses import dataclass, field, replace
 
+from writescope.env import env_float
 from writescope.kvcache.spec import Roofline
 from writescope.scheduler.expert_path import expert_path
 from writescope.scheduler.joint import joint_split
@@ -135,19 +136,9 @@ def link_fixed_from_env() -> float | None:
     Raises:
         ValueError: not a number, negative, NaN or infinite (names the value).
     """
-    import os
-
-    raw = os.environ.get(LINK_FIXED_ENV, "").strip()
-    if not raw:
-        return None
-    try:
-        ms = float(raw)
-    except ValueError:
-        ms = math.nan
-    if not 0 <= ms < math.inf:
-        raise ValueError(f"{LINK_FIXED_ENV}={raw!r}: use milliseconds, a number >= 0 such as 0.4 (unset: min(C_gpu, "
-                         f"{LINK_FIXED * 1e3:g} ms) on the split side only)")
-    return ms * 1e-3
+    ms = env_float(LINK_FIXED_ENV, 0.0, f"use milliseconds, a number >= 0 such as 0.4 (unset: min(C_gpu, "
+                                        f"{LINK_FIXED * 1e3:g} ms) on the split side only)")
+    return None if ms is None else ms * 1e-3
 
 
 def roofline_share(L: float, a: float, b: float, c_cpu: float = 0.0, c_gpu: float = 0.0) -> float:
