@@ -28,7 +28,20 @@ def _reference(cache, sq, layer: int) -> torch.Tensor:
 @pytest.mark.parametrize("policy", ["static:0.5", "static:0.3", "cpu", "gpu"])
 @pytest.mark.parametrize("preset", ["tiny-qwen3-moe", "tiny-deepseek-v2"])
 def test_gather_equals_the_block_by_block_read(policy, preset):
-    llm = LLM(preset, progress=False, policy=policy, window=D)
+    _check_gather(LLM(preset, progress=False, policy=policy, window=D), policy)
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("policy", ["static:0.5", "cpu"])
+def test_gather_on_cuda_reads_the_compute_rows_through_pinned_staging(policy):
+    """On CUDA the compute rows cross through the prefill writer's pinned buffers (kvcache/
+    inplace.py ``_read_compute``): the same tensor as the block-by-block read."""
+    llm = LLM("tiny-deepseek-v2", device="cuda", dtype="bfloat16", progress=False, policy=policy, window=D)
+    _check_gather(llm, policy)
+    assert llm.cache._writer is not None and all(b.is_pinned() for b in llm.cache._writer._bufs)
+
+
+def _check_gather(llm, policy: str) -> None:
     cache, lay = llm.cache, llm.config.kv_layout
     g = torch.Generator().manual_seed(7)
     lens = [1, 15, 16, 17, 4097]
@@ -37,8 +50,8 @@ def test_gather_equals_the_block_by_block_read(policy, preset):
         for layer in range(llm.config.num_layers):
             for a in range(0, n, 1000):  # in chunks, as a chunked prefill writes
                 e = min(n, a + 1000)
-                k = torch.randn(e - a, lay.kv_heads, lay.k_dim, generator=g)
-                v = None if lay.shared_kv else torch.randn(e - a, lay.kv_heads, lay.v_dim, generator=g)
+                k = torch.randn(e - a, lay.kv_heads, lay.k_dim, generator=g).to(cache.device, cache.spec.dtype)
+                v = None if lay.shared_kv else torch.randn(e - a, lay.kv_heads, lay.v_dim, generator=g).to(cache.device, cache.spec.dtype)
                 cache.write(slot, layer, k, v)
     regions = set()
     before = cache.prefill_readback_bytes

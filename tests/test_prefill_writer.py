@@ -124,3 +124,74 @@ def test_cuda_writes_go_through_pinned_staging():
     w.flush()
     assert torch.equal(dst, src.cpu())
     w.close()
+
+
+@pytest.mark.parametrize("n", [0, 1, 6, 7, 8, 15, 101])
+def test_read_equals_the_strided_rows_in_pieces_through_the_buffers(n):
+    """Host rows (strided) read to the device tensor in 7-token pieces through 2 buffers, after
+    writes that used the same buffers: every size from none to many pieces."""
+    g = torch.Generator().manual_seed(n)
+    region = torch.randn(2, 3, 200, 8, generator=g)
+    rows = region[:, :, 40 : 40 + n]
+    w = PrefillWriter(buffer_bytes=2 * 3 * 8 * 4 * 7, dtype=torch.float32, device=torch.device("cpu"), buffers=2)
+    other = torch.zeros(2, 3, 30, 8)
+    w.write(other, torch.ones(2, 3, 30, 8))  # the buffers were last used by writes
+    w.flush()
+    got = w.read(rows)
+    assert got.shape == rows.shape and got.is_contiguous() and torch.equal(got, rows)
+    assert n == 0 or got.data_ptr() != rows.data_ptr()  # a copy, not the rows
+    got2 = w.read(rows)  # again: the buffers come round
+    assert torch.equal(got2, rows) and torch.equal(got, rows)
+    w.close()
+
+
+def test_read_keeps_nan_and_inf():
+    rows = torch.tensor([float("nan"), float("inf"), -float("inf"), 0.0, -0.0, 1.5]).view(1, 1, 6, 1).repeat(1, 2, 1, 3)
+    w = PrefillWriter(buffer_bytes=2 * 3 * 4 * 4, dtype=torch.float32, device=torch.device("cpu"), buffers=2)  # 4 tokens a piece
+    got = w.read(rows)
+    assert torch.equal(torch.isnan(got), torch.isnan(rows)) and torch.equal(torch.nan_to_num(got), torch.nan_to_num(rows))
+    assert torch.equal(torch.signbit(got), torch.signbit(rows))
+    w.close()
+
+
+def test_a_failed_read_copy_is_raised_and_the_writer_goes_on(monkeypatch):
+    calls = []
+    real = pw._fill
+
+    def failing(stage, src):
+        calls.append(1)
+        if len(calls) == 2:
+            raise RuntimeError("fill failed")
+        real(stage, src)
+
+    monkeypatch.setattr(pw, "_fill", failing)
+    w = PrefillWriter(buffer_bytes=1 * 1 * 2 * 4 * 3, dtype=torch.float32, device=torch.device("cpu"), buffers=2)  # 3 tokens a piece
+    rows = torch.randn(1, 1, 20, 2)
+    with pytest.raises(RuntimeError, match="fill failed"):
+        w.read(rows)
+    monkeypatch.setattr(pw, "_fill", real)
+    dst = torch.zeros(1, 1, 20, 2)
+    w.write(dst, rows)
+    w.flush()
+    assert torch.equal(dst, rows)
+    assert torch.equal(w.read(rows), rows)
+    w.close()
+
+
+@pytest.mark.gpu
+def test_cuda_read_through_pinned_staging_between_writes():
+    """Reads and writes share the pinned buffers: a read's DMA from a buffer has finished before a
+    later read's CPU copy refills it; the rows equal a plain copy's."""
+    region = torch.randn(2, 4, 3000, 128).to(torch.bfloat16)
+    w = PrefillWriter(4 << 20, torch.bfloat16, torch.device("cuda"))  # 2 KiB a token: 2,048 tokens a piece
+    for n in (1, 17, 2048, 2049, 2999):
+        rows = region[:, :, 1 : 1 + n]
+        torch.cuda._sleep(20_000_000)  # the current stream busy: the read is ordered after it
+        got = w.read(rows)
+        assert got.is_cuda and torch.equal(got.cpu(), rows)
+        src = torch.randn(2, 4, 700, 128, device="cuda", dtype=torch.bfloat16)
+        dst = torch.empty(2, 4, 700, 128, dtype=torch.bfloat16)
+        w.write(dst, src)
+        w.flush()
+        assert torch.equal(dst, src.cpu())
+    w.close()

@@ -45,6 +45,7 @@ class PrefillWriter:
         self._busy: list[Future | None] = [None] * buffers
         self._next = 0
         self._pending: list[Future] = []
+        self._read_done: list[torch.cuda.Event | None] = []  # per buffer: the last read's DMA from it (CUDA)
         self._pool = ThreadPoolExecutor(1, "writescope-prefill-write", initializer=torch.set_num_threads, initargs=(threads,))
         self.copy_stream = torch.cuda.Stream(self.device) if self.cuda else None
 
@@ -99,6 +100,70 @@ class PrefillWriter:
             self._busy[b] = fut
             self._pending.append(fut)
 
+    def read(self, src: torch.Tensor) -> torch.Tensor:
+        """Copy ``src`` ``[a, b, n, c]`` (host rows, pageable, possibly strided) to a new
+        contiguous device tensor of its shape, through the pinned staging buffers: the writer
+        thread (its intra-op threads) copies each piece along dim 2 into a free buffer, then the
+        calling thread issues the piece's DMA on the copy stream; the current stream waits for
+        the copy stream before this returns, and the calling thread waits only for the CPU
+        copies. A pageable host-to-device copy runs at 7.3 GB/s on the H200 host
+        (../shared/HARDWARE.md) against about 50 for pinned: chunked prefill reads every compute
+        row placed before each chunk again (kvcache/inplace.py ``_gather``). Without CUDA the
+        same pieces go through the same buffers with plain copies. Callers :meth:`flush` first
+        (the rows read must have landed); a failed CPU copy is raised here."""
+        out = torch.empty(src.shape, dtype=src.dtype, device=self.device)
+        per_token = src.shape[0] * src.shape[1] * src.shape[3]
+        n = src.shape[2]
+        if n == 0 or per_token == 0:
+            return out
+        step = max(1, self.numel // per_token)
+        cur = torch.cuda.current_stream(self.device) if self.cuda else None
+        if self.cuda:
+            self.copy_stream.wait_stream(cur)  # out's memory may have been used on the current stream
+        starts = list(range(0, n, step))
+        issued: list[tuple[int, int, Future]] = []  # (start, buffer, its CPU copy)
+
+        def stage(a: int) -> None:
+            b = self._buffer()  # waits for a write still using it
+            done = self._read_done[b] if self._read_done else None
+            if done is not None:
+                done.synchronize()  # an earlier read's DMA from this buffer has finished
+            part = src[:, :, a : a + step]
+            view = self._bufs[b][: part.numel()].view(part.shape)
+            fut = self._pool.submit(_fill, view, part)
+            self._busy[b] = fut
+            issued.append((a, b, fut))
+
+        if not self._read_done:
+            self._read_done = [None] * self.n_buffers
+        ahead = 0
+        for a in starts[: self.n_buffers]:
+            stage(a)
+            ahead += 1
+        for i in range(len(starts)):
+            a, b, fut = issued[i]
+            exc = fut.exception()  # waits for the CPU copy
+            if exc is not None:
+                self._busy[b] = None
+                raise exc
+            piece = out[:, :, a : a + step]
+            view = self._bufs[b][: piece.numel()].view(piece.shape)
+            if self.cuda:
+                with torch.cuda.stream(self.copy_stream):
+                    piece.copy_(view, non_blocking=True)
+                    event = torch.cuda.Event()
+                    event.record(self.copy_stream)
+                self._read_done[b] = event
+            else:
+                piece.copy_(view)
+            self._busy[b] = None
+            if ahead < len(starts):
+                stage(starts[ahead])
+                ahead += 1
+        if self.cuda:
+            cur.wait_stream(self.copy_stream)
+        return out
+
     def flush(self) -> None:
         """Wait until every issued write is in its destination or failed; then re-raise the
         first failure (every write has finished either way)."""
@@ -119,10 +184,18 @@ class PrefillWriter:
             self.flush()
         finally:
             self._pool.shutdown(wait=True)
+            for event in self._read_done:
+                if event is not None:
+                    event.synchronize()  # no DMA still reads a buffer about to be unregistered
             if self.cuda:
                 for t in self._bufs:
                     unpin(t)
             self._bufs = []
+
+
+def _fill(stage: torch.Tensor, src: torch.Tensor) -> None:
+    with torch.inference_mode():
+        stage.copy_(src)
 
 
 def _finish(event, stage: torch.Tensor, dst: torch.Tensor) -> None:
