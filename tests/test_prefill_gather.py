@@ -69,3 +69,37 @@ def _check_gather(llm, policy: str) -> None:
         assert len(regions) == 2  # both regions, interleaved
     for s in slots:
         cache.free(s)
+
+
+def test_gather_waits_only_for_its_own_layers_writes(monkeypatch):
+    """Layer 1's compute-row writes held in the writer: layer 0's read-back completes without them
+    and is exact; layer 1's, once they land, is exact too (it waited for them)."""
+    import threading
+
+    import writescope.kvcache.prefill_writer as pw
+
+    llm = LLM("tiny-deepseek-v2", progress=False, policy="static:0.5", window=D)
+    cache, lay = llm.cache, llm.config.kv_layout
+    slot = cache.allocate(200, prompt_len=150)
+    sq = cache.sequence(slot)
+    gate, real = threading.Event(), pw._finish
+    layer1 = sq.compute[1]
+    lo, hi = layer1.data_ptr(), layer1.data_ptr() + layer1.numel() * layer1.element_size()
+
+    def held(event, stage, dst):
+        if lo <= dst.data_ptr() < hi:
+            assert gate.wait(600)
+        real(event, stage, dst)
+
+    monkeypatch.setattr(pw, "_finish", held)
+    g = torch.Generator().manual_seed(3)
+    for layer in (0, 1):
+        for a in range(0, 150, 50):
+            cache.write(slot, layer, torch.randn(50, lay.kv_heads, lay.k_dim, generator=g), None)
+    assert any(not f.done() for f in sq.compute_writes[1])
+    assert torch.equal(cache._gather(sq, 0), _reference(cache, sq, 0))
+    assert any(not f.done() for f in sq.compute_writes[1])  # still held: layer 0 did not wait for them
+    gate.set()
+    got = cache._gather(sq, 1)
+    assert torch.equal(got, _reference(cache, sq, 1)) and not sq.compute_writes[1]
+    cache.free(slot)

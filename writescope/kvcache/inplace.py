@@ -16,6 +16,7 @@ for that attention; counted in ``prefill_readback_bytes``). Placed bytes never m
 from __future__ import annotations
 
 import math
+from concurrent.futures import wait
 
 import torch
 
@@ -64,6 +65,7 @@ class InplaceKVCache(KVCache):
         self.prefill_readback_bytes = 0
         self.evicted_blocks = 0
         self._writer: PrefillWriter | None = None  # prefill writes to the compute region (made on first use)
+        self._load_read_stream = None  # chunked prefill's read-back of the load region (CUDA, made on first use)
         self.micro_batches = _micro_batches()
         # with micro_batches auto: the fewest tokens a decode step at which the CPU computes host experts
         # (the engine sets it, engine/llm.py _cpu_experts_from; None: no step does), which auto does not split
@@ -341,42 +343,45 @@ class InplaceKVCache(KVCache):
             src = x[:, :, t * D : (t + r) * D]
             if region == COMPUTE:
                 sq.drain(layer)
-                self._write_compute(sq.compute[layer, :, :, idx * D : (idx + r) * D], src)
+                futures = self._write_compute(sq.compute[layer, :, :, idx * D : (idx + r) * D], src)
+                sq.compute_writes[layer] = [f for f in sq.compute_writes[layer] if not f.done()] + futures
                 sq.n_comp[layer] += r
             else:
                 blocks = src.unflatten(2, (r, D)).permute(2, 0, 1, 3, 4).contiguous()  # [r, parts, Hkv, D, dim]
-                self._write_load(sq.load_runs(layer, idx, idx + r, r), blocks)
+                sq.load_written[layer] = self._write_load(sq.load_runs(layer, idx, idx + r, r), blocks)
                 sq.n_load[layer] += r
             t += r
         sq.placed[layer] += nb * D
         return nb * D
 
-    def _write_load(self, runs: list[torch.Tensor], blocks: torch.Tensor) -> None:
+    def _write_load(self, runs: list[torch.Tensor], blocks: torch.Tensor):
         """Prefill blocks ``blocks`` ``[r, parts, Hkv, D, dim]`` (device) into the load-region
         ``runs`` (pinned slabs) by device-to-host copies on the evict stream, behind the compute
         stream's work so far, so the prefill's next kernels do not wait for them (the streaming
         copies wait for the evict stream, ``note_evict``; ``blocks`` stays allocated until the
-        copies are done). Without CUDA: plain copies."""
+        copies are done). Returns a CUDA event recorded after the copies on the stream that ran
+        them (chunked prefill's read-back waits on it), None without CUDA (plain copies)."""
         done = 0
         if not self.cuda or not self._load_on_evict:  # (WRITESCOPE_PREFILL_LOAD_STREAM=compute: the earlier behaviour)
             for run in runs:
                 run.copy_(blocks[done : done + run.shape[0]], non_blocking=self.cuda)
                 done += run.shape[0]
             self.decoder.note_load_write()
-            return
+            return torch.cuda.current_stream(self.device).record_event() if self.cuda else None
         self.evict_stream.wait_stream(torch.cuda.current_stream(self.device))
         with torch.cuda.stream(self.evict_stream):
             for run in runs:
                 run.copy_(blocks[done : done + run.shape[0]], non_blocking=True)
                 done += run.shape[0]
         blocks.record_stream(self.evict_stream)
+        return self.evict_stream.record_event()
         self.decoder.note_evict()
 
-    def _write_compute(self, dst: torch.Tensor, src: torch.Tensor) -> None:
+    def _write_compute(self, dst: torch.Tensor, src: torch.Tensor) -> list:
         """Device ``src`` ``[parts, Hkv, n, dim]`` -> compute-region rows ``dst`` (host, per-head
         strided), in the background (:class:`~writescope.kvcache.prefill_writer.PrefillWriter`):
-        readers call :meth:`flush_writes` first."""
-        self._prefill_writer().write(dst, src)
+        readers call :meth:`flush_writes` first, or wait for the futures returned."""
+        return self._prefill_writer().write(dst, src)
 
     def _prefill_writer(self) -> PrefillWriter:
         """The prefill writer, made on first need (pinned staging: 4 x one ping-pong buffer;
@@ -420,6 +425,8 @@ class InplaceKVCache(KVCache):
                 event = torch.cuda.Event()
                 event.record(self.evict_stream)
             sq.evict_events[layer] = event
+            if region != COMPUTE:
+                sq.load_written[layer] = event
         else:
             dst.copy_(src)
         if region == COMPUTE:
@@ -438,26 +445,66 @@ class InplaceKVCache(KVCache):
 
         Each region crosses in one piece: the placed compute rows in one read through the
         prefill writer's pinned staging (:meth:`_read_compute`), the load blocks in one copy per
-        pinned slab (issued without a host wait), then the blocks are put in position order on
-        the device. A copy per block (about 300 KB each for
-        DeepSeek-V2-Lite), each a synchronous pageable copy for the compute region, was what every
-        chunk of a long prompt paid for all the blocks before it (1M tokens on the H200: prefill
-        1.40x slower under ``writescope`` than under ``gpu``, runs 42 and 65)."""
+        pinned slab, then the blocks are put in position order on the device. A copy per block
+        (about 300 KB each for DeepSeek-V2-Lite), each a synchronous pageable copy for the compute
+        region, was what every chunk of a long prompt paid for all the blocks before it (1M tokens
+        on the H200: prefill 1.40x slower under ``writescope`` than under ``gpu``, runs 42 and 65).
+
+        The read waits only for this layer's earlier writes (written by earlier chunks, so
+        normally done long before): the host for the prefill writer's futures of its compute rows
+        (:meth:`_wait_compute_writes`), the read stream for the event after its latest load-region
+        write. It used to wait for every write in flight, this chunk's earlier layers' included,
+        which held the issuing thread until the device had finished the layer before (a host
+        wait every layer of every chunk). Both reads run on their own streams, so they overlap
+        the device's work on the layers before; the compute stream waits for them."""
         D = self.spec.window
-        self.flush_writes()
-        if self.cuda:
-            self.evict_stream.synchronize()
+        self._wait_compute_writes(sq, layer)
         sq.drain(layer)
         homes = sq.homes[: sq.placed[layer] // D]
         n_c = sum(1 for region, _ in homes if region == COMPUTE)  # compute and load indices are dense: 0 .. n - 1 each
         n_l = len(homes) - n_c
         comp = self._read_compute(sq.compute[layer, :, :, : n_c * D]) if n_c else None
-        runs = [run.to(self.device, non_blocking=True) for run in sq.load_runs(layer, 0, n_l, max(1, n_l))] if n_l else []
-        load = (runs[0] if len(runs) == 1 else torch.cat(runs)) if runs else None  # [n_l, parts, Hkv, D, dim]
+        load = self._read_load(sq, layer, n_l) if n_l else None  # [n_l, parts, Hkv, D, dim]
         pieces = [comp[:, :, idx * D : (idx + 1) * D] if region == COMPUTE else load[idx] for region, idx in homes]
         self.prefill_readback_bytes += len(homes) * self.spec.block_bytes
         pieces.append(sq.window[layer, :, :, : sq.win_len[layer]])
         return torch.cat(pieces, dim=2)
+
+    def _wait_compute_writes(self, sq: SequenceKV, layer: int) -> None:
+        """Wait until the prefill writer's writes of ``layer``'s compute rows have landed.
+
+        Raises:
+            The first of those writes' failures (its rows are not what was written).
+        """
+        futures, sq.compute_writes[layer] = sq.compute_writes[layer], []
+        if futures:
+            wait(futures)
+            for f in futures:
+                if f.exception() is not None:
+                    raise f.exception()
+
+    def _read_load(self, sq: SequenceKV, layer: int, n: int) -> torch.Tensor:
+        """Load blocks ``0 .. n - 1`` of ``layer`` on the device ``[n, parts, Hkv, D, dim]``: one
+        copy per pinned slab, on the read stream after the layer's latest load-region write
+        (CUDA); the compute stream waits for the read stream."""
+        if not self.cuda:
+            runs = sq.load_runs(layer, 0, n, n)
+            return runs[0] if len(runs) == 1 else torch.cat(runs)
+        cur, rs = torch.cuda.current_stream(self.device), self._read_stream()
+        written = sq.load_written[layer]
+        with torch.cuda.stream(rs):
+            if written is not None:
+                rs.wait_event(written)
+            runs = [run.to(self.device, non_blocking=True) for run in sq.load_runs(layer, 0, n, n)]
+            load = runs[0] if len(runs) == 1 else torch.cat(runs)
+        cur.wait_stream(rs)
+        load.record_stream(cur)  # made on the read stream, used and freed on the compute stream
+        return load
+
+    def _read_stream(self) -> torch.cuda.Stream:
+        if self._load_read_stream is None:
+            self._load_read_stream = torch.cuda.Stream(self.device)
+        return self._load_read_stream
 
     # ------------------------------------------------------------------ sizing
     def check_capacity(self, capacities: list[int], device_free: int | None, host_free: int | None, pinned_budget: int | None) -> None:

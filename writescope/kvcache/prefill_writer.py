@@ -23,6 +23,7 @@ import torch
 from writescope.kvcache.pinned import host_empty, unpin
 
 STAGING_BUFFERS = 4  # pinned staging buffers in flight
+READ_BUFFERS = 2  # pinned staging buffers for chunked prefill's read-back of the compute rows
 
 
 class PrefillWriter:
@@ -45,7 +46,9 @@ class PrefillWriter:
         self._busy: list[Future | None] = [None] * buffers
         self._next = 0
         self._pending: list[Future] = []
-        self._read_done: list[torch.cuda.Event | None] = []  # per buffer: the last read's DMA from it (CUDA)
+        self._read_bufs: list[torch.Tensor] = []  # READ_BUFFERS more, for reads (made with the others)
+        self._read_done: list = [None] * READ_BUFFERS  # per read buffer: a CUDA event after its last DMA
+        self.read_stream = torch.cuda.Stream(self.device) if self.cuda else None
         self._pool = ThreadPoolExecutor(1, "writescope-prefill-write", initializer=torch.set_num_threads, initargs=(threads,))
         self.copy_stream = torch.cuda.Stream(self.device) if self.cuda else None
 
@@ -56,13 +59,13 @@ class PrefillWriter:
         if not self._bufs:
             bufs: list[torch.Tensor] = []
             try:
-                for _ in range(self.n_buffers):
+                for _ in range(self.n_buffers + READ_BUFFERS):
                     bufs.append(host_empty((self.numel,), self.dtype, pin=self.cuda))
             except BaseException:
                 for t in bufs if self.cuda else []:
                     unpin(t)
                 raise
-            self._bufs = bufs
+            self._bufs, self._read_bufs = bufs[: self.n_buffers], bufs[self.n_buffers :]
 
     def _buffer(self) -> int:
         """A free staging buffer's index (waits for the oldest one when all are busy)."""
@@ -75,9 +78,11 @@ class PrefillWriter:
             raise fut.exception()
         return b
 
-    def write(self, dst: torch.Tensor, src: torch.Tensor) -> None:
+    def write(self, dst: torch.Tensor, src: torch.Tensor) -> list[Future]:
         """Copy ``src`` ``[a, b, n, c]`` (device) into ``dst`` (host view of the same shape), in
-        chunks along dim 2 that fit one staging buffer. Returns once the copies are issued."""
+        chunks along dim 2 that fit one staging buffer. Returns once the copies are issued: the
+        futures of its chunks (each done once its rows have landed, or failed)."""
+        futures: list[Future] = []
         per_token = src.shape[0] * src.shape[1] * src.shape[3]
         step = max(1, self.numel // per_token)
         cur = torch.cuda.current_stream(self.device) if self.cuda else None
@@ -99,69 +104,48 @@ class PrefillWriter:
                 fut = self._pool.submit(_finish, None, stage, dst[:, :, a : a + step])
             self._busy[b] = fut
             self._pending.append(fut)
+            futures.append(fut)
+        return futures
 
     def read(self, src: torch.Tensor) -> torch.Tensor:
         """Copy ``src`` ``[a, b, n, c]`` (host rows, pageable, possibly strided) to a new
-        contiguous device tensor of its shape, through the pinned staging buffers: the writer
-        thread (its intra-op threads) copies each piece along dim 2 into a free buffer, then the
-        calling thread issues the piece's DMA on the copy stream; the current stream waits for
-        the copy stream before this returns, and the calling thread waits only for the CPU
-        copies. A pageable host-to-device copy runs at 7.3 GB/s on the H200 host
-        (../shared/HARDWARE.md) against about 50 for pinned: chunked prefill reads every compute
-        row placed before each chunk again (kvcache/inplace.py ``_gather``). Without CUDA the
-        same pieces go through the same buffers with plain copies. Callers :meth:`flush` first
-        (the rows read must have landed); a failed CPU copy is raised here."""
-        out = torch.empty(src.shape, dtype=src.dtype, device=self.device)
+        contiguous device tensor of its shape, through pinned staging: the calling thread copies
+        each piece along dim 2 into one of ``READ_BUFFERS`` read buffers (torch's intra-op
+        threads), then issues its DMA on the read stream and goes on to the next piece while it
+        runs; a buffer is refilled once its last DMA is done. The read stream waits for nothing
+        else, so the copies overlap the device's work; the current stream waits for the read
+        stream before this returns. A pageable host-to-device copy runs at 7.3 GB/s on the H200
+        host (../shared/HARDWARE.md) against about 50 for pinned, and chunked prefill reads every
+        compute row placed before each chunk again (kvcache/inplace.py ``_gather``). The read
+        buffers are not the write buffers: a read never waits for a write still in flight.
+        Without CUDA the same pieces go through the same buffers with plain copies. The rows
+        read must have landed (callers wait for their writes first)."""
+        self.prepare()
         per_token = src.shape[0] * src.shape[1] * src.shape[3]
         n = src.shape[2]
-        if n == 0 or per_token == 0:
+        step = max(1, self.numel // max(1, per_token))
+        if not self.cuda:
+            out = torch.empty(src.shape, dtype=src.dtype)
+            for i, a in enumerate(range(0, n, step)):
+                part = src[:, :, a : a + step]
+                stage = self._read_bufs[i % len(self._read_bufs)][: part.numel()].view(part.shape)
+                stage.copy_(part)
+                out[:, :, a : a + step].copy_(stage)
             return out
-        step = max(1, self.numel // per_token)
-        cur = torch.cuda.current_stream(self.device) if self.cuda else None
-        if self.cuda:
-            self.copy_stream.wait_stream(cur)  # out's memory may have been used on the current stream
-        starts = list(range(0, n, step))
-        issued: list[tuple[int, int, Future]] = []  # (start, buffer, its CPU copy)
-
-        def stage(a: int) -> None:
-            b = self._buffer()  # waits for a write still using it
-            done = self._read_done[b] if self._read_done else None
-            if done is not None:
-                done.synchronize()  # an earlier read's DMA from this buffer has finished
-            part = src[:, :, a : a + step]
-            view = self._bufs[b][: part.numel()].view(part.shape)
-            fut = self._pool.submit(_fill, view, part)
-            self._busy[b] = fut
-            issued.append((a, b, fut))
-
-        if not self._read_done:
-            self._read_done = [None] * self.n_buffers
-        ahead = 0
-        for a in starts[: self.n_buffers]:
-            stage(a)
-            ahead += 1
-        for i in range(len(starts)):
-            a, b, fut = issued[i]
-            exc = fut.exception()  # waits for the CPU copy
-            if exc is not None:
-                self._busy[b] = None
-                raise exc
-            piece = out[:, :, a : a + step]
-            view = self._bufs[b][: piece.numel()].view(piece.shape)
-            if self.cuda:
-                with torch.cuda.stream(self.copy_stream):
-                    piece.copy_(view, non_blocking=True)
-                    event = torch.cuda.Event()
-                    event.record(self.copy_stream)
-                self._read_done[b] = event
-            else:
-                piece.copy_(view)
-            self._busy[b] = None
-            if ahead < len(starts):
-                stage(starts[ahead])
-                ahead += 1
-        if self.cuda:
-            cur.wait_stream(self.copy_stream)
+        cur, rs = torch.cuda.current_stream(self.device), self.read_stream
+        with torch.cuda.stream(rs):
+            out = torch.empty(src.shape, dtype=src.dtype, device=self.device)  # from the read stream's memory
+            for i, a in enumerate(range(0, n, step)):
+                b = i % len(self._read_bufs)
+                if self._read_done[b] is not None:
+                    self._read_done[b].synchronize()  # its last DMA is done: the buffer may be refilled
+                part = src[:, :, a : a + step]
+                stage = self._read_bufs[b][: part.numel()].view(part.shape)
+                stage.copy_(part)
+                out[:, :, a : a + step].copy_(stage, non_blocking=True)
+                self._read_done[b] = rs.record_event()
+        cur.wait_stream(rs)
+        out.record_stream(cur)  # made on the read stream, used and freed on the current one
         return out
 
     def flush(self) -> None:
@@ -188,14 +172,9 @@ class PrefillWriter:
                 if event is not None:
                     event.synchronize()  # no DMA still reads a buffer about to be unregistered
             if self.cuda:
-                for t in self._bufs:
+                for t in self._bufs + self._read_bufs:
                     unpin(t)
-            self._bufs = []
-
-
-def _fill(stage: torch.Tensor, src: torch.Tensor) -> None:
-    with torch.inference_mode():
-        stage.copy_(src)
+            self._bufs, self._read_bufs = [], []
 
 
 def _finish(event, stage: torch.Tensor, dst: torch.Tensor) -> None:

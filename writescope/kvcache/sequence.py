@@ -23,7 +23,7 @@ import torch
 from writescope.kvcache import pinned
 from writescope.kvcache.huge_pages import compute_empty
 from writescope.kvcache.pinned import device_view, host_empty, unpin
-from writescope.kvcache.prefill_writer import STAGING_BUFFERS
+from writescope.kvcache.prefill_writer import READ_BUFFERS, STAGING_BUFFERS
 from writescope.kvcache.spec import PartitionSpec
 from writescope.scheduler.policies import COMPUTE, LOAD, PlacementPolicy, route_block
 
@@ -73,6 +73,9 @@ class SequenceKV:
         self.staging: torch.Tensor | None = None  # pinned [L, parts, kv_heads, D, dim] for evictions to compute
         self.pending: list[tuple[object | None, int] | None] = [None] * L  # (CUDA event or None, compute block) awaiting copy-in
         self.evict_events: list[object | None] = [None] * L  # window reuse waits on these
+        # chunked prefill's read-back waits on these, per layer, instead of on every copy in flight:
+        self.load_written: list[object | None] = [None] * L  # CUDA event after the latest write into the layer's load blocks
+        self.compute_writes: list[list] = [[] for _ in range(L)]  # the prefill writer's futures for the layer's compute rows
         self._prompt_plan: list[int] | None = None  # regions of the prompt's whole blocks, decided once
         if prompt_len > 0:  # reserve the prefill plan's load blocks now, so a shortfall shows at allocate
             plan = self.prompt_plan()
@@ -235,10 +238,11 @@ class SequenceKV:
 
 def pinned_staging_bytes(spec: PartitionSpec, policy: PlacementPolicy, batch: int, host_kv: int) -> int:
     """Pinned staging a batch needs besides the load region: eviction staging (one block per
-    layer and sequence) and the prefill writer's staging buffers when anything goes to the compute region,
+    layer and sequence) and the prefill writer's staging buffers (writes and chunked prefill's
+    read-back) when anything goes to the compute region,
     plus the monolithic baseline's two re-layout buffers of up to one layer's KV (``host_kv`` is
     the batch's spilled KV in bytes, all layers)."""
-    staging = spec.staging_bytes(batch) + STAGING_BUFFERS * spec.pingpong_blocks * spec.block_bytes if policy.max_cpu_share > 0 else 0
+    staging = spec.staging_bytes(batch) + (STAGING_BUFFERS + READ_BUFFERS) * spec.pingpong_blocks * spec.block_bytes if policy.max_cpu_share > 0 else 0
     if getattr(policy, "monolithic", False):
         staging += 2 * host_kv // spec.num_layers
     return staging
