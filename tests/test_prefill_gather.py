@@ -5,8 +5,13 @@ lengths, on the CPU (the regions are host tensors there too)."""
 
 from __future__ import annotations
 
+import contextlib
+from concurrent.futures import wait
+
 import pytest
 import torch
+
+import writescope.kvcache.prefill_writer as pw
 
 from writescope import LLM
 from writescope.scheduler.policies import COMPUTE
@@ -38,7 +43,7 @@ def test_gather_on_cuda_reads_the_compute_rows_through_pinned_staging(policy):
     inplace.py ``_read_compute``): the same tensor as the block-by-block read."""
     llm = LLM("tiny-deepseek-v2", device="cuda", dtype="bfloat16", progress=False, policy=policy, window=D)
     _check_gather(llm, policy)
-    assert llm.cache._writer is not None and all(b.is_pinned() for b in llm.cache._writer._bufs)
+    assert llm.cache._writer is not None and all(b.is_pinned() for b in llm.cache._writer._bufs + llm.cache._writer._read_bufs)
 
 
 def _check_gather(llm, policy: str) -> None:
@@ -76,8 +81,6 @@ def test_gather_waits_only_for_its_own_layers_writes(monkeypatch):
     and is exact; layer 1's, once they land, is exact too (it waited for them)."""
     import threading
 
-    import writescope.kvcache.prefill_writer as pw
-
     llm = LLM("tiny-deepseek-v2", progress=False, policy="static:0.5", window=D)
     cache, lay = llm.cache, llm.config.kv_layout
     slot = cache.allocate(200, prompt_len=150)
@@ -93,13 +96,89 @@ def test_gather_waits_only_for_its_own_layers_writes(monkeypatch):
 
     monkeypatch.setattr(pw, "_finish", held)
     g = torch.Generator().manual_seed(3)
-    for layer in (0, 1):
-        for a in range(0, 150, 50):
-            cache.write(slot, layer, torch.randn(50, lay.kv_heads, lay.k_dim, generator=g), None)
-    assert any(not f.done() for f in sq.compute_writes[1])
-    assert torch.equal(cache._gather(sq, 0), _reference(cache, sq, 0))
-    assert any(not f.done() for f in sq.compute_writes[1])  # still held: layer 0 did not wait for them
-    gate.set()
+    try:
+        for layer in (0, 1):
+            for a in range(0, 150, 50):
+                cache.write(slot, layer, torch.randn(50, lay.kv_heads, lay.k_dim, generator=g), None)
+        assert any(not f.done() for f in sq.compute_writes[1])
+        assert torch.equal(cache._gather(sq, 0), _reference(cache, sq, 0))
+        assert any(not f.done() for f in sq.compute_writes[1])  # still held: layer 0 did not wait for them
+    finally:
+        gate.set()  # the writer thread is not left waiting when an assertion fails
     got = cache._gather(sq, 1)
     assert torch.equal(got, _reference(cache, sq, 1)) and not sq.compute_writes[1]
     cache.free(slot)
+
+
+class _FakeStream:
+    def wait_stream(self, other):
+        pass
+
+    def wait_event(self, event):
+        pass
+
+    def record_event(self):
+        return object()
+
+
+def test_prefill_load_writes_on_the_evict_stream_still_tell_the_decoder(monkeypatch):
+    """_write_load's evict-stream branch calls decoder.note_evict(): the decode copy stream and the
+    in-place read wait for the evict stream only then (a request prefilled while others decode
+    would otherwise have its load blocks read before they land). CUDA is faked on the CPU."""
+    llm = LLM("tiny-deepseek-v2", progress=False, policy="gpu", window=D)
+    cache = llm.cache
+    slot = cache.allocate(200, prompt_len=64)  # on the CPU: unpinned
+    sq = cache.sequence(slot)
+    # pretend CUDA for _write_load's evict-stream branch only
+    monkeypatch.setattr(torch.cuda, "current_stream", lambda *a, **k: _FakeStream())
+    monkeypatch.setattr(torch.cuda, "stream", lambda s: contextlib.nullcontext())
+    monkeypatch.setattr(torch.Tensor, "record_stream", lambda self, s: None)
+    cache.cuda, cache._load_on_evict, cache.evict_stream = True, True, _FakeStream()
+    cache.decoder._evicted = False  # as after an earlier decode step consumed it
+    blocks = torch.randn(1, *cache.spec.block_shape())
+    cache._write_load(sq.load_runs(0, 0, 1, 1), blocks)
+    cache.cuda = False
+    assert cache.decoder._evicted, "a prefill write into the load region on the evict stream must tell the decoder (note_evict)"
+
+
+def test_a_failed_compute_write_is_not_read_back_as_stale_rows(monkeypatch):
+    """A compute-row write of layer 0 fails before a later compute run of the same layer in the
+    same _place_blocks call: its failed future is kept, so the next chunk's read-back raises the
+    failure instead of returning the stale (zero) rows."""
+    llm = LLM("tiny-deepseek-v2", progress=False, policy="static:0.5", window=D)
+    cache, lay = llm.cache, llm.config.kv_layout
+    slot = cache.allocate(400)  # no prompt hint: the first write is the prompt, later blocks routed one by one
+    sq = cache.sequence(slot)
+    g = torch.Generator().manual_seed(1)
+    cache.write(slot, 0, torch.randn(D, lay.kv_heads, lay.k_dim, generator=g), None)  # the "prompt": one block
+    cache.flush_writes()
+    real, calls = pw._finish, []
+
+    def failing(event, stage, dst):
+        calls.append(1)
+        if len(calls) == 1:
+            raise RuntimeError("copy failed")
+        real(event, stage, dst)
+
+    monkeypatch.setattr(pw, "_finish", failing)
+    real_load = cache._write_load
+
+    def load_after_writes_settle(runs, blocks):  # the writer thread got to the first write meanwhile
+        wait(list(cache._writer._pending))
+        return real_load(runs, blocks)
+
+    monkeypatch.setattr(cache, "_write_load", load_after_writes_settle)
+    cache.write(slot, 0, torch.randn(8 * D, lay.kv_heads, lay.k_dim, generator=g), None)
+    runs = []
+    for region, _ in sq.homes[1:9]:
+        if not runs or runs[-1] != region:
+            runs.append(region)
+    assert runs.count(COMPUTE) >= 2, sq.homes[1:9]  # at least two compute runs in one call
+    failed = False
+    try:
+        cache._gather(sq, 0)
+    except RuntimeError as e:
+        failed = "copy failed" in str(e)
+    cache._writer._pending.clear()  # the failure is reported by this test, not at free
+    cache.free(slot)
+    assert failed, "the read-back returned rows whose write failed (its future was pruned from compute_writes)"

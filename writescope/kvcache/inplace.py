@@ -344,10 +344,14 @@ class InplaceKVCache(KVCache):
             if region == COMPUTE:
                 sq.drain(layer)
                 futures = self._write_compute(sq.compute[layer, :, :, idx * D : (idx + r) * D], src)
-                sq.compute_writes[layer] = [f for f in sq.compute_writes[layer] if not f.done()] + futures
+                sq.compute_writes[layer] = [f for f in sq.compute_writes[layer] if not f.done() or f.exception() is not None] + futures
                 sq.n_comp[layer] += r
             else:
                 blocks = src.unflatten(2, (r, D)).permute(2, 0, 1, 3, 4).contiguous()  # [r, parts, Hkv, D, dim]
+                if self.cuda and not self._load_on_evict and sq.load_written[layer] is not None:
+                    # compute-stream writes: behind the layer's last load write (an eviction on the evict stream), so
+                    # the event this records covers it too
+                    torch.cuda.current_stream(self.device).wait_event(sq.load_written[layer])
                 sq.load_written[layer] = self._write_load(sq.load_runs(layer, idx, idx + r, r), blocks)
                 sq.n_load[layer] += r
             t += r
@@ -374,8 +378,8 @@ class InplaceKVCache(KVCache):
                 run.copy_(blocks[done : done + run.shape[0]], non_blocking=True)
                 done += run.shape[0]
         blocks.record_stream(self.evict_stream)
-        return self.evict_stream.record_event()
         self.decoder.note_evict()
+        return self.evict_stream.record_event()
 
     def _write_compute(self, dst: torch.Tensor, src: torch.Tensor) -> list:
         """Device ``src`` ``[parts, Hkv, n, dim]`` -> compute-region rows ``dst`` (host, per-head
@@ -384,8 +388,9 @@ class InplaceKVCache(KVCache):
         return self._prefill_writer().write(dst, src)
 
     def _prefill_writer(self) -> PrefillWriter:
-        """The prefill writer, made on first need (pinned staging: 4 x one ping-pong buffer;
-        pinning it is about 0.06 s at HARDWARE.md's 0.25 s per GiB, once per cache)."""
+        """The prefill writer, made on first need (pinned staging: 4 write and 2 read buffers of one
+        ping-pong buffer each; pinning them is about 0.1 s at HARDWARE.md's 0.25 s per GiB, once
+        per cache)."""
         if self._writer is None:
             s = self.spec
             self._writer = PrefillWriter(s.pingpong_blocks * s.block_bytes, s.dtype, self.device,

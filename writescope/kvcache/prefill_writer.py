@@ -143,7 +143,8 @@ class PrefillWriter:
                 stage = self._read_bufs[b][: part.numel()].view(part.shape)
                 stage.copy_(part)
                 out[:, :, a : a + step].copy_(stage, non_blocking=True)
-                self._read_done[b] = rs.record_event()
+                self._read_done[b] = torch.cuda.Event(blocking=True)  # a refill sleeps, not spins, on it
+                self._read_done[b].record(rs)
         cur.wait_stream(rs)
         out.record_stream(cur)  # made on the read stream, used and freed on the current one
         return out

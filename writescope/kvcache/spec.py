@@ -9,7 +9,6 @@ contiguous (docs/DESIGN.md section 3).
 
 from __future__ import annotations
 
-import os
 from dataclasses import dataclass, field
 
 import torch
