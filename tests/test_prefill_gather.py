@@ -21,6 +21,7 @@ D = 16
 
 def _reference(cache, sq, layer: int) -> torch.Tensor:
     """One block at a time, in position order, as the first form read them."""
+    D = cache.spec.window
     pieces = []
     for j in range(sq.placed[layer] // D):
         region, idx = sq.homes[j]
@@ -182,3 +183,55 @@ def test_a_failed_compute_write_is_not_read_back_as_stale_rows(monkeypatch):
     cache._writer._pending.clear()  # the failure is reported by this test, not at free
     cache.free(slot)
     assert failed, "the read-back returned rows whose write failed (its future was pruned from compute_writes)"
+
+
+@pytest.mark.gpu
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")
+@pytest.mark.parametrize("policy", ["gpu", "static:0.5"])
+def test_a_later_prefill_chunk_never_waits_for_the_device(policy):
+    """A chunk after the first reads the earlier KV back without a host synchronisation (torch's
+    sync debug mode raises on one): it waits only for its layer's earlier writes, done by then, and
+    its copies run on their own streams. Its attention equals the reference's over the
+    block-by-block read of the earlier KV."""
+    from writescope.attention.metadata import ForwardBatch
+    from writescope.attention.reference import attend_sequence
+    from writescope.config import KVLayout
+    from writescope.kvcache.inplace import InplaceKVCache
+    from writescope.kvcache.spec import PartitionSpec
+    from writescope.scheduler.policies import parse_policy
+
+    layout, Hq, W, layers = KVLayout(2, 64, 64, False), 8, 64, 3
+    spec = PartitionSpec(layout, layers, torch.bfloat16, window=W, pingpong_bytes=2 * W * 2 * 2 * 64 * 2)
+    cache = InplaceKVCache(spec, parse_policy(policy), "cuda", cpu_threads=2)
+    first, second = [W * 5 + 7, W * 3], [W * 2 + 3, 17]
+    slots = [cache.allocate(a + b + 8, prompt_len=a + b) for a, b in zip(first, second)]
+    try:
+        def chunk(qlens, ctx):
+            batch = ForwardBatch.build(slots, qlens, ctx, "cuda")
+            T = sum(qlens)
+            return batch, [tuple(torch.randn(T, h, 64, device="cuda", dtype=torch.bfloat16) for h in (Hq, 2, 2)) for _ in range(layers)]
+
+        batch, inputs = chunk(first, [0, 0])
+        for layer, (q, k, v) in enumerate(inputs):
+            cache.attend(layer, q, k, v, batch, 64**-0.5)
+        torch.cuda.synchronize()
+        cache.flush_writes()
+        refs = [[_reference(cache, cache.sequence(s), layer) for s in slots] for layer in range(layers)]
+        batch, inputs = chunk(second, first)
+        torch.cuda.set_sync_debug_mode("error")
+        try:
+            outs = [cache.attend(layer, q, k, v, batch, 64**-0.5) for layer, (q, k, v) in enumerate(inputs)]
+        finally:
+            torch.cuda.set_sync_debug_mode("default")
+        torch.cuda.synchronize()
+        starts = [0, second[0], sum(second)]
+        for layer, (q, k, v) in enumerate(inputs):
+            out = getattr(outs[layer], "out", outs[layer])
+            for i, ref in enumerate(refs[layer]):
+                a, b = starts[i], starts[i + 1]
+                kv = torch.cat((ref, torch.stack((k[a:b], v[a:b])).transpose(1, 2)), dim=2)  # [2, Hkv, ctx + n, 64]
+                want = attend_sequence(q[a:b], kv[0].transpose(0, 1), kv[1].transpose(0, 1), first[i], 64**-0.5)
+                torch.testing.assert_close(out[a:b], want)
+        assert cache.prefill_readback_bytes > 0
+    finally:
+        cache.close()
