@@ -60,7 +60,7 @@ def _check_gather(llm, policy: str) -> None:
                 v = None if lay.shared_kv else torch.randn(e - a, lay.kv_heads, lay.v_dim, generator=g).to(cache.device, cache.spec.dtype)
                 cache.write(slot, layer, k, v)
     regions = set()
-    before = cache.prefill_readback_bytes
+    before, before_c = cache.prefill_readback_bytes, cache.prefill_readback_compute_bytes
     for slot, n in zip(slots, lens):
         sq = cache.sequence(slot)
         regions |= {r for r, _ in sq.homes}
@@ -71,6 +71,11 @@ def _check_gather(llm, policy: str) -> None:
     # every placed block read counts once per read (two layers read per sequence, all placed alike)
     assert cache.prefill_readback_bytes - before == sum(
         2 * (cache.sequence(s).placed[0] // D) * cache.spec.block_bytes for s in slots)
+    assert cache.prefill_readback_compute_bytes - before_c == sum(
+        2 * cache.sequence(s).n_comp[0] * cache.spec.block_bytes for s in slots)
+    stats = cache.prefill_readback()
+    assert stats["bytes"] == cache.prefill_readback_bytes and stats["compute_bytes"] == cache.prefill_readback_compute_bytes
+    assert stats["host_s"] > 0
     if policy.startswith("static"):
         assert len(regions) == 2  # both regions, interleaved
     for s in slots:
@@ -235,3 +240,18 @@ def test_a_later_prefill_chunk_never_waits_for_the_device(policy):
         assert cache.prefill_readback_bytes > 0
     finally:
         cache.close()
+
+
+def test_the_timings_show_the_read_back():
+    """generate's timings table: the read-back's bytes and the issuing thread's time, only where
+    a chunk read anything back."""
+    from types import SimpleNamespace
+
+    from writescope.cli.generate import format_timings
+
+    m = SimpleNamespace(prefill_tok_s=1.0, ttft_s=1.0, tpot_s=0.01, decode_tok_s=100.0, peak_memory_bytes=0)
+    outs = [SimpleNamespace(metrics=SimpleNamespace(**vars(m), prompt_tokens=10), kv_placement=None)]
+    text = format_timings(outs, "static:0.5", None, None, {"bytes": 2.5e9, "compute_bytes": 1.5e9, "host_s": 3.25, "staging_copy_s": 0.5})
+    assert "prefill read-back (chunks re-reading earlier KV)" in text
+    assert "2.5 GB (1.5 GB compute rows); issuing thread 3.2 s in it, 500.0 ms of it copying compute rows to pinned staging" in text
+    assert "read-back" not in format_timings(outs, "gpu", None, None, {"bytes": 0, "compute_bytes": 0, "host_s": 0.0, "staging_copy_s": 0.0})

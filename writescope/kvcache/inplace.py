@@ -16,6 +16,7 @@ for that attention; counted in ``prefill_readback_bytes``). Placed bytes never m
 from __future__ import annotations
 
 import math
+import time
 from concurrent.futures import wait
 
 import torch
@@ -63,6 +64,8 @@ class InplaceKVCache(KVCache):
         self._seqs: dict[int, SequenceKV] = {}
         self._next_slot = 0
         self.prefill_readback_bytes = 0
+        self.prefill_readback_compute_bytes = 0  # of those, compute rows (through the prefill writer's pinned staging on CUDA)
+        self.prefill_readback_host_s = 0.0  # the issuing thread's seconds in the read-back (host time: no device wait added)
         self.evicted_blocks = 0
         self._writer: PrefillWriter | None = None  # prefill writes to the compute region (made on first use)
         self._load_read_stream = None  # chunked prefill's read-back of the load region (CUDA, made on first use)
@@ -462,6 +465,7 @@ class InplaceKVCache(KVCache):
         which held the issuing thread until the device had finished the layer before (a host
         wait every layer of every chunk). Both reads run on their own streams, so they overlap
         the device's work on the layers before; the compute stream waits for them."""
+        t0 = time.perf_counter()
         D = self.spec.window
         self._wait_compute_writes(sq, layer)
         sq.drain(layer)
@@ -472,8 +476,20 @@ class InplaceKVCache(KVCache):
         load = self._read_load(sq, layer, n_l) if n_l else None  # [n_l, parts, Hkv, D, dim]
         pieces = [comp[:, :, idx * D : (idx + 1) * D] if region == COMPUTE else load[idx] for region, idx in homes]
         self.prefill_readback_bytes += len(homes) * self.spec.block_bytes
+        self.prefill_readback_compute_bytes += n_c * self.spec.block_bytes
         pieces.append(sq.window[layer, :, :, : sq.win_len[layer]])
-        return torch.cat(pieces, dim=2)
+        out = torch.cat(pieces, dim=2)
+        self.prefill_readback_host_s += time.perf_counter() - t0
+        return out
+
+    def prefill_readback(self) -> dict:
+        """Chunked prefill's read-back so far: ``bytes`` (every earlier block read again, all
+        layers), ``compute_bytes`` (of those, compute rows), ``host_s`` (the issuing thread's
+        seconds in it, host time) and ``staging_copy_s`` (of those, copying compute rows into
+        pinned staging, CUDA only)."""
+        return {"bytes": self.prefill_readback_bytes, "compute_bytes": self.prefill_readback_compute_bytes,
+                "host_s": self.prefill_readback_host_s,
+                "staging_copy_s": self._writer.read_copy_s if self._writer is not None else 0.0}
 
     def _wait_compute_writes(self, sq: SequenceKV, layer: int) -> None:
         """Wait until the prefill writer's writes of ``layer``'s compute rows have landed.

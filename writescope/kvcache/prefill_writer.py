@@ -16,6 +16,7 @@ copies (so CI exercises the ordering).
 
 from __future__ import annotations
 
+import time
 from concurrent.futures import Future, ThreadPoolExecutor, wait
 
 import torch
@@ -49,6 +50,7 @@ class PrefillWriter:
         self._read_bufs: list[torch.Tensor] = []  # READ_BUFFERS more, for reads (made with the others)
         self._read_done: list = [None] * READ_BUFFERS  # per read buffer: a CUDA event after its last DMA
         self.read_stream = torch.cuda.Stream(self.device) if self.cuda else None
+        self.read_copy_s = 0.0  # the calling thread's seconds copying rows into the read buffers (and waiting for them), CUDA
         self._pool = ThreadPoolExecutor(1, "writescope-prefill-write", initializer=torch.set_num_threads, initargs=(threads,))
         self.copy_stream = torch.cuda.Stream(self.device) if self.cuda else None
 
@@ -137,11 +139,13 @@ class PrefillWriter:
             out = torch.empty(src.shape, dtype=src.dtype, device=self.device)  # from the read stream's memory
             for i, a in enumerate(range(0, n, step)):
                 b = i % len(self._read_bufs)
+                t0 = time.perf_counter()
                 if self._read_done[b] is not None:
                     self._read_done[b].synchronize()  # its last DMA is done: the buffer may be refilled
                 part = src[:, :, a : a + step]
                 stage = self._read_bufs[b][: part.numel()].view(part.shape)
                 stage.copy_(part)
+                self.read_copy_s += time.perf_counter() - t0
                 out[:, :, a : a + step].copy_(stage, non_blocking=True)
                 self._read_done[b] = torch.cuda.Event(blocking=True)  # a refill sleeps, not spins, on it
                 self._read_done[b].record(rs)
