@@ -303,7 +303,8 @@ def test_tensor_left_out_of_index(ckpt):
                                       ("WRITESCOPE_MLA_PREFILL", "both"), ("WRITESCOPE_EXPERT_ISA", "avx1024"),
                                       ("WRITESCOPE_PINNED_POOL", "lots"), ("WRITESCOPE_CPU_THREADS", "0"),
                                       ("WRITESCOPE_CPU_THREADS", "many"), ("WRITESCOPE_CPU_PIN", "yes"),
-                                      ("WRITESCOPE_HUGE_PAGES", "2m"), ("WRITESCOPE_CPU_PREREAD", "-1")])
+                                      ("WRITESCOPE_HUGE_PAGES", "2m"), ("WRITESCOPE_CPU_PREREAD", "-1"),
+                                      ("WRITESCOPE_PROMPT_PLAN", "middle"), ("WRITESCOPE_LINK_FIXED", "-1")])
 def test_a_bad_switch_fails_before_the_weights_load(name, bad, monkeypatch):
     """Every WRITESCOPE_* switch is read when LLM starts, whatever the policy uses (resident
     uses none of these), before the model is built: the error names the variable and value."""

@@ -136,6 +136,41 @@ def test_routing_tracks_the_share_and_plans_prefill_compute_first(r):
     assert route_block(StaticPolicy(0.5), 0, Dw, Dw, 0) == route_block(StaticPolicy(0.5), 0, 0, Dw, 0) == COMPUTE
 
 
+@pytest.mark.parametrize("r", [0.0, 0.25, 0.5, 1.0])
+def test_compute_last_plans_the_same_blocks_at_the_other_end(r):
+    """WRITESCOPE_PROMPT_PLAN=compute-last: the prompt's plan has as many compute blocks, all after
+    its load blocks; decode routing is the same."""
+    from writescope.scheduler.policies import COMPUTE, StaticPolicy, route_block
+
+    policy, Dw, P = StaticPolicy(r), 16, 16 * 10 + 5
+    first = [route_block(policy, j, P, Dw, 0) for j in range(10)]
+    last = [route_block(policy, j, P, Dw, 0, compute_last=True) for j in range(10)]
+    assert last.count(COMPUTE) == first.count(COMPUTE)
+    assert last == sorted(last, reverse=True), f"compute blocks not last: {last}"
+    for n_c in range(12):
+        assert route_block(policy, 10 + n_c, P, Dw, n_c, compute_last=True) == route_block(policy, 10 + n_c, P, Dw, n_c)
+
+
+@pytest.mark.parametrize("preset", ["tiny-qwen3-moe", "tiny-deepseek-v2"])
+def test_compute_last_prompt_plan_gives_resident_tokens(monkeypatch, preset):
+    """The compute region at the prompt's end, read back by later chunks of a chunked prefill and
+    attended by the CPU in decode: the same greedy tokens as all KV on the device."""
+    from writescope.scheduler.policies import COMPUTE, LOAD
+
+    llm = LLM(preset, progress=False, prefill_chunk_tokens=96)
+    prompts = [list(range(3, 3 + n)) for n in (300, 17, 129)]
+    params = SamplingParams(max_tokens=12, ignore_eos=True)
+    ref = [o.token_ids for o in llm.generate(prompt_token_ids=prompts, sampling_params=params)]
+    monkeypatch.setenv("WRITESCOPE_PROMPT_PLAN", "compute-last")
+    llm.set_policy("static:0.5", window=16)
+    slot = llm.cache.allocate(320, prompt_len=300)
+    plan = llm.cache.sequence(slot).prompt_plan()
+    assert plan[0] == LOAD and plan[-1] == COMPUTE
+    llm.cache.free(slot)
+    got = [o.token_ids for o in llm.generate(prompt_token_ids=prompts, sampling_params=params)]
+    assert got == ref
+
+
 def test_set_policy_switches_cache_and_keeps_weights():
     llm = LLM("tiny-qwen3-moe", progress=False, policy="resident")
     prompts = _prompts(llm.config.vocab_size)

@@ -25,6 +25,7 @@ def readers() -> dict[str, Callable[[], object]]:
     from writescope.layers.attention import mla_prefill_mode
     from writescope.moe import async_experts, cpu_experts
     from writescope.scheduler.expert_work import balance_from_env
+    from writescope.scheduler.policies import compute_last_from_env
     from writescope.scheduler.roofline import link_fixed_from_env
     from writescope.kvcache.inplace import _micro_batches, _prefill_load_on_evict_stream
     from writescope.kvcache.spec import load_read_from_env, pingpong_buffers_from_env
@@ -61,6 +62,7 @@ def readers() -> dict[str, Callable[[], object]]:
         "WRITESCOPE_GRAPH_EXPERTS": async_experts.graph_wanted,
         "WRITESCOPE_EXPERT_OUTPUT": async_experts.output_in_place,
         "WRITESCOPE_LINK_FIXED": link_fixed_from_env,
+        "WRITESCOPE_PROMPT_PLAN": compute_last_from_env,
     }
 
 
@@ -90,7 +92,7 @@ NAMES = ("WRITESCOPE_MICRO_BATCHES", "WRITESCOPE_MOE_KERNEL", "WRITESCOPE_LOAD_R
          "WRITESCOPE_CPU_TUNING", "WRITESCOPE_PINNED_POOL", "WRITESCOPE_CPU_THREADS", "WRITESCOPE_CPU_PIN",
          "WRITESCOPE_HUGE_PAGES", "WRITESCOPE_CPU_PREREAD", "WRITESCOPE_EXPERT_WORKER",
          "WRITESCOPE_EXPERT_BALANCE", "WRITESCOPE_CPU_TEAM", "WRITESCOPE_GRAPH_SPLIT", "WRITESCOPE_GRAPH_EXPERTS",
-         "WRITESCOPE_EXPERT_OUTPUT", "WRITESCOPE_LINK_FIXED")
+         "WRITESCOPE_EXPERT_OUTPUT", "WRITESCOPE_LINK_FIXED", "WRITESCOPE_PROMPT_PLAN")
 
 
 # switches that steer only the placement's model, not the kernels: O and the in-step A and C_cpu are

@@ -5,7 +5,10 @@ should live in the compute region (attended by the CPU) when L tokens are placed
 block (D tokens) follows docs/DESIGN.md section 3:
 
 - prefill: the first floor(r(P) * P / D + 1/2) whole blocks of a P-token prompt go to the
-  compute region, the other whole blocks to the load region;
+  compute region, the other whole blocks to the load region (``WRITESCOPE_PROMPT_PLAN=compute-last``:
+  the last ones, an A/B switch: decode reads every block wherever it sits, but each later chunk
+  of a chunked prefill reads the earlier blocks again, and compute rows cross through pinned
+  staging while load blocks are DMA'd where they lie);
 - decode: each evicted window (one block) goes where it brings the placed CPU share closest to
   r(L): to the compute region while ``n_compute < floor(r(L) * (placed_blocks + 1) + 1/2)``.
 
@@ -127,7 +130,22 @@ def parse_policy(text: str, roofline=None) -> PlacementPolicy | None:
     raise ValueError(f"unknown policy {text!r}: choose {POLICY_NAMES}")
 
 
-def route_block(policy: PlacementPolicy, block: int, prompt_len: int, window: int, n_compute: int) -> int:
+PROMPT_PLAN_ENV = "WRITESCOPE_PROMPT_PLAN"
+
+
+def compute_last_from_env() -> bool:
+    """``WRITESCOPE_PROMPT_PLAN``: ``compute-first`` (the default, docs/DESIGN.md section 3: a
+    prompt's compute-region blocks are its first ones) or ``compute-last`` (its last ones).
+
+    Raises:
+        ValueError: another value (names it and the choices).
+    """
+    from writescope.env import env_choice
+
+    return env_choice(PROMPT_PLAN_ENV, ("compute-first", "compute-last")) == "compute-last"
+
+
+def route_block(policy: PlacementPolicy, block: int, prompt_len: int, window: int, n_compute: int, compute_last: bool = False) -> int:
     """Region (COMPUTE or LOAD) of block ``block`` (tokens ``block*D .. block*D + D - 1``).
 
     Args:
@@ -136,10 +154,14 @@ def route_block(policy: PlacementPolicy, block: int, prompt_len: int, window: in
         prompt_len: tokens of the prompt P; blocks below ``P // D`` follow the prefill plan.
         window: D, tokens per block.
         n_compute: blocks of this sequence already in the compute region.
+        compute_last: the prompt's compute-region blocks are its last whole blocks, not its first
+            (:func:`compute_last_from_env`); decode's blocks are routed alike either way.
     """
     prompt_blocks = prompt_len // window
     if block < prompt_blocks:
         n_cpu = min(prompt_blocks, math.floor(policy.cpu_share(prompt_len) * prompt_len / window + 0.5))  # halves up, as below
+        if compute_last:
+            return COMPUTE if block >= prompt_blocks - n_cpu else LOAD
         return COMPUTE if block < n_cpu else LOAD
     placed_after = (block + 1) * window
     target = math.floor(policy.cpu_share(placed_after) * (block + 1) + 0.5)
