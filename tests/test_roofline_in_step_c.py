@@ -229,6 +229,13 @@ def test_link_fixed_does_not_part_the_kept_o(monkeypatch):
     assert ow.switch_signature() == "WRITESCOPE_CPU_TUNING=12"
 
 
+def test_the_prompt_plan_does_not_part_the_kept_o(monkeypatch):
+    """The order of a prompt's blocks changes nothing a decode step does: a compute-last row places
+    from the same kept O and A as the default."""
+    monkeypatch.setenv("WRITESCOPE_PROMPT_PLAN", "compute-last")
+    assert ow.switch_signature() == ""
+
+
 def test_link_fixed_has_no_effect_without_o_or_in_micro_batched_steps(monkeypatch):
     class NoO(Meter):
         def seconds(self, batch, path=None):

@@ -285,10 +285,12 @@ def format_timings(outs, policy: str = "resident", cpu_attention: str | None = N
         def secs(t):
             return f"{t:,.1f} s" if t >= 1 else f"{t * 1e3:,.1f} ms"
 
-        staged = f", {secs(readback['staging_copy_s'])} of it copying compute rows to pinned staging" if readback["staging_copy_s"] else ""
+        parts = [f"{secs(readback['staging_copy_s'])} copying compute rows to pinned staging"] if readback["staging_copy_s"] else []
+        if readback.get("wait_s"):
+            parts.append(f"{secs(readback['wait_s'])} waiting for earlier writes and staging buffers")
         rows.insert(4, ("prefill read-back (chunks re-reading earlier KV)",
                         f"{size(readback['bytes'])} ({size(readback['compute_bytes'])} compute rows); "
-                        f"issuing thread {secs(readback['host_s'])} in it{staged}"))
+                        f"issuing thread {secs(readback['host_s'])} in it" + (f" ({', '.join(parts)})" if parts else "")))
     if cpu_attention is not None and policy not in ("resident", "gpu"):  # only these never attend on the CPU
         rows.append(("CPU attention", cpu_attention))
     from writescope.engine.switches import NAMES  # the runtime's switches only (never e.g. WRITESCOPE_API_KEY)

@@ -95,9 +95,10 @@ NAMES = ("WRITESCOPE_MICRO_BATCHES", "WRITESCOPE_MOE_KERNEL", "WRITESCOPE_LOAD_R
          "WRITESCOPE_EXPERT_OUTPUT", "WRITESCOPE_LINK_FIXED", "WRITESCOPE_PROMPT_PLAN")
 
 
-# switches that steer only the placement's model, not the kernels: O and the in-step A and C_cpu are
-# kept across them (scheduler/other_work.py, switch_signature)
-MODEL_ONLY = ("WRITESCOPE_LINK_FIXED",)
+# switches that change neither the decode kernels nor what a decode step does (the placement's model,
+# the order of a prompt's blocks): O and the in-step A and C_cpu are kept across them
+# (scheduler/other_work.py, switch_signature)
+MODEL_ONLY = ("WRITESCOPE_LINK_FIXED", "WRITESCOPE_PROMPT_PLAN")
 
 
 OTHER_NAMES = ("WRITESCOPE_API_KEY",)  # read elsewhere (writescope serve's --api-key default), not a switch

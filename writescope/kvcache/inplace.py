@@ -66,6 +66,7 @@ class InplaceKVCache(KVCache):
         self.prefill_readback_bytes = 0
         self.prefill_readback_compute_bytes = 0  # of those, compute rows (through the prefill writer's pinned staging on CUDA)
         self.prefill_readback_host_s = 0.0  # the issuing thread's seconds in the read-back (host time: no device wait added)
+        self.prefill_readback_write_wait_s = 0.0  # of those, waiting for the layer's compute-row writes to land
         self.evicted_blocks = 0
         self._writer: PrefillWriter | None = None  # prefill writes to the compute region (made on first use)
         self._load_read_stream = None  # chunked prefill's read-back of the load region (CUDA, made on first use)
@@ -485,11 +486,14 @@ class InplaceKVCache(KVCache):
     def prefill_readback(self) -> dict:
         """Chunked prefill's read-back so far: ``bytes`` (every earlier block read again, all
         layers), ``compute_bytes`` (of those, compute rows), ``host_s`` (the issuing thread's
-        seconds in it, host time) and ``staging_copy_s`` (of those, copying compute rows into
-        pinned staging, CUDA only)."""
+        seconds in it, host time), and of those: ``staging_copy_s`` (copying compute rows into
+        pinned staging, CUDA only) and ``wait_s`` (waiting for the layer's compute-row writes to
+        land and, CUDA only, for a read buffer's last DMA)."""
+        w = self._writer
         return {"bytes": self.prefill_readback_bytes, "compute_bytes": self.prefill_readback_compute_bytes,
                 "host_s": self.prefill_readback_host_s,
-                "staging_copy_s": self._writer.read_copy_s if self._writer is not None else 0.0}
+                "staging_copy_s": w.read_copy_s if w is not None else 0.0,
+                "wait_s": self.prefill_readback_write_wait_s + (w.read_wait_s if w is not None else 0.0)}
 
     def _wait_compute_writes(self, sq: SequenceKV, layer: int) -> None:
         """Wait until the prefill writer's writes of ``layer``'s compute rows have landed.
@@ -499,7 +503,9 @@ class InplaceKVCache(KVCache):
         """
         futures, sq.compute_writes[layer] = sq.compute_writes[layer], []
         if futures:
+            t0 = time.perf_counter()
             wait(futures)
+            self.prefill_readback_write_wait_s += time.perf_counter() - t0
             for f in futures:
                 if f.exception() is not None:
                     raise f.exception()

@@ -50,7 +50,8 @@ class PrefillWriter:
         self._read_bufs: list[torch.Tensor] = []  # READ_BUFFERS more, for reads (made with the others)
         self._read_done: list = [None] * READ_BUFFERS  # per read buffer: a CUDA event after its last DMA
         self.read_stream = torch.cuda.Stream(self.device) if self.cuda else None
-        self.read_copy_s = 0.0  # the calling thread's seconds copying rows into the read buffers (and waiting for them), CUDA
+        self.read_copy_s = 0.0  # the calling thread's seconds copying rows into the read buffers, CUDA
+        self.read_wait_s = 0.0  # ... and waiting for a read buffer's last DMA before refilling it
         self._pool = ThreadPoolExecutor(1, "writescope-prefill-write", initializer=torch.set_num_threads, initargs=(threads,))
         self.copy_stream = torch.cuda.Stream(self.device) if self.cuda else None
 
@@ -142,10 +143,12 @@ class PrefillWriter:
                 t0 = time.perf_counter()
                 if self._read_done[b] is not None:
                     self._read_done[b].synchronize()  # its last DMA is done: the buffer may be refilled
+                t1 = time.perf_counter()
                 part = src[:, :, a : a + step]
                 stage = self._read_bufs[b][: part.numel()].view(part.shape)
                 stage.copy_(part)
-                self.read_copy_s += time.perf_counter() - t0
+                self.read_wait_s += t1 - t0
+                self.read_copy_s += time.perf_counter() - t1
                 out[:, :, a : a + step].copy_(stage, non_blocking=True)
                 self._read_done[b] = torch.cuda.Event(blocking=True)  # a refill sleeps, not spins, on it
                 self._read_done[b].record(rs)
