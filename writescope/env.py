@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import math
 import os
 
 
@@ -27,16 +28,7 @@ def env_int(name: str, low: int, high: int, use: str) -> int | None:
         ValueError: not such an integer, naming the variable and the value, then ``use`` (what to
             write instead, e.g. "use an integer from 1 to 64 (default 2)").
     """
-    raw = os.environ.get(name, "").strip()
-    if not raw:
-        return None
-    try:
-        value = int(raw)
-    except ValueError:
-        value = None
-    if value is None or not low <= value <= high:
-        raise ValueError(f"{name}={raw!r}: {use}")
-    return value
+    return _env_value(name, int, lambda v: low <= v <= high, use)
 
 
 def env_float(name: str, low: float, use: str) -> float | None:
@@ -47,15 +39,19 @@ def env_float(name: str, low: float, use: str) -> float | None:
         ValueError: not a number, below ``low``, NaN or infinite, naming the variable and the value,
             then ``use``.
     """
-    import math
+    return _env_value(name, float, lambda v: low <= v < math.inf, use)  # NaN fails the comparison
 
+
+def _env_value(name: str, convert, accept, use: str):
+    """``convert`` of the stripped value of ``name`` where ``accept`` takes it; None where unset or
+    empty; else ValueError naming the variable and the value, then ``use``."""
     raw = os.environ.get(name, "").strip()
     if not raw:
         return None
     try:
-        value = float(raw)
+        value = convert(raw)
     except ValueError:
-        value = math.nan
-    if not low <= value < math.inf:
+        raise ValueError(f"{name}={raw!r}: {use}") from None
+    if not accept(value):
         raise ValueError(f"{name}={raw!r}: {use}")
     return value

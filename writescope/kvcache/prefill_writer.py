@@ -18,6 +18,7 @@ from __future__ import annotations
 
 import time
 from concurrent.futures import Future, ThreadPoolExecutor, wait
+from contextlib import nullcontext
 
 import torch
 
@@ -50,7 +51,7 @@ class PrefillWriter:
         self._read_bufs: list[torch.Tensor] = []  # READ_BUFFERS more, for reads (made with the others)
         self._read_done: list = [None] * READ_BUFFERS  # per read buffer: a CUDA event after its last DMA
         self.read_stream = torch.cuda.Stream(self.device) if self.cuda else None
-        self.read_copy_s = 0.0  # the calling thread's seconds copying rows into the read buffers, CUDA
+        self.read_copy_s = 0.0  # the calling thread's seconds copying rows into the read buffers
         self.read_wait_s = 0.0  # ... and waiting for a read buffer's last DMA before refilling it
         self._pool = ThreadPoolExecutor(1, "writescope-prefill-write", initializer=torch.set_num_threads, initargs=(threads,))
         self.copy_stream = torch.cuda.Stream(self.device) if self.cuda else None
@@ -127,17 +128,9 @@ class PrefillWriter:
         per_token = src.shape[0] * src.shape[1] * src.shape[3]
         n = src.shape[2]
         step = max(1, self.numel // max(1, per_token))
-        if not self.cuda:
-            out = torch.empty(src.shape, dtype=src.dtype)
-            for i, a in enumerate(range(0, n, step)):
-                part = src[:, :, a : a + step]
-                stage = self._read_bufs[i % len(self._read_bufs)][: part.numel()].view(part.shape)
-                stage.copy_(part)
-                out[:, :, a : a + step].copy_(stage)
-            return out
-        cur, rs = torch.cuda.current_stream(self.device), self.read_stream
-        with torch.cuda.stream(rs):
-            out = torch.empty(src.shape, dtype=src.dtype, device=self.device)  # from the read stream's memory
+        cur, rs = (torch.cuda.current_stream(self.device), self.read_stream) if self.cuda else (None, None)
+        with torch.cuda.stream(rs) if self.cuda else nullcontext():
+            out = torch.empty(src.shape, dtype=src.dtype, device=self.device)  # on CUDA from the read stream's memory
             for i, a in enumerate(range(0, n, step)):
                 b = i % len(self._read_bufs)
                 t0 = time.perf_counter()
@@ -149,11 +142,13 @@ class PrefillWriter:
                 stage.copy_(part)
                 self.read_wait_s += t1 - t0
                 self.read_copy_s += time.perf_counter() - t1
-                out[:, :, a : a + step].copy_(stage, non_blocking=True)
-                self._read_done[b] = torch.cuda.Event(blocking=True)  # a refill sleeps, not spins, on it
-                self._read_done[b].record(rs)
-        cur.wait_stream(rs)
-        out.record_stream(cur)  # made on the read stream, used and freed on the current one
+                out[:, :, a : a + step].copy_(stage, non_blocking=self.cuda)
+                if self.cuda:
+                    self._read_done[b] = torch.cuda.Event(blocking=True)  # a refill sleeps, not spins, on it
+                    self._read_done[b].record(rs)
+        if self.cuda:
+            cur.wait_stream(rs)
+            out.record_stream(cur)  # made on the read stream, used and freed on the current one
         return out
 
     def flush(self) -> None:
