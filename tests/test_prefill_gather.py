@@ -52,11 +52,43 @@ def test_gather_on_cuda_reads_the_compute_rows_through_pinned_staging(policy):
     assert llm.cache._writer is not None and all(b.is_pinned() for b in llm.cache._writer._bufs + llm.cache._writer._read_bufs)
 
 
-def _check_gather(llm, policy: str, fake_clock: bool = False) -> None:
+@pytest.mark.parametrize("plan", ["compute-last", "compute-first"])
+def test_gather_past_the_prompt_plan(plan, monkeypatch):
+    """Blocks past the prompt are routed as decode routes them, so the regions alternate: each
+    run of blocks still lands in its positions (one copy per run, kvcache/sequence.py
+    ``block_runs``)."""
+    monkeypatch.setenv("WRITESCOPE_PROMPT_PLAN", plan)
+    llm = LLM("tiny-qwen3-moe", progress=False, policy="static:0.3", window=D)
+    runs = _check_gather(llm, "static:0.3", prompt_len=lambda n: min(n, 3 * D + 5))
+    assert max(runs) > 2  # the routing past the prompt alternated regions at least once
+
+
+def test_block_runs_cover_every_block_once():
+    from writescope.kvcache.sequence import block_runs
+
+    g = torch.Generator().manual_seed(3)
+    for _ in range(200):
+        regions = torch.randint(0, 2, (int(torch.randint(0, 40, (1,), generator=g)),), generator=g).tolist()
+        count, homes = [0, 0], []
+        for r in regions:
+            homes.append((r, count[r]))
+            count[r] += 1
+        runs = block_runs(homes)
+        back = [(region, first + i) for region, first, _, n in runs for i in range(n)]
+        assert back == homes
+        assert [start for _, _, start, _ in runs] == [sum(n for *_, n in runs[:i]) for i in range(len(runs))]
+        assert all(a[0] != b[0] for a, b in zip(runs, runs[1:]))  # dense indices: a run ends only where the region changes
+
+
+def _check_gather(llm, policy: str, fake_clock: bool = False, prompt_len=lambda n: n) -> list[int]:
+    """Write KV of odd lengths, then read each sequence back and compare with the block-by-block
+    read; returns each read sequence's count of block runs."""
+    from writescope.kvcache.sequence import block_runs
+
     cache, lay = llm.cache, llm.config.kv_layout
     g = torch.Generator().manual_seed(7)
     lens = [1, 15, 16, 17, 4097]
-    slots = [cache.allocate(n + 4, prompt_len=n) for n in lens]
+    slots = [cache.allocate(n + 4, prompt_len=prompt_len(n)) for n in lens]
     for slot, n in zip(slots, lens):
         for layer in range(llm.config.num_layers):
             for a in range(0, n, 1000):  # in chunks, as a chunked prefill writes
@@ -64,11 +96,12 @@ def _check_gather(llm, policy: str, fake_clock: bool = False) -> None:
                 k = torch.randn(e - a, lay.kv_heads, lay.k_dim, generator=g).to(cache.device, cache.spec.dtype)
                 v = None if lay.shared_kv else torch.randn(e - a, lay.kv_heads, lay.v_dim, generator=g).to(cache.device, cache.spec.dtype)
                 cache.write(slot, layer, k, v)
-    regions = set()
+    regions, runs = set(), []
     before, before_c = cache.prefill_readback_bytes, cache.prefill_readback_compute_bytes
     for slot, n in zip(slots, lens):
         sq = cache.sequence(slot)
         regions |= {r for r, _ in sq.homes}
+        runs.append(len(block_runs(sq.homes[: sq.placed[0] // D])))
         for layer in (0, llm.config.num_layers - 1):
             got = cache._gather(sq, layer)
             assert got.shape[2] == n
@@ -86,6 +119,7 @@ def _check_gather(llm, policy: str, fake_clock: bool = False) -> None:
         assert len(regions) == 2  # both regions, interleaved
     for s in slots:
         cache.free(s)
+    return runs
 
 
 def test_gather_waits_only_for_its_own_layers_writes(monkeypatch):

@@ -262,7 +262,7 @@ def make_harness():
 
 def prefill_plan(policy: PlacementPolicy, P: int, D: int) -> tuple[int, int, int]:
     """Expected (compute blocks, load blocks, window tokens) right after a P-token prefill
-    (policies.py: the first floor(r * P / D + 1/2) whole blocks to the compute region)."""
+    (policies.py: floor(r * P / D + 1/2) whole blocks to the compute region, by default the last)."""
     nb = P // D
     n_cpu = min(nb, math.floor(policy.cpu_share(P) * P / D + 0.5))
     if policy.max_cpu_share == 0:
@@ -318,7 +318,7 @@ def test_cpu_share_block_counts(make_harness, share, shape):
     h.prefill([slot], [SHARE_P])
     sq = h.seq(slot)
     assert counts(sq) == (n, 8 - n, 17)
-    assert [reg for reg, _ in sq.homes] == [COMPUTE] * n + [LOAD] * (8 - n)
+    assert [reg for reg, _ in sq.homes] == [LOAD] * (8 - n) + [COMPUTE] * n  # the default plan: compute blocks last
     for _ in range(3):
         h.decode([slot])
     assert counts(sq) == (n, 8 - n, 20)
@@ -548,10 +548,13 @@ CHUNKED = {
 }
 
 
+@pytest.mark.parametrize("plan", ["compute-last", "compute-first"])
 @pytest.mark.parametrize("case", list(CHUNKED), ids=list(CHUNKED))
-def test_chunked_prefill(make_harness, case):
+def test_chunked_prefill(make_harness, monkeypatch, case, plan):
     """A prompt prefilled in several calls (context_lens > 0): every chunk's outputs equal
-    causal attention over all earlier keys; the placement equals the one-pass plan; decode follows."""
+    causal attention over all earlier keys; the placement equals the one-pass plan under either
+    prompt plan (WRITESCOPE_PROMPT_PLAN); decode follows."""
+    monkeypatch.setenv("WRITESCOPE_PROMPT_PLAN", plan)
     D, prompts, chunks, expected = CHUNKED[case]
     h = make_harness(window=D, policy="static:0.5")
     slots = [h.allocate(p + 4, prompt_len=p) for p in prompts]
@@ -560,7 +563,8 @@ def test_chunked_prefill(make_harness, case):
     assert [counts(h.seq(s)) for s in slots] == expected
     for s, p in zip(slots, prompts):
         n_c, n_l, _ = prefill_plan(h.policy, p, D)
-        assert [reg for reg, _ in h.seq(s).homes] == [COMPUTE] * n_c + [LOAD] * n_l
+        order = [LOAD] * n_l + [COMPUTE] * n_c if plan == "compute-last" else [COMPUTE] * n_c + [LOAD] * n_l
+        assert [reg for reg, _ in h.seq(s).homes] == order
         h.assert_placement_exact(s)
     for _ in range(2):
         h.decode(slots)
@@ -620,11 +624,12 @@ def test_parse_policy_error_names_accepted_policies(text):
 
 def test_unknown_prompt_len_plans_from_first_write(make_harness):
     """allocate without prompt_len (0 = unknown): the first write is the prompt and follows the
-    prefill plan [C, C, L, L], not the decode rule's interleaving [C, L, C, L]."""
+    prefill plan ([L, L, C, C], compute blocks last by default; [C, C, L, L] compute-first), not
+    the decode rule's interleaving [C, L, C, L]."""
     h = make_harness(window=16, policy="static:0.5")
     slot = h.allocate(80)  # prompt_len = 0: unknown
     h.prefill([slot], [64])
-    assert [reg for reg, _ in h.seq(slot).homes] == [COMPUTE, COMPUTE, LOAD, LOAD]
+    assert [reg for reg, _ in h.seq(slot).homes] == [LOAD, LOAD, COMPUTE, COMPUTE]
     for _ in range(3):
         h.decode([slot])
 

@@ -30,7 +30,7 @@ from writescope.engine.threads import default_attention_threads
 from writescope.env import env_choice
 from writescope.kvcache import pinned as pinned_memory
 from writescope.kvcache.prefill_writer import PrefillWriter
-from writescope.kvcache.sequence import SequenceKV, load_blocks_reserved, pinned_staging_bytes
+from writescope.kvcache.sequence import SequenceKV, block_runs, load_blocks_reserved, pinned_staging_bytes
 from writescope.kvcache.spec import PartitionSpec
 from writescope.scheduler.placement import micro_batched
 from writescope.scheduler.policies import COMPUTE, PlacementPolicy
@@ -475,11 +475,20 @@ class InplaceKVCache(KVCache):
         n_l = len(homes) - n_c
         comp = self._read_compute(sq.compute[layer, :, :, : n_c * D]) if n_c else None
         load = self._read_load(sq, layer, n_l) if n_l else None  # [n_l, parts, Hkv, D, dim]
-        pieces = [comp[:, :, idx * D : (idx + 1) * D] if region == COMPUTE else load[idx] for region, idx in homes]
         self.prefill_readback_bytes += len(homes) * self.spec.block_bytes
         self.prefill_readback_compute_bytes += n_c * self.spec.block_bytes
-        pieces.append(sq.window[layer, :, :, : sq.win_len[layer]])
-        out = torch.cat(pieces, dim=2)
+        win = sq.window[layer, :, :, : sq.win_len[layer]]
+        parts, hkv, _, dim = win.shape
+        out = torch.empty(parts, hkv, len(homes) * D + win.shape[2], dim, dtype=win.dtype, device=win.device)
+        # one copy per run of blocks consecutive in both the sequence and their region (a prompt
+        # plan has two runs; one copy per block cost the issuing thread a slice per block)
+        for region, first, start, n in block_runs(homes):
+            dst = out[:, :, start * D : (start + n) * D]
+            if region == COMPUTE:
+                dst.copy_(comp[:, :, first * D : (first + n) * D])
+            else:  # [n, parts, Hkv, D, dim] blocks into [parts, Hkv, n * D, dim] positions
+                dst.view(parts, hkv, n, D, dim).copy_(load[first : first + n].permute(1, 2, 0, 3, 4))
+        out[:, :, len(homes) * D :].copy_(win)
         self.prefill_readback_host_s += time.perf_counter() - t0
         return out
 

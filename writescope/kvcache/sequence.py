@@ -253,3 +253,23 @@ def load_blocks_reserved(policy: PlacementPolicy, max_blocks: int) -> int:
     """Most load-region blocks a sequence of ``max_blocks`` whole blocks reserves under ``policy``
     (its largest load share, +2 for the rounding of the prefill plan and of decode routing)."""
     return 0 if policy.max_load_share == 0 else min(max_blocks, math.ceil(policy.max_load_share * max_blocks) + 2)
+
+
+def block_runs(homes: list[tuple[int, int]]) -> list[tuple[int, int, int, int]]:
+    """The runs of ``homes`` (each block's ``(region, index)``, in sequence order) whose blocks are
+    consecutive both in the sequence and in their region: ``(region, first index, first block,
+    blocks)`` each, in sequence order. A prompt plan gives two runs (its load blocks and its
+    compute blocks); decode's evictions, which alternate regions, one run per change.
+
+    >>> block_runs([(1, 0), (1, 1), (0, 0), (0, 1), (1, 2)])
+    [(1, 0, 0, 2), (0, 0, 2, 2), (1, 2, 4, 1)]
+    """
+    runs: list[tuple[int, int, int, int]] = []
+    for block, (region, idx) in enumerate(homes):
+        if runs:
+            r, first, start, n = runs[-1]
+            if r == region and first + n == idx:
+                runs[-1] = (r, first, start, n + 1)
+                continue
+        runs.append((region, idx, block, 1))
+    return runs
