@@ -424,6 +424,34 @@ def test_auto_splits_only_steps_whose_cpu_computes_no_host_experts():
     assert micro_batched(2, 16, 1) and not micro_batched(1, 16, None) and not micro_batched(2, 1, None)
 
 
+@pytest.mark.parametrize("whole_at", [4, 3])
+def test_auto_runs_whole_the_batch_sizes_the_policy_placed_for_whole_steps(whole_at, monkeypatch):
+    """``auto`` and a policy that placed 4-sequence batches for whole steps (roofline.py
+    ``WriteScopePolicy.whole_steps``: the micro-batched split did not pay there): the cache runs
+    those steps whole and still splits the other sizes; the logits are the same either way."""
+    from writescope.scheduler.policies import StaticPolicy
+
+    class Placed(StaticPolicy):
+        whole_steps = frozenset({whole_at})
+
+    monkeypatch.setenv("WRITESCOPE_MICRO_BATCHES", "auto")
+    llm = LLM("tiny-qwen3-moe", progress=False, policy="static:0.5", window=D)
+    llm.cache.policy = Placed(0.5, "static:0.5")
+    calls = []
+    real = llm.cache.decode_groups
+    monkeypatch.setattr(llm.cache, "decode_groups", lambda b: (lambda g: (calls.append(g), g)[1])(real(b)))
+    logits = _decode_logits(llm, _prompts(llm.config.vocab_size), 4)
+    decode_calls = calls[-4:]
+    assert len(PROMPT_LENS) == 4 and len(decode_calls) == 4
+    if whole_at == 4:
+        assert all(g is None for g in decode_calls)
+    else:
+        assert all(g is not None and len(g) == 2 for g in decode_calls)
+    monkeypatch.setenv("WRITESCOPE_MICRO_BATCHES", "1")
+    whole = LLM("tiny-qwen3-moe", progress=False, policy="static:0.5", window=D)
+    torch.testing.assert_close(logits, _decode_logits(whole, _prompts(whole.config.vocab_size), 4), atol=LOGIT_TOL, rtol=0)
+
+
 def test_auto_is_read_and_bad_values_name_it(monkeypatch):
     from writescope.kvcache.inplace import _micro_batches
 

@@ -222,6 +222,37 @@ def test_auto_keeps_o_out_of_the_balance_only_where_its_steps_split():
     assert _policy(Meter(), micro_batches="auto", batch=1).cpu_share(16 * PLACED) == pytest.approx(with_o, rel=1e-12)
 
 
+# the calibration of run 67's DSV2 4 x 32K rows (benchmarks/results/gpu_decode_h100_run67_variants_dsv2_4x32k.json)
+RUN67 = Roofline(a=2.1258e-08, b=2.1101e-08, c_cpu=4.9453e-04, c_gpu=7.5270e-04, b_alone=2.0473e-08, c_gpu_alone=5.7047e-04)
+
+
+def test_auto_falls_back_to_whole_steps_where_the_micro_batched_split_does_not_pay():
+    """Run 67, DSV2 4 x 32K (O 0.77 ms a layer, read over the link): the gate refuses the
+    micro-batched balance, so ``auto`` takes the whole-step share (O in the balance) and runs
+    that batch size whole (``splits_micro``); at 16 x 32K the micro-batched share pays and
+    stands. A later placement that pays micro-batched takes the batch size off again."""
+    meter = Meter(0.77e-3, 0.0)
+    L4 = 4 * PLACED
+    micro4 = roofline_share(L4, RUN67.a, RUN67.b, RUN67.c_cpu, RUN67.c_gpu)
+    two = _policy(meter, micro_batches=2, batch=4, roofline=RUN67)
+    assert micro4 > 0 and two.cpu_share(PLACED) == 0.0  # micro-batches always: the gate refuses its share
+    auto = _policy(meter, micro_batches="auto", batch=4, roofline=RUN67)
+    whole = _policy(meter, micro_batches=1, batch=4, roofline=RUN67).cpu_share(PLACED)
+    assert 0 < whole < micro4
+    assert auto.cpu_share(PLACED) == pytest.approx(whole, rel=1e-12)
+    assert auto.whole_steps == {4} and not auto.splits_micro(4) and auto.splits_micro(8)
+    auto.expect_batch(16)  # a larger batch: the micro-batched share pays there
+    assert auto.cpu_share(PLACED) == pytest.approx(roofline_share(16 * PLACED, RUN67.a, RUN67.b, RUN67.c_cpu, RUN67.c_gpu), rel=1e-12)
+    assert auto.whole_steps == {4} and auto.splits_micro(16)
+    auto.other = Meter(0.0, 0.0)  # no work outside attention: the micro-batched share pays at 4 too
+    auto.expect_batch(4)
+    assert auto.cpu_share(PLACED) == pytest.approx(micro4, rel=1e-12) and auto.whole_steps == set() and auto.splits_micro(4)
+    # where neither pays, r 0 and no fallback is kept; micro-batches 1 and 2 never keep one
+    nothing = _policy(Meter(50e-3, 0.0), micro_batches="auto", batch=4, roofline=RUN67)
+    assert nothing.cpu_share(64) == 0.0 and nothing.whole_steps == set()
+    assert two.whole_steps == set() and two.splits_micro(4) and not _policy(meter, batch=4, roofline=RUN67).splits_micro(4)
+
+
 def test_the_engine_sets_where_auto_splits_on_the_cache_and_the_policy(monkeypatch):
     """With about half of the experts in host memory and the CPU computing their decode work
     (``expert_stream_share=0``), every step from one token computes host experts: the engine tells

@@ -61,7 +61,10 @@ def micro_batched(micro_batches: int | str, batch: int, cpu_experts_from: int | 
     step at or above the threshold stays whole even where its halves alone would read their host
     experts in place. And where host experts are streamed or read in place over the link (none on
     the CPU), ``auto`` splits, so the experts both halves hit cross the link twice; run 65's DSV2
-    rows had few host experts (its budget kept most on the device), so that case is unmeasured."""
+    rows had few host experts (its budget kept most on the device), so that case is unmeasured.
+
+    A ``writescope`` policy may still run a batch size whole under ``auto`` where it placed it for
+    whole steps (roofline.py ``WriteScopePolicy.whole_steps``); the cache asks it after this rule."""
     if batch < 2:
         return False
     if micro_batches == "auto":

@@ -271,6 +271,9 @@ class WriteScopePolicy(PlacementPolicy):
         self.micro_batches: int | str = 1
         # with micro_batches auto: the cache's cpu_experts_from (the engine sets both; None: no step computes experts on the CPU)
         self.cpu_experts_from = None
+        # with micro_batches auto: batch sizes whose last placement found the micro-batched split
+        # not paying and whole steps paying (cpu_share); their decode steps run whole (splits_micro)
+        self.whole_steps: set[int] = set()
         # tokens of one layer the cache's ping-pong buffers hold: how far the link streams ahead
         # during O (link_in_other); None: not known, no cap
         self.prefetch_tokens = None
@@ -331,7 +334,15 @@ class WriteScopePolicy(PlacementPolicy):
 
         C_cpu is the tracked one (:meth:`observe`: the calibration's until a small CPU part
         teaches it). ``self.roofline`` itself is not changed (calibration reports and
-        :meth:`observe` read it)."""
+        :meth:`observe` read it).
+
+        Under ``WRITESCOPE_MICRO_BATCHES=auto`` a micro-batched share the gate refuses falls back
+        to the whole-step share where that one pays, and the batch size joins
+        :attr:`whole_steps`, so its decode steps run whole (:meth:`splits_micro`). The gate charges
+        O before the CPU part as in a whole step, which the halves partly hide; at DSV2 4 x 32K
+        (O 0.8 ms a layer) it refused the micro-batched balance's 0.55 and the row placed nothing on
+        the CPU: 84 ms a step, against 63-67 for whole steps at r 0.33 (run 67,
+        benchmarks/results/gpu_decode_h200.md)."""
         rf, L, a = self.roofline, placed_tokens * self.batch, self.a.value
         if self.c.value != rf.c_cpu:  # the tracked C_cpu (the roofline itself is left as calibrated)
             rf = replace(rf, c_cpu=self.c.value)
@@ -345,7 +356,23 @@ class WriteScopePolicy(PlacementPolicy):
         o = self.other.seconds(self.batch, path) if self.other is not None and X <= 0 else None
         o_link = self.other.link(self.batch) if o is not None else 0.0
         # O in the balance where the step is not split into micro-batches (as InplaceKVCache.decode_groups splits)
-        balance_o = o is not None and not micro_batched(self.micro_batches, self.batch, self.cpu_experts_from)
+        micro = micro_batched(self.micro_batches, self.batch, self.cpu_experts_from)
+        r = self._share(L, a, rf, X, o, o_link, whole=not micro)
+        if self.micro_batches == "auto" and micro and o is not None and X <= 0:
+            # auto: where the micro-batched split does not pay, whole steps may (kept per batch size
+            # for decode_groups, which then runs this batch's steps whole)
+            if r > 0:
+                self.whole_steps.discard(self.batch)
+            else:
+                r = self._share(L, a, rf, X, o, o_link, whole=True)
+                (self.whole_steps.add if r > 0 else self.whole_steps.discard)(self.batch)
+        return r
+
+    def _share(self, L: float, a: float, rf: Roofline, X: float, o: float | None, o_link: float, whole: bool) -> float:
+        """:meth:`cpu_share`'s r for ``L`` batch tokens, gated (0 where the split is not predicted
+        faster than streaming alone): O in the balance where ``whole`` (a step not split into
+        micro-batches), with the link side's fixed cost capped as :meth:`cpu_share` says."""
+        balance_o = o is not None and whole
         fixed = link_fixed_from_env() if balance_o else None
         if balance_o:  # the link side's fixed cost inside a whole-model step (LINK_FIXED), for the balance and the gate
             rf = replace(rf, c_gpu=min(rf.c_gpu, LINK_FIXED) if fixed is None else fixed)
@@ -358,6 +385,13 @@ class WriteScopePolicy(PlacementPolicy):
         if o is None:
             return r if split_pays(L, r, a, rf) else 0.0
         return r if split_pays(L, r, a, rf, o, o_link, self.prefetch_tokens, fixed or 0.0) else 0.0
+
+    def splits_micro(self, batch: int) -> bool:
+        """Whether decode steps of ``batch`` sequences run as two micro-batches: the rule of
+        scheduler/placement.py :func:`micro_batched`, less the batch sizes in :attr:`whole_steps`
+        (``auto`` only)."""
+        return micro_batched(self.micro_batches, batch, self.cpu_experts_from) and not (
+            self.micro_batches == "auto" and batch in self.whole_steps)
 
     def _track_c(self, batch: int) -> None:
         """Track C_cpu at ``batch``: a new batch size starts from the C_cpu the meter kept for it,
