@@ -425,14 +425,19 @@ def test_auto_splits_only_steps_whose_cpu_computes_no_host_experts():
 
 
 @pytest.mark.parametrize("whole_at", [4, 3])
-def test_auto_runs_whole_the_batch_sizes_the_policy_placed_for_whole_steps(whole_at, monkeypatch):
-    """``auto`` and a policy that placed 4-sequence batches for whole steps (roofline.py
-    ``WriteScopePolicy.whole_steps``: the micro-batched split did not pay there): the cache runs
-    those steps whole and still splits the other sizes; the logits are the same either way."""
+def test_auto_runs_whole_the_steps_the_policy_finds_whole_steps_pay_for(whole_at, monkeypatch):
+    """``auto`` and a policy that finds whole steps paying at 4 sequences and the two-half split
+    not (roofline.py ``WriteScopePolicy.splits_micro``): the cache runs those steps whole, asking
+    with the batch's mean placed tokens, and still splits the other sizes; the logits are the
+    same either way."""
     from writescope.scheduler.policies import StaticPolicy
 
+    asked = []
+
     class Placed(StaticPolicy):
-        whole_steps = frozenset({whole_at})
+        def splits_micro(self, batch, placed_tokens):
+            asked.append((batch, placed_tokens))
+            return batch != whole_at
 
     monkeypatch.setenv("WRITESCOPE_MICRO_BATCHES", "auto")
     llm = LLM("tiny-qwen3-moe", progress=False, policy="static:0.5", window=D)
@@ -443,6 +448,8 @@ def test_auto_runs_whole_the_batch_sizes_the_policy_placed_for_whole_steps(whole
     logits = _decode_logits(llm, _prompts(llm.config.vocab_size), 4)
     decode_calls = calls[-4:]
     assert len(PROMPT_LENS) == 4 and len(decode_calls) == 4
+    placed = sum(n // D * D for n in PROMPT_LENS) // 4  # the prompts' whole blocks; the first steps place none more
+    assert asked[0] == (4, placed)
     if whole_at == 4:
         assert all(g is None for g in decode_calls)
     else:

@@ -124,7 +124,7 @@ def test_routing_tracks_the_share_and_plans_prefill_compute_first(r):
     policy, Dw, P = StaticPolicy(r), 16, 16 * 10 + 5
     homes, n_c = [], 0
     for j in range(200):  # 10 prefill blocks, then 190 decode evictions
-        region = route_block(policy, j, P, Dw, n_c)
+        region = route_block(policy, j, P, Dw, n_c, compute_last=False)
         homes.append(region)
         n_c += region == COMPUTE
         if j >= 9:  # from the end of the prefill on, the placed CPU share stays within one block of r
@@ -143,8 +143,9 @@ def test_compute_last_plans_the_same_blocks_at_the_other_end(r):
     from writescope.scheduler.policies import COMPUTE, StaticPolicy, route_block
 
     policy, Dw, P = StaticPolicy(r), 16, 16 * 10 + 5
-    first = [route_block(policy, j, P, Dw, 0) for j in range(10)]
+    first = [route_block(policy, j, P, Dw, 0, compute_last=False) for j in range(10)]
     last = [route_block(policy, j, P, Dw, 0, compute_last=True) for j in range(10)]
+    assert [route_block(policy, j, P, Dw, 0) for j in range(10)] == last  # the default: compute blocks last
     assert last.count(COMPUTE) == first.count(COMPUTE)
     assert last == sorted(last, reverse=True), f"compute blocks not last: {last}"
     for n_c in range(12):

@@ -228,9 +228,9 @@ RUN67 = Roofline(a=2.1258e-08, b=2.1101e-08, c_cpu=4.9453e-04, c_gpu=7.5270e-04,
 
 def test_auto_falls_back_to_whole_steps_where_the_micro_batched_split_does_not_pay():
     """Run 67, DSV2 4 x 32K (O 0.77 ms a layer, read over the link): the gate refuses the
-    micro-batched balance, so ``auto`` takes the whole-step share (O in the balance) and runs
-    that batch size whole (``splits_micro``); at 16 x 32K the micro-batched share pays and
-    stands. A later placement that pays micro-batched takes the batch size off again."""
+    micro-batched balance, so ``auto`` takes the whole-step share (O in the balance) and such a
+    step runs whole (``splits_micro``); at 16 x 32K the micro-batched share pays and stands. The
+    decision is made from the arguments alone each time: asking changes nothing."""
     meter = Meter(0.77e-3, 0.0)
     L4 = 4 * PLACED
     micro4 = roofline_share(L4, RUN67.a, RUN67.b, RUN67.c_cpu, RUN67.c_gpu)
@@ -240,17 +240,18 @@ def test_auto_falls_back_to_whole_steps_where_the_micro_batched_split_does_not_p
     whole = _policy(meter, micro_batches=1, batch=4, roofline=RUN67).cpu_share(PLACED)
     assert 0 < whole < micro4
     assert auto.cpu_share(PLACED) == pytest.approx(whole, rel=1e-12)
-    assert auto.whole_steps == {4} and not auto.splits_micro(4) and auto.splits_micro(8)
+    assert not auto.splits_micro(4, PLACED) and auto.splits_micro(16, PLACED)
+    assert auto.cpu_share(64) == 0.0 and not auto.splits_micro(4, PLACED)  # a short placement asked in between changes nothing
     auto.expect_batch(16)  # a larger batch: the micro-batched share pays there
     assert auto.cpu_share(PLACED) == pytest.approx(roofline_share(16 * PLACED, RUN67.a, RUN67.b, RUN67.c_cpu, RUN67.c_gpu), rel=1e-12)
-    assert auto.whole_steps == {4} and auto.splits_micro(16)
+    assert auto.splits_micro(16, PLACED) and not auto.splits_micro(4, PLACED)
     auto.other = Meter(0.0, 0.0)  # no work outside attention: the micro-batched share pays at 4 too
     auto.expect_batch(4)
-    assert auto.cpu_share(PLACED) == pytest.approx(micro4, rel=1e-12) and auto.whole_steps == set() and auto.splits_micro(4)
-    # where neither pays, r 0 and no fallback is kept; micro-batches 1 and 2 never keep one
+    assert auto.cpu_share(PLACED) == pytest.approx(micro4, rel=1e-12) and auto.splits_micro(4, PLACED)
+    # where neither pays: r 0, and the configured rule stands (auto splits); 1 and 2 never fall back
     nothing = _policy(Meter(50e-3, 0.0), micro_batches="auto", batch=4, roofline=RUN67)
-    assert nothing.cpu_share(64) == 0.0 and nothing.whole_steps == set()
-    assert two.whole_steps == set() and two.splits_micro(4) and not _policy(meter, batch=4, roofline=RUN67).splits_micro(4)
+    assert nothing.cpu_share(64) == 0.0 and nothing.splits_micro(4, 64)
+    assert two.splits_micro(4, PLACED) and not _policy(meter, batch=4, roofline=RUN67).splits_micro(4, PLACED)
 
 
 def test_the_engine_sets_where_auto_splits_on_the_cache_and_the_policy(monkeypatch):

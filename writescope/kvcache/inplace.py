@@ -228,19 +228,22 @@ class InplaceKVCache(KVCache):
         """Two micro-batches when this decode pass has a CPU part and at least two sequences and
         ``micro_batches`` is 2 (``WRITESCOPE_MICRO_BATCHES``; the default 1: never), or ``auto`` and
         the pass has fewer tokens than :attr:`cpu_experts_from` (None: every pass; scheduler/placement.py
-        :func:`micro_batched`) and the policy did not place this batch size for whole steps
-        (``WriteScopePolicy.whole_steps``), else None. The split point balances the compute-region tokens the
-        CPU attends in each half."""
+        :func:`micro_batched`) and the policy does not find whole steps paying where two halves
+        do not (``WriteScopePolicy.splits_micro``, at the batch's mean placed tokens), else None.
+        The split point balances the compute-region tokens the CPU attends in each half."""
         self._step_batch = 0
         self.decoder.grouped = False
         if not micro_batched(self.micro_batches, len(batch.slots), self.cpu_experts_from) or any(n != 1 for n in batch.query_lens):
             return None
-        if self.micro_batches == "auto" and len(batch.slots) in getattr(self.policy, "whole_steps", ()):
-            return None  # the policy placed this batch for whole steps (roofline.py WriteScopePolicy.splits_micro)
         cpu = [self._seqs[s].n_comp[0] for s in batch.slots]  # every layer places block j in the same region
         total = sum(cpu)
         if total == 0:
             return None
+        splits = getattr(self.policy, "splits_micro", None)
+        if self.micro_batches == "auto" and splits is not None:
+            placed = sum(self._seqs[s].placed[0] for s in batch.slots) // len(batch.slots)
+            if not splits(len(batch.slots), placed):
+                return None  # the policy finds whole steps paying here, the two-half split not
         best, acc, B = None, 0, len(cpu)
         for cut in range(1, B):
             acc += cpu[cut - 1]

@@ -63,8 +63,9 @@ def micro_batched(micro_batches: int | str, batch: int, cpu_experts_from: int | 
     the CPU), ``auto`` splits, so the experts both halves hit cross the link twice; run 65's DSV2
     rows had few host experts (its budget kept most on the device), so that case is unmeasured.
 
-    A ``writescope`` policy may still run a batch size whole under ``auto`` where it placed it for
-    whole steps (roofline.py ``WriteScopePolicy.whole_steps``); the cache asks it after this rule."""
+    Under ``auto`` a ``writescope`` policy may still have a step run whole where its two-half split
+    does not pay and the whole-step one does (roofline.py ``WriteScopePolicy.splits_micro``); the
+    cache asks it after this rule."""
     if batch < 2:
         return False
     if micro_batches == "auto":

@@ -152,7 +152,7 @@ def compute_last_from_env() -> bool:
     return env_choice(PROMPT_PLAN_ENV, ("compute-last", "compute-first")) == "compute-last"
 
 
-def route_block(policy: PlacementPolicy, block: int, prompt_len: int, window: int, n_compute: int, compute_last: bool = False) -> int:
+def route_block(policy: PlacementPolicy, block: int, prompt_len: int, window: int, n_compute: int, compute_last: bool | None = None) -> int:
     """Region (COMPUTE or LOAD) of block ``block`` (tokens ``block*D .. block*D + D - 1``).
 
     Args:
@@ -161,11 +161,14 @@ def route_block(policy: PlacementPolicy, block: int, prompt_len: int, window: in
         prompt_len: tokens of the prompt P; blocks below ``P // D`` follow the prefill plan.
         window: D, tokens per block.
         n_compute: blocks of this sequence already in the compute region.
-        compute_last: the prompt's compute-region blocks are its last whole blocks, not its first
-            (:func:`compute_last_from_env`); decode's blocks are routed alike either way.
+        compute_last: the prompt's compute-region blocks are its last whole blocks, not its first;
+            None: as :func:`compute_last_from_env` says (the default: last). Decode's blocks are
+            routed alike either way.
     """
     prompt_blocks = prompt_len // window
     if block < prompt_blocks:
+        if compute_last is None:
+            compute_last = compute_last_from_env()
         n_cpu = min(prompt_blocks, math.floor(policy.cpu_share(prompt_len) * prompt_len / window + 0.5))  # halves up, as below
         if compute_last:
             return COMPUTE if block >= prompt_blocks - n_cpu else LOAD

@@ -271,9 +271,6 @@ class WriteScopePolicy(PlacementPolicy):
         self.micro_batches: int | str = 1
         # with micro_batches auto: the cache's cpu_experts_from (the engine sets both; None: no step computes experts on the CPU)
         self.cpu_experts_from = None
-        # with micro_batches auto: batch sizes whose last placement found the micro-batched split
-        # not paying and whole steps paying (cpu_share); their decode steps run whole (splits_micro)
-        self.whole_steps: set[int] = set()
         # tokens of one layer the cache's ping-pong buffers hold: how far the link streams ahead
         # during O (link_in_other); None: not known, no cap
         self.prefetch_tokens = None
@@ -337,36 +334,47 @@ class WriteScopePolicy(PlacementPolicy):
         :meth:`observe` read it).
 
         Under ``WRITESCOPE_MICRO_BATCHES=auto`` a micro-batched share the gate refuses falls back
-        to the whole-step share where that one pays, and the batch size joins
-        :attr:`whole_steps`, so its decode steps run whole (:meth:`splits_micro`). The gate charges
+        to the whole-step share where that one pays, and the cache runs such steps whole
+        (:meth:`splits_micro`, asked at each step with the batch's mean placed tokens). The gate charges
         O before the CPU part as in a whole step, which the halves partly hide; at DSV2 4 x 32K
         (O 0.8 ms a layer) it refused the micro-batched balance's 0.55 and the row placed nothing on
         the CPU: 84 ms a step, against 63-67 for whole steps at r 0.33 (run 67,
         benchmarks/results/gpu_decode_h200.md)."""
-        rf, L, a = self.roofline, placed_tokens * self.batch, self.a.value
+        r, _ = self._placement(placed_tokens, self.batch)
+        return r
+
+    def splits_micro(self, batch: int, placed_tokens: int) -> bool:
+        """Whether a decode step of ``batch`` sequences with ``placed_tokens`` placed tokens each
+        (their mean) runs as two micro-batches: the rule of scheduler/placement.py
+        :func:`micro_batched`, except that under ``auto`` a step whose micro-batched split the
+        gate refuses while the whole-step one pays runs whole (see :meth:`cpu_share`). Decided
+        from the estimates as they are at the step; nothing is kept."""
+        return self._placement(placed_tokens, batch)[1]
+
+    def _placement(self, placed_tokens: int, batch: int) -> tuple[float, bool]:
+        """(r, micro-batched) for ``placed_tokens`` per sequence at ``batch`` sequences, without
+        changing the policy (the batch the estimates track is the caller's)."""
+        rf, L, a = self.roofline, placed_tokens * batch, self.a.value
         if self.c.value != rf.c_cpu:  # the tracked C_cpu (the roofline itself is left as calibrated)
             rf = replace(rf, c_cpu=self.c.value)
-        X = self.experts.expected_bytes(self.batch) if self.experts is not None else 0.0
+        X = self.experts.expected_bytes(batch) if self.experts is not None else 0.0
         # O where no per-step expert split runs (with one, the joint model sets r and O was measured
         # under other policies' expert path: attach_expert_work attaches the split for writescope only),
         # under the expert path this placement is expected to take (else the last step's at this batch)
         path = None
         if self.experts is not None and self.other is not None and X <= 0:
-            path = expert_path(self.experts.expected_link_share(self.batch, L))
-        o = self.other.seconds(self.batch, path) if self.other is not None and X <= 0 else None
-        o_link = self.other.link(self.batch) if o is not None else 0.0
+            path = expert_path(self.experts.expected_link_share(batch, L))
+        o = self.other.seconds(batch, path) if self.other is not None and X <= 0 else None
+        o_link = self.other.link(batch) if o is not None else 0.0
         # O in the balance where the step is not split into micro-batches (as InplaceKVCache.decode_groups splits)
-        micro = micro_batched(self.micro_batches, self.batch, self.cpu_experts_from)
+        micro = micro_batched(self.micro_batches, batch, self.cpu_experts_from)
         r = self._share(L, a, rf, X, o, o_link, whole=not micro)
-        if self.micro_batches == "auto" and micro and o is not None and X <= 0:
-            # auto: where the micro-batched split does not pay, whole steps may (kept per batch size
-            # for decode_groups, which then runs this batch's steps whole)
-            if r > 0:
-                self.whole_steps.discard(self.batch)
-            else:
-                r = self._share(L, a, rf, X, o, o_link, whole=True)
-                (self.whole_steps.add if r > 0 else self.whole_steps.discard)(self.batch)
-        return r
+        if self.micro_batches == "auto" and micro and o is not None and X <= 0 and r <= 0:
+            # auto: where the micro-batched split does not pay, whole steps may
+            whole = self._share(L, a, rf, X, o, o_link, whole=True)
+            if whole > 0:
+                return whole, False
+        return r, micro
 
     def _share(self, L: float, a: float, rf: Roofline, X: float, o: float | None, o_link: float, whole: bool) -> float:
         """:meth:`cpu_share`'s r for ``L`` batch tokens, gated (0 where the split is not predicted
@@ -385,13 +393,6 @@ class WriteScopePolicy(PlacementPolicy):
         if o is None:
             return r if split_pays(L, r, a, rf) else 0.0
         return r if split_pays(L, r, a, rf, o, o_link, self.prefetch_tokens, fixed or 0.0) else 0.0
-
-    def splits_micro(self, batch: int) -> bool:
-        """Whether decode steps of ``batch`` sequences run as two micro-batches: the rule of
-        scheduler/placement.py :func:`micro_batched`, less the batch sizes in :attr:`whole_steps`
-        (``auto`` only)."""
-        return micro_batched(self.micro_batches, batch, self.cpu_experts_from) and not (
-            self.micro_batches == "auto" and batch in self.whole_steps)
 
     def _track_c(self, batch: int) -> None:
         """Track C_cpu at ``batch``: a new batch size starts from the C_cpu the meter kept for it,
