@@ -299,3 +299,36 @@ def test_the_timings_show_the_read_back():
     cpu = format_timings(outs, "static:0.5", None, None, {"bytes": 5e6, "compute_bytes": 0, "host_s": 0.002, "staging_copy_s": 0.0, "wait_s": 0.0})
     assert "5.0 MB (0.0 MB compute rows); issuing thread 2.0 ms in it\n" in cpu + "\n"
     assert "read-back" not in format_timings(outs, "gpu", None, None, {"bytes": 0, "compute_bytes": 0, "host_s": 0.0, "staging_copy_s": 0.0, "wait_s": 0.0})
+
+
+@pytest.mark.parametrize("policy", ["static:0.5", "gpu", "cpu"])
+def test_allocation_counts_the_load_blocks_reserved_and_the_compute_rows_committed(policy):
+    """``InplaceKVCache.kv_allocation``: each allocated prompt's plan, its load blocks reserved and
+    its compute rows faulted in at allocate, in bytes (and seconds); generate's timings show it."""
+    from types import SimpleNamespace
+
+    from writescope.cli.generate import format_timings
+    from writescope.scheduler.policies import LOAD
+
+    llm = LLM("tiny-deepseek-v2", progress=False, policy=policy, window=D)
+    cache = llm.cache
+    assert cache.kv_allocation() == {"sequences": 0, "host_s": 0.0, "reserve_s": 0.0, "reserve_bytes": 0, "commit_s": 0.0, "commit_bytes": 0}
+    lens = [5 * D + 3, 17, 1]
+    slots = [cache.allocate(n + 4, prompt_len=n) for n in lens]
+    a = cache.kv_allocation()
+    assert a["sequences"] == 3 and a["host_s"] >= a["reserve_s"] + a["commit_s"] >= 0
+    plans = [cache.sequence(s).prompt_plan() for s in slots]
+    n_c = sum(p.count(COMPUTE) for p in plans)
+    assert a["commit_bytes"] == n_c * cache.spec.block_bytes * llm.config.num_layers  # exactly the plans' compute rows, all layers
+    reserved = sum(s.tensor.numel() * s.tensor.element_size() for q in slots for s in cache.sequence(q).slabs)
+    assert a["reserve_bytes"] == reserved >= sum(p.count(LOAD) for p in plans) * cache.spec.block_bytes * llm.config.num_layers
+    assert (a["commit_bytes"] > 0) == (policy != "gpu") and (a["reserve_bytes"] > 0) == (policy != "cpu")
+    m = SimpleNamespace(prefill_tok_s=1.0, ttft_s=1.0, tpot_s=0.01, decode_tok_s=100.0, peak_memory_bytes=0)
+    outs = [SimpleNamespace(metrics=SimpleNamespace(**vars(m), prompt_tokens=10), kv_placement=None)]
+    text = format_timings(outs, policy, None, None, None, {**a, "host_s": 2.5, "commit_s": 2.0, "reserve_s": 0.25,
+                                                           "commit_bytes": 8e9, "reserve_bytes": 2e6})
+    assert ("KV allocation (the issuing thread, in TTFT)  3 sequences in 2.5 s: 2.0 MB of load blocks reserved in "
+            "250.0 ms, 8.0 GB of compute rows committed in 2.0 s") in text
+    assert "KV allocation" not in format_timings(outs, policy, None, None, None, {**a, "sequences": 0})
+    for s in slots:
+        cache.free(s)

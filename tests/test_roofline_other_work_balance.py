@@ -252,6 +252,16 @@ def test_auto_falls_back_to_whole_steps_where_the_micro_batched_split_does_not_p
     nothing = _policy(Meter(50e-3, 0.0), micro_batches="auto", batch=4, roofline=RUN67)
     assert nothing.cpu_share(64) == 0.0 and nothing.splits_micro(4, 64)
     assert two.splits_micro(4, PLACED) and not _policy(meter, batch=4, roofline=RUN67).splits_micro(4, PLACED)
+    # asked at another batch than the one it tracks C_cpu at, it takes that batch's (here the
+    # calibration's), not its own tracked one: as a policy at that batch would decide
+    tracking = _policy(meter, micro_batches="auto", batch=16, roofline=RUN67)
+    tracking.c = OnlineEstimate(0.25 * RUN67.c_cpu)
+    fresh = _policy(meter, micro_batches="auto", batch=4, roofline=RUN67)
+    low = _policy(meter, micro_batches="auto", batch=4, roofline=RUN67)
+    low.c = OnlineEstimate(0.25 * RUN67.c_cpu)  # at its own batch the tracked C_cpu counts
+    lengths = range(1024, 40960, 512)
+    assert any(low.splits_micro(4, L) != fresh.splits_micro(4, L) for L in lengths)  # C_cpu decides somewhere here
+    assert [tracking.splits_micro(4, L) for L in lengths] == [fresh.splits_micro(4, L) for L in lengths]
 
 
 def test_the_engine_sets_where_auto_splits_on_the_cache_and_the_policy(monkeypatch):

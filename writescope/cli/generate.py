@@ -225,7 +225,8 @@ def run(args: argparse.Namespace) -> int:
         if args.batch != 1 or args.quiet:
             print(o.text)
     readback = llm.cache.prefill_readback() if hasattr(llm.cache, "prefill_readback") else None
-    print("\n" + format_timings(outs, llm.policy_name, llm.cpu_attention, llm.decode_host, readback))
+    allocation = llm.cache.kv_allocation() if hasattr(llm.cache, "kv_allocation") else None
+    print("\n" + format_timings(outs, llm.policy_name, llm.cpu_attention, llm.decode_host, readback, allocation))
     busy = competition.note_or(busy, BUSY_REMEDY)
     if busy is not None:
         print(busy)
@@ -234,7 +235,7 @@ def run(args: argparse.Namespace) -> int:
     if args.output_json:
         doc = {"model": args.model, "device": str(llm.device), "dtype": str(llm.dtype), "policy": llm.policy_name,
                "r_trace": llm.r_trace, "decode_host_s": [list(x) for x in llm.decode_host], "prefill_readback": readback,
-               "decode_between_s": list(llm.decode_between), "requests": [o.to_dict() for o in outs]}
+               "kv_allocation": allocation, "decode_between_s": list(llm.decode_between), "requests": [o.to_dict() for o in outs]}
         args.output_json.write_text(json.dumps(doc, indent=2))
         print(f"wrote {args.output_json}")
     return 0
@@ -257,12 +258,15 @@ def format_r_trace(trace: list[dict], lines: int = 8) -> str:
             "today's target)\n" + "\n".join(rows))
 
 
-def format_timings(outs, policy: str = "resident", cpu_attention: str | None = None, decode_host=None, readback=None) -> str:
+def format_timings(outs, policy: str = "resident", cpu_attention: str | None = None, decode_host=None, readback=None,
+                   allocation=None) -> str:
     """The timings table; ``decode_host``: the main thread's (issue, wait) seconds per decode step
     (:class:`~writescope.engine.runner.EngineCore`), shown as medians. Issuing includes any host
     wait inside the step (host experts read their routing back); without one, a step whose wait
     is near 0 was bound by the thread issuing it, not by the device. ``readback``: chunked
-    prefill's read-back (``InplaceKVCache.prefill_readback``), shown where anything was read."""
+    prefill's read-back (``InplaceKVCache.prefill_readback``), shown where anything was read.
+    ``allocation``: the KV allocation's up-front host work (``InplaceKVCache.kv_allocation``),
+    shown where a sequence was allocated."""
     m = outs[0].metrics
     tpots = sorted(o.metrics.tpot_s for o in outs)
     rows = [
@@ -278,12 +282,18 @@ def format_timings(outs, policy: str = "resident", cpu_attention: str | None = N
     if decode_host:
         issue, wait = (sorted(x[i] for x in decode_host)[len(decode_host) // 2] * 1e3 for i in (0, 1))
         rows.insert(6, ("decode step, main thread (median)", f"issuing {issue:,.2f} ms, then waiting {wait:,.2f} ms"))
-    if readback and readback["bytes"]:
-        def size(b):
-            return f"{b / 1e9:,.1f} GB" if b >= 1e9 else f"{b / 1e6:,.1f} MB"
+    def size(b):
+        return f"{b / 1e9:,.1f} GB" if b >= 1e9 else f"{b / 1e6:,.1f} MB"
 
-        def secs(t):
-            return f"{t:,.1f} s" if t >= 1 else f"{t * 1e3:,.1f} ms"
+    def secs(t):
+        return f"{t:,.1f} s" if t >= 1 else f"{t * 1e3:,.1f} ms"
+
+    if allocation and allocation["sequences"]:  # before the read-back row (inserted at 4 below, so it lands after)
+        rows.insert(4, ("KV allocation (the issuing thread, in TTFT)",
+                        f"{allocation['sequences']} sequences in {secs(allocation['host_s'])}: "
+                        f"{size(allocation['reserve_bytes'])} of load blocks reserved in {secs(allocation['reserve_s'])}, "
+                        f"{size(allocation['commit_bytes'])} of compute rows committed in {secs(allocation['commit_s'])}"))
+    if readback and readback["bytes"]:
 
         parts = [f"{secs(readback['staging_copy_s'])} copying compute rows to pinned staging"] if readback["staging_copy_s"] else []
         if readback.get("wait_s"):

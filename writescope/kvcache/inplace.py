@@ -67,6 +67,8 @@ class InplaceKVCache(KVCache):
         self.prefill_readback_compute_bytes = 0  # of those, compute rows (through the prefill writer's pinned staging on CUDA)
         self.prefill_readback_host_s = 0.0  # the issuing thread's seconds in the read-back (host time: no device wait added)
         self.prefill_readback_write_wait_s = 0.0  # of those, waiting for the layer's compute-row writes to land
+        # allocation's up-front host work, summed over sequences (kv_allocation)
+        self._allocation = {"sequences": 0, "host_s": 0.0, "reserve_s": 0.0, "reserve_bytes": 0, "commit_s": 0.0, "commit_bytes": 0}
         self.evicted_blocks = 0
         self._writer: PrefillWriter | None = None  # prefill writes to the compute region (made on first use)
         self._load_read_stream = None  # chunked prefill's read-back of the load region (CUDA, made on first use)
@@ -82,6 +84,7 @@ class InplaceKVCache(KVCache):
     def allocate(self, capacity: int, prompt_len: int = 0) -> int:
         if capacity < 1:
             raise ValueError(f"KV capacity must be at least 1 token, got {capacity}")
+        t0 = time.perf_counter()
         try:
             seq = SequenceKV(self.spec, capacity, prompt_len, self.policy, self.device, pin=self.cuda)
         except torch.OutOfMemoryError:
@@ -103,7 +106,20 @@ class InplaceKVCache(KVCache):
         slot = self._next_slot
         self._next_slot += 1
         self._seqs[slot] = seq
+        a = self._allocation
+        a["sequences"] += 1
+        a["host_s"] += time.perf_counter() - t0
+        for k in ("reserve_s", "reserve_bytes", "commit_s", "commit_bytes"):
+            a[k] += getattr(seq, k)
         return slot
+
+    def kv_allocation(self) -> dict:
+        """Allocation's up-front host work so far, on the thread that allocated (the issuing one in
+        the engine): ``sequences``; ``host_s`` in all; of it ``reserve_s`` making the prompt plans'
+        load blocks (``reserve_bytes``; page-locked on CUDA) and ``commit_s`` faulting in their
+        compute rows (``commit_bytes``; kvcache/sequence.py, so that a shortfall shows at
+        allocate and not mid-prefill). Seconds are host time."""
+        return dict(self._allocation)
 
     def warm_up(self, q_heads: int) -> None:
         """Compile the decode kernels for ``q_heads`` query heads now (the first decode step then

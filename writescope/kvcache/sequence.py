@@ -16,6 +16,7 @@ places its block j at the same home. Nothing placed ever moves.
 from __future__ import annotations
 
 import math
+import time
 from dataclasses import dataclass
 
 import torch
@@ -77,14 +78,24 @@ class SequenceKV:
         self.load_written: list[object | None] = [None] * L  # CUDA event after the latest write into the layer's load blocks
         self.compute_writes: list[list] = [[] for _ in range(L)]  # the prefill writer's futures for the layer's compute rows
         self._prompt_plan: list[int] | None = None  # regions of the prompt's whole blocks, decided once
+        # what allocation did up front (seconds, bytes): the load blocks reserved (page-locked on
+        # CUDA) and the compute rows committed; the cache sums them (InplaceKVCache.kv_allocation)
+        self.reserve_s = self.commit_s = 0.0
+        self.reserve_bytes = self.commit_bytes = 0
         if prompt_len > 0:  # reserve the prefill plan's load blocks now, so a shortfall shows at allocate
             plan = self.prompt_plan()
             if LOAD in plan:
+                t0 = time.perf_counter()
                 self._reserve_load(plan.count(LOAD))
+                self.reserve_s = time.perf_counter() - t0
+                self.reserve_bytes = sum(slab.tensor.numel() for slab in self.slabs) * spec.dtype.itemsize
             if COMPUTE in plan:  # fault in (commit) the prompt's compute rows now, not during prefill
+                t0 = time.perf_counter()
                 rows = self.compute[:, :, :, : plan.count(COMPUTE) * D]
                 pinned.POOL.make_room(rows.numel() * rows.element_size())  # pageable: idle pinned buffers go first if short
                 rows.zero_()
+                self.commit_s = time.perf_counter() - t0
+                self.commit_bytes = rows.numel() * rows.element_size()
 
     # ------------------------------------------------------------------ lengths
     def seq_len(self, layer: int) -> int:

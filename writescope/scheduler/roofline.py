@@ -355,8 +355,12 @@ class WriteScopePolicy(PlacementPolicy):
         """(r, micro-batched) for ``placed_tokens`` per sequence at ``batch`` sequences, without
         changing the policy (the batch the estimates track is the caller's)."""
         rf, L, a = self.roofline, placed_tokens * batch, self.a.value
-        if self.c.value != rf.c_cpu:  # the tracked C_cpu (the roofline itself is left as calibrated)
-            rf = replace(rf, c_cpu=self.c.value)
+        c = self.c.value  # the tracked C_cpu at the policy's batch; at another, the one kept for it (else the calibration's)
+        if batch != self._c_batch:
+            kept = self.other.in_step_c(self._threads, batch) if self.other is not None else None
+            c = rf.c_cpu if kept is None else kept
+        if c != rf.c_cpu:  # the roofline itself is left as calibrated
+            rf = replace(rf, c_cpu=c)
         X = self.experts.expected_bytes(batch) if self.experts is not None else 0.0
         # O where no per-step expert split runs (with one, the joint model sets r and O was measured
         # under other policies' expert path: attach_expert_work attaches the split for writescope only),
