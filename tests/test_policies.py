@@ -254,3 +254,27 @@ def test_load_read_is_checked(monkeypatch):
         PartitionSpec(KVLayout(1, 16, 16, False), 1, torch.float32)
     with pytest.raises(ValueError, match="load_read must be one of copy, in-place, got 'x'"):
         PartitionSpec(KVLayout(1, 16, 16, False), 1, torch.float32, load_read="x")
+
+
+@pytest.mark.parametrize("last", [True, False, None])
+def test_the_prompt_plan_asks_the_policy_once_and_matches_block_routing(last, monkeypatch):
+    """``prompt_plan``: r(P) asked once for the whole prompt (a sequence's plan used to ask it
+    once a block), the same regions as ``route_block`` gives block by block; None follows
+    WRITESCOPE_PROMPT_PLAN (default compute-last)."""
+    from writescope.scheduler.policies import StaticPolicy, prompt_plan, route_block
+
+    monkeypatch.delenv("WRITESCOPE_PROMPT_PLAN", raising=False)
+    asked = []
+
+    class Counting(StaticPolicy):
+        def cpu_share(self, placed_tokens):
+            asked.append(placed_tokens)
+            return super().cpu_share(placed_tokens)
+
+    policy, Dw = Counting(0.3), 16
+    for P in (0, 1, 15, 16, 17, 16 * 10 + 5, 4097):
+        asked.clear()
+        plan = prompt_plan(policy, P, Dw, last)
+        assert asked == [P] and len(plan) == P // Dw
+        assert plan == [route_block(policy, j, P, Dw, 0, last) for j in range(P // Dw)]
+        assert plan == sorted(plan, reverse=last is not False)  # compute-last: LOAD = 1 first; compute-first: COMPUTE = 0 first

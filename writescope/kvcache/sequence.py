@@ -26,7 +26,7 @@ from writescope.kvcache.huge_pages import compute_empty
 from writescope.kvcache.pinned import device_view, host_empty, unpin
 from writescope.kvcache.prefill_writer import READ_BUFFERS, STAGING_BUFFERS
 from writescope.kvcache.spec import PartitionSpec
-from writescope.scheduler.policies import COMPUTE, LOAD, PlacementPolicy, compute_last_from_env, route_block
+from writescope.scheduler.policies import COMPUTE, LOAD, PlacementPolicy, prompt_plan, route_block
 
 SLAB_MIN_BLOCKS = 16  # smallest load-region slab grown during decode (blocks)
 
@@ -113,8 +113,7 @@ class SequenceKV:
             return []  # not known yet
         if self._prompt_plan is None:
             D = self.spec.window
-            last = compute_last_from_env()
-            self._prompt_plan = [route_block(self.policy, j, self.prompt_len, D, 0, last) for j in range(self.prompt_len // D)]
+            self._prompt_plan = prompt_plan(self.policy, self.prompt_len, D)  # r asked once, not once a block
         return self._prompt_plan
 
     def home(self, block: int) -> tuple[int, int]:

@@ -152,6 +152,19 @@ def compute_last_from_env() -> bool:
     return env_choice(PROMPT_PLAN_ENV, ("compute-last", "compute-first")) == "compute-last"
 
 
+def prompt_plan(policy: PlacementPolicy, prompt_len: int, window: int, compute_last: bool | None = None) -> list[int]:
+    """Region (COMPUTE or LOAD) of each whole block of a ``prompt_len``-token prompt:
+    floor(r(P) * P / D + 1/2) compute blocks (r asked once), the last ones, or the first where
+    ``compute_last`` is False (None: :func:`compute_last_from_env`)."""
+    prompt_blocks = prompt_len // window
+    if compute_last is None:
+        compute_last = compute_last_from_env()
+    n_cpu = min(prompt_blocks, math.floor(policy.cpu_share(prompt_len) * prompt_len / window + 0.5))  # halves up, as decode routing
+    if compute_last:
+        return [LOAD] * (prompt_blocks - n_cpu) + [COMPUTE] * n_cpu
+    return [COMPUTE] * n_cpu + [LOAD] * (prompt_blocks - n_cpu)
+
+
 def route_block(policy: PlacementPolicy, block: int, prompt_len: int, window: int, n_compute: int, compute_last: bool | None = None) -> int:
     """Region (COMPUTE or LOAD) of block ``block`` (tokens ``block*D .. block*D + D - 1``).
 
@@ -167,12 +180,7 @@ def route_block(policy: PlacementPolicy, block: int, prompt_len: int, window: in
     """
     prompt_blocks = prompt_len // window
     if block < prompt_blocks:
-        if compute_last is None:
-            compute_last = compute_last_from_env()
-        n_cpu = min(prompt_blocks, math.floor(policy.cpu_share(prompt_len) * prompt_len / window + 0.5))  # halves up, as below
-        if compute_last:
-            return COMPUTE if block >= prompt_blocks - n_cpu else LOAD
-        return COMPUTE if block < n_cpu else LOAD
+        return prompt_plan(policy, prompt_len, window, compute_last)[block]
     placed_after = (block + 1) * window
     target = math.floor(policy.cpu_share(placed_after) * (block + 1) + 0.5)
     return COMPUTE if n_compute < target else LOAD
