@@ -327,7 +327,7 @@ def test_allocation_counts_the_load_blocks_reserved_and_the_compute_rows_committ
     outs = [SimpleNamespace(metrics=SimpleNamespace(**vars(m), prompt_tokens=10), kv_placement=None)]
     text = format_timings(outs, policy, None, None, None, {**a, "host_s": 2.5, "commit_s": 2.0, "reserve_s": 0.25,
                                                            "commit_bytes": 8e9, "reserve_bytes": 2e6})
-    assert ("KV allocation (the issuing thread, in TTFT)  3 sequences in 2.5 s: 2.0 MB of load blocks reserved in "
+    assert ("KV allocation (before the timed prefill)  3 sequences in 2.5 s: 2.0 MB of load blocks reserved in "
             "250.0 ms, 8.0 GB of compute rows committed in 2.0 s") in text
     assert "KV allocation" not in format_timings(outs, policy, None, None, None, {**a, "sequences": 0})
     for s in slots:

@@ -289,7 +289,7 @@ def format_timings(outs, policy: str = "resident", cpu_attention: str | None = N
         return f"{t:,.1f} s" if t >= 1 else f"{t * 1e3:,.1f} ms"
 
     if allocation and allocation["sequences"]:  # before the read-back row (inserted at 4 below, so it lands after)
-        rows.insert(4, ("KV allocation (the issuing thread, in TTFT)",
+        rows.insert(4, ("KV allocation (before the timed prefill)",
                         f"{allocation['sequences']} sequences in {secs(allocation['host_s'])}: "
                         f"{size(allocation['reserve_bytes'])} of load blocks reserved in {secs(allocation['reserve_s'])}, "
                         f"{size(allocation['commit_bytes'])} of compute rows committed in {secs(allocation['commit_s'])}"))
