@@ -226,7 +226,7 @@ def run(args: argparse.Namespace) -> int:
             print(o.text)
     readback = llm.cache.prefill_readback() if hasattr(llm.cache, "prefill_readback") else None
     allocation = llm.cache.kv_allocation() if hasattr(llm.cache, "kv_allocation") else None
-    print("\n" + format_timings(outs, llm.policy_name, llm.cpu_attention, llm.decode_host, readback, allocation))
+    print("\n" + format_timings(outs, llm.policy_name, llm.cpu_attention, llm.decode_host, readback, allocation, llm.prefill_chunks))
     busy = competition.note_or(busy, BUSY_REMEDY)
     if busy is not None:
         print(busy)
@@ -235,7 +235,7 @@ def run(args: argparse.Namespace) -> int:
     if args.output_json:
         doc = {"model": args.model, "device": str(llm.device), "dtype": str(llm.dtype), "policy": llm.policy_name,
                "r_trace": llm.r_trace, "decode_host_s": [list(x) for x in llm.decode_host], "prefill_readback": readback,
-               "kv_allocation": allocation, "decode_between_s": list(llm.decode_between), "requests": [o.to_dict() for o in outs]}
+               "kv_allocation": allocation, "prefill_chunks": llm.prefill_chunks, "decode_between_s": list(llm.decode_between), "requests": [o.to_dict() for o in outs]}
         args.output_json.write_text(json.dumps(doc, indent=2))
         print(f"wrote {args.output_json}")
     return 0
@@ -259,14 +259,16 @@ def format_r_trace(trace: list[dict], lines: int = 8) -> str:
 
 
 def format_timings(outs, policy: str = "resident", cpu_attention: str | None = None, decode_host=None, readback=None,
-                   allocation=None) -> str:
+                   allocation=None, chunks=None) -> str:
     """The timings table; ``decode_host``: the main thread's (issue, wait) seconds per decode step
     (:class:`~writescope.engine.runner.EngineCore`), shown as medians. Issuing includes any host
     wait inside the step (host experts read their routing back); without one, a step whose wait
     is near 0 was bound by the thread issuing it, not by the device. ``readback``: chunked
     prefill's read-back (``InplaceKVCache.prefill_readback``), shown where anything was read.
     ``allocation``: the KV allocation's up-front host work (``InplaceKVCache.kv_allocation``),
-    shown where a sequence was allocated."""
+    shown where a sequence was allocated. ``chunks``: the prefill's forward passes
+    (``LLM.prefill_chunks``), shown where there were two or more: the first's seconds against
+    the median and the slowest of the others."""
     m = outs[0].metrics
     tpots = sorted(o.metrics.tpot_s for o in outs)
     rows = [
@@ -288,6 +290,13 @@ def format_timings(outs, policy: str = "resident", cpu_attention: str | None = N
     def secs(t):
         return f"{t:,.1f} s" if t >= 1 else f"{t * 1e3:,.1f} ms"
 
+    if chunks and len(chunks) > 1:
+        took = [c["end_s"] - (chunks[k - 1]["end_s"] if k else 0.0) for k, c in enumerate(chunks)]
+        rest = sorted(took[1:])
+        slow = max(range(1, len(took)), key=took.__getitem__)
+        rows.insert(4, ("prefill passes (issuing thread, each)",
+                        f"{len(took)} of up to {max(c['tokens'] for c in chunks):,} tokens: the first {secs(took[0])}, "
+                        f"the others median {secs(rest[len(rest) // 2])}, slowest {secs(took[slow])} (pass {slow + 1})"))
     if allocation and allocation["sequences"]:  # before the read-back row (inserted at 4 below, so it lands after)
         rows.insert(4, ("KV allocation (before the timed prefill)",
                         f"{allocation['sequences']} sequences in {secs(allocation['host_s'])}: "

@@ -380,8 +380,13 @@ def prefill_batch(llm, ids: list[list[int]], slots: list[int]) -> torch.Tensor:
     """Chunked prefill of all ``ids`` (prompt token ids, one list per request) into their cache
     ``slots``: each forward pass takes up to ``llm.prefill_chunk_tokens`` tokens, packed across
     the requests in order; a progress bar from PROGRESS_MIN_PROMPT_TOKENS tokens (with
-    ``llm.progress``). Returns the last prompt token's logits, ``[batch, vocab]``."""
+    ``llm.progress``). Returns the last prompt token's logits, ``[batch, vocab]``. Sets
+    ``llm.prefill_chunks``: per forward pass, ``requests`` (indices into ``ids``), ``tokens`` and
+    ``end_s`` (host seconds from the start when its layers were issued; no synchronisation is
+    added, so a pass that waits shows in the next ones)."""
     n_layers, total = llm.config.num_layers, sum(map(len, ids))
+    t_start, chunks = time.perf_counter(), []
+    llm.prefill_chunks = chunks
     bar = tqdm(total=total, desc="prefill", unit="tok", disable=not llm.progress or total < PROGRESS_MIN_PROMPT_TOKENS)
     done = [0] * len(ids)
     last_logits: list[torch.Tensor | None] = [None] * len(ids)
@@ -399,6 +404,7 @@ def prefill_batch(llm, ids: list[list[int]], slots: list[int]) -> torch.Tensor:
         step = lambda layer: bar.set_postfix_str(f"layer {layer + 1}/{n_layers}", refresh=False)  # noqa: E731
         logits = llm.model(torch.tensor(chunk, device=llm.device), batch, llm.cache, layer_callback=step)
         bar.update(len(chunk))
+        chunks.append({"requests": [i for i, _ in rows], "tokens": len(chunk), "end_s": time.perf_counter() - t_start})
         for r, (i, take) in enumerate(rows):
             done[i] += take
             if done[i] == len(ids[i]):
