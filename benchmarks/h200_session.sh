@@ -10,7 +10,8 @@
 #   bash benchmarks/h200_session.sh text MODEL # full-size MODEL, 32 GiB budget, 4 x 32K of machine text, 256 tokens (issue 6, run 1)
 #   bash benchmarks/h200_session.sh breakdown MODEL  # where its decode step goes (issue 6)
 #   bash benchmarks/h200_session.sh 1m         # DeepSeek-V2-Lite, 32 GiB, 32 x 32K machine text, 256 tokens (issue 6, run 4;
-#     ONEM_POLICIES="writescope:256 gpu:64" runs each POLICY:NEW_TOKENS in its own process, one after another)
+#     ONEM_POLICIES="writescope:256 gpu:64" runs each POLICY:NEW_TOKENS in its own process, one after another, after an
+#     untimed 8K-token warm-up process that compiles the kernels (ONEM_WARM=0: none))
 #   bash benchmarks/h200_session.sh 1m-decode  # the same batch's 256 decode steps with its KV filled at random (no prefill)
 #   bash benchmarks/h200_session.sh mla        # DeepSeek-V2-Lite prefill, 2 x 32K, absorbed vs expanded MLA (pick the default)
 #   bash benchmarks/h200_session.sh grid MODEL # full-size decode grid under 32 GiB, random KV fill (issue 6, run 2)
@@ -157,7 +158,15 @@ part() {
         --batch "${BREAKDOWN_BATCH:-4}" --context "${BREAKDOWN_CONTEXT:-32k}" --policy "${BREAKDOWN_POLICY:-writescope}" --steps 6 --quiet \
         ${BREAKDOWN_FLAGS:-} --output-json "$out/profile_${m}_h200${BREAKDOWN_TAG:-}.json" \
         2>&1 | grep -v USDT | tee "$out/profile_${m}_h200${BREAKDOWN_TAG:-}.log" | tail -30 ;;
-    1m)  # ONEM_POLICIES: POLICY:NEW_TOKENS pairs, one process each (default writescope:256); ONEM_TAG a file-name suffix
+    1m)  # ONEM_POLICIES: POLICY:NEW_TOKENS pairs, one process each (default writescope:256); ONEM_TAG a file-name suffix;
+      # ONEM_WARM=0 skips the warm-up process (8K tokens under the first policy, untimed: a fresh machine's first process
+      # compiles the prefill's kernels inside its TTFT, runs 67-68: its first sequence 3-5 s slower than later processes')
+      if [[ "${ONEM_WARM:-1}" != 0 ]]; then
+        local first=${ONEM_POLICIES:-writescope:256}; first=${first%% *}; first=${first%%:*}
+        timeout "$(tmo 120)" python3 -m writescope.cli.main generate --model deepseek-v2-lite --synthetic --device cuda --vram-budget 32GiB \
+          --machine-text 8k --batch 1 --max-new-tokens 2 --ignore-eos --policy "$first" --prefill-chunk-tokens 2048 --quiet \
+          > "$out/1m_warm${ONEM_TAG:-}.log" 2>&1 || echo "1m warm-up: exit $?"
+      fi
       for run in ${ONEM_POLICIES:-writescope:256}; do
         local pol=${run%%:*} new=${run##*:} f="$out/1m_deepseek-v2-lite_h200_${run%%:*}${ONEM_TAG:-}"
         timeout "$(tmo 560)" python3 -m writescope.cli.main generate --model deepseek-v2-lite --synthetic --device cuda --vram-budget 32GiB \
