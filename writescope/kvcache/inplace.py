@@ -359,13 +359,7 @@ class InplaceKVCache(KVCache):
         """Write whole blocks ``x`` ``[parts, Hkv, nb*D, dim]`` straight to their homes; returns tokens."""
         D = self.spec.window
         nb, j0 = x.shape[2] // D, sq.placed[layer] // D
-        homes = [sq.home(j0 + t) for t in range(nb)]
-        t = 0
-        while t < nb:  # runs of consecutive blocks with the same region
-            region, idx = homes[t]
-            r = 1
-            while t + r < nb and homes[t + r] == (region, idx + r):
-                r += 1
+        for region, idx, t, r in block_runs([sq.home(j0 + t) for t in range(nb)]):  # runs of consecutive blocks in one region
             src = x[:, :, t * D : (t + r) * D]
             if region == COMPUTE:
                 sq.drain(layer)
@@ -380,7 +374,6 @@ class InplaceKVCache(KVCache):
                     torch.cuda.current_stream(self.device).wait_event(sq.load_written[layer])
                 sq.load_written[layer] = self._write_load(sq.load_runs(layer, idx, idx + r, r), blocks)
                 sq.n_load[layer] += r
-            t += r
         sq.placed[layer] += nb * D
         return nb * D
 
@@ -492,25 +485,26 @@ class InplaceKVCache(KVCache):
         D = self.spec.window
         self._wait_compute_writes(sq, layer)
         sq.drain(layer)
-        homes = sq.homes[: sq.placed[layer] // D]
-        n_c = sum(1 for region, _ in homes if region == COMPUTE)  # compute and load indices are dense: 0 .. n - 1 each
-        n_l = len(homes) - n_c
+        nb = sq.placed[layer] // D
+        runs = sq.block_runs(nb)  # the same for every layer of a chunk: worked out once
+        n_c = sum(n for region, _, _, n in runs if region == COMPUTE)  # compute and load indices are dense: 0 .. n - 1 each
+        n_l = nb - n_c
         comp = self._read_compute(sq.compute[layer, :, :, : n_c * D]) if n_c else None
         load = self._read_load(sq, layer, n_l) if n_l else None  # [n_l, parts, Hkv, D, dim]
-        self.prefill_readback_bytes += len(homes) * self.spec.block_bytes
+        self.prefill_readback_bytes += nb * self.spec.block_bytes
         self.prefill_readback_compute_bytes += n_c * self.spec.block_bytes
         win = sq.window[layer, :, :, : sq.win_len[layer]]
         parts, hkv, _, dim = win.shape
-        out = torch.empty(parts, hkv, len(homes) * D + win.shape[2], dim, dtype=win.dtype, device=win.device)
+        out = torch.empty(parts, hkv, nb * D + win.shape[2], dim, dtype=win.dtype, device=win.device)
         # one copy per run of blocks consecutive in both the sequence and their region (a prompt
         # plan has two runs; one copy per block cost the issuing thread a slice per block)
-        for region, first, start, n in block_runs(homes):
+        for region, first, start, n in runs:
             dst = out[:, :, start * D : (start + n) * D]
             if region == COMPUTE:
                 dst.copy_(comp[:, :, first * D : (first + n) * D])
             else:  # [n, parts, Hkv, D, dim] blocks into [parts, Hkv, n * D, dim] positions
                 dst.view(parts, hkv, n, D, dim).copy_(load[first : first + n].permute(1, 2, 0, 3, 4))
-        out[:, :, len(homes) * D :].copy_(win)
+        out[:, :, nb * D :].copy_(win)
         self.prefill_readback_host_s += time.perf_counter() - t0
         return out
 

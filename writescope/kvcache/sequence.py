@@ -78,6 +78,7 @@ class SequenceKV:
         self.load_written: list[object | None] = [None] * L  # CUDA event after the latest write into the layer's load blocks
         self.compute_writes: list[list] = [[] for _ in range(L)]  # the prefill writer's futures for the layer's compute rows
         self._prompt_plan: list[int] | None = None  # regions of the prompt's whole blocks, decided once
+        self._runs: tuple[int, list] | None = None  # (blocks, their block_runs) last asked for (block_runs)
         # what allocation did up front (seconds, bytes): the load blocks reserved (page-locked on
         # CUDA) and the compute rows committed; the cache sums them (InplaceKVCache.kv_allocation)
         self.reserve_s = self.commit_s = 0.0
@@ -96,6 +97,15 @@ class SequenceKV:
                 rows.zero_()
                 self.commit_s = time.perf_counter() - t0
                 self.commit_bytes = rows.numel() * rows.element_size()
+
+    def block_runs(self, blocks: int) -> list[tuple[int, int, int, int]]:
+        """:func:`block_runs` of the first ``blocks`` homes, kept until asked for another count
+        (every layer of a chunk asks for the same one; homes only grow, so a kept count's runs
+        stay right)."""
+        kept = self._runs
+        if kept is None or kept[0] != blocks:
+            kept = self._runs = (blocks, block_runs(self.homes[:blocks]))
+        return kept[1]
 
     # ------------------------------------------------------------------ lengths
     def seq_len(self, layer: int) -> int:
