@@ -159,12 +159,12 @@ part() {
         ${BREAKDOWN_FLAGS:-} --output-json "$out/profile_${m}_h200${BREAKDOWN_TAG:-}.json" \
         2>&1 | grep -v USDT | tee "$out/profile_${m}_h200${BREAKDOWN_TAG:-}.log" | tail -30 ;;
     1m)  # ONEM_POLICIES: POLICY:NEW_TOKENS pairs, one process each (default writescope:256); ONEM_TAG a file-name suffix;
-      # ONEM_WARM=0 skips the warm-up process (8K tokens under the first policy, untimed: a fresh machine's first process
-      # compiles the prefill's kernels inside its TTFT, runs 67-68: its first sequence 3-5 s slower than later processes')
+      # ONEM_WARM=0 skips the warm-up process (8K tokens under gpu, untimed: a fresh machine's first process compiles the
+      # prefill's kernels inside its TTFT, runs 67-68: its first sequence 3-5 s slower than later processes'; gpu so that
+      # it keeps no in-step A for the timed writescope run to place its prompts with)
       if [[ "${ONEM_WARM:-1}" != 0 ]]; then
-        local first=${ONEM_POLICIES:-writescope:256}; first=${first%% *}; first=${first%%:*}
         timeout "$(tmo 120)" python3 -m writescope.cli.main generate --model deepseek-v2-lite --synthetic --device cuda --vram-budget 32GiB \
-          --machine-text 8k --batch 1 --max-new-tokens 2 --ignore-eos --policy "$first" --prefill-chunk-tokens 2048 --quiet \
+          --machine-text 8k --batch 1 --max-new-tokens 2 --ignore-eos --policy gpu --prefill-chunk-tokens 2048 --quiet \
           > "$out/1m_warm${ONEM_TAG:-}.log" 2>&1 || echo "1m warm-up: exit $?"
       fi
       for run in ${ONEM_POLICIES:-writescope:256}; do

@@ -489,6 +489,7 @@ class LLM:
         index = {r.request_id: k for k, r in enumerate(reqs)}
         for r in reqs:
             core.add(r)
+        self.prefill_chunks = []  # this call's passes only (bench --kv-fill random replaces the prefill: none)
         try:
             core.admit_all()
             self.r_trace = core.r_trace

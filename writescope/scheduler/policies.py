@@ -152,6 +152,12 @@ def compute_last_from_env() -> bool:
     return env_choice(PROMPT_PLAN_ENV, ("compute-last", "compute-first")) == "compute-last"
 
 
+def _prompt_compute_blocks(policy: PlacementPolicy, prompt_len: int, window: int) -> int:
+    """floor(r(P) * P / D + 1/2) whole blocks of a P-token prompt for the compute region (halves
+    up, as decode routing rounds)."""
+    return min(prompt_len // window, math.floor(policy.cpu_share(prompt_len) * prompt_len / window + 0.5))
+
+
 def prompt_plan(policy: PlacementPolicy, prompt_len: int, window: int, compute_last: bool | None = None) -> list[int]:
     """Region (COMPUTE or LOAD) of each whole block of a ``prompt_len``-token prompt:
     floor(r(P) * P / D + 1/2) compute blocks (r asked once), the last ones, or the first where
@@ -159,7 +165,7 @@ def prompt_plan(policy: PlacementPolicy, prompt_len: int, window: int, compute_l
     prompt_blocks = prompt_len // window
     if compute_last is None:
         compute_last = compute_last_from_env()
-    n_cpu = min(prompt_blocks, math.floor(policy.cpu_share(prompt_len) * prompt_len / window + 0.5))  # halves up, as decode routing
+    n_cpu = _prompt_compute_blocks(policy, prompt_len, window)
     if compute_last:
         return [LOAD] * (prompt_blocks - n_cpu) + [COMPUTE] * n_cpu
     return [COMPUTE] * n_cpu + [LOAD] * (prompt_blocks - n_cpu)
@@ -179,8 +185,11 @@ def route_block(policy: PlacementPolicy, block: int, prompt_len: int, window: in
             routed alike either way.
     """
     prompt_blocks = prompt_len // window
-    if block < prompt_blocks:
-        return prompt_plan(policy, prompt_len, window, compute_last)[block]
+    if block < prompt_blocks:  # the block of prompt_plan's list, without making the list
+        if compute_last is None:
+            compute_last = compute_last_from_env()
+        n_cpu = _prompt_compute_blocks(policy, prompt_len, window)
+        return (COMPUTE if block >= prompt_blocks - n_cpu else LOAD) if compute_last else (COMPUTE if block < n_cpu else LOAD)
     placed_after = (block + 1) * window
     target = math.floor(policy.cpu_share(placed_after) * (block + 1) + 0.5)
     return COMPUTE if n_compute < target else LOAD
