@@ -284,32 +284,34 @@ def format_timings(outs, policy: str = "resident", cpu_attention: str | None = N
     if decode_host:
         issue, wait = (sorted(x[i] for x in decode_host)[len(decode_host) // 2] * 1e3 for i in (0, 1))
         rows.insert(6, ("decode step, main thread (median)", f"issuing {issue:,.2f} ms, then waiting {wait:,.2f} ms"))
+
     def size(b):
         return f"{b / 1e9:,.1f} GB" if b >= 1e9 else f"{b / 1e6:,.1f} MB"
 
     def secs(t):
         return f"{t:,.1f} s" if t >= 1 else f"{t * 1e3:,.1f} ms"
 
+    prefill_rows = []  # after TTFT, in this order
+    if readback and readback["bytes"]:
+        parts = [f"{secs(readback['staging_copy_s'])} copying compute rows to pinned staging"] if readback["staging_copy_s"] else []
+        if readback.get("wait_s"):
+            parts.append(f"{secs(readback['wait_s'])} waiting for earlier writes and staging buffers")
+        prefill_rows.append(("prefill read-back (chunks re-reading earlier KV)",
+                             f"{size(readback['bytes'])} ({size(readback['compute_bytes'])} compute rows); "
+                             f"issuing thread {secs(readback['host_s'])} in it" + (f" ({', '.join(parts)})" if parts else "")))
+    if allocation and allocation["sequences"]:
+        prefill_rows.append(("KV allocation (before the timed prefill)",
+                             f"{allocation['sequences']} sequences in {secs(allocation['host_s'])}: "
+                             f"{size(allocation['reserve_bytes'])} of load blocks reserved in {secs(allocation['reserve_s'])}, "
+                             f"{size(allocation['commit_bytes'])} of compute rows committed in {secs(allocation['commit_s'])}"))
     if chunks and len(chunks) > 1:
         took = [c["end_s"] - (chunks[k - 1]["end_s"] if k else 0.0) for k, c in enumerate(chunks)]
         rest = sorted(took[1:])
         slow = max(range(1, len(took)), key=took.__getitem__)
-        rows.insert(4, ("prefill passes (issuing thread, each)",
-                        f"{len(took)} of up to {max(c['tokens'] for c in chunks):,} tokens: the first {secs(took[0])}, "
-                        f"the others median {secs(rest[len(rest) // 2])}, slowest {secs(took[slow])} (pass {slow + 1})"))
-    if allocation and allocation["sequences"]:  # before the read-back row (inserted at 4 below, so it lands after)
-        rows.insert(4, ("KV allocation (before the timed prefill)",
-                        f"{allocation['sequences']} sequences in {secs(allocation['host_s'])}: "
-                        f"{size(allocation['reserve_bytes'])} of load blocks reserved in {secs(allocation['reserve_s'])}, "
-                        f"{size(allocation['commit_bytes'])} of compute rows committed in {secs(allocation['commit_s'])}"))
-    if readback and readback["bytes"]:
-
-        parts = [f"{secs(readback['staging_copy_s'])} copying compute rows to pinned staging"] if readback["staging_copy_s"] else []
-        if readback.get("wait_s"):
-            parts.append(f"{secs(readback['wait_s'])} waiting for earlier writes and staging buffers")
-        rows.insert(4, ("prefill read-back (chunks re-reading earlier KV)",
-                        f"{size(readback['bytes'])} ({size(readback['compute_bytes'])} compute rows); "
-                        f"issuing thread {secs(readback['host_s'])} in it" + (f" ({', '.join(parts)})" if parts else "")))
+        prefill_rows.append(("prefill passes (issuing thread, each)",
+                             f"{len(took)} of up to {max(c['tokens'] for c in chunks):,} tokens: the first {secs(took[0])}, "
+                             f"the others median {secs(rest[len(rest) // 2])}, slowest {secs(took[slow])} (pass {slow + 1})"))
+    rows[4:4] = prefill_rows
     if cpu_attention is not None and policy not in ("resident", "gpu"):  # only these never attend on the CPU
         rows.append(("CPU attention", cpu_attention))
     from writescope.engine.switches import NAMES  # the runtime's switches only (never e.g. WRITESCOPE_API_KEY)

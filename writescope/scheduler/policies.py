@@ -166,9 +166,15 @@ def prompt_plan(policy: PlacementPolicy, prompt_len: int, window: int, compute_l
     if compute_last is None:
         compute_last = compute_last_from_env()
     n_cpu = _prompt_compute_blocks(policy, prompt_len, window)
+    return [_prompt_region(j, prompt_blocks, n_cpu, compute_last) for j in range(prompt_blocks)]
+
+
+def _prompt_region(block: int, prompt_blocks: int, n_cpu: int, compute_last: bool) -> int:
+    """Region of prompt block ``block`` when ``n_cpu`` of the ``prompt_blocks`` go to the compute
+    region: the last ones where ``compute_last``, else the first ones."""
     if compute_last:
-        return [LOAD] * (prompt_blocks - n_cpu) + [COMPUTE] * n_cpu
-    return [COMPUTE] * n_cpu + [LOAD] * (prompt_blocks - n_cpu)
+        return COMPUTE if block >= prompt_blocks - n_cpu else LOAD
+    return COMPUTE if block < n_cpu else LOAD
 
 
 def route_block(policy: PlacementPolicy, block: int, prompt_len: int, window: int, n_compute: int, compute_last: bool | None = None) -> int:
@@ -186,10 +192,8 @@ def route_block(policy: PlacementPolicy, block: int, prompt_len: int, window: in
     """
     prompt_blocks = prompt_len // window
     if block < prompt_blocks:  # the block of prompt_plan's list, without making the list
-        if compute_last is None:
-            compute_last = compute_last_from_env()
-        n_cpu = _prompt_compute_blocks(policy, prompt_len, window)
-        return (COMPUTE if block >= prompt_blocks - n_cpu else LOAD) if compute_last else (COMPUTE if block < n_cpu else LOAD)
+        last = compute_last_from_env() if compute_last is None else compute_last
+        return _prompt_region(block, prompt_blocks, _prompt_compute_blocks(policy, prompt_len, window), last)
     placed_after = (block + 1) * window
     target = math.floor(policy.cpu_share(placed_after) * (block + 1) + 0.5)
     return COMPUTE if n_compute < target else LOAD

@@ -355,10 +355,7 @@ class WriteScopePolicy(PlacementPolicy):
         """(r, micro-batched) for ``placed_tokens`` per sequence at ``batch`` sequences, without
         changing the policy (the batch the estimates track is the caller's)."""
         rf, L, a = self.roofline, placed_tokens * batch, self.a.value
-        c = self.c.value  # the tracked C_cpu at the policy's batch; at another, the one kept for it (else the calibration's)
-        if batch != self._c_batch:
-            kept = self.other.in_step_c(self._threads, batch) if self.other is not None else None
-            c = rf.c_cpu if kept is None else kept
+        c = self.c.value if batch == self._c_batch else self._start_c(batch)  # at another batch than the tracked one, its start
         if c != rf.c_cpu:  # the roofline itself is left as calibrated
             rf = replace(rf, c_cpu=c)
         X = self.experts.expected_bytes(batch) if self.experts is not None else 0.0
@@ -403,9 +400,13 @@ class WriteScopePolicy(PlacementPolicy):
         else from the calibration's."""
         if batch == self._c_batch:
             return
-        kept = self.other.in_step_c(self._threads, batch) if self.other is not None else None
-        self.c = OnlineEstimate(self.roofline.c_cpu if kept is None else kept, self.c.alpha, self.c.window)
+        self.c = OnlineEstimate(self._start_c(batch), self.c.alpha, self.c.window)
         self._c_batch = batch
+
+    def _start_c(self, batch: int) -> float:
+        """The C_cpu tracking starts from at ``batch``: the meter's kept one, else the calibration's."""
+        kept = self.other.in_step_c(self._threads, batch) if self.other is not None else None
+        return self.roofline.c_cpu if kept is None else kept
 
     def expect_batch(self, batch: int) -> None:
         self.batch = max(1, batch)
