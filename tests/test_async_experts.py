@@ -7,6 +7,7 @@ import pytest
 import torch
 
 from writescope import LLM, SamplingParams
+from writescope.engine.threads import usable_cpus
 from writescope.moe import async_experts
 from writescope.moe.block import SparseMoeBlock
 from writescope.moe.cpu_experts import kernel_available
@@ -337,3 +338,80 @@ def test_an_error_after_submit_waits_for_the_job_before_it_propagates(finishes, 
     assert torch.isfinite(y.float()).all() and not second.closed
     assert (second is first) == finishes and (finishes or second.seq == 1)
     llm.expert_worker.close()
+
+
+needs_two_cpus = pytest.mark.skipif(usable_cpus() < 2, reason="WRITESCOPE_CPU_THREADS=2 needs two CPUs this process may use")
+
+
+@needs_two_cpus
+def test_worker_handle_threads_follow_the_attention_default_unless_fixed(monkeypatch):
+    """``threads=None`` (no ``--expert-threads``): each refresh reads ``WRITESCOPE_CPU_THREADS`` as it
+    is then (a bench row's switch), and ``.threads`` says so; a fixed count ignores it. No worker
+    is started here."""
+    cpu = torch.device("cpu")
+    monkeypatch.setenv("WRITESCOPE_CPU_THREADS", "2")
+    follow, fixed = async_experts.WorkerHandle(None, cpu), async_experts.WorkerHandle(3, cpu)
+    assert follow.threads == 2 and fixed.threads == 3  # before any refresh: as the environment is now
+    follow.refresh([])
+    fixed.refresh([])
+    assert follow.threads == 2 and fixed.threads == 3
+    monkeypatch.setenv("WRITESCOPE_CPU_THREADS", "1")
+    follow.refresh([])
+    fixed.refresh([])
+    assert follow.threads == 1 and fixed.threads == 3
+    monkeypatch.delenv("WRITESCOPE_CPU_THREADS")
+    follow.refresh([])
+    assert follow.threads == torch.get_num_threads()  # unset: torch's count (all of it without CUDA)
+    monkeypatch.setenv("WRITESCOPE_CPU_THREADS", "0")
+    with pytest.raises(ValueError, match="WRITESCOPE_CPU_THREADS"):
+        follow.refresh([5])
+    assert follow.threads == torch.get_num_threads() and follow.team_cpus == []  # a bad value changes nothing
+
+
+@needs_kernel
+@needs_two_cpus
+def test_worker_handle_remakes_a_worker_whose_thread_count_no_longer_follows(monkeypatch):
+    """A running worker made under ``WRITESCOPE_CPU_THREADS=2`` is kept by a refresh under 2 and
+    closed by one under 1 (made again with 1 on next use); one with a fixed count is kept."""
+    cpu = torch.device("cpu")
+    monkeypatch.setenv(async_experts.ENV, "on")
+    monkeypatch.setenv("WRITESCOPE_CPU_THREADS", "2")
+    follow, fixed = async_experts.WorkerHandle(None, cpu), async_experts.WorkerHandle(2, cpu)
+    try:
+        first, kept = follow.get(), fixed.get()  # made before any refresh: the count as it is now
+        assert first is not None and kept is not None and first.threads == 2 and kept.threads == 2
+        follow.refresh([])
+        fixed.refresh([])
+        assert follow.running is first and not first.closed and fixed.running is kept
+        monkeypatch.setenv("WRITESCOPE_CPU_THREADS", "1")
+        follow.refresh([])
+        fixed.refresh([])
+        assert first.closed and follow.running is None and follow.threads == 1
+        assert fixed.running is kept and not kept.closed and fixed.threads == 2
+        second = follow.get()
+        assert second is not first and second.threads == follow.threads == 1
+        monkeypatch.setenv("WRITESCOPE_CPU_THREADS", "2")  # the environment alone (no refresh) changes nothing
+        assert follow.get() is second and follow.threads == 1
+    finally:
+        follow.close()
+        fixed.close()
+
+
+@needs_two_cpus
+@pytest.mark.parametrize("expert_threads", [None, 2])
+def test_a_bench_row_s_cpu_threads_reach_the_expert_worker(expert_threads, monkeypatch):
+    """A bench row's ``WRITESCOPE_CPU_THREADS`` is in the environment when its policy is set
+    (bench/runner.py ``run_one``), so the expert worker takes the attention's count for the row,
+    and the load's again after it; ``--expert-threads`` (``expert_threads``) holds."""
+    from writescope.bench import switches
+
+    monkeypatch.delenv("WRITESCOPE_CPU_THREADS", raising=False)
+    llm = LLM("tiny-qwen3-moe", progress=False, dtype="bfloat16", policy="static:0.5", window=16, expert_threads=expert_threads)
+    at_load = llm.expert_worker.threads
+    assert at_load == (expert_threads or torch.get_num_threads())
+    policy, row = switches.split("static:0.5@WRITESCOPE_CPU_THREADS=1")
+    with switches.applied(row):
+        llm.set_policy(policy, 16)
+        assert llm.attention_threads == 1 and llm.expert_worker.threads == (expert_threads or 1)
+    llm.set_policy(policy, 16)  # a row without the switch
+    assert llm.expert_worker.threads == at_load

@@ -293,10 +293,11 @@ def test_the_timings_show_the_read_back():
     m = SimpleNamespace(prefill_tok_s=1.0, ttft_s=1.0, tpot_s=0.01, decode_tok_s=100.0, peak_memory_bytes=0)
     outs = [SimpleNamespace(metrics=SimpleNamespace(**vars(m), prompt_tokens=10), kv_placement=None)]
     text = format_timings(outs, "static:0.5", None, None,
-                          {"bytes": 2.5e9, "compute_bytes": 1.5e9, "host_s": 3.25, "staging_copy_s": 0.5, "wait_s": 1.5})
+                          {"bytes": 2.5e9, "compute_bytes": 1.5e9, "host_s": 3.25, "take_wait_s": 0.25, "staging_copy_s": 0.5, "wait_s": 1.5})
     assert "prefill read-back (chunks re-reading earlier KV)" in text
-    assert ("2.5 GB (1.5 GB compute rows); issuing thread 3.2 s in it (500.0 ms copying compute rows to pinned staging, "
-            "1.5 s waiting for earlier writes and staging buffers)") in text
+    assert ("2.5 GB (1.5 GB compute rows); issuing thread 3.2 s in it (250.0 ms waiting for reads started ahead); "
+            "compute-row reads (reader and issuing threads): 500.0 ms copying compute rows to pinned staging, "
+            "1.5 s waiting for earlier writes and staging buffers") in text
     cpu = format_timings(outs, "static:0.5", None, None, {"bytes": 5e6, "compute_bytes": 0, "host_s": 0.002, "staging_copy_s": 0.0, "wait_s": 0.0})
     assert "5.0 MB (0.0 MB compute rows); issuing thread 2.0 ms in it\n" in cpu + "\n"
     assert "read-back" not in format_timings(outs, "gpu", None, None, {"bytes": 0, "compute_bytes": 0, "host_s": 0.0, "staging_copy_s": 0.0, "wait_s": 0.0})

@@ -10,6 +10,13 @@ Besides the environment switches a row may set the engine's ``expert_stream_shar
 expert splits compare with the joint roofline's in one process:
 ``--policies "writescope,writescope@expert_stream_share=0,writescope@expert_stream_share=0.5"``.
 
+A row's policy is set (``LLM.set_policy``) under its switches, so what is read then follows the
+row: ``WRITESCOPE_CPU_THREADS`` gives the CPU attention worker its threads and, unless the engine
+was given ``expert_threads`` (``--expert-threads``), the native host-expert worker too (a running
+one made with another count or another CPU team is made again on its next use:
+moe/async_experts.py ``WorkerHandle.refresh``), e.g.
+``--policies "writescope,writescope@WRITESCOPE_CPU_THREADS=14"`` leaves two more cores free of both.
+
 Limits: the device-memory plan made at load stands (a switch that needs more device memory, such
 as more ping-pong buffers, is not re-planned, and may not fit where the default does); adaptive
 policies keep the roofline calibrated at load under the default switches; the CUDA graphs switch
@@ -29,7 +36,7 @@ PER_ROW = ("WRITESCOPE_MICRO_BATCHES", "WRITESCOPE_MOE_KERNEL", "WRITESCOPE_LOAD
            "WRITESCOPE_PINGPONG_BUFFERS", "WRITESCOPE_GPU_ATTENTION", "WRITESCOPE_CPU_TUNING", "WRITESCOPE_CPU_PARTIAL", "WRITESCOPE_CPU_THREADS", "WRITESCOPE_CPU_PIN",
            "WRITESCOPE_HUGE_PAGES", "WRITESCOPE_CPU_PREREAD", "WRITESCOPE_EXPERT_WORKER",
            "WRITESCOPE_EXPERT_BALANCE", "WRITESCOPE_CPU_TEAM",
-           "WRITESCOPE_GRAPH_SPLIT", "WRITESCOPE_GRAPH_EXPERTS", "WRITESCOPE_EXPERT_OUTPUT", "WRITESCOPE_LINK_FIXED")  # read when a cache (its CPU worker) is made or on every forward
+           "WRITESCOPE_GRAPH_SPLIT", "WRITESCOPE_GRAPH_EXPERTS", "WRITESCOPE_EXPERT_OUTPUT", "WRITESCOPE_LINK_FIXED")  # read when a policy is set (its cache, its CPU workers) or on every forward
 
 
 SETTINGS = ("expert_stream_share",)  # engine settings a row may set (not environment variables)

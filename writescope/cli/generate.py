@@ -293,12 +293,14 @@ def format_timings(outs, policy: str = "resident", cpu_attention: str | None = N
 
     prefill_rows = []  # after TTFT, in this order
     if readback and readback["bytes"]:
+        taken = f" ({secs(readback['take_wait_s'])} waiting for reads started ahead)" if readback.get("take_wait_s") else ""
         parts = [f"{secs(readback['staging_copy_s'])} copying compute rows to pinned staging"] if readback["staging_copy_s"] else []
         if readback.get("wait_s"):
             parts.append(f"{secs(readback['wait_s'])} waiting for earlier writes and staging buffers")
         prefill_rows.append(("prefill read-back (chunks re-reading earlier KV)",
                              f"{size(readback['bytes'])} ({size(readback['compute_bytes'])} compute rows); "
-                             f"issuing thread {secs(readback['host_s'])} in it" + (f" ({', '.join(parts)})" if parts else "")))
+                             f"issuing thread {secs(readback['host_s'])} in it{taken}"
+                             + (f"; compute-row reads (reader and issuing threads): {', '.join(parts)}" if parts else "")))
     if allocation and allocation["sequences"]:
         prefill_rows.append(("KV allocation (before the timed prefill)",
                              f"{allocation['sequences']} sequences in {secs(allocation['host_s'])}: "

@@ -162,9 +162,10 @@ class LLM:
         self.load_info["grouped_experts"] = bool(blocks) and all(p or not [e for e in range(b.cfg.num_experts) if e not in b.host_experts]
                                                                  for p, b in zip(packed, blocks))
         self.expert_threads = expert_threads or default_expert_threads(self.device)
-        # started on the first pass that uses it; by default as many threads as the attention worker
-        # (on CUDA one CPU fewer than torch's count, left to the thread that issues the step)
-        self.expert_worker = WorkerHandle(expert_threads or default_attention_threads(self.device), self.device)
+        # started on the first pass that uses it; given no expert_threads, as many threads as the attention's
+        # default (WRITESCOPE_CPU_THREADS, else on CUDA one CPU fewer than torch's count, left to the thread that
+        # issues the step), read again whenever a policy is set (a bench row's switches: set_policy's refresh)
+        self.expert_worker = WorkerHandle(expert_threads, self.device)
         for b in blocks:
             b.host_threads = self.expert_threads
             b.expert_worker = self.expert_worker

@@ -27,7 +27,7 @@ from writescope.attention.split import SplitDecoder
 from writescope.engine.ranges import named
 from writescope.kvcache.base import KVCache, AttendedNow
 from writescope.engine.threads import default_attention_threads
-from writescope.env import env_choice
+from writescope.env import env_choice, env_int
 from writescope.kvcache import pinned as pinned_memory
 from writescope.kvcache.prefill_writer import PrefillWriter
 from writescope.kvcache.sequence import SequenceKV, block_runs, load_blocks_reserved, pinned_staging_bytes
@@ -61,6 +61,8 @@ class InplaceKVCache(KVCache):
         self.decoder = SplitDecoder(spec, self.device, cpu_threads, cpu_inline)
         self.evict_stream = torch.cuda.Stream(self.device) if self.cuda else None
         self._load_on_evict = _prefill_load_on_evict_stream()  # a bad value fails here, not mid-prefill
+        self.read_ahead = read_ahead_from_env()  # layers of compute rows read ahead in chunked prefill (0: none)
+        self._ahead_bytes = 0  # bytes of those reads started and not yet taken
         self._seqs: dict[int, SequenceKV] = {}
         self._next_slot = 0
         self.prefill_readback_bytes = 0
@@ -136,6 +138,7 @@ class InplaceKVCache(KVCache):
         if seq is None:
             return
         try:
+            self._drop_read_ahead(seq)  # nothing still reading its compute rows
             self.flush_writes()  # nothing still writing into its compute rows
         finally:
             if self.cuda:  # every stream: copies into or out of its pinned memory must be done
@@ -289,6 +292,9 @@ class InplaceKVCache(KVCache):
                 o = prefill_attn(q[s:e], keys, vals, ctx, scale)
                 out = q.new_empty(q.shape[0], q.shape[1], o.shape[-1]) if out is None else out
                 out[s:e] = o
+        if self.read_ahead:  # after this layer's own reads, which must not queue behind them
+            self._read_ahead([sq for i, sq in enumerate(seqs) if batch.context_lens[i] > 0
+                              and batch.query_start_loc[i + 1] > batch.query_start_loc[i]], layer_id)
         if out is None:  # no rows
             out = q.new_empty(q.shape[0], q.shape[1], self.layout.v_dim)
         return out
@@ -409,11 +415,12 @@ class InplaceKVCache(KVCache):
     def _prefill_writer(self) -> PrefillWriter:
         """The prefill writer, made on first need (pinned staging: 4 write and 2 read buffers of one
         ping-pong buffer each; pinning them is about 0.1 s at HARDWARE.md's 0.25 s per GiB, once
-        per cache)."""
+        per cache; its writer thread copies on up to 4 threads, its reader thread on up to 8)."""
         if self._writer is None:
             s = self.spec
+            cpus = default_attention_threads(self.device)
             self._writer = PrefillWriter(s.pingpong_blocks * s.block_bytes, s.dtype, self.device,
-                                         threads=min(4, default_attention_threads(self.device)))
+                                         threads=min(4, cpus), read_threads=min(8, cpus))
         return self._writer
 
     def _read_compute(self, rows: torch.Tensor) -> torch.Tensor:
@@ -483,13 +490,15 @@ class InplaceKVCache(KVCache):
         the device's work on the layers before; the compute stream waits for them."""
         t0 = time.perf_counter()
         D = self.spec.window
-        self._wait_compute_writes(sq, layer)
-        sq.drain(layer)
+        ahead = self._take_read_ahead(sq, layer)
+        if ahead is None:
+            self._wait_compute_writes(sq, layer)
+            sq.drain(layer)
         nb = sq.placed[layer] // D
         runs = sq.block_runs(nb)  # the same for every layer of a chunk: worked out once
         n_c = sum(n for region, _, _, n in runs if region == COMPUTE)  # compute and load indices are dense: 0 .. n - 1 each
         n_l = nb - n_c
-        comp = self._read_compute(sq.compute[layer, :, :, : n_c * D]) if n_c else None
+        comp = ahead if ahead is not None else self._read_compute(sq.compute[layer, :, :, : n_c * D]) if n_c else None
         load = self._read_load(sq, layer, n_l) if n_l else None  # [n_l, parts, Hkv, D, dim]
         self.prefill_readback_bytes += nb * self.spec.block_bytes
         self.prefill_readback_compute_bytes += n_c * self.spec.block_bytes
@@ -508,17 +517,65 @@ class InplaceKVCache(KVCache):
         self.prefill_readback_host_s += time.perf_counter() - t0
         return out
 
+    def _read_ahead(self, seqs: list[SequenceKV], layer: int) -> None:
+        """Start the compute-row reads of the next :attr:`read_ahead` layers of ``seqs`` (this
+        pass's sequences with earlier chunks), on the prefill writer's reader thread, in the order
+        the pass will take them, while the reads started and not taken stay within
+        ``READ_AHEAD_BYTES`` of device memory. A layer whose last eviction to the compute region
+        is still pending (its staging block is written home on the issuing thread) is left to
+        be read when it comes. The read takes over the layer's unfinished compute-row writes:
+        it waits for them first and fails with a failed one's error (raised by the gather)."""
+        if self._writer is None:  # no compute rows were ever written
+            return
+        D = self.spec.window
+        for lay in range(layer + 1, min(layer + 1 + self.read_ahead, self.num_layers)):
+            for sq in seqs:
+                if lay in sq.read_ahead or sq.pending[lay] is not None:
+                    continue
+                nb = sq.placed[lay] // D
+                n_c = sum(n for region, _, _, n in sq.block_runs(nb) if region == COMPUTE)
+                size = n_c * self.spec.block_bytes
+                if not n_c:
+                    continue
+                if self._ahead_bytes + size > READ_AHEAD_BYTES:
+                    return
+                after, sq.compute_writes[lay] = sq.compute_writes[lay], []
+                sq.read_ahead[lay] = (nb, size, self._writer.read_async(sq.compute[lay, :, :, : n_c * D], after))
+                self._ahead_bytes += size
+
+    def _take_read_ahead(self, sq: SequenceKV, layer: int) -> torch.Tensor | None:
+        """The compute rows of ``layer`` read ahead for this gather (on the device), or None where
+        none was started or the one started no longer covers the layer's placed blocks (it is
+        taken and dropped: a failure of the writes it waited for is still raised)."""
+        entry = sq.read_ahead.pop(layer, None)
+        if entry is None:
+            return None
+        nb, size, read = entry
+        self._ahead_bytes -= size
+        rows = self._writer.take(read)
+        return rows if nb == sq.placed[layer] // self.spec.window else None
+
+    def _drop_read_ahead(self, sq: SequenceKV) -> None:
+        """Wait for ``sq``'s reads started ahead and forget them (before its rows are freed)."""
+        entries, sq.read_ahead = list(sq.read_ahead.values()), {}
+        for _, size, read in entries:
+            self._ahead_bytes -= size
+        wait([read for _, _, read in entries])
+
     def prefill_readback(self) -> dict:
         """Chunked prefill's read-back so far: ``bytes`` (every earlier block read again, all
         layers), ``compute_bytes`` (of those, compute rows), ``host_s`` (the issuing thread's
-        seconds in it, host time), and of those: ``staging_copy_s`` (copying compute rows into
-        pinned staging, CUDA only) and ``wait_s`` (waiting for the layer's compute-row writes to
-        land and, CUDA only, for a read buffer's last DMA)."""
+        seconds in it, host time) and of those ``take_wait_s`` (waiting for reads started ahead
+        on the prefill writer's reader thread); and the threads' that read compute rows, either
+        of them (the issuing one where no read was started ahead): ``staging_copy_s`` (copying
+        compute rows into pinned staging, CUDA only) and ``wait_s`` (waiting for the layer's
+        compute-row writes to land and, CUDA only, for a read buffer's last DMA)."""
         w = self._writer
         return {"bytes": self.prefill_readback_bytes, "compute_bytes": self.prefill_readback_compute_bytes,
                 "host_s": self.prefill_readback_host_s,
+                "take_wait_s": w.take_wait_s if w is not None else 0.0,
                 "staging_copy_s": w.read_copy_s if w is not None else 0.0,
-                "wait_s": self.prefill_readback_write_wait_s + (w.read_wait_s if w is not None else 0.0)}
+                "wait_s": self.prefill_readback_write_wait_s + (w.read_wait_s + w.read_after_s if w is not None else 0.0)}
 
     def _wait_compute_writes(self, sq: SequenceKV, layer: int) -> None:
         """Wait until the prefill writer's writes of ``layer``'s compute rows have landed.
@@ -621,6 +678,23 @@ class _Decoding:
 
     def __init__(self, layer: int, seqs: list[SequenceKV], pending):
         self.layer, self.seqs, self.pending = layer, seqs, pending
+
+
+READ_AHEAD_ENV = "WRITESCOPE_PREFILL_READ_AHEAD"
+READ_AHEAD_BYTES = 256 << 20  # device memory held by compute-row reads started ahead (a layer's at 64K tokens of Qwen3 is 64 MiB)
+
+
+def read_ahead_from_env() -> int:
+    """``WRITESCOPE_PREFILL_READ_AHEAD``: how many layers ahead chunked prefill starts reading a
+    sequence's compute rows back, on the prefill writer's reader thread (default 2; 0: each
+    layer's read on the issuing thread when the layer comes, the earlier behaviour, for
+    comparing the two in one run).
+
+    Raises:
+        ValueError: not an integer from 0 to 64 (names the value).
+    """
+    n = env_int(READ_AHEAD_ENV, 0, 64, "use layers from 0 (none: read on the issuing thread) to 64, default 2")
+    return 2 if n is None else n
 
 
 def _prefill_load_on_evict_stream() -> bool:

@@ -12,10 +12,19 @@ writer thread waits for each copy and moves it into the compute rows, then frees
 calling thread blocks only when every buffer is in flight. Readers of the compute region call
 :meth:`PrefillWriter.flush` first. Without CUDA the same thread and ordering are used with plain
 copies (so CI exercises the ordering).
+
+Chunked prefill reads the compute rows of earlier chunks back to the device (the other way
+through pinned staging). :meth:`PrefillWriter.read` does that on the calling thread;
+:meth:`PrefillWriter.read_async` does it on a reader thread of its own, so the thread that issues
+the prefill only takes the finished read (:meth:`PrefillWriter.take`: the current stream waits
+for its copies). Its copy into staging cost the issuing thread 1.1 s of a 32.4 s prefill of 16 x
+32K tokens (run 68, benchmarks/results/gpu_decode_h200.md), about a third of writescope's lead
+over ``gpu`` there.
 """
 
 from __future__ import annotations
 
+import threading
 import time
 from concurrent.futures import Future, ThreadPoolExecutor, wait
 from contextlib import nullcontext
@@ -37,9 +46,11 @@ class PrefillWriter:
         device: the device the sources live on (CUDA: DMA + events; CPU: plain copies).
         buffers: staging buffers in flight.
         threads: intra-op threads of the writer thread (a strided copy: a few are enough).
+        read_threads: intra-op threads of the reader thread (:meth:`read_async`; default ``threads``).
     """
 
-    def __init__(self, buffer_bytes: int, dtype: torch.dtype, device: torch.device, buffers: int = STAGING_BUFFERS, threads: int = 1):
+    def __init__(self, buffer_bytes: int, dtype: torch.dtype, device: torch.device, buffers: int = STAGING_BUFFERS, threads: int = 1,
+                 read_threads: int | None = None):
         self.dtype, self.device = dtype, torch.device(device)
         self.cuda = self.device.type == "cuda"
         self.numel = max(1, buffer_bytes // dtype.itemsize)
@@ -51,9 +62,14 @@ class PrefillWriter:
         self._read_bufs: list[torch.Tensor] = []  # READ_BUFFERS more, for reads (made with the others)
         self._read_done: list = [None] * READ_BUFFERS  # per read buffer: a CUDA event after its last DMA
         self.read_stream = torch.cuda.Stream(self.device) if self.cuda else None
-        self.read_copy_s = 0.0  # the calling thread's seconds copying rows into the read buffers
+        self.read_copy_s = 0.0  # seconds copying rows into the read buffers (the reading thread's)
         self.read_wait_s = 0.0  # ... and waiting for a read buffer's last DMA before refilling it
+        self.read_after_s = 0.0  # the reader thread's seconds waiting for the writes a read_async names
+        self.take_wait_s = 0.0  # the calling thread's seconds in take() waiting for the reader thread
+        self._read_lock = threading.Lock()  # one user of the read buffers at a time (read and the reader thread)
         self._pool = ThreadPoolExecutor(1, "writescope-prefill-write", initializer=torch.set_num_threads, initargs=(threads,))
+        self._reader = ThreadPoolExecutor(1, "writescope-prefill-read", initializer=torch.set_num_threads,
+                                          initargs=(read_threads or threads,))
         self.copy_stream = torch.cuda.Stream(self.device) if self.cuda else None
 
     def prepare(self) -> None:
@@ -113,43 +129,85 @@ class PrefillWriter:
 
     def read(self, src: torch.Tensor) -> torch.Tensor:
         """Copy ``src`` ``[a, b, n, c]`` (host rows, pageable, possibly strided) to a new
-        contiguous device tensor of its shape, through pinned staging: the calling thread copies
-        each piece along dim 2 into one of ``READ_BUFFERS`` read buffers (torch's intra-op
-        threads), then issues its DMA on the read stream and goes on to the next piece while it
-        runs; a buffer is refilled once its last DMA is done. The read stream waits for nothing
-        else, so the copies overlap the device's work; the current stream waits for the read
-        stream before this returns. A pageable host-to-device copy runs at 7.3 GB/s on the H200
-        host (../shared/HARDWARE.md) against about 50 for pinned, and chunked prefill reads every
-        compute row placed before each chunk again (kvcache/inplace.py ``_gather``). The read
-        buffers are not the write buffers: a read never waits for a write still in flight.
+        contiguous device tensor of its shape, through pinned staging, on the calling thread:
+        it copies each piece along dim 2 into one of ``READ_BUFFERS`` read buffers (torch's
+        intra-op threads), then issues its DMA on the read stream and goes on to the next piece
+        while it runs; a buffer is refilled once its last DMA is done. The read stream waits for
+        nothing else, so the copies overlap the device's work; the current stream waits for the
+        read stream before this returns. A pageable host-to-device copy runs at 7.3 GB/s on the
+        H200 host (../shared/HARDWARE.md) against about 50 for pinned, and chunked prefill reads
+        every compute row placed before each chunk again (kvcache/inplace.py ``_gather``). The
+        read buffers are not the write buffers: a read never waits for a write still in flight.
         Without CUDA the same pieces go through the same buffers with plain copies. The rows
-        read must have landed (callers wait for their writes first)."""
-        self.prepare()
-        per_token = src.shape[0] * src.shape[1] * src.shape[3]
-        n = src.shape[2]
-        step = max(1, self.numel // max(1, per_token))
-        cur, rs = (torch.cuda.current_stream(self.device), self.read_stream) if self.cuda else (None, None)
-        with torch.cuda.stream(rs) if self.cuda else nullcontext():
-            out = torch.empty(src.shape, dtype=src.dtype, device=self.device)  # on CUDA from the read stream's memory
-            for i, a in enumerate(range(0, n, step)):
-                b = i % len(self._read_bufs)
-                t0 = time.perf_counter()
-                if self._read_done[b] is not None:
-                    self._read_done[b].synchronize()  # its last DMA is done: the buffer may be refilled
-                t1 = time.perf_counter()
-                part = src[:, :, a : a + step]
-                stage = self._read_bufs[b][: part.numel()].view(part.shape)
-                stage.copy_(part)
-                self.read_wait_s += t1 - t0
-                self.read_copy_s += time.perf_counter() - t1
-                out[:, :, a : a + step].copy_(stage, non_blocking=self.cuda)
-                if self.cuda:
-                    self._read_done[b] = torch.cuda.Event(blocking=True)  # a refill sleeps, not spins, on it
-                    self._read_done[b].record(rs)
+        read must have landed (callers wait for their writes first, or name them to
+        :meth:`read_async`)."""
+        return self._hand_over(*self._stage_in(src))
+
+    def read_async(self, src: torch.Tensor, after: list[Future] | tuple = ()) -> Future:
+        """:meth:`read` on the reader thread, once the writes ``after`` (futures of :meth:`write`)
+        have finished: returns at once with a future for :meth:`take`. ``src`` must stay
+        allocated and unwritten until the read is taken (or the future is done). A write of
+        ``after`` that failed fails the read with its error (its rows are not what was written)."""
+        return self._reader.submit(self._read_job, src, list(after))
+
+    def take(self, read: Future) -> torch.Tensor:
+        """The device tensor of a :meth:`read_async`, the current stream ordered after its copies
+        (the calling thread waits only while the reader thread has not issued them).
+
+        Raises:
+            The read's error (a failed write it waited for, a failed copy).
+        """
+        t0 = time.perf_counter()
+        out, event = read.result()
+        self.take_wait_s += time.perf_counter() - t0
+        return self._hand_over(out, event)
+
+    def _read_job(self, src: torch.Tensor, after: list[Future]):
+        if after:
+            t0 = time.perf_counter()
+            wait(after)
+            self.read_after_s += time.perf_counter() - t0
+            for f in after:
+                if f.exception() is not None:
+                    raise f.exception()
+        with torch.inference_mode():  # src may be an inference tensor
+            return self._stage_in(src)
+
+    def _hand_over(self, out: torch.Tensor, event) -> torch.Tensor:
         if self.cuda:
-            cur.wait_stream(rs)
+            cur = torch.cuda.current_stream(self.device)
+            cur.wait_event(event)
             out.record_stream(cur)  # made on the read stream, used and freed on the current one
         return out
+
+    def _stage_in(self, src: torch.Tensor):
+        """(device copy of ``src``, a CUDA event after its last DMA on the read stream; None
+        without CUDA). Any thread; one at a time."""
+        with self._read_lock:
+            self.prepare()
+            per_token = src.shape[0] * src.shape[1] * src.shape[3]
+            n = src.shape[2]
+            step = max(1, self.numel // max(1, per_token))
+            rs = self.read_stream
+            with torch.cuda.stream(rs) if self.cuda else nullcontext():
+                out = torch.empty(src.shape, dtype=src.dtype, device=self.device)  # on CUDA from the read stream's memory
+                for i, a in enumerate(range(0, n, step)):
+                    b = i % len(self._read_bufs)
+                    t0 = time.perf_counter()
+                    if self._read_done[b] is not None:
+                        self._read_done[b].synchronize()  # its last DMA is done: the buffer may be refilled
+                    t1 = time.perf_counter()
+                    part = src[:, :, a : a + step]
+                    stage = self._read_bufs[b][: part.numel()].view(part.shape)
+                    stage.copy_(part)
+                    self.read_wait_s += t1 - t0
+                    self.read_copy_s += time.perf_counter() - t1
+                    out[:, :, a : a + step].copy_(stage, non_blocking=self.cuda)
+                    if self.cuda:
+                        self._read_done[b] = torch.cuda.Event(blocking=True)  # a refill sleeps, not spins, on it
+                        self._read_done[b].record(rs)
+                event = rs.record_event() if self.cuda else None
+            return out, event
 
     def flush(self) -> None:
         """Wait until every issued write is in its destination or failed; then re-raise the
@@ -171,6 +229,7 @@ class PrefillWriter:
             self.flush()
         finally:
             self._pool.shutdown(wait=True)
+            self._reader.shutdown(wait=True)  # reads in flight finish (their buffers and DMAs below)
             for event in self._read_done:
                 if event is not None:
                     event.synchronize()  # no DMA still reads a buffer about to be unregistered

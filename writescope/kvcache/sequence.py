@@ -77,6 +77,9 @@ class SequenceKV:
         # chunked prefill's read-back waits on these, per layer, instead of on every copy in flight:
         self.load_written: list[object | None] = [None] * L  # CUDA event after the latest write into the layer's load blocks
         self.compute_writes: list[list] = [[] for _ in range(L)]  # the prefill writer's futures for the layer's compute rows
+        # chunked prefill's reads of compute rows started ahead of their layer, by layer: (blocks read,
+        # bytes, the prefill writer's read_async future) (kvcache/inplace.py, _read_ahead)
+        self.read_ahead: dict[int, tuple[int, int, object]] = {}
         self._prompt_plan: list[int] | None = None  # regions of the prompt's whole blocks, decided once
         self._runs: tuple[int, list] | None = None  # (blocks, their block_runs) last asked for (block_runs)
         # what allocation did up front (seconds, bytes): the load blocks reserved (page-locked on

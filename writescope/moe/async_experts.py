@@ -37,6 +37,7 @@ import warnings
 import torch
 
 from writescope.engine import replay_hooks
+from writescope.engine.threads import default_attention_threads
 from writescope.env import env_choice
 from writescope.moe import fused_decode
 from writescope.moe.link_timing import link_expert_count
@@ -108,24 +109,56 @@ def worker_wanted(device: torch.device) -> bool:
 
 
 class WorkerHandle:
-    """One native expert worker shared by a model's MoE blocks, made on first use with ``threads``
-    OpenMP threads. Where it cannot start (no Triton on CUDA, the kernel not built), ``get``
-    returns None after one warning and the blocks keep the old path."""
+    """One native expert worker shared by a model's MoE blocks, made on first use with
+    :attr:`threads` OpenMP threads. Where it cannot start (no Triton on CUDA, the kernel not
+    built), ``get`` returns None after one warning and the blocks keep the old path.
 
-    def __init__(self, threads: int, device: torch.device):
-        self.threads, self.device = int(threads), device
+    Args:
+        threads: the worker's OpenMP threads (>= 1), fixed (``--expert-threads``); None: as many
+            as the CPU attention's default (:func:`writescope.engine.threads.default_attention_threads`,
+            so ``WRITESCOPE_CPU_THREADS`` where set), read at each :meth:`refresh` (a bench row's
+            switches) and at the first make before any refresh.
+        device: the device the blocks run on (with CUDA the default leaves the issuing thread a CPU).
+    """
+
+    def __init__(self, threads: int | None, device: torch.device):
+        self.fixed = None if threads is None else int(threads)  # None: follow the attention's default
+        self.device = device
         self.team_cpus: list[int] = []  # the CPU team's CPUs (refresh)
+        self._threads = self.fixed  # the count the last refresh or make chose; None: none yet
         self._worker = None
         self._failed = False
 
+    @property
+    def threads(self) -> int:
+        """OpenMP threads of the running worker, else of the next one made: the fixed count, or
+        the attention's default as the last refresh (or the first make) read it; before either,
+        as it is now.
+
+        Raises:
+            ValueError: a bad ``WRITESCOPE_CPU_THREADS`` (read only when the count follows it).
+        """
+        return self._threads if self._threads is not None else self._wanted()
+
+    def _wanted(self) -> int:
+        """The fixed count, else ``default_attention_threads`` as the environment has it now."""
+        return self.fixed if self.fixed is not None else default_attention_threads(self.device)
+
     def refresh(self, team_cpus: list[int]) -> None:
         """Settings for the next worker: the CPU team's CPUs (the attention worker's,
-        ``worker_cpus``) and ``WRITESCOPE_CPU_TEAM`` as they are now; a running worker made under
-        others is closed (made again on its next use). Called when a policy is set (a bench row's
-        switches), not on every layer."""
-        self.team_cpus = list(team_cpus)
+        ``worker_cpus``), ``WRITESCOPE_CPU_TEAM`` and, where the count is not fixed, the threads
+        (``WRITESCOPE_CPU_THREADS``: :attr:`threads`) as they are now; a running worker made
+        under others is closed (made again on its next use). Called when a policy is set (a bench
+        row's switches, applied around it), not on every layer.
+
+        Raises:
+            ValueError: a bad ``WRITESCOPE_CPU_THREADS`` (nothing changed then).
+        """
+        threads = self._wanted()
+        self.team_cpus, self._threads = list(team_cpus), threads
         w = self._worker
-        if w is not None and ((w.team is not None) != team_wanted() or (w.team is not None and w.team.cpus != self.team_cpus)):
+        if w is not None and ((w.team is not None) != team_wanted() or (w.team is not None and w.team.cpus != self.team_cpus)
+                              or w.threads != threads):
             self.close()
 
     def get(self):
@@ -139,8 +172,10 @@ class WorkerHandle:
                 from writescope.moe.expert_worker import ExpertWorker
                 from writescope.native.team import engine_team
 
+                if self._threads is None:  # made before any refresh: the count as it is now, kept until one
+                    self._threads = self._wanted()
                 team = engine_team(cpu_experts._extension(), self.team_cpus)  # one thread with the CPU attention worker
-                self._worker = ExpertWorker(self.threads, self.device, team=team)
+                self._worker = ExpertWorker(self._threads, self.device, team=team)
             except Exception as e:  # noqa: BLE001 - no Triton, a failed build: the old path
                 self._failed = True
                 warnings.warn(f"native expert worker unavailable ({e}); host experts run on the issuing thread", stacklevel=3)
