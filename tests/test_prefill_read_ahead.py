@@ -22,9 +22,14 @@ from writescope.scheduler.policies import parse_policy
 W, LAYERS, HQ, DIM = 16, 5, 4, 8
 
 
-def _cache(policy="static:0.5", layout=KVLayout(2, DIM, DIM, False)):
+def _cache(policy="static:0.5", layout=KVLayout(2, DIM, DIM, False), ahead=2):
+    """A cache on the CPU reading ``ahead`` layers ahead (the engine reads ahead only with CUDA,
+    where the rows cross through staging; here the same path runs with plain copies)."""
     spec = PartitionSpec(layout, LAYERS, torch.float32, window=W, pingpong_bytes=2 * W * 2 * 2 * DIM * 4)
-    return InplaceKVCache(spec, parse_policy(policy), "cpu", cpu_threads=1)
+    cache = InplaceKVCache(spec, parse_policy(policy), "cpu", cpu_threads=1)
+    assert cache.read_ahead == 0  # without CUDA the rows are read in place: nothing read ahead by default
+    cache.read_ahead = ahead
+    return cache
 
 
 def _inputs(cache, qlens, seed):
@@ -67,12 +72,10 @@ def test_reads_started_ahead_give_the_same_attention(policy, shared, ahead, monk
     layer equals the run that reads each layer's rows on the issuing thread (read-ahead 0)."""
     layout = KVLayout(1, 12, 12, True) if shared else KVLayout(2, DIM, DIM, False)
     prompts = [1, 15, 16, 17, 97]
-    monkeypatch.setenv("WRITESCOPE_PREFILL_READ_AHEAD", "0")
-    ref_cache = _cache(policy, layout)
+    ref_cache = _cache(policy, layout, ahead=0)
     _, ref = _prefill(ref_cache, prompts, 20)
     ref_cache.close()
-    monkeypatch.setenv("WRITESCOPE_PREFILL_READ_AHEAD", ahead)
-    cache = _cache(policy, layout)
+    cache = _cache(policy, layout, ahead=int(ahead))
     started = []
     real = pw.PrefillWriter.read_async
     monkeypatch.setattr(pw.PrefillWriter, "read_async", lambda self, src, after=(): started.append(1) or real(self, src, after))
@@ -91,8 +94,7 @@ def test_reads_started_ahead_give_the_same_attention(policy, shared, ahead, monk
 def test_reads_in_flight_stay_within_the_byte_cap(monkeypatch):
     """With a cap of two layers' rows of one sequence, no more than that is ever read ahead,
     however many layers ahead are asked for and however many sequences the pass has."""
-    monkeypatch.setenv("WRITESCOPE_PREFILL_READ_AHEAD", "4")
-    cache = _cache()
+    cache = _cache(ahead=4)
     seen = []
     prompts = [6 * W, 6 * W, 6 * W]
 
@@ -110,10 +112,10 @@ def test_reads_in_flight_stay_within_the_byte_cap(monkeypatch):
 
 
 def test_a_failed_write_is_raised_by_the_gather_that_takes_its_read(monkeypatch):
-    """A compute-row write of layer 3 fails: its read, started ahead while layer 1 ran, waits for
-    it and fails; layer 3's gather raises that failure (never the stale rows)."""
-    monkeypatch.setenv("WRITESCOPE_PREFILL_READ_AHEAD", "2")
-    cache = _cache("static:0.5")
+    """A compute-row write of layer 3 fails: its read, started ahead from layer 1, waits for it
+    and fails; layer 3's gather raises that failure (never the stale rows), and layer 2's, read
+    ahead beside it, is exact."""
+    cache = _cache("cpu")
     slot = cache.allocate(8 * W, prompt_len=8 * W)
     sq = cache.sequence(slot)
     layer3 = sq.compute[3]
@@ -126,17 +128,14 @@ def test_a_failed_write_is_raised_by_the_gather_that_takes_its_read(monkeypatch)
         real(event, stage, dst)
 
     monkeypatch.setattr(pw, "_finish", failing)
-    first = ForwardBatch.build([slot], [6 * W], [0], "cpu")  # compute blocks last: the first chunk writes some of them
-    for layer, (q, k, v) in enumerate(_inputs(cache, [6 * W], 1)):
-        cache.attend(layer, q, k, v, first, DIM**-0.5)
-    assert sq.n_comp[3] > 0
-    second = ForwardBatch.build([slot], [2 * W], [6 * W], "cpu")
-    inputs = _inputs(cache, [2 * W], 2)
+    g = torch.Generator().manual_seed(4)
+    for layer in (2, 3):  # two writes: fewer than the writer's staging buffers, so no later write finds the failure first
+        cache.write(slot, layer, torch.randn(4 * W, 2, DIM, generator=g), torch.randn(4 * W, 2, DIM, generator=g))
+    cache._read_ahead([sq], 1)
+    assert set(sq.read_ahead) == {2, 3} and not sq.compute_writes[3]  # the read took the write over
+    assert torch.equal(cache._gather(sq, 2)[:, :, : 4 * W], sq.compute[2, :, :, : 4 * W])
     with pytest.raises(RuntimeError, match="copy failed"):
-        for layer, (q, k, v) in enumerate(inputs):
-            cache.attend(layer, q, k, v, second, DIM**-0.5)
-            if layer == 1:
-                assert 3 in sq.read_ahead  # layer 3's read started ahead
+        cache._gather(sq, 3)
     cache._writer._pending.clear()  # the failure is this test's, not free's
     cache.free(slot)
     assert cache._ahead_bytes == 0
@@ -146,7 +145,6 @@ def test_a_failed_write_is_raised_by_the_gather_that_takes_its_read(monkeypatch)
 def test_a_read_started_ahead_that_no_longer_covers_the_layer_is_dropped(monkeypatch):
     """Layer 2's rows read ahead, then more blocks placed in layer 2 before its gather (as a pass
     that failed and was retried could leave): the gather reads again and is exact."""
-    monkeypatch.setenv("WRITESCOPE_PREFILL_READ_AHEAD", "2")
     cache = _cache("cpu")
     slot = cache.allocate(12 * W, prompt_len=12 * W)
     sq = cache.sequence(slot)
@@ -169,8 +167,7 @@ def test_a_read_started_ahead_that_no_longer_covers_the_layer_is_dropped(monkeyp
 def test_free_waits_for_reads_still_running(monkeypatch):
     """A sequence freed while its reads started ahead wait for a held write: free waits for them
     (nothing reads rows being freed) and the cache counts no read in flight after."""
-    monkeypatch.setenv("WRITESCOPE_PREFILL_READ_AHEAD", "3")
-    cache = _cache("cpu")
+    cache = _cache("cpu", ahead=3)
     slot = cache.allocate(8 * W, prompt_len=8 * W)
     sq = cache.sequence(slot)
     gate, real = threading.Event(), pw._finish

@@ -61,7 +61,8 @@ class InplaceKVCache(KVCache):
         self.decoder = SplitDecoder(spec, self.device, cpu_threads, cpu_inline)
         self.evict_stream = torch.cuda.Stream(self.device) if self.cuda else None
         self._load_on_evict = _prefill_load_on_evict_stream()  # a bad value fails here, not mid-prefill
-        self.read_ahead = read_ahead_from_env()  # layers of compute rows read ahead in chunked prefill (0: none)
+        # layers of compute rows read ahead in chunked prefill (0: none; none without CUDA, where the rows are read in place)
+        self.read_ahead = read_ahead_from_env() if self.cuda else 0
         self._ahead_bytes = 0  # bytes of those reads started and not yet taken
         self._seqs: dict[int, SequenceKV] = {}
         self._next_slot = 0
@@ -539,8 +540,9 @@ class InplaceKVCache(KVCache):
                     continue
                 if self._ahead_bytes + size > READ_AHEAD_BYTES:
                     return
-                after, sq.compute_writes[lay] = sq.compute_writes[lay], []
-                sq.read_ahead[lay] = (nb, size, self._writer.read_async(sq.compute[lay, :, :, : n_c * D], after))
+                read = self._writer.read_async(sq.compute[lay, :, :, : n_c * D], sq.compute_writes[lay])
+                sq.compute_writes[lay] = []  # the read waits for them and raises a failed one's error (only once it is submitted)
+                sq.read_ahead[lay] = (nb, size, read)
                 self._ahead_bytes += size
 
     def _take_read_ahead(self, sq: SequenceKV, layer: int) -> torch.Tensor | None:
@@ -681,7 +683,9 @@ class _Decoding:
 
 
 READ_AHEAD_ENV = "WRITESCOPE_PREFILL_READ_AHEAD"
-READ_AHEAD_BYTES = 256 << 20  # device memory held by compute-row reads started ahead (a layer's at 64K tokens of Qwen3 is 64 MiB)
+# device memory held by compute-row reads started ahead: a layer's compute rows of a 32K-token DeepSeek-V2-Lite
+# prompt at r 0.5 are 19 MB, of Qwen3-30B-A3B's 34 MB; kept well inside the budget plan's reserve (budget/plan.py)
+READ_AHEAD_BYTES = 128 << 20
 
 
 def read_ahead_from_env() -> int:
