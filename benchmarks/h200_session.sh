@@ -159,6 +159,7 @@ part() {
         ${BREAKDOWN_FLAGS:-} --output-json "$out/profile_${m}_h200${BREAKDOWN_TAG:-}.json" \
         2>&1 | grep -v USDT | tee "$out/profile_${m}_h200${BREAKDOWN_TAG:-}.log" | tail -30 ;;
     1m)  # ONEM_POLICIES: POLICY:NEW_TOKENS pairs, one process each (default writescope:256); ONEM_TAG a file-name suffix;
+      # ONEM_BATCH sequences of 32K tokens (default 32: 1M tokens; 16 for half the time);
       # ONEM_WARM=0 skips the warm-up process (8K tokens under gpu, untimed: a fresh machine's first process compiles the
       # prefill's kernels inside its TTFT, runs 67-68: its first sequence 3-5 s slower than later processes'; gpu so that
       # it keeps no in-step A for the timed writescope run to place its prompts with)
@@ -170,7 +171,7 @@ part() {
       for run in ${ONEM_POLICIES:-writescope:256}; do
         local pol=${run%%:*} new=${run##*:} f="$out/1m_deepseek-v2-lite_h200_${run%%:*}${ONEM_TAG:-}"
         timeout "$(tmo 560)" python3 -m writescope.cli.main generate --model deepseek-v2-lite --synthetic --device cuda --vram-budget 32GiB \
-          --machine-text 32k --batch 32 --max-new-tokens "$new" --ignore-eos --policy "$pol" --prefill-chunk-tokens 2048 \
+          --machine-text 32k --batch "${ONEM_BATCH:-32}" --max-new-tokens "$new" --ignore-eos --policy "$pol" --prefill-chunk-tokens 2048 \
           --output-json "$f.json" 2>&1 | grep -v "^prefill:" | tee "$f.log" | tail -14 || echo "$run: exit $?"
       done ;;
     1m-decode)
