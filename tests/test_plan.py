@@ -182,3 +182,23 @@ def test_plan_refuses_a_context_past_the_model_limit(capsys):
     assert "passes deepseek-v2-lite's limit of 163,840 tokens" in capsys.readouterr().err
     assert main(["plan", "--model", "deepseek-v2-lite", "--vram-budget", "0", "--batch", "1", "--context", "1k"]) == 2
     assert "--vram-budget: a size must be positive" in capsys.readouterr().err
+
+
+@pytest.mark.parametrize("share", [0.0, 0.25, 0.5, 1.0])
+def test_the_plan_counts_the_prefill_reads_started_ahead(share, monkeypatch):
+    """Chunked prefill's compute-row reads started ahead (kvcache/inplace.py READ_AHEAD_BYTES) are
+    in the activations: read_ahead layers of the policy's largest share of one layer's rows, at
+    most the cap; none for a policy without a compute region or with the read-ahead off."""
+    from writescope.kvcache.inplace import READ_AHEAD_BYTES
+    from writescope.kvcache.spec import PartitionSpec
+
+    cfg = preset_config("deepseek-v2-lite")
+    plans = {}
+    for ahead in ("0", "1", "2", "64"):
+        monkeypatch.setenv("WRITESCOPE_PREFILL_READ_AHEAD", ahead)
+        plans[ahead] = make_plan(cfg, torch.bfloat16, 32 * GiB, 4, 32768, 256, StaticPolicy(share)).activations
+    layer = PartitionSpec(cfg.kv_layout, cfg.num_layers, torch.bfloat16).token_bytes * (32768 + 256)
+    for ahead in ("1", "2", "64"):
+        want = min(READ_AHEAD_BYTES, int(int(ahead) * share * layer))
+        assert plans[ahead] - plans["0"] == want
+    assert plans["64"] - plans["0"] == (READ_AHEAD_BYTES if share else 0)

@@ -38,6 +38,7 @@ from writescope.attention.reference import FUSED_MAX_DIM, SCORE_BYTES
 from writescope.budget.weights import weight_sizes
 from writescope.config import ModelConfig
 from writescope.units import parse_size  # noqa: F401 - imported from here too
+from writescope.kvcache.inplace import READ_AHEAD_BYTES, read_ahead_from_env
 from writescope.kvcache.sequence import pinned_staging_bytes
 from writescope.layers.attention import mla_prefill_mode
 from writescope.kvcache.spec import DEFAULT_WINDOW, PartitionSpec
@@ -217,6 +218,10 @@ def make_plan(
     T = min(prefill_chunk_tokens, batch * context)
     per_token = (8 * H + 2 * (a.q_heads + 2 * a.kv_heads) * a.head_dim + m.top_k * (3 * m.intermediate_size + 2 * H)) * item
     act = T * per_token + 4096 * cap + batch * cfg.vocab_size * 4
+    if policy is not None and policy.max_cpu_share > 0:
+        # chunked prefill's compute-row reads started ahead (kvcache/inplace.py READ_AHEAD_BYTES): at most
+        # read_ahead layers of one sequence's compute rows, each at most the policy's largest share of cap tokens of one layer
+        act += min(READ_AHEAD_BYTES, int(read_ahead_from_env() * policy.max_cpu_share * cap * spec.token_bytes))
     act_small = act - (T - min(T, MIN_ADVISED_CHUNK)) * per_token  # the same at MIN_ADVISED_CHUNK-token passes
     if cfg.kv_layout.k_dim > FUSED_MAX_DIM and mla_prefill_mode() == "expanded":
         # one sequence's latents expanded to per-head keys and values, and the bound on scores

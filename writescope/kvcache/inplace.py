@@ -683,9 +683,9 @@ class _Decoding:
 
 
 READ_AHEAD_ENV = "WRITESCOPE_PREFILL_READ_AHEAD"
-# device memory held by compute-row reads started ahead: a layer's compute rows of a 32K-token DeepSeek-V2-Lite
-# prompt at r 0.5 are 19 MB, of Qwen3-30B-A3B's 34 MB; kept well inside the budget plan's reserve (budget/plan.py)
-READ_AHEAD_BYTES = 128 << 20
+# device memory held by compute-row reads started ahead (counted in the budget plan's activations, budget/plan.py):
+# a layer's compute rows of a 32K-token prompt at r 0.5 are 19 MB for DeepSeek-V2-Lite, 34 MB for Qwen3-30B-A3B
+READ_AHEAD_BYTES = 64 << 20
 
 
 def read_ahead_from_env() -> int:
