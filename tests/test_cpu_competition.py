@@ -99,8 +99,11 @@ def test_the_threshold_is_half_a_cpu_and_a_quarter_of_the_cpus():
 def test_short_runs_and_unreadable_stat_are_not_measured():
     f = _Fake()
     m = _meter(f)
-    f.stat, f.now = _stat(90, 90), 0.9  # busy, but under a second: a tick's error would be the figure
+    assert m.min_wall == pytest.approx(0.32)  # two CPUs, 10 ms ticks
+    f.stat, f.now = _stat(30, 30), 0.3  # busy, but under 0.32 s: a tick's error would be much of the figure
     assert m.others() is None and m.note("x") is None
+    f.now = 0.4  # a short run, measured (a tiny preset's generate: under a second)
+    assert m.others() == pytest.approx(1.5) and m.note("x") is not None
     m = CpuCompetition(read_stat=lambda: None, own_seconds=lambda: 0.0, clock=lambda: 0.0, cpus={0}, tick=0.01,
                        throttled=lambda: None)
     assert not m.measurable and m.others() is None and m.note("x") is None
@@ -185,3 +188,12 @@ def test_a_cpu_quota_is_read_from_cgroup_v2_or_v1(tmp_path):
     (v1 / "cpu,cpuacct" / "cpu.cfs_quota_us").write_text("-1\n")
     assert _throttled_s(str(v1)) is None
     assert _throttled_s(str(tmp_path / "none")) is None
+
+
+def test_the_shortest_run_measured_keeps_the_tick_error_under_a_quarter_of_the_threshold():
+    from writescope.engine.cpu_competition import min_wall_s
+
+    for n in (1, 2, 3, 16, 128):
+        wall = min_wall_s(n, 0.01)
+        assert 2 * n * 0.01 / wall == pytest.approx(max(0.5, 0.25 * n) / 4)  # the error at that wall, in CPUs
+    assert min_wall_s(16, 0.01) == pytest.approx(0.32) and min_wall_s(1, 0.01) == pytest.approx(0.16)

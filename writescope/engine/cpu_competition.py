@@ -24,7 +24,16 @@ from typing import Callable
 
 from writescope.engine.threads import process_cpus
 
-MIN_WALL_S = 1.0  # shorter runs: a tick's error at each end of each CPU's count would be the figure
+
+
+def min_wall_s(cpus: int, tick: float) -> float:
+    """The shortest run measured: where the count's error (a tick at each end of each CPU's count)
+    is at most a quarter of the competition threshold (:meth:`CpuCompetition.note`: half a CPU or
+    a quarter of the CPUs), 0.32 s with 10 ms ticks on any count of CPUs from 2. It was a fixed
+    second, so runs under a second (a short ``generate`` on a tiny preset, its steps 9x slower
+    beside one busy core) got no note."""
+    return 8 * cpus * tick / max(0.5, 0.25 * cpus)
+
 CGROUP = "/sys/fs/cgroup"
 
 
@@ -107,6 +116,7 @@ class CpuCompetition:
             except (AttributeError, ValueError, OSError):
                 tick = 0.01
         self._tick = tick
+        self.min_wall = min_wall_s(max(1, len(self.cpus)), tick)  # shorter runs are not measured (seconds)
         self._start = self._sample()
 
     def _sample(self):
@@ -121,14 +131,14 @@ class CpuCompetition:
 
     def _since(self):
         end = self._sample()
-        if self._start is None or end is None or end[2] - self._start[2] < MIN_WALL_S:
+        if self._start is None or end is None or end[2] - self._start[2] < self.min_wall:
             return None
         return end
 
     def others(self) -> float | None:
         """The CPUs (a mean over the wall time since the start) that other processes kept busy among
         this process's CPUs, at least 0; None where ``/proc/stat`` cannot be read or the run was
-        shorter than :data:`MIN_WALL_S`."""
+        shorter than :attr:`min_wall` (:func:`min_wall_s`)."""
         end = self._since()
         if end is None:
             return None
