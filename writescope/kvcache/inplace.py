@@ -29,7 +29,7 @@ from writescope.kvcache.base import KVCache, AttendedNow
 from writescope.engine.threads import default_attention_threads
 from writescope.env import env_choice, env_int
 from writescope.kvcache import pinned as pinned_memory
-from writescope.kvcache.prefill_writer import PrefillWriter
+from writescope.kvcache.prefill_writer import PrefillWriter, wait_writes
 from writescope.kvcache.sequence import SequenceKV, block_runs, load_blocks_reserved, pinned_staging_bytes
 from writescope.kvcache.spec import PartitionSpec
 from writescope.scheduler.placement import micro_batched
@@ -586,13 +586,7 @@ class InplaceKVCache(KVCache):
             The first of those writes' failures (its rows are not what was written).
         """
         futures, sq.compute_writes[layer] = sq.compute_writes[layer], []
-        if futures:
-            t0 = time.perf_counter()
-            wait(futures)
-            self.prefill_readback_write_wait_s += time.perf_counter() - t0
-            for f in futures:
-                if f.exception() is not None:
-                    raise f.exception()
+        self.prefill_readback_write_wait_s += wait_writes(futures)
 
     def _read_load(self, sq: SequenceKV, layer: int, n: int) -> torch.Tensor:
         """Load blocks ``0 .. n - 1`` of ``layer`` on the device ``[n, parts, Hkv, D, dim]``: one

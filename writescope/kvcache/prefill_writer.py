@@ -163,13 +163,7 @@ class PrefillWriter:
         return self._hand_over(out, event)
 
     def _read_job(self, src: torch.Tensor, after: list[Future]):
-        if after:
-            t0 = time.perf_counter()
-            wait(after)
-            self.read_after_s += time.perf_counter() - t0
-            for f in after:
-                if f.exception() is not None:
-                    raise f.exception()
+        self.read_after_s += wait_writes(after)
         with torch.inference_mode():  # src may be an inference tensor
             return self._stage_in(src)
 
@@ -237,6 +231,23 @@ class PrefillWriter:
                 for t in self._bufs + self._read_bufs:
                     unpin(t)
             self._bufs, self._read_bufs = [], []
+
+
+def wait_writes(writes: list[Future]) -> float:
+    """Wait for ``writes`` (futures of :meth:`PrefillWriter.write`); returns the seconds waited.
+
+    Raises:
+        The first failed write's error (its rows are not what was written).
+    """
+    if not writes:
+        return 0.0
+    t0 = time.perf_counter()
+    wait(writes)
+    waited = time.perf_counter() - t0
+    for f in writes:
+        if f.exception() is not None:
+            raise f.exception()
+    return waited
 
 
 def _finish(event, stage: torch.Tensor, dst: torch.Tensor) -> None:
