@@ -88,7 +88,7 @@ def test_cli_errors_name_the_cli_flags(capsys, argv, named, not_named):
 
 
 # ------------------------------------------------------------------ documented public names
-DOCUMENTED = {  # README's API and the package rows of docs/ARCHITECTURE.md
+DOCUMENTED = {  # the API in README.md and docs/USAGE.md, and the package rows of docs/ARCHITECTURE.md
     "writescope": ["LLM", "SamplingParams", "RequestOutput", "CompletionOutput", "RequestMetrics"],
     "writescope.engine": ["LLM", "SamplingParams", "RequestOutput", "CompletionOutput"],
     "writescope.config": ["ModelConfig", "AttentionConfig", "RopeConfig", "MoEConfig", "KVLayout"],

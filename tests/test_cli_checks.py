@@ -290,14 +290,16 @@ def test_an_unknown_flag_is_named_by_its_subcommand(capsys, no_work):
 
 
 def test_the_readme_names_every_per_row_switch():
-    """The README's bench section lists the switches a row may set (a new user found six missing):
-    every name of PER_ROW, written WRITESCOPE_X or _X, in its "(switches: ...;" list."""
+    """The bench section of the README or of docs/USAGE.md (the README's full reference) lists the
+    switches a row may set (a new user found six missing): every name of PER_ROW, written WRITESCOPE_X
+    or _X, in its "(switches: ...;" list."""
     import re
     from pathlib import Path
 
     from writescope.bench.switches import PER_ROW
 
-    readme = (Path(__file__).resolve().parent.parent / "README.md").read_text()
+    root = Path(__file__).resolve().parent.parent
+    readme = (root / "README.md").read_text() + (root / "docs" / "USAGE.md").read_text()
     listed = readme.split("(switches: ", 1)[1].split(";", 1)[0]
     names = {n if n.startswith("WRITESCOPE") else "WRITESCOPE" + n for n in re.findall(r"(?:WRITESCOPE)?_[A-Z_]+", listed.replace("#", " "))}
     assert names == set(PER_ROW)

@@ -84,7 +84,7 @@ def test_generate_cli_refuses_before_building_and_counts_the_requests_kv(machine
 def test_profile_checks_before_building(machine, capsys):
     assert main(["profile", "--model", "qwen3-30b-a3b", "--num-layers", "12", "--device", "cpu", "--policy", "resident", "--quiet"]) == 2
     assert "Nothing was built" in capsys.readouterr().err and machine == []
-    with pytest.raises(_Built):  # the README's quick shape benchmark fits 24 GiB
+    with pytest.raises(_Built):  # docs/USAGE.md's quick shape benchmark fits 24 GiB
         main(["profile", "--model", "qwen3-30b-a3b", "--num-layers", "2", "--device", "cpu", "--policy", "resident", "--quiet"])
 
 

@@ -135,4 +135,4 @@ def check_switches() -> None:
     if unknown:
         import warnings
 
-        warnings.warn(f"not a WriteScope switch, so it has no effect: {', '.join(unknown)} (the switches: README.md, 'Use', and writescope/engine/switches.py)", stacklevel=3)
+        warnings.warn(f"not a WriteScope switch, so it has no effect: {', '.join(unknown)} (the switches: docs/USAGE.md, 'Environment switches', and writescope/engine/switches.py)", stacklevel=3)
