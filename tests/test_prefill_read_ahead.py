@@ -91,6 +91,37 @@ def test_reads_started_ahead_give_the_same_attention(policy, shared, ahead, monk
     cache.close()
 
 
+@pytest.mark.parametrize("ahead", [2, 7])
+def test_the_next_chunk_s_first_layers_are_read_during_the_last_layers_of_this_one(ahead, monkeypatch):
+    """Past the last layer, reads go on at layer 0 of the next pass for a prompt with tokens
+    left: every later chunk's first layers are taken from reads started in the pass before, and
+    after the prompt's last chunk nothing is left reading (a finished prompt gets none)."""
+    cache = _cache("cpu", ahead=ahead)
+    taken, passes = [], [0]
+    real = InplaceKVCache._take_read_ahead
+
+    def spy_take(self, sq, layer):
+        rows = real(self, sq, layer)
+        taken.append((passes[0], layer, rows is not None))
+        return rows
+
+    monkeypatch.setattr(InplaceKVCache, "_take_read_ahead", spy_take)
+
+    def count(layer):
+        if layer == LAYERS - 1:
+            passes[0] += 1
+            sq = next(iter(cache._seqs.values()))
+            wrapped = {lay for lay in sq.read_ahead}
+            more = sq.seq_len(0) < sq.prompt_len
+            assert wrapped == (set(range(min(ahead, LAYERS - 1))) if more else set())
+
+    _prefill(cache, [5 * 2 * W], 2 * W, spy=count)  # five chunks of two blocks
+    first = [(p, lay) for p, lay, got in taken if lay < min(ahead, LAYERS - 1)]
+    assert first and all(got for p, lay, got in taken if p >= 1 and lay < min(ahead, LAYERS - 1))
+    assert cache._ahead_bytes == 0
+    cache.close()
+
+
 def test_reads_in_flight_stay_within_the_byte_cap(monkeypatch):
     """With a cap of two layers' rows of one sequence, no more than that is ever read ahead,
     however many layers ahead are asked for and however many sequences the pass has."""

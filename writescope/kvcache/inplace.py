@@ -294,8 +294,7 @@ class InplaceKVCache(KVCache):
                 out = q.new_empty(q.shape[0], q.shape[1], o.shape[-1]) if out is None else out
                 out[s:e] = o
         if self.read_ahead:  # after this layer's own reads, which must not queue behind them
-            self._read_ahead([sq for i, sq in enumerate(seqs) if batch.context_lens[i] > 0
-                              and batch.query_start_loc[i + 1] > batch.query_start_loc[i]], layer_id)
+            self._read_ahead([sq for i, sq in enumerate(seqs) if batch.query_start_loc[i + 1] > batch.query_start_loc[i]], layer_id)
         if out is None:  # no rows
             out = q.new_empty(q.shape[0], q.shape[1], self.layout.v_dim)
         return out
@@ -520,18 +519,24 @@ class InplaceKVCache(KVCache):
 
     def _read_ahead(self, seqs: list[SequenceKV], layer: int) -> None:
         """Start the compute-row reads of the next :attr:`read_ahead` layers of ``seqs`` (this
-        pass's sequences with earlier chunks), on the prefill writer's reader thread, in the order
-        the pass will take them, while the reads started and not taken stay within
-        ``READ_AHEAD_BYTES`` of device memory. A layer whose last eviction to the compute region
-        is still pending (its staging block is written home on the issuing thread) is left to
-        be read when it comes. The read takes over the layer's unfinished compute-row writes:
-        it waits for them first and fails with a failed one's error (raised by the gather)."""
+        pass's sequences with new tokens), on the prefill writer's reader thread, in the order
+        the passes will take them, while the reads started and not taken stay within
+        ``READ_AHEAD_BYTES`` of device memory. Past the last layer the count goes on at layer 0
+        of the next pass, for the sequences whose prompt has tokens left (their next chunk's
+        first layers, whose rows are all placed by then: nothing else would read those ahead).
+        A layer whose last eviction to the compute region is still pending (its staging block
+        is written home on the issuing thread) is left to be read when it comes. The read takes
+        over the layer's unfinished compute-row writes: it waits for them first and fails with a
+        failed one's error (raised by the gather)."""
         if self._writer is None:  # no compute rows were ever written
             return
         D = self.spec.window
-        for lay in range(layer + 1, min(layer + 1 + self.read_ahead, self.num_layers)):
+        for step in range(1, min(self.read_ahead, self.num_layers - 1) + 1):  # each other layer once
+            lay = (layer + step) % self.num_layers
             for sq in seqs:
                 if lay in sq.read_ahead or sq.pending[lay] is not None:
+                    continue
+                if lay <= layer and sq.seq_len(lay) >= sq.prompt_len:  # the next pass's layer: only a prompt with more to come
                     continue
                 nb = sq.placed[lay] // D
                 n_c = sum(n for region, _, _, n in sq.block_runs(nb) if region == COMPUTE)
