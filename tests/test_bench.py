@@ -305,6 +305,8 @@ def test_rows_run_under_their_own_switches(monkeypatch):
     assert switches.split("gpu") == ("gpu", {})
     with pytest.raises(ValueError, match="WRITESCOPE_CUDA_GRAPHS is not a per-row switch"):
         switches.check("gpu@WRITESCOPE_CUDA_GRAPHS=off")
+    with pytest.raises(ValueError, match="WRITESCOPE_MICRO_BATCHS is not a per-row switch; did you mean WRITESCOPE_MICRO_BATCHES"):
+        switches.check("gpu@WRITESCOPE_MICRO_BATCHS=2")
     with pytest.raises(ValueError, match="WRITESCOPE_MICRO_BATCHES='3'"):
         switches.check("gpu@WRITESCOPE_MICRO_BATCHES=3")
     with pytest.raises(ValueError, match="is not NAME=VALUE"):
@@ -545,3 +547,17 @@ def test_the_second_warm_up_splits_its_steps(monkeypatch):
     assert row.fits
     split = [g for g in groups if g is not None]
     assert split and all(g == [(0, 2), (2, 4)] for g in split)
+
+
+def test_the_sweep_names_shares_that_place_the_same_blocks():
+    """At 1K tokens and D = 256 a prompt has 4 blocks: static:0.125 rounds to 1 block, as
+    static:0.25 does, so the note pairs them (and 0.375/0.5, 0.625/0.75, 0.875/1); at 2K
+    (8 blocks) every eighth places its own, and no note is printed."""
+    from writescope.cli.bench import sweep_placement_note
+
+    sweep = [f"static:{i / 8:g}" for i in range(9)]
+    note = sweep_placement_note(sweep, [1024, 2048], 256)
+    assert "at 1,024 tokens (4 blocks of D = 256)" in note and "2,048" not in note
+    assert "static:0.125 = 0.25 (r 0.25)" in note and "static:0.875 = 1 (r 1)" in note
+    assert "static:0 =" not in note and "= 0 (" not in note  # static:0 places no block, alone
+    assert sweep_placement_note(sweep, [2048, 32768], 256) is None

@@ -41,6 +41,7 @@ from __future__ import annotations
 
 import statistics
 import time
+import warnings
 from dataclasses import dataclass
 
 from torch.profiler import ProfilerActivity, profile, schedule
@@ -154,7 +155,9 @@ def decode_breakdown(llm, prompt_token_ids: list[list[int]], steps: int = 8, ski
         prof.step()
 
     # step 0 holds the prefill and the first decode step: wait; then skip warm-up steps
-    prof = profile(activities=acts, schedule=schedule(wait=1, warmup=skip, active=steps, repeat=1))
+    with warnings.catch_warnings():  # skip 0 asks for no warm-up step on purpose (torch warns of it)
+        warnings.filterwarnings("ignore", message="Profiler won't be using warmup")
+        prof = profile(activities=acts, schedule=schedule(wait=1, warmup=skip, active=steps, repeat=1))
     run_decode_steps(llm, prompt_token_ids, steps, skip, on_step, around=prof)
     if trace:
         prof.export_chrome_trace(trace)

@@ -85,7 +85,11 @@ def check(entry: str) -> None:
     readers = _readers()
     for name in switches:
         if name not in readers:
-            raise ValueError(f"policy {entry!r}: {name} is not a per-row switch; use {', '.join(readers)} or {', '.join(SETTINGS)}")
+            import difflib
+
+            close = difflib.get_close_matches(name, [*readers, *SETTINGS], n=1)
+            hint = f"did you mean {close[0]}? " if close else ""
+            raise ValueError(f"policy {entry!r}: {name} is not a per-row switch; {hint}use {', '.join(readers)} or {', '.join(SETTINGS)}")
     with applied(switches):
         for name in switches:
             try:

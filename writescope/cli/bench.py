@@ -98,6 +98,30 @@ RESUME_KEYS = ("model", "synthetic", "num_layers", "steps", "window", "device", 
                "expert_profile", "kv_fill")
 
 
+def sweep_placement_note(sweep: list[str], contexts: list[int], window: int) -> str | None:
+    """A note naming the ``--sweep-static`` shares that place the same whole blocks of a prompt
+    (a prompt's compute share is round(R x blocks) whole blocks of D tokens,
+    scheduler/policies.py ``prompt_plan``), so that their rows measure one placement under several
+    labels; None where every share places its own. E.g. at 1K tokens and D = 256 (4 blocks)
+    static:0.125 places as static:0.25."""
+    from writescope.scheduler.policies import _prompt_compute_blocks, parse_policy
+
+    parts = []
+    for ctx in contexts:
+        blocks = ctx // window
+        same: dict[int, list[str]] = {}
+        for s in sweep:
+            same.setdefault(_prompt_compute_blocks(parse_policy(s), ctx, window), []).append(s.split(":", 1)[1])
+        groups = [f"{' = '.join(g)} (r {n / blocks:.3g})" for n, g in same.items() if len(g) > 1 and blocks]
+        if groups:
+            parts.append(f"at {ctx:,} tokens ({blocks} blocks of D = {window}) static:{'; static:'.join(groups)}")
+    if not parts:
+        return None
+    return ("note: --sweep-static places whole blocks, so some of its shares place the same prompt blocks "
+            f"and their rows measure one placement under several labels: {'; '.join(parts)} "
+            "(the r column shows the share placed; more blocks: a longer --context or a smaller --window)")
+
+
 def saved_rows(args: argparse.Namespace) -> list:
     """The rows of ``--output-json`` for ``--resume`` (none where the file does not exist yet).
 
@@ -174,6 +198,8 @@ def run(args: argparse.Namespace) -> int:
         raise ValueError(f"--sweep-static must be >= 0, got {args.sweep_static}")
     sweep = [f"static:{i / args.sweep_static:g}" for i in range(args.sweep_static + 1)] if args.sweep_static else []
     grid_policies = policies + [s for s in sweep if s not in policies]
+    if sweep and (note := sweep_placement_note(sweep, contexts, args.window)) is not None:
+        print(note, flush=True)
     t0 = time.perf_counter()
     llm = LLM(args.model, synthetic=args.synthetic, device=args.device, dtype=args.dtype, progress=not args.quiet,
               # sized for windows + ping-pong (any partitioned policy); an adaptive one is calibrated

@@ -303,7 +303,7 @@ def format_timings(outs, policy: str = "resident", cpu_attention: str | None = N
                              + (f"; compute-row reads (reader and issuing threads): {', '.join(parts)}" if parts else "")))
     if allocation and allocation["sequences"]:
         prefill_rows.append(("KV allocation (before the timed prefill)",
-                             f"{allocation['sequences']} sequences in {secs(allocation['host_s'])}: "
+                             f"{plural(allocation['sequences'], 'sequence')} in {secs(allocation['host_s'])}: "
                              f"{size(allocation['reserve_bytes'])} of load blocks reserved in {secs(allocation['reserve_s'])}, "
                              f"{size(allocation['commit_bytes'])} of compute rows committed in {secs(allocation['commit_s'])}"))
     if chunks and len(chunks) > 1:
