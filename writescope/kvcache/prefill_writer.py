@@ -67,6 +67,7 @@ class PrefillWriter:
         self.read_after_s = 0.0  # the reader thread's seconds waiting for the writes a read_async names
         self.take_wait_s = 0.0  # the calling thread's seconds in take() waiting for the reader thread
         self._read_lock = threading.Lock()  # one user of the read buffers at a time (read and the reader thread)
+        self._prepare_lock = threading.Lock()  # the buffers are made once, whichever thread comes first
         self._pool = ThreadPoolExecutor(1, "writescope-prefill-write", initializer=torch.set_num_threads, initargs=(threads,))
         self._reader = ThreadPoolExecutor(1, "writescope-prefill-read", initializer=torch.set_num_threads,
                                           initargs=(read_threads or threads,))
@@ -76,6 +77,10 @@ class PrefillWriter:
         """Make (and on CUDA pin) the staging buffers now, if not yet made. Pinning is the
         expensive part (HARDWARE.md: 0.25 s per GiB), so caches call this at allocate, where
         set-up cost is expected, rather than inside the first prefill."""
+        with self._prepare_lock:  # the issuing thread (a write) and the reader thread (a read ahead) may both come first
+            self._prepare()
+
+    def _prepare(self) -> None:
         if not self._bufs:
             bufs: list[torch.Tensor] = []
             try:
