@@ -177,7 +177,14 @@ def spy_forward(llm, monkeypatch, fail_at_decode: int | None = None) -> list[lis
             raise RuntimeError("injected decode failure")
         return real(ids, batch, cache, *a, **kw)
 
+    real_by_layer = llm.model.forward_by_layer
+
+    def by_layer(passes, cache, *a, **kw):  # prefill passes run layer by layer (engine/prefill_order.py): each pass once
+        seen.extend(list(batch.query_lens) for _, batch in passes)
+        return real_by_layer(passes, cache, *a, **kw)
+
     monkeypatch.setattr(llm.model, "forward", forward)
+    monkeypatch.setattr(llm.model, "forward_by_layer", by_layer)
     return seen
 
 

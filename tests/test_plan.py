@@ -84,17 +84,17 @@ def test_budget_below_the_minimum_is_refused_with_the_minimum():
 
 
 def test_a_budget_too_small_for_the_prefill_pass_advises_a_smaller_chunk(capsys):
-    """Qwen3-30B-A3B at 4 GiB: the minimum at 8,192-token prefill passes is above the budget, but at
+    """Qwen3-30B-A3B at 4.25 GiB: the minimum at 8,192-token prefill passes is above the budget, but at
     1,024 it fits, so the refusal names the prefill chunk (a new user's trial found no working advice:
     smaller batches and contexts leave the activations' 8,192 tokens). Where host memory is short
     too, both are said."""
     cfg = preset_config("qwen3-30b-a3b")
-    big = make_plan(cfg, torch.bfloat16, 4 * GiB, 1, 32768, 256, StaticPolicy(0.5))
+    big = make_plan(cfg, torch.bfloat16, 4.25 * GiB, 1, 32768, 256, StaticPolicy(0.5))
     assert big.prefill_tokens == 8192 and big.budget < big.gpu_min
     with pytest.raises(ValueError, match=r"or prefill_chunk_tokens=1024 \(the activations are sized for prefill passes of 8,192 "
-                                         r"tokens; at 1,024 they take 0\.\d\d GiB and the minimum is 3\.\d{3} GiB\)") as e:
+                                         r"tokens; at 1,024 they take 0\.\d\d GiB and the minimum is 4\.\d{3} GiB\)") as e:
         big.check()
-    small = make_plan(cfg, torch.bfloat16, 4 * GiB, 1, 32768, 256, StaticPolicy(0.5), prefill_chunk_tokens=1024)
+    small = make_plan(cfg, torch.bfloat16, 4.25 * GiB, 1, 32768, 256, StaticPolicy(0.5), prefill_chunk_tokens=1024)
     small.check()  # the advice works
     assert f"the minimum is {small.gpu_min / GiB:.3f} GiB" in str(e.value)  # the minimum said is the smaller chunk's
     with pytest.raises(ValueError) as e:  # where even 1,024-token passes would not fit, no such advice
@@ -108,7 +108,7 @@ def test_a_budget_too_small_for_the_prefill_pass_advises_a_smaller_chunk(capsys)
     both = make_plan(cfg, torch.bfloat16, 4 * GiB, 4, 32768, 256, StaticPolicy(0.5), host_free=20 * GiB)
     with pytest.raises(ValueError, match=r"below the minimum .*; and the plan needs .* GiB of host memory"):
         both.check()
-    args = ["plan", "--model", "qwen3-30b-a3b", "--vram-budget", "4GiB", "--batch", "1", "--context", "32k", "--host-memory", "200GiB"]
+    args = ["plan", "--model", "qwen3-30b-a3b", "--vram-budget", "4.25GiB", "--batch", "1", "--context", "32k", "--host-memory", "200GiB"]
     assert main(args) == 2
     assert "or --prefill-chunk-tokens 1024 (the activations" in capsys.readouterr().err  # the command's flag
     assert main(args + ["--prefill-chunk-tokens", "1024"]) == 0

@@ -187,9 +187,11 @@ def test_set_policy_switches_cache_and_keeps_weights():
     assert llm.policy_name == "static:0.5"  # unchanged after the error
 
 
-def test_single_pass_prefill_reads_nothing_back():
+def test_single_pass_prefill_reads_nothing_back(monkeypatch):
     """Decode reads the compute region in place and the load region only by streaming; only a
-    prompt prefilled in several chunks reads earlier KV back to the device."""
+    prompt prefilled in several chunks, one pass after another, reads earlier KV back to the
+    device (run layer by layer, the default, it is kept there: tests/test_prefill_order.py)."""
+    monkeypatch.setenv("WRITESCOPE_PREFILL_ORDER", "chunk")
     prompts = _prompts(4096)
     params = SamplingParams(max_tokens=STEPS, ignore_eos=True)
     one = LLM("tiny-qwen3-moe", progress=False, policy="static:0.5", window=D)

@@ -336,20 +336,25 @@ def test_allocation_counts_the_load_blocks_reserved_and_the_compute_rows_committ
         cache.free(s)
 
 
-def test_the_prefill_passes_are_kept_and_shown():
-    """``LLM.prefill_chunks``: one entry per forward pass of the offline prefill (its requests,
-    tokens, and host seconds from the start, increasing); generate's timings show the first pass
-    against the others."""
+def test_the_prefill_passes_are_kept_and_shown(monkeypatch):
+    """``LLM.prefill_chunks``: one entry per forward pass of the offline prefill run pass after
+    pass (its requests, tokens, and host seconds from the start, increasing), or per group of
+    passes run layer by layer; generate's timings show the first against the others."""
     from types import SimpleNamespace
 
     from writescope import SamplingParams
     from writescope.cli.generate import format_timings
 
-    llm = LLM("tiny-qwen3-moe", progress=False, policy="static:0.5", window=D, prefill_chunk_tokens=32)
     prompts = [list(range(3, 3 + n)) for n in (70, 5, 33)]
+    monkeypatch.setenv("WRITESCOPE_PREFILL_ORDER", "layer")
+    llm = LLM("tiny-qwen3-moe", progress=False, policy="static:0.5", window=D, prefill_chunk_tokens=32)
+    llm.generate(prompt_token_ids=prompts, sampling_params=SamplingParams(max_tokens=2, ignore_eos=True))
+    assert [(c["requests"], c["tokens"], c["passes"]) for c in llm.prefill_chunks] == [([0, 1, 2], 108, 4)]  # one group
+    monkeypatch.setenv("WRITESCOPE_PREFILL_ORDER", "chunk")
+    llm = LLM("tiny-qwen3-moe", progress=False, policy="static:0.5", window=D, prefill_chunk_tokens=32)
     llm.generate(prompt_token_ids=prompts, sampling_params=SamplingParams(max_tokens=2, ignore_eos=True))
     chunks = llm.prefill_chunks
-    assert sum(c["tokens"] for c in chunks) == 108 and all(c["tokens"] <= 32 for c in chunks)
+    assert sum(c["tokens"] for c in chunks) == 108 and all(c["tokens"] <= 32 and c["passes"] == 1 for c in chunks)
     assert len(chunks) == 4 and chunks[0]["requests"] == [0] and chunks[2]["requests"] == [0, 1, 2]  # 32 | 32 | 6+5+21 | 12
     assert all(a["end_s"] <= b["end_s"] for a, b in zip(chunks, chunks[1:])) and chunks[0]["end_s"] >= 0  # a monotonic clock
     m = SimpleNamespace(prefill_tok_s=1.0, ttft_s=1.0, tpot_s=0.01, decode_tok_s=100.0, peak_memory_bytes=0)
@@ -358,4 +363,6 @@ def test_the_prefill_passes_are_kept_and_shown():
     text = format_timings(outs, "static:0.5", chunks=fake)
     assert re.search(r"prefill passes \(issuing thread, each\) +4 of up to 2,048 tokens: the first 2\.0 s, "
                      r"the others median 100\.0 ms, slowest 200\.0 ms \(pass 3\)", text), text
+    groups = format_timings(outs, "static:0.5", chunks=[{**c, "tokens": 32768, "passes": 16} for c in fake])
+    assert re.search(r"prefill groups of passes, layer by layer \(issuing thread, each\) +4 of up to 32,768 tokens", groups), groups
     assert "prefill passes" not in format_timings(outs, "static:0.5", chunks=fake[:1])

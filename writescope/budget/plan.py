@@ -178,6 +178,19 @@ class PlanDoesNotFit(ValueError):
         self.plan = plan
 
 
+def layer_order_bytes(cfg: ModelConfig, spec: PartitionSpec, item: int, pass_tokens: int, batch: int, context: int) -> int:
+    """Device bytes of an offline prefill's passes run layer by layer (engine/prefill_order.py):
+    the group's hidden states between layers and their rotary tables (float32), and one layer's
+    KV of the group kept for its sequences' next passes; 0 where a group would be one pass
+    (every prompt fits a pass) or the passes run one at a time (``WRITESCOPE_PREFILL_ORDER=chunk``)."""
+    from writescope.engine.prefill_order import GROUP_TOKENS, prefill_order_from_env
+
+    group = min(GROUP_TOKENS, batch * context)
+    if prefill_order_from_env() != "layer" or context <= pass_tokens:
+        return 0
+    return group * (cfg.hidden_size * item + cfg.rope.dim * 4 + spec.token_bytes)
+
+
 def make_plan(
     cfg: ModelConfig,
     dtype: torch.dtype,
@@ -222,6 +235,7 @@ def make_plan(
         # chunked prefill's compute-row reads started ahead (kvcache/inplace.py READ_AHEAD_BYTES): at most
         # read_ahead layers of one sequence's compute rows, each at most the policy's largest share of cap tokens of one layer
         act += min(READ_AHEAD_BYTES, int(read_ahead_from_env() * policy.max_cpu_share * cap * spec.token_bytes))
+    act += layer_order_bytes(cfg, spec, item, T, batch, context)
     act_small = act - (T - min(T, MIN_ADVISED_CHUNK)) * per_token  # the same at MIN_ADVISED_CHUNK-token passes
     if cfg.kv_layout.k_dim > FUSED_MAX_DIM and mla_prefill_mode() == "expanded":
         # one sequence's latents expanded to per-head keys and values, and the bound on scores

@@ -266,9 +266,9 @@ def format_timings(outs, policy: str = "resident", cpu_attention: str | None = N
     is near 0 was bound by the thread issuing it, not by the device. ``readback``: chunked
     prefill's read-back (``InplaceKVCache.prefill_readback``), shown where anything was read.
     ``allocation``: the KV allocation's up-front host work (``InplaceKVCache.kv_allocation``),
-    shown where a sequence was allocated. ``chunks``: the prefill's forward passes
-    (``LLM.prefill_chunks``), shown where there were two or more: the first's seconds against
-    the median and the slowest of the others."""
+    shown where a sequence was allocated. ``chunks``: the prefill's forward passes, or groups of
+    them run layer by layer (``LLM.prefill_chunks``), shown where there were two or more: the
+    first's seconds against the median and the slowest of the others."""
     m = outs[0].metrics
     tpots = sorted(o.metrics.tpot_s for o in outs)
     rows = [
@@ -292,6 +292,9 @@ def format_timings(outs, policy: str = "resident", cpu_attention: str | None = N
         return f"{t:,.1f} s" if t >= 1 else f"{t * 1e3:,.1f} ms"
 
     prefill_rows = []  # after TTFT, in this order
+    if readback and readback.get("kept_bytes"):
+        prefill_rows.append(("prefill KV kept on the device (passes layer by layer)",
+                             f"{size(readback['kept_bytes'])} of earlier KV not read back"))
     if readback and readback["bytes"]:
         taken = f" ({secs(readback['take_wait_s'])} waiting for reads started ahead)" if readback.get("take_wait_s") else ""
         parts = [f"{secs(readback['staging_copy_s'])} copying compute rows to pinned staging"] if readback["staging_copy_s"] else []
@@ -310,7 +313,9 @@ def format_timings(outs, policy: str = "resident", cpu_attention: str | None = N
         took = [c["end_s"] - (chunks[k - 1]["end_s"] if k else 0.0) for k, c in enumerate(chunks)]
         rest = sorted(took[1:])
         slow = max(range(1, len(took)), key=took.__getitem__)
-        prefill_rows.append(("prefill passes (issuing thread, each)",
+        grouped = any(c.get("passes", 1) > 1 for c in chunks)  # groups of passes run layer by layer (engine/prefill_order.py)
+        prefill_rows.append(("prefill groups of passes, layer by layer (issuing thread, each)" if grouped else
+                             "prefill passes (issuing thread, each)",
                              f"{len(took)} of up to {max(c['tokens'] for c in chunks):,} tokens: the first {secs(took[0])}, "
                              f"the others median {secs(rest[len(rest) // 2])}, slowest {secs(took[slow])} (pass {slow + 1})"))
     rows[4:4] = prefill_rows

@@ -41,6 +41,7 @@ from tqdm import tqdm
 from writescope.attention.metadata import ForwardBatch
 from writescope.budget.memory import available_memory
 from writescope.engine.logprobs import TokenLogprobs
+from writescope.engine.prefill_order import group_passes, layered, prefill_order_from_env
 from writescope.engine.prompts import check_token_ids
 from writescope.engine.request import FINISHED, Request, StepOutput
 from writescope.engine.sampling import SamplingParams, sample, sample_with_logprobs
@@ -379,35 +380,76 @@ class EngineCore:
 def prefill_batch(llm, ids: list[list[int]], slots: list[int]) -> torch.Tensor:
     """Chunked prefill of all ``ids`` (prompt token ids, one list per request) into their cache
     ``slots``: each forward pass takes up to ``llm.prefill_chunk_tokens`` tokens, packed across
-    the requests in order; a progress bar from PROGRESS_MIN_PROMPT_TOKENS tokens (with
-    ``llm.progress``). Returns the last prompt token's logits, ``[batch, vocab]``. Sets
-    ``llm.prefill_chunks``: per forward pass, ``requests`` (indices into ``ids``), ``tokens`` and
+    the requests in order; groups of passes run layer by layer (engine/prefill_order.py;
+    ``WRITESCOPE_PREFILL_ORDER=chunk``: each pass through every layer in turn); a progress bar
+    from PROGRESS_MIN_PROMPT_TOKENS tokens (with ``llm.progress``). Returns the last prompt
+    token's logits, ``[batch, vocab]``. Sets ``llm.prefill_chunks``: per pass, or per group of
+    passes run layer by layer, ``requests`` (indices into ``ids``), ``tokens``, ``passes`` and
     ``end_s`` (host seconds from the start when its layers were issued; no synchronisation is
-    added, so a pass that waits shows in the next ones)."""
+    added, so a pass that waits shows in the next ones).
+
+    Raises:
+        ValueError: a bad ``WRITESCOPE_PREFILL_ORDER`` (before any pass runs).
+    """
+    order = prefill_order_from_env()
     n_layers, total = llm.config.num_layers, sum(map(len, ids))
+    passes, starts = pack_passes([len(p) for p in ids], llm.prefill_chunk_tokens)
+    groups = group_passes(passes) if order == "layer" else [[k] for k in range(len(passes))]
     t_start, chunks = time.perf_counter(), []
     llm.prefill_chunks = chunks
     bar = tqdm(total=total, desc="prefill", unit="tok", disable=not llm.progress or total < PROGRESS_MIN_PROMPT_TOKENS)
-    done = [0] * len(ids)
     last_logits: list[torch.Tensor | None] = [None] * len(ids)
-    while any(d < len(p) for d, p in zip(done, ids)):
-        budget, rows, chunk = llm.prefill_chunk_tokens, [], []
-        for i, p in enumerate(ids):
-            take = min(len(p) - done[i], budget)
+
+    def built(k: int):
+        rows = passes[k]
+        chunk = [t for (i, take), s in zip(rows, starts[k]) for t in ids[i][s : s + take]]
+        batch = ForwardBatch.build([slots[i] for i, _ in rows], [t for _, t in rows], starts[k], llm.device)
+        return torch.tensor(chunk, device=llm.device), batch
+
+    def finished(k: int, logits: torch.Tensor) -> None:
+        for r, ((i, take), s) in enumerate(zip(passes[k], starts[k])):
+            if s + take == len(ids[i]):
+                last_logits[i] = logits[r]
+
+    for group in groups:
+        if len(group) > 1 and layered(group, passes):
+            step = lambda layer: bar.set_postfix_str(f"layer {layer + 1}/{n_layers} of {len(group)} passes", refresh=False)  # noqa: E731
+            for k, logits in zip(group, llm.model.forward_by_layer([built(k) for k in group], llm.cache, layer_callback=step)):
+                finished(k, logits)
+            tokens = sum(t for k in group for _, t in passes[k])
+            bar.update(tokens)
+            chunks.append({"requests": sorted({i for k in group for i, _ in passes[k]}), "tokens": tokens, "passes": len(group),
+                           "end_s": time.perf_counter() - t_start})
+            continue
+        for k in group:
+            step = lambda layer: bar.set_postfix_str(f"layer {layer + 1}/{n_layers}", refresh=False)  # noqa: E731
+            input_ids, batch = built(k)
+            finished(k, llm.model(input_ids, batch, llm.cache, layer_callback=step))
+            bar.update(len(input_ids))
+            chunks.append({"requests": [i for i, _ in passes[k]], "tokens": len(input_ids), "passes": 1,
+                           "end_s": time.perf_counter() - t_start})
+    bar.close()
+    return torch.stack(last_logits)  # type: ignore[arg-type]
+
+
+def pack_passes(lengths: list[int], chunk_tokens: int) -> tuple[list[list[tuple[int, int]]], list[list[int]]]:
+    """The passes of a chunked prefill of prompts of ``lengths`` tokens: each takes up to
+    ``chunk_tokens`` tokens, packed across the prompts in order. Returns per pass its
+    ``(prompt, new tokens)`` rows and, per row, the tokens of that prompt before the pass."""
+    done = [0] * len(lengths)
+    passes, starts = [], []
+    while any(d < n for d, n in zip(done, lengths)):
+        budget, rows, before = chunk_tokens, [], []
+        for i, n in enumerate(lengths):
+            take = min(n - done[i], budget)
             if take > 0:
                 rows.append((i, take))
-                chunk.extend(p[done[i] : done[i] + take])
+                before.append(done[i])
                 budget -= take
             if budget == 0:
                 break
-        batch = ForwardBatch.build([slots[i] for i, _ in rows], [t for _, t in rows], [done[i] for i, _ in rows], llm.device)
-        step = lambda layer: bar.set_postfix_str(f"layer {layer + 1}/{n_layers}", refresh=False)  # noqa: E731
-        logits = llm.model(torch.tensor(chunk, device=llm.device), batch, llm.cache, layer_callback=step)
-        bar.update(len(chunk))
-        chunks.append({"requests": [i for i, _ in rows], "tokens": len(chunk), "end_s": time.perf_counter() - t_start})
-        for r, (i, take) in enumerate(rows):
+        for i, take in rows:
             done[i] += take
-            if done[i] == len(ids[i]):
-                last_logits[i] = logits[r]
-    bar.close()
-    return torch.stack(last_logits)  # type: ignore[arg-type]
+        passes.append(rows)
+        starts.append(before)
+    return passes, starts

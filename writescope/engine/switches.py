@@ -30,6 +30,7 @@ def readers() -> dict[str, Callable[[], object]]:
     from writescope.kvcache.inplace import _micro_batches, _prefill_load_on_evict_stream, read_ahead_from_env
     from writescope.kvcache.spec import load_read_from_env, pingpong_buffers_from_env
     from writescope.models.graphs import graphs_wanted
+    from writescope.engine.prefill_order import prefill_order_from_env
     from writescope.moe.fused_decode import env_fused
     from writescope.native.team import team_wanted
     from writescope.models.decode_step import graph_split_wanted
@@ -45,6 +46,7 @@ def readers() -> dict[str, Callable[[], object]]:
         "WRITESCOPE_CUDA_GRAPHS": lambda: graphs_wanted(torch.device("cpu")),
         "WRITESCOPE_PREFILL_LOAD_STREAM": _prefill_load_on_evict_stream,
         "WRITESCOPE_PREFILL_READ_AHEAD": read_ahead_from_env,
+        "WRITESCOPE_PREFILL_ORDER": prefill_order_from_env,
         "WRITESCOPE_CPU_WORKER": _native_wanted,
         "WRITESCOPE_CPU_PARTIAL": _cpu_partial_in_place,
         "WRITESCOPE_GPU_TILES": _tiles,
@@ -88,7 +90,8 @@ def _tiles():
 
 # every switch by name (those cpu_kernel.prepare checks too), for what a run prints it ran under
 NAMES = ("WRITESCOPE_MICRO_BATCHES", "WRITESCOPE_MOE_KERNEL", "WRITESCOPE_LOAD_READ", "WRITESCOPE_LOAD_STREAM", "WRITESCOPE_LOAD_COPIES",
-         "WRITESCOPE_PINGPONG_BUFFERS", "WRITESCOPE_GPU_ATTENTION", "WRITESCOPE_CUDA_GRAPHS", "WRITESCOPE_PREFILL_LOAD_STREAM", "WRITESCOPE_PREFILL_READ_AHEAD", "WRITESCOPE_CPU_WORKER", "WRITESCOPE_CPU_PARTIAL",
+         "WRITESCOPE_PINGPONG_BUFFERS", "WRITESCOPE_GPU_ATTENTION", "WRITESCOPE_CUDA_GRAPHS", "WRITESCOPE_PREFILL_LOAD_STREAM", "WRITESCOPE_PREFILL_READ_AHEAD",
+         "WRITESCOPE_PREFILL_ORDER", "WRITESCOPE_CPU_WORKER", "WRITESCOPE_CPU_PARTIAL",
          "WRITESCOPE_GPU_TILES", "WRITESCOPE_MLA_PREFILL", "WRITESCOPE_EXPERT_ISA", "WRITESCOPE_CPU_ATTENTION", "WRITESCOPE_CPU_ISA",
          "WRITESCOPE_CPU_TUNING", "WRITESCOPE_PINNED_POOL", "WRITESCOPE_CPU_THREADS", "WRITESCOPE_CPU_PIN",
          "WRITESCOPE_HUGE_PAGES", "WRITESCOPE_CPU_PREREAD", "WRITESCOPE_EXPERT_WORKER",

@@ -15,6 +15,7 @@ for that attention; counted in ``prefill_readback_bytes``). Placed bytes never m
 
 from __future__ import annotations
 
+import contextlib
 import math
 import time
 from concurrent.futures import wait
@@ -64,6 +65,10 @@ class InplaceKVCache(KVCache):
         # layers of compute rows read ahead in chunked prefill (0: none; none without CUDA, where the rows are read in place)
         self.read_ahead = read_ahead_from_env() if self.cuda else 0
         self._ahead_bytes = 0  # bytes of those reads started and not yet taken
+        # while prefill passes run layer by layer (keeping_prefill_kv): slot -> (layer, that layer's KV of the
+        # sequence so far on the device), which the sequence's next pass at that layer takes instead of reading back
+        self._kept: dict[int, tuple[int, torch.Tensor]] | None = None
+        self.prefill_kept_bytes = 0  # KV bytes a pass took from the kept KV instead of reading them back
         self._seqs: dict[int, SequenceKV] = {}
         self._next_slot = 0
         self.prefill_readback_bytes = 0
@@ -138,6 +143,8 @@ class InplaceKVCache(KVCache):
         seq = self._seqs.pop(slot, None)
         if seq is None:
             return
+        if self._kept is not None:
+            self._kept.pop(slot, None)
         try:
             self._drop_read_ahead(seq)  # nothing still reading its compute rows
             self.flush_writes()  # nothing still writing into its compute rows
@@ -188,6 +195,25 @@ class InplaceKVCache(KVCache):
         return list(self._seqs)
 
     # ------------------------------------------------------------------ attention
+    @contextlib.contextmanager
+    def keeping_prefill_kv(self):
+        """While prefill passes run layer by layer (models/causal_lm.py ``forward_by_layer``,
+        engine/prefill_order.py): each prefill pass leaves a sequence's KV of the layer it ran on
+        the device (the tensor its attention used: earlier tokens and the pass's new ones, in
+        position order), and the sequence's next pass at that layer takes it instead of reading
+        its earlier KV back from host memory (``_gather``). One kept layer per sequence (the
+        last one run; a pass at another layer reads back as before), and only while its prompt
+        has tokens left; all dropped on leaving, and a sequence's when it is freed. Nothing is
+        read ahead meanwhile (the next call is the same layer's next pass, not the next layer).
+        The KV is written to its regions as always."""
+        if self._kept is not None:
+            raise RuntimeError("keeping_prefill_kv is already active")
+        self._kept = {}
+        try:
+            yield
+        finally:
+            self._kept = None
+
     def attend(self, layer_id, q, k, v, batch: ForwardBatch, scale, sliding_window=None, prefill_attn=None):
         return self.attend_end(self.attend_begin(layer_id, q, k, v, batch, scale, sliding_window, prefill_attn))
 
@@ -281,10 +307,17 @@ class InplaceKVCache(KVCache):
             s, e = batch.query_start_loc[i], batch.query_start_loc[i + 1]
             if e == s:  # no new tokens: nothing to write or attend
                 continue
-            ctx = batch.context_lens[i]
-            prev = self._gather(sq, layer_id) if ctx > 0 else None
+            ctx, slot = batch.context_lens[i], batch.slots[i]
+            kept = self._kept.pop(slot, None) if self._kept is not None else None
+            if ctx > 0 and kept is not None and kept[0] == layer_id and kept[1].shape[2] == ctx:
+                prev = kept[1]  # this layer's KV so far, made on the device by the sequence's previous pass
+                self.prefill_kept_bytes += sq.placed[layer_id] // self.spec.window * self.spec.block_bytes  # what _gather would read
+            else:
+                prev = self._gather(sq, layer_id) if ctx > 0 else None
             self._write(sq, layer_id, new[:, :, s:e])
             kv = new[:, :, s:e] if prev is None else torch.cat((prev, new[:, :, s:e]), dim=2)
+            if self._kept is not None and sq.seq_len(layer_id) < sq.prompt_len:  # the prompt goes on: its next pass takes it
+                self._kept[slot] = (layer_id, kv if prev is not None else kv.clone())  # (a view of this pass's k, v: copied)
             keys = kv[0].transpose(0, 1)  # [ctx + n, Hkv, dk]
             vals = kv[1].transpose(0, 1) if self.spec.parts == 2 else keys[..., : self.layout.v_dim]
             if prefill_attn is None:
@@ -293,8 +326,9 @@ class InplaceKVCache(KVCache):
                 o = prefill_attn(q[s:e], keys, vals, ctx, scale)
                 out = q.new_empty(q.shape[0], q.shape[1], o.shape[-1]) if out is None else out
                 out[s:e] = o
-        if self.read_ahead:  # after this layer's own reads, which must not queue behind them
-            self._read_ahead([sq for i, sq in enumerate(seqs) if batch.query_start_loc[i + 1] > batch.query_start_loc[i]], layer_id)
+        if self.read_ahead and self._kept is None:  # after this layer's own reads, which must not queue behind them
+            self._read_ahead([sq for i, sq in enumerate(seqs) if batch.context_lens[i] > 0
+                              and batch.query_start_loc[i + 1] > batch.query_start_loc[i]], layer_id)
         if out is None:  # no rows
             out = q.new_empty(q.shape[0], q.shape[1], self.layout.v_dim)
         return out
@@ -519,24 +553,21 @@ class InplaceKVCache(KVCache):
 
     def _read_ahead(self, seqs: list[SequenceKV], layer: int) -> None:
         """Start the compute-row reads of the next :attr:`read_ahead` layers of ``seqs`` (this
-        pass's sequences with new tokens), on the prefill writer's reader thread, in the order
-        the passes will take them, while the reads started and not taken stay within
-        ``READ_AHEAD_BYTES`` of device memory. Past the last layer the count goes on at layer 0
-        of the next pass, for the sequences whose prompt has tokens left (their next chunk's
-        first layers, whose rows are all placed by then: nothing else would read those ahead).
-        A layer whose last eviction to the compute region is still pending (its staging block
-        is written home on the issuing thread) is left to be read when it comes. The read takes
-        over the layer's unfinished compute-row writes: it waits for them first and fails with a
-        failed one's error (raised by the gather)."""
+        pass's sequences with earlier chunks), on the prefill writer's reader thread, in the order
+        the pass will take them, while the reads started and not taken stay within
+        ``READ_AHEAD_BYTES`` of device memory. A layer whose last eviction to the compute region
+        is still pending (its staging block is written home on the issuing thread) is left to
+        be read when it comes. The read takes over the layer's unfinished compute-row writes:
+        it waits for them first and fails with a failed one's error (raised by the gather).
+        Reads stop at the pass's last layer: past it, a read for the next pass would be left
+        untaken where that pass is decode-shaped (no gather), and in serve it would copy
+        during the running requests' decode step."""
         if self._writer is None:  # no compute rows were ever written
             return
         D = self.spec.window
-        for step in range(1, min(self.read_ahead, self.num_layers - 1) + 1):  # each other layer once
-            lay = (layer + step) % self.num_layers
+        for lay in range(layer + 1, min(layer + 1 + self.read_ahead, self.num_layers)):
             for sq in seqs:
                 if lay in sq.read_ahead or sq.pending[lay] is not None:
-                    continue
-                if lay <= layer and sq.seq_len(lay) >= sq.prompt_len:  # the next pass's layer: only a prompt with more to come
                     continue
                 nb = sq.placed[lay] // D
                 n_c = sum(n for region, _, _, n in sq.block_runs(nb) if region == COMPUTE)
@@ -571,7 +602,9 @@ class InplaceKVCache(KVCache):
 
     def prefill_readback(self) -> dict:
         """Chunked prefill's read-back so far: ``bytes`` (every earlier block read again, all
-        layers), ``compute_bytes`` (of those, compute rows), ``host_s`` (the issuing thread's
+        layers), ``compute_bytes`` (of those, compute rows), ``kept_bytes`` (earlier KV a pass
+        took from the device instead, passes run layer by layer: :meth:`keeping_prefill_kv`),
+        ``host_s`` (the issuing thread's
         seconds in it, host time) and of those ``take_wait_s`` (waiting for reads started ahead
         on the prefill writer's reader thread); and the threads' that read compute rows, either
         of them (the issuing one where no read was started ahead): ``staging_copy_s`` (copying
@@ -579,6 +612,7 @@ class InplaceKVCache(KVCache):
         compute-row writes to land and, CUDA only, for a read buffer's last DMA)."""
         w = self._writer
         return {"bytes": self.prefill_readback_bytes, "compute_bytes": self.prefill_readback_compute_bytes,
+                "kept_bytes": self.prefill_kept_bytes,
                 "host_s": self.prefill_readback_host_s,
                 "take_wait_s": w.take_wait_s if w is not None else 0.0,
                 "staging_copy_s": w.read_copy_s if w is not None else 0.0,

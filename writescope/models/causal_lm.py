@@ -8,6 +8,7 @@ MLP of each layer.
 
 from __future__ import annotations
 
+import contextlib
 from typing import Callable
 
 import torch
@@ -136,6 +137,48 @@ class CausalLM(nn.Module):
             x = layer(x, self.rope, cos_sin, batch, cache)
             if layer_callback is not None:
                 layer_callback(i)
+        return self._logits(x, batch, all_logits)
+
+    def _logits(self, x: torch.Tensor, batch: ForwardBatch, all_logits: bool) -> torch.Tensor:
         if not all_logits and batch.num_tokens != len(batch.slots):  # (decode: every token is its sequence's last; an
             x = x[batch.last_token_indices()]  # [B, D]                 index list would be a host-to-device copy, a wait)
         return self.lm_head(self.model.norm(x)).float()
+
+    @torch.inference_mode()
+    def forward_by_layer(
+        self,
+        passes: list[tuple[torch.Tensor, ForwardBatch]],
+        cache: KVCache,
+        layer_callback: Callable[[int], None] | None = None,
+    ) -> list[torch.Tensor]:
+        """Run several prefill passes layer by layer: layer l of every pass (in their order) before
+        layer l + 1 of any. The same operations on the same inputs per pass as :meth:`forward`
+        pass after pass, so the same logits; a cache that keeps a layer's KV on the device between
+        passes (``keeping_prefill_kv``) then reads none of it back (engine/prefill_order.py).
+
+        Args:
+            passes: ``(input_ids [T_k] int64, batch_k)`` in the order :meth:`forward` would run them;
+                no pass may be decode-shaped (every sequence one new token: :meth:`forward` runs
+                those as decode steps).
+            cache: KV cache holding each pass's ``context_lens`` once the passes before it ran.
+            layer_callback: called with the layer id once every pass has run it.
+
+        Returns:
+            Per pass, float32 logits of each sequence's last new token ``[B_k, vocab]``.
+
+        Raises:
+            ValueError: a decode-shaped pass.
+        """
+        for _, batch in passes:
+            if batch.slots and all(n == 1 for n in batch.query_lens):
+                raise ValueError("forward_by_layer: a pass whose every sequence has one new token is a decode step; run it with forward")
+        xs = [self.model.embed_tokens(ids) for ids, _ in passes]
+        cos_sins = [self.rope.cos_sin(batch.positions) for _, batch in passes]
+        keep = getattr(cache, "keeping_prefill_kv", None)
+        with keep() if keep is not None else contextlib.nullcontext():
+            for i, layer in enumerate(self.model.layers):
+                for k, (_, batch) in enumerate(passes):
+                    xs[k] = layer(xs[k], self.rope, cos_sins[k], batch, cache)
+                if layer_callback is not None:
+                    layer_callback(i)
+        return [self._logits(x, batch, False) for x, (_, batch) in zip(xs, passes)]

@@ -1,0 +1,155 @@
+"""The offline prefill's passes run layer by layer over a group (engine/prefill_order.py,
+``CausalLM.forward_by_layer``, ``InplaceKVCache.keeping_prefill_kv``): the same logits, the same
+placement and the same tokens as pass after pass, with the earlier KV of a group's sequences
+taken from the device instead of read back from host memory."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+import writescope.engine.prefill_order as prefill_order
+from writescope import LLM, SamplingParams
+from writescope.engine.prefill_order import group_passes, layered, prefill_order_from_env
+from writescope.engine.runner import pack_passes
+from writescope.kvcache.inplace import InplaceKVCache
+
+D = 16
+PROMPTS = (1, 15, 16, 17, 97, 33)  # ragged; 33 in passes of 16 ends with a one-token pass
+
+
+def _prompts(lengths=PROMPTS):
+    return [[(7 * i + 3 * j) % 500 + 5 for i in range(n)] for j, n in enumerate(lengths)]
+
+
+def test_passes_pack_the_prompts_in_order():
+    """Up to ``chunk`` tokens a pass, across the prompts in order; each row's start is the tokens
+    of its prompt before the pass."""
+    passes, starts = pack_passes([20, 5, 40], 16)
+    assert passes == [[(0, 16)], [(0, 4), (1, 5), (2, 7)], [(2, 16)], [(2, 16)], [(2, 1)]]
+    assert starts == [[0], [16, 0, 0], [7], [23], [39]]
+
+
+def test_groups_stop_at_the_token_cap_and_keep_decode_shaped_passes_alone():
+    passes = [[(0, 16)], [(0, 4), (1, 12)], [(1, 16)], [(1, 1)], [(2, 16)], [(2, 16)], [(2, 40)], [(2, 2)]]
+    assert group_passes(passes, group_tokens=32) == [[0, 1], [2], [3], [4, 5], [6], [7]]
+    assert group_passes(passes, group_tokens=10**6) == [[0, 1, 2], [3], [4, 5, 6, 7]]
+    assert group_passes([[(0, 1), (1, 1)]], group_tokens=32) == [[0]]
+    assert layered([0, 1], passes) and not layered([4], passes) and layered([4, 5], passes)
+    assert not layered([0, 4], passes)  # no request in both passes: nothing to keep
+
+
+@pytest.mark.parametrize("policy", ["resident", "gpu", "cpu", "static:0.5", "writescope"])
+@pytest.mark.parametrize("preset", ["tiny-deepseek-v2", "tiny-qwen3-moe"])
+def test_layer_by_layer_gives_the_same_logits_placement_and_tokens(policy, preset, monkeypatch):
+    """Both orders on the same weights and prompts: the prefill's last-token logits are the same
+    bits, every sequence's blocks sit in the same regions, and greedy decoding gives the same
+    tokens; layer by layer, the partitioned cache reads no earlier KV back within a group."""
+    results = {}
+    for order in ("chunk", "layer"):
+        monkeypatch.setenv("WRITESCOPE_PREFILL_ORDER", order)
+        llm = LLM(preset, progress=False, policy=policy, window=D, prefill_chunk_tokens=16)
+        outs = llm.generate(prompt_token_ids=_prompts(), sampling_params=SamplingParams(max_tokens=6, ignore_eos=True))
+        cache = llm.cache
+        slots = [cache.allocate(n + 2, prompt_len=n) for n in PROMPTS]
+        logits = llm._prefill(_prompts(), slots)
+        placed = [cache.placement(s) for s in slots] if isinstance(cache, InplaceKVCache) else None
+        read = cache.prefill_readback() if isinstance(cache, InplaceKVCache) else None
+        results[order] = ([o.token_ids for o in outs], logits, placed, read, [c.get("passes") for c in llm.prefill_chunks])
+        for s in slots:
+            cache.free(s)
+    (tok_c, log_c, pl_c, rb_c, _), (tok_l, log_l, pl_l, rb_l, groups) = results["chunk"], results["layer"]
+    assert tok_l == tok_c
+    torch.testing.assert_close(log_l, log_c, rtol=0, atol=0)
+    assert pl_l == pl_c
+    assert max(groups) > 1  # the passes did run as a group
+    if rb_c is not None:
+        assert rb_c["bytes"] > 0 and rb_c["kept_bytes"] == 0
+        # one group (all prompts fit GROUP_TOKENS): every earlier KV came from the device
+        assert rb_l["bytes"] == 0 and rb_l["kept_bytes"] > 0
+        assert rb_l["kept_bytes"] == rb_c["bytes"]  # exactly what chunk order read back
+
+
+@pytest.mark.parametrize("policy", ["static:0.5", "gpu"])
+def test_groups_smaller_than_a_prompt_read_back_across_groups(policy, monkeypatch):
+    """A prompt split across groups: its first pass in a later group reads its earlier KV back
+    (nothing kept crosses a group), later passes in the group take it from the device, and the
+    logits still equal pass-after-pass's."""
+    monkeypatch.setattr(prefill_order, "GROUP_TOKENS", 40)
+    import writescope.engine.runner as runner
+
+    monkeypatch.setattr(runner, "group_passes", lambda passes: prefill_order.group_passes(passes, 40))
+    prompts = _prompts((97, 50))
+    want = None
+    for order in ("chunk", "layer"):
+        monkeypatch.setenv("WRITESCOPE_PREFILL_ORDER", order)
+        llm = LLM("tiny-deepseek-v2", progress=False, policy=policy, window=D, prefill_chunk_tokens=16)
+        slots = [llm.cache.allocate(len(p) + 2, prompt_len=len(p)) for p in prompts]
+        logits = llm._prefill(prompts, slots)
+        rb = llm.cache.prefill_readback()
+        assert llm.cache._kept is None  # nothing kept after the prefill
+        if want is None:
+            want, chunk_rb = logits, rb
+        else:
+            torch.testing.assert_close(logits, want, rtol=0, atol=0)
+            assert 0 < rb["bytes"] < chunk_rb["bytes"] and rb["kept_bytes"] > 0
+            assert rb["bytes"] + rb["kept_bytes"] == chunk_rb["bytes"]
+            assert [c["passes"] for c in llm.prefill_chunks][:3] == [2, 2, 2]  # 16 + 16 tokens a group
+
+
+def test_a_freed_sequence_drops_what_was_kept():
+    llm = LLM("tiny-qwen3-moe", progress=False, policy="static:0.5", window=D)
+    cache = llm.cache
+    slot = cache.allocate(40, prompt_len=32)
+    with cache.keeping_prefill_kv():
+        cache._kept[slot] = (0, torch.zeros(1))
+        cache.free(slot)
+        assert slot not in cache._kept
+        with pytest.raises(RuntimeError, match="already active"):
+            with cache.keeping_prefill_kv():
+                pass
+    assert cache._kept is None
+
+
+def test_forward_by_layer_refuses_a_decode_shaped_pass():
+    from writescope.attention.metadata import ForwardBatch
+
+    llm = LLM("tiny-qwen3-moe", progress=False, policy="gpu", window=D)
+    slot = llm.cache.allocate(8, prompt_len=4)
+    batch = ForwardBatch.build([slot], [1], [0], llm.device)
+    with pytest.raises(ValueError, match="decode step"):
+        llm.model.forward_by_layer([(torch.tensor([5]), batch)], llm.cache)
+
+
+@pytest.mark.parametrize("value", ["layers", "1", ""])
+def test_a_bad_order_names_the_value(value, monkeypatch):
+    monkeypatch.setenv("WRITESCOPE_PREFILL_ORDER", value)
+    if value == "":
+        with pytest.raises(ValueError, match="WRITESCOPE_PREFILL_ORDER=''"):
+            prefill_order_from_env()
+        return
+    with pytest.raises(ValueError, match=f"WRITESCOPE_PREFILL_ORDER='{value}'.*'layer'.*'chunk'"):
+        prefill_order_from_env()
+    with pytest.raises(ValueError, match="WRITESCOPE_PREFILL_ORDER"):  # before any weight loads
+        LLM("tiny-qwen3-moe", progress=False, policy="gpu", window=D)
+
+
+def test_the_default_is_layer_order(monkeypatch):
+    monkeypatch.delenv("WRITESCOPE_PREFILL_ORDER", raising=False)
+    assert prefill_order_from_env() == "layer"
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("policy", ["static:0.5", "gpu"])
+def test_layer_by_layer_on_cuda_gives_the_same_logits(policy, monkeypatch):
+    """On CUDA (bf16, the prefill writer's staging and streams): both orders give the same
+    last-token logits, and layer by layer reads nothing back within the group."""
+    prompts = _prompts((97, 50, 33))
+    got = {}
+    for order in ("chunk", "layer"):
+        monkeypatch.setenv("WRITESCOPE_PREFILL_ORDER", order)
+        llm = LLM("tiny-deepseek-v2", device="cuda", dtype="bfloat16", progress=False, policy=policy, window=D, prefill_chunk_tokens=16)
+        slots = [llm.cache.allocate(len(p) + 2, prompt_len=len(p)) for p in prompts]
+        got[order] = (llm._prefill(prompts, slots).cpu(), llm.cache.prefill_readback())
+    torch.testing.assert_close(got["layer"][0], got["chunk"][0], rtol=0, atol=0)
+    assert got["layer"][1]["bytes"] == 0 and got["layer"][1]["kept_bytes"] == got["chunk"][1]["bytes"] > 0
