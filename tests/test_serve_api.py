@@ -536,7 +536,13 @@ def test_a_failing_choice_cancels_the_others(server, monkeypatch, streamed):
     assert metrics(server.url).get(refused, 0) == refused_before
 
 
-def test_disconnect_cancels_every_choice(server):
+def test_disconnect_cancels_every_choice(server, caplog, monkeypatch):
+    """A client that hangs up mid-stream cancels both choices, their KV is freed, and the
+    request's log line says status 499 and, in words, that the client disconnected."""
+    top = logging.getLogger("uvicorn")  # as in test_one_info_line_per_finished_request
+    if caplog.handler not in top.handlers:
+        monkeypatch.setattr(top, "handlers", [*top.handlers, caplog.handler])
+    caplog.set_level(logging.INFO, logger="uvicorn.error")
     key = ("writescope:request_success_total", (("finished_reason", "abort"),))
     wait_until(lambda: server.engine.snapshot()["running"] == 0, "the server to be idle")
     before = metrics(server.url).get(key, 0)
@@ -548,6 +554,9 @@ def test_disconnect_cancels_every_choice(server):
                     break  # a token in: the loop's iterator, dropped here, closes the connection (hangs up)
     wait_until(lambda: metrics(server.url).get(key, 0) == before + 2, "both choices to be aborted")
     wait_until(lambda: server.engine.snapshot()["kv_slots"] == 0, "their KV to be freed")
+    wait_until(lambda: any(" status=499 " in r.getMessage() for r in caplog.records), "the request's log line")
+    line = next(r.getMessage() for r in caplog.records if " status=499 " in r.getMessage())
+    assert line.endswith(" (the client disconnected: cancelled)"), line
 
 
 # ---------------------------------------------------------------- work off the event loop

@@ -33,7 +33,7 @@ def add_parser(sub) -> None:
                         "0: none wait: a request is taken while one of the --max-num-seqs places is free, else 503)")
     p.add_argument("--shutdown-grace", type=float, default=None, metavar="SECONDS",
                    help="after Ctrl-C or SIGTERM, the requests in flight may finish for this long; those still running "
-                        "then get 503 (default 30)")
+                        "then get 503 (default 25; the process exits a second or two after it)")
     p.add_argument("--prefill-chunk-tokens", type=int, default=2048,
                    help="prompt tokens per engine step (default 2048: running requests decode between chunks)")
     p.add_argument("--device", default="auto", help="auto (cuda when present, the default), cpu or cuda")

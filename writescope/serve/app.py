@@ -442,7 +442,7 @@ _GONE = object()  # _collect's answer when the client went away
 
 class _RequestLog:
     """The INFO line of one request as it ends: its id, HTTP status (a stream's: its error
-    event's code; 499: the client went away), tokens, finish reasons (one per choice; ``-``: it
+    event's code; 499: the client went away, which the line then says in words), tokens, finish reasons (one per choice; ``-``: it
     did not finish), the time to its first token and in all (from when its route began, the
     prompt's tokenizing included)."""
 
@@ -454,8 +454,9 @@ class _RequestLog:
         firsts = [c.ttft_s for c in choices if c.ttft_s is not None]  # the engine's, from the request's arrival
         ttft = f"{(self.stream.arrival + min(firsts) - self.t0) * 1e3:.1f}" if firsts else "-"
         reasons = ",".join(c.last.finish_reason if c.last is not None else "-" for c in choices)
-        log.info("%s status=%d prompt_tokens=%d completion_tokens=%d finish_reason=%s ttft_ms=%s total_ms=%.1f", self.rid,
-                 status, self.prompt_tokens, sum(len(c.ids) for c in choices), reasons, ttft, total_ms)
+        log.info("%s status=%d prompt_tokens=%d completion_tokens=%d finish_reason=%s ttft_ms=%s total_ms=%.1f%s", self.rid,
+                 status, self.prompt_tokens, sum(len(c.ids) for c in choices), reasons, ttft, total_ms,
+                 " (the client disconnected: cancelled)" if status == 499 else "")
 
 
 class _Guard:

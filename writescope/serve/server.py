@@ -15,7 +15,9 @@ import threading
 
 import uvicorn
 
-GRACEFUL_SHUTDOWN_S = 30  # after a stop, requests in flight may finish for this long; those still running then are failed (503)
+GRACEFUL_SHUTDOWN_S = 25  # after a stop, requests in flight may finish for this long; those still running then are failed (503);
+# the process ends a second or two later (the engine stops, the process exits): 25 keeps it inside a 30 s kill deadline
+# (Kubernetes' default terminationGracePeriodSeconds)
 CLOSE_MARGIN_S = 10  # uvicorn's own graceful limit is this much longer: the failed requests' answers go out before it would cancel them
 
 
