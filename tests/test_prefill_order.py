@@ -153,3 +153,24 @@ def test_layer_by_layer_on_cuda_gives_the_same_logits(policy, monkeypatch):
         got[order] = (llm._prefill(prompts, slots).cpu(), llm.cache.prefill_readback())
     torch.testing.assert_close(got["layer"][0], got["chunk"][0], rtol=0, atol=0)
     assert got["layer"][1]["bytes"] == 0 and got["layer"][1]["kept_bytes"] == got["chunk"][1]["bytes"] > 0
+
+
+def test_the_plan_counts_the_group_s_hidden_states_and_kept_kv(monkeypatch):
+    """budget/plan.py: layer by layer, the activations grow by the group's hidden states, rotary
+    tables and one layer's KV (DeepSeek-V2-Lite, 16 x 32K in passes of 2,048: a group of 32,768
+    tokens); nothing where the prefill is one pass or runs pass after pass."""
+    from writescope.budget.plan import make_plan
+    from writescope.kvcache.spec import PartitionSpec
+    from writescope.presets import preset_config
+    from writescope.scheduler.policies import StaticPolicy
+
+    cfg = preset_config("deepseek-v2-lite")
+    plans = {}
+    for order in ("layer", "chunk"):
+        monkeypatch.setenv("WRITESCOPE_PREFILL_ORDER", order)
+        plans[order] = [make_plan(cfg, torch.bfloat16, 32 * 2**30, b, c, 256, StaticPolicy(0.5), prefill_chunk_tokens=2048)
+                        for b, c in ((16, 32768), (1, 2000))]
+    token_bytes = PartitionSpec(cfg.kv_layout, cfg.num_layers, torch.bfloat16).token_bytes
+    extra = plans["layer"][0].activations - plans["chunk"][0].activations
+    assert extra == 32768 * (cfg.hidden_size * 2 + cfg.rope.dim * 4 + token_bytes) > 128 * 2**20
+    assert plans["layer"][1].activations == plans["chunk"][1].activations  # 2,000 tokens: one pass

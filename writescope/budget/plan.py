@@ -181,12 +181,13 @@ class PlanDoesNotFit(ValueError):
 def layer_order_bytes(cfg: ModelConfig, spec: PartitionSpec, item: int, pass_tokens: int, batch: int, context: int) -> int:
     """Device bytes of an offline prefill's passes run layer by layer (engine/prefill_order.py):
     the group's hidden states between layers and their rotary tables (float32), and one layer's
-    KV of the group kept for its sequences' next passes; 0 where a group would be one pass
-    (every prompt fits a pass) or the passes run one at a time (``WRITESCOPE_PREFILL_ORDER=chunk``)."""
+    KV of the group kept for its sequences' next passes (packed passes cut prompts wherever a pass
+    fills, so any prefill of more than one pass may group); 0 where the whole prefill is one pass
+    or the passes run one at a time (``WRITESCOPE_PREFILL_ORDER=chunk``)."""
     from writescope.engine.prefill_order import GROUP_TOKENS, prefill_order_from_env
 
     group = min(GROUP_TOKENS, batch * context)
-    if prefill_order_from_env() != "layer" or context <= pass_tokens:
+    if prefill_order_from_env() != "layer" or batch * context <= pass_tokens:  # one pass: nothing to group
         return 0
     return group * (cfg.hidden_size * item + cfg.rope.dim * 4 + spec.token_bytes)
 
