@@ -38,6 +38,7 @@ from writescope.attention.reference import FUSED_MAX_DIM, SCORE_BYTES
 from writescope.budget.weights import weight_sizes
 from writescope.config import ModelConfig
 from writescope.units import parse_size  # noqa: F401 - imported from here too
+from writescope.engine.prefill_order import prefill_order_from_env
 from writescope.kvcache.inplace import READ_AHEAD_BYTES, read_ahead_from_env
 from writescope.kvcache.sequence import pinned_staging_bytes
 from writescope.layers.attention import mla_prefill_mode
@@ -178,16 +179,17 @@ class PlanDoesNotFit(ValueError):
         self.plan = plan
 
 
-def layer_order_bytes(cfg: ModelConfig, spec: PartitionSpec, item: int, pass_tokens: int, batch: int, context: int) -> int:
+def layer_order_bytes(cfg: ModelConfig, spec: PartitionSpec, item: int, pass_tokens: int, batch: int, context: int,
+                      order: str = "layer") -> int:
     """Device bytes of an offline prefill's passes run layer by layer (engine/prefill_order.py):
     the group's hidden states between layers and their rotary tables (float32), and one layer's
     KV of the group kept for its sequences' next passes (packed passes cut prompts wherever a pass
     fills, so any prefill of more than one pass may group); 0 where the whole prefill is one pass
-    or the passes run one at a time (``WRITESCOPE_PREFILL_ORDER=chunk``)."""
-    from writescope.engine.prefill_order import GROUP_TOKENS, prefill_order_from_env
+    or the passes run one at a time (``order`` ``chunk``)."""
+    from writescope.engine.prefill_order import GROUP_TOKENS
 
     group = min(GROUP_TOKENS, batch * context)
-    if prefill_order_from_env() != "layer" or batch * context <= pass_tokens:  # one pass: nothing to group
+    if order != "layer" or batch * context <= pass_tokens:  # one pass: nothing to group
         return 0
     return group * (cfg.hidden_size * item + cfg.rope.dim * 4 + spec.token_bytes)
 
@@ -204,10 +206,13 @@ def make_plan(
     prefill_chunk_tokens: int = 8192,
     host_free: int | None = None,
     gemm_workspaces: int = GEMM_WORKSPACES,
+    prefill_order: str | None = None,
 ) -> MemoryPlan:
     """The plan for ``batch`` sequences of ``context + max_new_tokens`` tokens under ``budget`` bytes
     (``gemm_workspaces``: the cuBLAS workspaces' bytes; counted whatever the device, as the reserve
-    is, so that a plan made on the CPU is the one CUDA gets).
+    is, so that a plan made on the CPU is the one CUDA gets; ``prefill_order``: ``layer`` or
+    ``chunk``, the offline prefill's order, None: ``WRITESCOPE_PREFILL_ORDER``'s; a server's
+    passes always run one at a time: ``chunk``).
 
     ``policy`` None means ``resident`` (all KV on the GPU). The plan is not checked here: call
     :meth:`MemoryPlan.check`.
@@ -236,8 +241,11 @@ def make_plan(
         # chunked prefill's compute-row reads started ahead (kvcache/inplace.py READ_AHEAD_BYTES): at most
         # read_ahead layers of one sequence's compute rows, each at most the policy's largest share of cap tokens of one layer
         act += min(READ_AHEAD_BYTES, int(read_ahead_from_env() * policy.max_cpu_share * cap * spec.token_bytes))
-    act += layer_order_bytes(cfg, spec, item, T, batch, context)
-    act_small = act - (T - min(T, MIN_ADVISED_CHUNK)) * per_token  # the same at MIN_ADVISED_CHUNK-token passes
+    order = prefill_order_from_env() if prefill_order is None else prefill_order
+    layered = layer_order_bytes(cfg, spec, item, T, batch, context, order)
+    act += layered
+    small = min(T, MIN_ADVISED_CHUNK)  # the same at MIN_ADVISED_CHUNK-token passes (which may group where T did not)
+    act_small = act - (T - small) * per_token - layered + layer_order_bytes(cfg, spec, item, small, batch, context, order)
     if cfg.kv_layout.k_dim > FUSED_MAX_DIM and mla_prefill_mode() == "expanded":
         # one sequence's latents expanded to per-head keys and values, and the bound on scores
         # should SDPA take its math path for them

@@ -317,7 +317,7 @@ def format_timings(outs, policy: str = "resident", cpu_attention: str | None = N
         prefill_rows.append(("prefill groups of passes, layer by layer (issuing thread, each)" if grouped else
                              "prefill passes (issuing thread, each)",
                              f"{len(took)} of up to {max(c['tokens'] for c in chunks):,} tokens: the first {secs(took[0])}, "
-                             f"the others median {secs(rest[len(rest) // 2])}, slowest {secs(took[slow])} (pass {slow + 1})"))
+                             f"the others median {secs(rest[len(rest) // 2])}, slowest {secs(took[slow])} ({'group' if grouped else 'pass'} {slow + 1})"))
     rows[4:4] = prefill_rows
     if cpu_attention is not None and policy not in ("resident", "gpu"):  # only these never attend on the CPU
         rows.append(("CPU attention", cpu_attention))

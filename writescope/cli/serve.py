@@ -225,7 +225,8 @@ def _load(args, state, server) -> None:
         llm = LLM(args.model, synthetic=args.synthetic, device=args.device, dtype=args.dtype, seed=args.weight_seed,
                   max_model_len=args.max_model_len, prefill_chunk_tokens=args.prefill_chunk_tokens, progress=True,
                   policy=args.policy, window=args.window, cpu_threads=args.cpu_threads, vram_budget=args.vram_budget,
-                  max_batch=args.max_num_seqs, expert_threads=args.expert_threads, expert_stream_share=args.expert_stream_share)
+                  max_batch=args.max_num_seqs, expert_threads=args.expert_threads, expert_stream_share=args.expert_stream_share,
+                  prefill_order="chunk")  # its passes interleave with decode steps: nothing to plan for layer order
         engine = AsyncEngine(llm, max_num_seqs=args.max_num_seqs, max_queue=args.max_queue)
         template = ChatTemplate.for_model(args.model)
     except Exception as e:  # noqa: BLE001 - reported by run() after the server stops

@@ -15,6 +15,7 @@ import torch
 
 from writescope.budget.memory import available_memory
 from writescope.budget.plan import MemoryPlan, make_plan
+from writescope.engine.prefill_order import ORDER_ENV, prefill_order_from_env
 from writescope.units import parse_budget
 from writescope.config import ModelConfig
 from writescope.engine.model_loader import parse_dtype, resolve_config, resolve_device
@@ -32,7 +33,8 @@ from writescope.scheduler.policies import parse_policy
 class CheckedArguments:
     """What the checks resolved: the device and dtype, the policy that sizes the plan (None:
     ``resident``), the model's config, the effective ``max_model_len`` and the budget's plan
-    (None without ``vram_budget``)."""
+    (None without ``vram_budget``), and the order of the offline prefill's passes (``layer`` or
+    ``chunk``: engine/prefill_order.py)."""
 
     device: torch.device
     dtype: torch.dtype
@@ -40,6 +42,7 @@ class CheckedArguments:
     config: ModelConfig
     max_model_len: int
     plan: MemoryPlan | None
+    prefill_order: str = "layer"
 
 
 def check_threads(threads: int | None, name: str = "cpu_threads") -> None:
@@ -92,7 +95,7 @@ def check_arguments(model: str, *, synthetic: bool = False, device: str = "auto"
                     max_model_len: int | None = None, prefill_chunk_tokens: int = 8192, policy: str = "resident",
                     window: int = DEFAULT_WINDOW, cpu_threads: int | None = None, vram_budget: int | str | None = None,
                     max_batch: int = 32, num_layers: int | None = None, expert_threads: int | None = None,
-                    expert_stream_share: float | None = None) -> CheckedArguments:
+                    expert_stream_share: float | None = None, prefill_order: str | None = None) -> CheckedArguments:
     """``LLM``'s arguments of the same names, checked in the order the constructor reads them,
     before any weight, cache or kernel is built (the model's config is read; with a budget, the
     plan is made and checked against this host's memory).
@@ -109,6 +112,10 @@ def check_arguments(model: str, *, synthetic: bool = False, device: str = "auto"
         raise ArgError(f"prefill_chunk_tokens must be >= 1, got {prefill_chunk_tokens}", "prefill_chunk_tokens")
     sizing = parse_policy(policy, roofline=Roofline(1.0, 1.0))  # the name; sizes the budget plan
     check_switches()  # every WRITESCOPE_* switch, whatever the policy uses
+    if prefill_order is None:
+        prefill_order = prefill_order_from_env()
+    elif prefill_order not in ("layer", "chunk"):
+        raise ArgError(f"prefill_order must be 'layer' or 'chunk' (None: {ORDER_ENV}), got {prefill_order!r}", "prefill_order")
     if window < 1:
         raise ArgError(f"window (D) must be >= 1 token, got {window}", "window")
     check_threads(cpu_threads)
@@ -129,6 +136,6 @@ def check_arguments(model: str, *, synthetic: bool = False, device: str = "auto"
         except ValueError as e:
             raise ArgError(f"vram_budget: {e}", "vram_budget") from None
         plan = make_plan(cfg, dt, budget, max_batch, length, 0, sizing, window, prefill_chunk_tokens,
-                         available_memory(torch.device("cpu")))
+                         available_memory(torch.device("cpu")), prefill_order=prefill_order)
         plan.check()
-    return CheckedArguments(dev, dt, sizing, cfg, length, plan)
+    return CheckedArguments(dev, dt, sizing, cfg, length, plan, prefill_order)

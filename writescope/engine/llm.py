@@ -90,6 +90,11 @@ class LLM:
             weights in the memory check made before anything is built
             (:func:`writescope.budget.memory.check_fits`); the CLI passes its requests'. Default 0:
             the weights alone (every ``generate`` checks its batch's KV before allocating it).
+        prefill_order: how ``generate``'s prefill runs its passes: ``layer`` (layer by layer over
+            groups of passes, earlier KV kept on the device) or ``chunk`` (one pass through every
+            layer after another); None: ``WRITESCOPE_PREFILL_ORDER``'s (default ``layer``). Read
+            once here: the budget plan counts what it costs (engine/prefill_order.py). A server
+            passes ``chunk``: its passes interleave with decode steps, one at a time.
 
     Raises:
         ValueError: unknown model/preset, bad dtype or device, bad max_model_len, unknown
@@ -122,11 +127,14 @@ class LLM:
         expert_stream_share: float | None = None,
         expert_profile=None,
         kv_tokens: int = 0,
+        prefill_order: str | None = None,
     ):
         checked = check_arguments(model, synthetic=synthetic, device=device, dtype=dtype, max_model_len=max_model_len,
                                   prefill_chunk_tokens=prefill_chunk_tokens, policy=policy, window=window, cpu_threads=cpu_threads,
                                   vram_budget=vram_budget, max_batch=max_batch, num_layers=num_layers,
-                                  expert_threads=expert_threads, expert_stream_share=expert_stream_share)
+                                  expert_threads=expert_threads, expert_stream_share=expert_stream_share,
+                                  prefill_order=prefill_order)
+        self.prefill_order = checked.prefill_order
         self.device, self.dtype, sizing, cfg = checked.device, checked.dtype, checked.sizing, checked.config
         self.max_model_len, self.vram_plan, self.max_batch = checked.max_model_len, checked.plan, max_batch  # max_batch: the plan's seats
         self.expert_stream_share_given = expert_stream_share  # None: the device's default, and writescope's split each step

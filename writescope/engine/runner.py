@@ -41,7 +41,7 @@ from tqdm import tqdm
 from writescope.attention.metadata import ForwardBatch
 from writescope.budget.memory import available_memory
 from writescope.engine.logprobs import TokenLogprobs
-from writescope.engine.prefill_order import group_passes, layered, prefill_order_from_env
+from writescope.engine.prefill_order import group_passes, layered
 from writescope.engine.prompts import check_token_ids
 from writescope.engine.request import FINISHED, Request, StepOutput
 from writescope.engine.sampling import SamplingParams, sample, sample_with_logprobs
@@ -381,17 +381,15 @@ def prefill_batch(llm, ids: list[list[int]], slots: list[int]) -> torch.Tensor:
     """Chunked prefill of all ``ids`` (prompt token ids, one list per request) into their cache
     ``slots``: each forward pass takes up to ``llm.prefill_chunk_tokens`` tokens, packed across
     the requests in order; groups of passes run layer by layer (engine/prefill_order.py;
-    ``WRITESCOPE_PREFILL_ORDER=chunk``: each pass through every layer in turn); a progress bar
+    ``llm.prefill_order`` ``chunk``: each pass through every layer in turn); a progress bar
     from PROGRESS_MIN_PROMPT_TOKENS tokens (with ``llm.progress``). Returns the last prompt
     token's logits, ``[batch, vocab]``. Sets ``llm.prefill_chunks``: per pass, or per group of
     passes run layer by layer, ``requests`` (indices into ``ids``), ``tokens``, ``passes`` and
     ``end_s`` (host seconds from the start when its layers were issued; no synchronisation is
     added, so a pass that waits shows in the next ones).
 
-    Raises:
-        ValueError: a bad ``WRITESCOPE_PREFILL_ORDER`` (before any pass runs).
     """
-    order = prefill_order_from_env()
+    order = llm.prefill_order  # read once at load (LLM), as the budget plan counted it
     n_layers, total = llm.config.num_layers, sum(map(len, ids))
     passes, starts = pack_passes([len(p) for p in ids], llm.prefill_chunk_tokens)
     groups = group_passes(passes) if order == "layer" else [[k] for k in range(len(passes))]
@@ -413,11 +411,14 @@ def prefill_batch(llm, ids: list[list[int]], slots: list[int]) -> torch.Tensor:
 
     for group in groups:
         if len(group) > 1 and layered(group, passes):
-            step = lambda layer: bar.set_postfix_str(f"layer {layer + 1}/{n_layers} of {len(group)} passes", refresh=False)  # noqa: E731
+            tokens = sum(t for k in group for _, t in passes[k])
+
+            def step(layer: int, tokens: int = tokens, n: int = len(group)) -> None:  # the bar moves a layer's share of the group's tokens
+                bar.set_postfix_str(f"layer {layer + 1}/{n_layers} of {n} passes", refresh=False)
+                bar.update(tokens * (layer + 1) // n_layers - tokens * layer // n_layers)
+
             for k, logits in zip(group, llm.model.forward_by_layer([built(k) for k in group], llm.cache, layer_callback=step)):
                 finished(k, logits)
-            tokens = sum(t for k in group for _, t in passes[k])
-            bar.update(tokens)
             chunks.append({"requests": sorted({i for k in group for i, _ in passes[k]}), "tokens": tokens, "passes": len(group),
                            "end_s": time.perf_counter() - t_start})
             continue

@@ -68,6 +68,7 @@ class InplaceKVCache(KVCache):
         # while prefill passes run layer by layer (keeping_prefill_kv): slot -> (layer, that layer's KV of the
         # sequence so far on the device), which the sequence's next pass at that layer takes instead of reading back
         self._kept: dict[int, tuple[int, torch.Tensor]] | None = None
+        self._keep_slots: set[int] = set()  # the sequences with a later pass in the group (keep_for)
         self.prefill_kept_bytes = 0  # KV bytes a pass took from the kept KV instead of reading them back
         self._seqs: dict[int, SequenceKV] = {}
         self._next_slot = 0
@@ -202,18 +203,26 @@ class InplaceKVCache(KVCache):
         the device (the tensor its attention used: earlier tokens and the pass's new ones, in
         position order), and the sequence's next pass at that layer takes it instead of reading
         its earlier KV back from host memory (``_gather``). One kept layer per sequence (the
-        last one run; a pass at another layer reads back as before), and only while its prompt
-        has tokens left; all dropped on leaving, and a sequence's when it is freed. Nothing is
+        last one run; a pass at another layer reads back as before), and only for a sequence with
+        a later pass in the group (:meth:`keep_for`); all dropped on leaving, and a sequence's
+        when it is freed. Nothing is
         read ahead meanwhile (the next call is the same layer's next pass, not the next layer).
         The KV is written to its regions as always."""
         if self._kept is not None:
             raise RuntimeError("keeping_prefill_kv is already active")
-        self._kept = {}
+        self._kept, self._keep_slots = {}, set()
         try:
             yield
         finally:
-            self._kept = None
+            self._kept, self._keep_slots = None, set()
 
+    def keep_for(self, slots: set[int]) -> None:
+        """Inside :meth:`keeping_prefill_kv`, before a pass: the sequences (slots) that have a later
+        pass in the group, whose KV of the layer this pass runs is kept for it (no other's is:
+        it would be dropped unused at the group's end, and held meanwhile)."""
+        if self._kept is None:
+            raise RuntimeError("keep_for outside keeping_prefill_kv")
+        self._keep_slots = slots
     def attend(self, layer_id, q, k, v, batch: ForwardBatch, scale, sliding_window=None, prefill_attn=None):
         return self.attend_end(self.attend_begin(layer_id, q, k, v, batch, scale, sliding_window, prefill_attn))
 
@@ -313,10 +322,12 @@ class InplaceKVCache(KVCache):
                 prev = kept[1]  # this layer's KV so far, made on the device by the sequence's previous pass
                 self.prefill_kept_bytes += sq.placed[layer_id] // self.spec.window * self.spec.block_bytes  # what _gather would read
             else:
+                kept = None  # another layer's: not held while this one is read back
                 prev = self._gather(sq, layer_id) if ctx > 0 else None
+            kept = None
             self._write(sq, layer_id, new[:, :, s:e])
             kv = new[:, :, s:e] if prev is None else torch.cat((prev, new[:, :, s:e]), dim=2)
-            if self._kept is not None and sq.seq_len(layer_id) < sq.prompt_len:  # the prompt goes on: its next pass takes it
+            if self._kept is not None and slot in self._keep_slots:  # a later pass of the group takes it
                 self._kept[slot] = (layer_id, kv if prev is not None else kv.clone())  # (a view of this pass's k, v: copied)
             keys = kv[0].transpose(0, 1)  # [ctx + n, Hkv, dk]
             vals = kv[1].transpose(0, 1) if self.spec.parts == 2 else keys[..., : self.layout.v_dim]

@@ -174,10 +174,14 @@ class CausalLM(nn.Module):
                 raise ValueError("forward_by_layer: a pass whose every sequence has one new token is a decode step; run it with forward")
         xs = [self.model.embed_tokens(ids) for ids, _ in passes]
         cos_sins = [self.rope.cos_sin(batch.positions) for _, batch in passes]
+        # per pass, the sequences with a pass after it in the group: only theirs is worth keeping
+        later = [set().union(*(b.slots for _, b in passes[k + 1 :])) for k in range(len(passes))]
         keep = getattr(cache, "keeping_prefill_kv", None)
         with keep() if keep is not None else contextlib.nullcontext():
             for i, layer in enumerate(self.model.layers):
                 for k, (_, batch) in enumerate(passes):
+                    if keep is not None:
+                        cache.keep_for(later[k])
                     xs[k] = layer(xs[k], self.rope, cos_sins[k], batch, cache)
                 if layer_callback is not None:
                     layer_callback(i)
