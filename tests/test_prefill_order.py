@@ -62,7 +62,7 @@ def test_layer_by_layer_gives_the_same_logits_placement_and_tokens(policy, prese
     assert tok_l == tok_c
     torch.testing.assert_close(log_l, log_c, rtol=0, atol=0)
     assert pl_l == pl_c
-    assert max(groups) > 1  # the passes did run as a group
+    assert max(groups) > 1 if policy != "resident" else max(groups) == 1  # resident: nothing to keep, one pass at a time
     if rb_c is not None:
         assert rb_c["bytes"] > 0 and rb_c["kept_bytes"] == 0
         # one group (all prompts fit GROUP_TOKENS): every earlier KV came from the device
@@ -75,7 +75,6 @@ def test_groups_smaller_than_a_prompt_read_back_across_groups(policy, monkeypatc
     """A prompt split across groups: its first pass in a later group reads its earlier KV back
     (nothing kept crosses a group), later passes in the group take it from the device, and the
     logits still equal pass-after-pass's."""
-    monkeypatch.setattr(prefill_order, "GROUP_TOKENS", 40)
     import writescope.engine.runner as runner
 
     monkeypatch.setattr(runner, "group_passes", lambda passes: prefill_order.group_passes(passes, 40))
@@ -203,14 +202,19 @@ def test_the_plan_counts_the_group_s_hidden_states_and_kept_kv(monkeypatch):
     extra = plans["layer"][0].activations - plans["chunk"][0].activations
     assert extra == 32768 * (cfg.hidden_size * 2 + cfg.rope.dim * 4 + token_bytes) > 128 * 2**20
     assert plans["layer"][1].activations == plans["chunk"][1].activations  # 2,000 tokens: one pass
+    # a prompt longer than a group keeps up to its whole context of one layer; resident keeps nothing
+    monkeypatch.setenv("WRITESCOPE_PREFILL_ORDER", "layer")
+    long = [make_plan(cfg, torch.bfloat16, 32 * 2**30, 1, 131072, 256, pol, prefill_chunk_tokens=2048) for pol in (StaticPolicy(0.5), None)]
+    monkeypatch.setenv("WRITESCOPE_PREFILL_ORDER", "chunk")
+    long_chunk = [make_plan(cfg, torch.bfloat16, 32 * 2**30, 1, 131072, 256, pol, prefill_chunk_tokens=2048) for pol in (StaticPolicy(0.5), None)]
+    assert long[0].activations - long_chunk[0].activations == 32768 * (cfg.hidden_size * 2 + cfg.rope.dim * 4) + 131072 * token_bytes
+    assert long[1].activations == long_chunk[1].activations
 
 
 def test_the_order_is_read_once_at_load_and_a_server_plans_without_it(monkeypatch):
     """``LLM(prefill_order=...)`` overrides the environment and is what its prefill and its budget
     plan use (a later change of the environment changes neither); ``writescope serve`` passes
     ``chunk`` (its passes run one at a time), so its plan counts no group; a bad value is named."""
-    import inspect
-
     import writescope.cli.serve as serve_cli
     from writescope.errors import ArgError
 
@@ -224,6 +228,21 @@ def test_the_order_is_read_once_at_load_and_a_server_plans_without_it(monkeypatc
     prompts = _prompts((40,))
     layer._prefill(prompts, [layer.cache.allocate(42, prompt_len=40)])
     assert [c["passes"] for c in layer.prefill_chunks] == [3]  # still by layer: the order it was loaded with
-    assert 'prefill_order="chunk"' in inspect.getsource(serve_cli)
+    from types import SimpleNamespace
+
+    import writescope
+
+    given = {}
+
+    def fake_llm(*a, **kw):  # what serve's loader asks for; refused, so nothing loads
+        given.update(kw)
+        raise RuntimeError("not loaded in this test")
+
+    monkeypatch.setattr(writescope, "LLM", fake_llm)
+    names = ("synthetic", "device", "dtype", "weight_seed", "max_model_len", "prefill_chunk_tokens", "policy", "window",
+             "cpu_threads", "vram_budget", "max_num_seqs", "expert_threads", "expert_stream_share")
+    state, server = SimpleNamespace(load_error=None, closing=False), SimpleNamespace(should_exit=False)
+    serve_cli._load(SimpleNamespace(model="tiny-qwen3-moe", **dict.fromkeys(names)), state, server)
+    assert given["prefill_order"] == "chunk" and "not loaded" in state.load_error and server.should_exit
     with pytest.raises(ArgError, match="prefill_order must be 'layer' or 'chunk'.*'rows'"):
         LLM("tiny-qwen3-moe", prefill_order="rows", progress=False)

@@ -564,7 +564,7 @@ def test_a_batch_of_one_prompt_is_that_prompt(server):
 @pytest.mark.parametrize("signame, words", [("SIGINT", "stopped (Ctrl-C)"), ("SIGTERM", "stopped (SIGTERM)")])
 def test_ctrl_c_stops_the_server_gracefully_and_quietly(signame, words):
     """The signal with a streamed request in flight: the request finishes within the grace (~300
-    tokens: a second or so here, the grace 600 s here) with finish_reason "length" and ``[DONE]`` (never
+    tokens: a second or so here; the grace is 600 s in this test) with finish_reason "length" and ``[DONE]`` (never
     "abort"; a request still running when the grace ends gets a 503: test_serve_shutdown.py),
     uvicorn stops and hands the signal back; the command says it stopped and exits 0, with no
     traceback and no request failed."""

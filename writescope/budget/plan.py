@@ -37,8 +37,8 @@ import torch
 from writescope.attention.reference import FUSED_MAX_DIM, SCORE_BYTES
 from writescope.budget.weights import weight_sizes
 from writescope.config import ModelConfig
+from writescope.engine.prefill_order import GROUP_TOKENS, prefill_order_from_env
 from writescope.units import parse_size  # noqa: F401 - imported from here too
-from writescope.engine.prefill_order import prefill_order_from_env
 from writescope.kvcache.inplace import READ_AHEAD_BYTES, read_ahead_from_env
 from writescope.kvcache.sequence import pinned_staging_bytes
 from writescope.layers.attention import mla_prefill_mode
@@ -182,16 +182,19 @@ class PlanDoesNotFit(ValueError):
 def layer_order_bytes(cfg: ModelConfig, spec: PartitionSpec, item: int, pass_tokens: int, batch: int, context: int,
                       order: str = "layer") -> int:
     """Device bytes of an offline prefill's passes run layer by layer (engine/prefill_order.py):
-    the group's hidden states between layers and their rotary tables (float32), and one layer's
-    KV of the group kept for its sequences' next passes (packed passes cut prompts wherever a pass
-    fills, so any prefill of more than one pass may group); 0 where the whole prefill is one pass
-    or the passes run one at a time (``order`` ``chunk``)."""
-    from writescope.engine.prefill_order import GROUP_TOKENS
-
+    the group's hidden states between layers and their rotary tables (float32), and the KV of one
+    layer kept for its sequences' next passes: each sequence's KV of that layer so far, so up to
+    the group's tokens plus, for a prompt longer than a group, what it brought from earlier groups
+    (packed passes cut prompts wherever a pass fills, so any prefill of more than one pass may
+    group); 0 where the whole prefill is one pass or the passes run one at a time (``order``
+    ``chunk``)."""
     group = min(GROUP_TOKENS, batch * context)
     if order != "layer" or batch * context <= pass_tokens:  # one pass: nothing to group
         return 0
-    return group * (cfg.hidden_size * item + cfg.rope.dim * 4 + spec.token_bytes)
+    # kept: each sequence's KV of the layer so far, so a group's sequences hold at most the group's tokens
+    # plus what one of them brought from earlier groups (a prompt longer than a group: up to its context)
+    kept = min(batch * context, max(group, context))
+    return group * (cfg.hidden_size * item + cfg.rope.dim * 4) + kept * spec.token_bytes
 
 
 def make_plan(
@@ -241,7 +244,8 @@ def make_plan(
         # chunked prefill's compute-row reads started ahead (kvcache/inplace.py READ_AHEAD_BYTES): at most
         # read_ahead layers of one sequence's compute rows, each at most the policy's largest share of cap tokens of one layer
         act += min(READ_AHEAD_BYTES, int(read_ahead_from_env() * policy.max_cpu_share * cap * spec.token_bytes))
-    order = prefill_order_from_env() if prefill_order is None else prefill_order
+    # resident: every KV on the device, nothing read back, so the passes run one at a time
+    order = "chunk" if policy is None else prefill_order_from_env() if prefill_order is None else prefill_order
     layered = layer_order_bytes(cfg, spec, item, T, batch, context, order)
     act += layered
     small = min(T, MIN_ADVISED_CHUNK)  # the same at MIN_ADVISED_CHUNK-token passes (which may group where T did not)

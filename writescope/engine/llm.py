@@ -190,7 +190,7 @@ class LLM:
         self.step_hook = None  # called after every decode step (profilers; see writescope.bench.breakdown)
         self.r_trace: list[dict] | None = None  # the last generate's r(L) trace (partitioned policies)
         self.decode_host: list[tuple[float, float]] = []  # the last generate's (issue, wait) seconds per decode step
-        self.prefill_chunks: list[dict] = []  # the last offline prefill's chunks (engine/runner.py prefill_batch)
+        self.prefill_chunks: list[dict] = []  # the last offline prefill's passes, or groups of them run layer by layer (engine/runner.py prefill_batch)
         self.decode_between: list[float] = []  # and the seconds before each, since the last tokens were sampled
         self.release_s = 0.0  # the last generate's seconds from its last token to its return (freeing the finished requests' KV)
         self.prefill_chunk_tokens = prefill_chunk_tokens

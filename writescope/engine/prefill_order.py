@@ -14,17 +14,18 @@ earlier passes' KV of layer l was made on the device moments before, and the cac
 there (``InplaceKVCache.keeping_prefill_kv``) instead of reading it back. The same operations run
 on the same inputs in the same order per pass (layer l of pass k needs layer l - 1 of pass k and
 layer l of passes before k: both done), so the logits are the same bits. What it costs: the group's
-hidden states stay on the device between layers (``GROUP_TOKENS`` tokens x hidden size; 128 MiB
-for DeepSeek-V2-Lite) with one layer's kept KV of those tokens, counted in the budget plan's
-activations (budget/plan.py).
+hidden states stay on the device between layers (``GROUP_TOKENS`` tokens x hidden size) with
+their rotary tables and one layer's kept KV of those tokens (about 170 MiB for DeepSeek-V2-Lite),
+counted in the budget plan's activations (budget/plan.py ``layer_order_bytes``). Under ``resident``
+every KV is on the device already and nothing is read back: its passes run one at a time.
 
 A group is a run of consecutive passes of at most ``GROUP_TOKENS`` tokens in all, cut before any
 pass whose every sequence has one new token (the model runs those as decode steps: its own
 group) and only worth layering where a sequence has two or more passes in it; others run as
 before. ``WRITESCOPE_PREFILL_ORDER=chunk`` runs every pass through all layers in turn (the earlier
 order, for comparing the two in one run). Only the offline prefill (``LLM.generate``, the CLI's
-``generate``) is ordered by layer: ``writescope serve`` interleaves prefill passes with decode
-steps, one pass at a time.
+``generate``, ``bench`` with real prompts) is ordered by layer: ``writescope serve`` interleaves
+prefill passes with decode steps, one pass at a time.
 """
 
 from __future__ import annotations

@@ -380,19 +380,21 @@ class EngineCore:
 def prefill_batch(llm, ids: list[list[int]], slots: list[int]) -> torch.Tensor:
     """Chunked prefill of all ``ids`` (prompt token ids, one list per request) into their cache
     ``slots``: each forward pass takes up to ``llm.prefill_chunk_tokens`` tokens, packed across
-    the requests in order; groups of passes run layer by layer (engine/prefill_order.py;
-    ``llm.prefill_order`` ``chunk``: each pass through every layer in turn); a progress bar
-    from PROGRESS_MIN_PROMPT_TOKENS tokens (with ``llm.progress``). Returns the last prompt
+    the requests in order; under a partitioned policy groups of passes run layer by layer
+    (engine/prefill_order.py; ``llm.prefill_order`` ``chunk``, or ``resident``: each pass through
+    every layer in turn); a progress bar from PROGRESS_MIN_PROMPT_TOKENS tokens (with
+    ``llm.progress``). Returns the last prompt
     token's logits, ``[batch, vocab]``. Sets ``llm.prefill_chunks``: per pass, or per group of
     passes run layer by layer, ``requests`` (indices into ``ids``), ``tokens``, ``passes`` and
     ``end_s`` (host seconds from the start when its layers were issued; no synchronisation is
     added, so a pass that waits shows in the next ones).
-
     """
     order = llm.prefill_order  # read once at load (LLM), as the budget plan counted it
     n_layers, total = llm.config.num_layers, sum(map(len, ids))
     passes, starts = pack_passes([len(p) for p in ids], llm.prefill_chunk_tokens)
-    groups = group_passes(passes) if order == "layer" else [[k] for k in range(len(passes))]
+    # layer by layer only where the cache would otherwise read earlier KV back (resident: all on the device already)
+    keeps = hasattr(llm.cache, "keeping_prefill_kv")
+    groups = group_passes(passes) if order == "layer" and keeps else [[k] for k in range(len(passes))]
     t_start, chunks = time.perf_counter(), []
     llm.prefill_chunks = chunks
     bar = tqdm(total=total, desc="prefill", unit="tok", disable=not llm.progress or total < PROGRESS_MIN_PROMPT_TOKENS)

@@ -205,9 +205,8 @@ class InplaceKVCache(KVCache):
         its earlier KV back from host memory (``_gather``). One kept layer per sequence (the
         last one run; a pass at another layer reads back as before), and only for a sequence with
         a later pass in the group (:meth:`keep_for`); all dropped on leaving, and a sequence's
-        when it is freed. Nothing is
-        read ahead meanwhile (the next call is the same layer's next pass, not the next layer).
-        The KV is written to its regions as always."""
+        when it is freed. Nothing is read ahead meanwhile (the next call is the same layer's next
+        pass, not the next layer). The KV is written to its regions as always."""
         if self._kept is not None:
             raise RuntimeError("keeping_prefill_kv is already active")
         self._kept, self._keep_slots = {}, set()
@@ -223,6 +222,7 @@ class InplaceKVCache(KVCache):
         if self._kept is None:
             raise RuntimeError("keep_for outside keeping_prefill_kv")
         self._keep_slots = slots
+
     def attend(self, layer_id, q, k, v, batch: ForwardBatch, scale, sliding_window=None, prefill_attn=None):
         return self.attend_end(self.attend_begin(layer_id, q, k, v, batch, scale, sliding_window, prefill_attn))
 
@@ -324,7 +324,6 @@ class InplaceKVCache(KVCache):
             else:
                 kept = None  # another layer's: not held while this one is read back
                 prev = self._gather(sq, layer_id) if ctx > 0 else None
-            kept = None
             self._write(sq, layer_id, new[:, :, s:e])
             kv = new[:, :, s:e] if prev is None else torch.cat((prev, new[:, :, s:e]), dim=2)
             if self._kept is not None and slot in self._keep_slots:  # a later pass of the group takes it

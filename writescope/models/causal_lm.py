@@ -154,7 +154,8 @@ class CausalLM(nn.Module):
         """Run several prefill passes layer by layer: layer l of every pass (in their order) before
         layer l + 1 of any. The same operations on the same inputs per pass as :meth:`forward`
         pass after pass, so the same logits; a cache that keeps a layer's KV on the device between
-        passes (``keeping_prefill_kv``) then reads none of it back (engine/prefill_order.py).
+        passes (``keeping_prefill_kv``) then reads none of the group's earlier passes' KV back
+        (engine/prefill_order.py; what a sequence brought from an earlier group it still reads).
 
         Args:
             passes: ``(input_ids [T_k] int64, batch_k)`` in the order :meth:`forward` would run them;
