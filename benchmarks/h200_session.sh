@@ -7,6 +7,8 @@
 #   bash benchmarks/h200_session.sh scheduler  # calibrate + writescope bench, Qwen3 shape, batch 16, 8K-32K (issue 4)
 #   bash benchmarks/h200_session.sh profile    # where a decode step goes, Qwen3 shape, 4 layers, 16 x 32K
 #   bash benchmarks/h200_session.sh prefill    # prefill routing vs one region, interleaved rounds (issue 3)
+#   bash benchmarks/h200_session.sh prefill-order  # chunked prefill pass after pass vs layer by layer, gpu and writescope,
+#     one process, DSV2 4 x 32K under 32 GiB (benchmarks/prefill_order.py; PO_MODEL, PO_BATCH, PO_CONTEXT, PO_POLICIES, PO_ROUNDS, PO_TAG)
 #   bash benchmarks/h200_session.sh text MODEL # full-size MODEL, 32 GiB budget, 4 x 32K of machine text, 256 tokens (issue 6, run 1)
 #   bash benchmarks/h200_session.sh breakdown MODEL  # where its decode step goes (issue 6)
 #   bash benchmarks/h200_session.sh 1m         # DeepSeek-V2-Lite, 32 GiB, 32 x 32K machine text, 256 tokens (issue 6, run 4;
@@ -149,6 +151,11 @@ part() {
       done ;;
     prefill)
       timeout "$(tmo 570)" python3 benchmarks/prefill_routing.py --out "$out/prefill_routing_h200" 2>&1 | tee "$out/prefill_routing_h200.log" | tail -8 ;;
+    prefill-order)  # chunked prefill pass after pass vs layer by layer, each policy, one process (PO_MODEL, PO_BATCH, PO_CONTEXT,
+      # PO_POLICIES, PO_ROUNDS, PO_TAG a file-name suffix)
+      timeout "$(tmo 400)" python3 benchmarks/prefill_order.py --model "${PO_MODEL:-deepseek-v2-lite}" --synthetic --device cuda \
+        --vram-budget 32GiB --batch "${PO_BATCH:-4}" --context "${PO_CONTEXT:-32k}" --policies "${PO_POLICIES:-gpu,writescope}" \
+        --rounds "${PO_ROUNDS:-3}" --out "$out/prefill_order_h200${PO_TAG:-}" 2>&1 | tee "$out/prefill_order_h200${PO_TAG:-}.log" | tail -14 ;;
     text)
       timeout "$(tmo 560)" python3 -m writescope.cli.main generate --model "$m" --synthetic --device cuda --vram-budget 32GiB \
         --machine-text "${TEXT_TOKENS:-32k}" --batch 4 --max-new-tokens 256 --ignore-eos --policy writescope --prefill-chunk-tokens 2048 \
