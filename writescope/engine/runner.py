@@ -383,12 +383,11 @@ def prefill_batch(llm, ids: list[list[int]], slots: list[int]) -> torch.Tensor:
     the requests in order; under a partitioned policy groups of passes run layer by layer
     (engine/prefill_order.py; ``llm.prefill_order`` ``chunk``, or ``resident``: each pass through
     every layer in turn); a progress bar from PROGRESS_MIN_PROMPT_TOKENS tokens (with
-    ``llm.progress``). Returns the last prompt
-    token's logits, ``[batch, vocab]``. Sets ``llm.prefill_chunks``: per pass, or per group of
-    passes run layer by layer, ``requests`` (indices into ``ids``), ``tokens``, ``passes`` and
-    ``end_s`` (host seconds from the start when its layers were issued; no synchronisation is
-    added, so a pass that waits shows in the next ones).
-    """
+    ``llm.progress``). Returns the last prompt token's logits, ``[batch, vocab]``. Sets
+    ``llm.prefill_chunks``: per pass, or per group of passes run layer by layer, ``requests``
+    (indices into ``ids``), ``tokens``, ``passes`` and ``end_s`` (host seconds from the start
+    when its layers were issued; no synchronisation is added, so a pass that waits shows in the
+    next ones)."""
     order = llm.prefill_order  # read once at load (LLM), as the budget plan counted it
     n_layers, total = llm.config.num_layers, sum(map(len, ids))
     passes, starts = pack_passes([len(p) for p in ids], llm.prefill_chunk_tokens)
