@@ -24,6 +24,7 @@ import time
 from pathlib import Path
 
 from writescope import LLM
+from writescope.bench.runner import policy_turn
 from writescope.cli.bench import parse_tokens
 from writescope.engine.machine_text import machine_prompts
 from writescope.engine.timing import synchronize
@@ -59,11 +60,6 @@ def parse_args(argv=None):
     return args
 
 
-def rotated(items, r: int) -> list:
-    k = r % len(items)
-    return list(items[k:]) + list(items[:k])
-
-
 def one_prefill(llm: LLM, prompts: list[list[int]]) -> dict:
     """Seconds of one prefill of ``prompts`` into fresh slots, and the read-back's deltas."""
     cache = llm.cache
@@ -95,9 +91,9 @@ def main(argv=None) -> None:
           f"in passes of {args.prefill_chunk_tokens:,}", flush=True)
     runs: dict[tuple[str, str], list[dict]] = {}
     for r in range(args.rounds + 1):
-        for pol in rotated(args.policies, r):
+        for pol in policy_turn(args.policies, r):
             llm.set_policy(pol)
-            for order in rotated(ORDERS, r):
+            for order in policy_turn(list(ORDERS), r):
                 llm.prefill_order = order  # the plan counted the layer order's memory: both fit
                 row = one_prefill(llm, prompts)
                 if r:

@@ -104,14 +104,14 @@ def sweep_placement_note(sweep: list[str], contexts: list[int], window: int) -> 
     scheduler/policies.py ``prompt_plan``), so that their rows measure one placement under several
     labels; None where every share places its own. E.g. at 1K tokens and D = 256 (4 blocks)
     static:0.125 places as static:0.25."""
-    from writescope.scheduler.policies import _prompt_compute_blocks, parse_policy
+    from writescope.scheduler.policies import COMPUTE, parse_policy, prompt_plan
 
     parts = []
     for ctx in contexts:
         blocks = ctx // window
         same: dict[int, list[str]] = {}
         for s in sweep:
-            same.setdefault(_prompt_compute_blocks(parse_policy(s), ctx, window), []).append(s.split(":", 1)[1])
+            same.setdefault(prompt_plan(parse_policy(s), ctx, window).count(COMPUTE), []).append(s.split(":", 1)[1])
         groups = [f"{' = '.join(g)} (r {n / blocks:.3g})" for n, g in same.items() if len(g) > 1 and blocks]
         if groups:
             parts.append(f"at {ctx:,} tokens ({blocks} blocks of D = {window}) static:{'; static:'.join(groups)}")

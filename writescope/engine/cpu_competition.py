@@ -25,7 +25,6 @@ from typing import Callable
 from writescope.engine.threads import process_cpus
 
 
-
 def min_wall_s(cpus: int, tick: float) -> float:
     """The shortest run measured: where the count's error (a tick at each end of each CPU's count)
     is at most a quarter of the competition threshold (:meth:`CpuCompetition.note`: half a CPU or

@@ -212,11 +212,10 @@ class PrefillWriter:
         """Wait until every issued write is in its destination or failed; then re-raise the
         first failure (every write has finished either way)."""
         pending, self._pending = self._pending, []
-        wait(pending)
-        self._busy = [None] * self.n_buffers  # every buffer is free; failures are reported here, once
-        for fut in pending:
-            if fut.exception() is not None:
-                raise fut.exception()
+        try:
+            wait_writes(pending)
+        finally:
+            self._busy = [None] * self.n_buffers  # every buffer is free; failures are reported here, once
 
     @property
     def in_flight(self) -> int:
